@@ -1,0 +1,42 @@
+# DeepSpeed Batch Lab. `make lab` runs the lab; `make test` passes the tests. Both set up first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# Reinstall when the dependency list changes.
+STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+LAB_PORT ?= 8888
+
+.PHONY: install ops lab test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[lab,test]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+# DeepSpeed JIT-compiles its ops on first use (30-90 s each); build them once, up front.
+ops: install
+	$(BIN)/python -m labkit.ops
+
+# JupyterLab on 127.0.0.1 only, token auth on (the URL with the token is printed).
+lab: ops
+	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --no-browser $(ROOT_FLAG) \
+		--ServerApp.root_dir=$(CURDIR)/notebooks
+
+# Unit tests, real-run tests, fault suite, browser test, and every notebook through nbval.
+test: ops
+	LABKIT_PROFILE=ci $(BIN)/python -m pytest -ra tests --nbval-lax notebooks
+
+test-fast: install
+	$(BIN)/python -m pytest -ra tests -m "not slow and not browser and not faults"
+
+bench: ops
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .cache runs

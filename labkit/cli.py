@@ -1,0 +1,141 @@
+"""Command line: the same runs as the notebooks, for CI, scripts and clusters.
+
+    python -m labkit run --example zero3 --world-size 2 --micro-batch 64 --steps 20
+    python -m labkit export --example zero3 --world-size 16 --hostfile hosts --out job/
+    python -m labkit runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from labkit.config import ConfigError, RunConfig
+
+# RunConfig fields exposed as flags: --micro-batch for micro_batch, and so on.
+_FLAG_FIELDS = ("stage", "precision", "world_size", "micro_batch", "grad_accum", "train_batch", "steps",
+                "optimizer", "lr", "lr_scaling", "base_batch", "warmup_steps", "hidden", "depth",
+                "dataset_size", "seed", "target_loss", "heartbeat_s", "startup_timeout_s",
+                "device_memory_budget_bytes", "census_every", "noise_scale_every", "hostfile")
+_TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    parser.add_argument("--example", choices=("pytorch", "offload", "zero3"), required=True)
+    for name in _FLAG_FIELDS:
+        kind = _TYPES.get(str(fields[name].type), str)
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
+                            help=f"RunConfig.{name} (default: {fields[name].default})")
+    parser.add_argument("--offload-optimizer", dest="offload_optimizer", action=argparse.BooleanOptionalAction,
+                        default=None, help="optimizer state and step on the CPU (ZeRO stages 1-3)")
+    parser.add_argument("--no-distributed-sampler", dest="distributed_sampler", action="store_false", default=None,
+                        help="reproduce the seed text's bug: every rank reads the whole dataset")
+    parser.add_argument("--stop-at-target", dest="stop_at_target", action="store_true", default=None)
+    parser.add_argument("--no-telemetry", dest="telemetry", action="store_false", default=None,
+                        help="write only start/done records (benchmark baseline)")
+    parser.add_argument("--ds-override", dest="ds_overrides", action="append", default=None, metavar="JSON",
+                        help='extra DeepSpeed config, e.g. \'{"gradient_clipping": 1.0}\'')
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    values: dict[str, Any] = {"example": args.example}
+    for name in (*_FLAG_FIELDS, "offload_optimizer", "distributed_sampler", "stop_at_target", "telemetry"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    if args.ds_overrides:
+        overrides: dict[str, Any] = {}
+        for text in args.ds_overrides:
+            try:
+                overrides.update(json.loads(text))
+            except (json.JSONDecodeError, TypeError, ValueError) as exc:
+                raise ConfigError("ds_overrides", f"--ds-override is not a JSON object: {text!r} ({exc})") from None
+        values["ds_overrides"] = overrides
+    return RunConfig.from_dict(values)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from labkit.run import Run
+
+    config = config_from_args(args)
+    run = Run(config, out=args.out).start()
+    print(f"run directory: {run.run_dir}", file=sys.stderr)
+    bar = tqdm(total=config.steps, unit="step", desc=f"{config.example} x{config.world_size}", file=sys.stderr)
+    try:
+        while not run.done:
+            bar.update(run.progress() - bar.n)
+            run.wait(timeout=0.5)
+    except KeyboardInterrupt:
+        print("\nstopping the run ...", file=sys.stderr)
+        run.stop()
+    bar.update(run.progress() - bar.n)
+    bar.close()
+    summary = run.summary or {}
+    if run.status == "finished":
+        print(f"finished: {summary.get('steps_completed')} steps, median step {summary.get('median_step_time_s'):.4f} s, "
+              f"{summary.get('samples_per_s'):.1f} samples/s; {run.run_dir}/summary.json")
+        return 0
+    print(f"{run.status}: {run.cause}\nsee {run.run_dir}", file=sys.stderr)
+    return {"oom": 3, "hung": 4, "stopped": 130}.get(run.status, 1)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write ds_config.json, the launch command and (multi-node) the hostfile for a cluster."""
+    from labkit.launcher import build_command, command_text
+
+    config = config_from_args(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    (out / "ds_config.json").write_text(json.dumps(config.ds_config(), indent=2) + "\n")
+    if config.hostfile:
+        shutil.copyfile(config.hostfile, out / "hostfile")
+        config = dataclasses.replace(config, hostfile=str(out / "hostfile"))
+    argv, env = build_command(config, out, master_port=args.master_port, base_env={})
+    (out / "command.txt").write_text(command_text(argv, env, {}) + "\n")
+    print(f"wrote {out}/config.json, ds_config.json, command.txt" + (", hostfile" if config.hostfile else ""))
+    print(command_text(argv, env, {}))
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from labkit.history import runs
+
+    table = runs(args.root)
+    print(table.to_string(index=False) if len(table) else "no runs yet")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m labkit", description="DeepSpeed Batch Lab")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="launch one supervised run and wait for it")
+    _add_config_flags(run)
+    run.add_argument("--out", default=None, help="run directory (default: a new one under runs/)")
+    run.set_defaults(func=cmd_run)
+    export = sub.add_parser("export", help="write ds_config.json + launch command for a cluster")
+    _add_config_flags(export)
+    export.add_argument("--out", required=True)
+    export.add_argument("--master-port", type=int, default=29500)
+    export.set_defaults(func=cmd_export)
+    runs = sub.add_parser("runs", help="list past runs")
+    runs.add_argument("--root", default=None)
+    runs.set_defaults(func=cmd_runs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

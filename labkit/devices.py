@@ -1,0 +1,96 @@
+"""What this machine offers for ranks, asked of DeepSpeed's accelerator API (never torch.cuda)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+# Dense peak FLOP/s of common training GPUs (vendor datasheets; SXM parts, no sparsity),
+# by the precision the run uses. Unknown devices fall back to a measured matmul peak.
+GPU_PEAK_FLOPS = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
+    "A10G": {"bf16": 70e12, "fp16": 70e12, "fp32": 31.2e12},
+    "T4": {"bf16": 65e12, "fp16": 65e12, "fp32": 8.1e12},
+    "V100": {"bf16": 0.0, "fp16": 125e12, "fp32": 15.7e12},
+}
+
+
+@dataclass(frozen=True)
+class Devices:
+    accelerator: str      # DeepSpeed accelerator name: "cuda", "cpu", ...
+    device_count: int     # accelerator devices (GPUs); for "cpu" the NUMA nodes DeepSpeed sees
+    max_ranks: int        # ranks one machine can host: one per GPU, or one per core on CPU
+    backend: str          # communication backend: "nccl", "gloo", ...
+    bf16: bool
+    fp16: bool
+    device_name: str
+    total_memory_bytes: int  # per device; host RAM on CPU
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.accelerator == "cpu"
+
+    @property
+    def kind_plural(self) -> str:
+        return "CPU cores" if self.is_cpu else f"{self.accelerator} devices"
+
+    def peak_flops(self, precision: str) -> float | None:
+        """Datasheet peak for a known GPU, else None (the caller measures a matmul peak)."""
+        for key, table in GPU_PEAK_FLOPS.items():
+            if key in self.device_name:
+                return table.get(precision) or None
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def detect_devices() -> Devices:
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    count = accel.device_count()
+    if accel._name == "cpu":
+        max_ranks = os.cpu_count() or 1
+        device_name = _cpu_model()
+        total_memory = _host_memory()
+    else:
+        max_ranks = count
+        device_name = _gpu_name(accel._name)
+        total_memory = int(accel.total_memory(0)) if count else 0
+    return Devices(
+        accelerator=accel._name,
+        device_count=count,
+        max_ranks=max_ranks,
+        backend=accel.communication_backend_name(),
+        bf16=bool(accel.is_bf16_supported()),
+        fp16=bool(accel.is_fp16_supported()),
+        device_name=device_name,
+        total_memory_bytes=total_memory,
+    )
+
+
+def _gpu_name(accelerator: str) -> str:
+    # DeepSpeed's accelerator API has no device-name call; torch's per-backend module does.
+    import torch
+
+    module = torch.get_device_module(accelerator)
+    return module.get_device_name(0) if hasattr(module, "get_device_name") else accelerator
+
+
+def _host_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"

@@ -1,0 +1,69 @@
+"""Build the launch command of a run: a pure function, so it can be tested and exported.
+
+The command is DeepSpeed's own launcher (`python -m deepspeed.launcher.runner`, what the
+`deepspeed` script runs), one rank per GPU or CPU rank, each rank being
+`labkit.rank_guard` -> `labkit.worker`. Single-node runs bind to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import sys
+from pathlib import Path
+from typing import Mapping
+
+from labkit.config import RunConfig, hostfile_slots
+
+# Where DeepSpeed's JIT-built ops (cpu_adam, fused_adam, shm_comm) are cached; CI builds
+# them once, early, and every later run reuses them.
+DEFAULT_EXTENSIONS_DIR = Path(__file__).resolve().parent.parent / ".cache" / "torch_extensions"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now; each run gets its own so two runs never collide."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port: int,
+                  base_env: Mapping[str, str] | None = None, cpu_count: int | None = None,
+                  accelerator: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) that launch `config` writing into `run_dir`. Pure: no process, no I/O.
+
+    `accelerator` ("cpu", "cuda", ...) pins DeepSpeed's choice in the ranks; None lets
+    DeepSpeed detect it. `cpu_count` splits cores between CPU ranks.
+    """
+    run_dir = Path(run_dir).resolve()
+    env = dict(os.environ if base_env is None else base_env)
+    argv = [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
+    if config.hostfile:
+        # Multi-node: DeepSpeed's launcher reaches the other hosts (pdsh by default) and
+        # starts one rank per slot; node 0 is the rendezvous point.
+        first_host = next(iter(hostfile_slots(config.hostfile)))
+        argv += ["--hostfile", str(Path(config.hostfile).resolve()), "--master_addr", first_host]
+    else:
+        argv += ["--num_gpus", str(config.world_size), "--master_addr", "127.0.0.1"]
+    argv += ["--master_port", str(master_port), "--module", "labkit.rank_guard", "--run-dir", str(run_dir)]
+
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
+    if accelerator:
+        env["DS_ACCELERATOR"] = accelerator
+    if accelerator == "cpu":
+        # Split the cores between ranks: oversubscribed OpenMP threads make CPU ranks crawl.
+        env["OMP_NUM_THREADS"] = str(max(1, (cpu_count or os.cpu_count() or 1) // config.world_size))
+    # Ranks must import this checkout of labkit even when it is not installed.
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    return argv, env
+
+
+def command_text(argv: list[str], env: Mapping[str, str], base_env: Mapping[str, str] | None = None) -> str:
+    """A copy-pasteable shell line: the variables labkit set, then the command."""
+    base = os.environ if base_env is None else base_env
+    changed = {k: v for k, v in env.items() if base.get(k) != v}
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(changed.items()))
+    return (prefix + " " if prefix else "") + shlex.join(argv)

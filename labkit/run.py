@@ -1,0 +1,184 @@
+"""`Run`: the handle notebooks, widgets and the CLI hold on one launched run.
+
+    run = Run(RunConfig(example="zero3", world_size=2, steps=20)).start()
+    run.wait()            # or run.stop()
+    run.status            # running / finished / failed / oom / hung / stopped
+    run.summary           # summary.json as a dict
+
+`start()` writes the run directory, then starts `labkit.supervisor`, which owns every
+process of the run and outlives nothing: if this Python process dies, the supervisor
+notices and ends the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from labkit.config import RunConfig
+from labkit.devices import detect_devices
+from labkit.launcher import build_command, command_text, free_port
+from labkit.store import new_run_dir, read_json, write_json_atomic, write_text_atomic
+from labkit.summary import rank_records, summarize
+
+FINAL_STATUSES = ("finished", "failed", "oom", "hung", "stopped")
+STOP_TIMEOUT_S = 6.0
+
+
+def run_name(config: RunConfig) -> str:
+    stage = "torch" if config.stage is None else f"z{config.stage}"
+    offload = "-off" if config.offload_optimizer else ""
+    return f"{config.example}-{stage}{offload}-w{config.world_size}-b{config.global_batch}"
+
+
+class Run:
+    def __init__(self, config: RunConfig, *, out: str | os.PathLike | None = None,
+                 root: str | os.PathLike | None = None, env: dict[str, str] | None = None):
+        """`out`: the run directory to use (must be empty or absent); else a new one under `root`."""
+        self.config = config
+        self._out = Path(out) if out is not None else None
+        self._root = root
+        self._extra_env = env or {}
+        self.run_dir: Path | None = None
+        self._supervisor: subprocess.Popen | None = None
+
+    @classmethod
+    def load(cls, run_dir: str | os.PathLike) -> "Run":
+        """Reopen a past run (after a kernel restart, or from another process)."""
+        run_dir = Path(run_dir)
+        config = RunConfig.from_saved(json.loads((run_dir / "config.json").read_text()))
+        run = cls(config)
+        run.run_dir = run_dir
+        return run
+
+    # -- starting ----------------------------------------------------------------------
+    def start(self) -> "Run":
+        if self.run_dir is not None:
+            raise RuntimeError(f"this run was already started in {self.run_dir}")
+        if self._out is not None:
+            self._out.mkdir(parents=True, exist_ok=True)
+            if any(self._out.iterdir()):
+                raise FileExistsError(f"--out directory {self._out} is not empty")
+            self.run_dir = self._out
+        else:
+            self.run_dir = new_run_dir(run_name(self.config), self._root)
+        devices = detect_devices()
+        base_env = {**os.environ, **self._extra_env}
+        argv, env = build_command(self.config, self.run_dir, master_port=free_port(), base_env=base_env,
+                                  accelerator=devices.accelerator)
+        write_json_atomic(self.run_dir / "config.json", self.config.to_dict())
+        write_json_atomic(self.run_dir / "ds_config.json", self.config.ds_config())
+        write_text_atomic(self.run_dir / "command.txt", command_text(argv, env, base_env) + "\n")
+        write_json_atomic(self.run_dir / "launch.json", {
+            "argv": argv, "env": env, "world_size": self.config.world_size,
+            "heartbeat_s": self.config.heartbeat_s, "startup_timeout_s": self.config.startup_timeout_s})
+        log = open(self.run_dir / "supervisor.log", "ab")
+        self._supervisor = subprocess.Popen(
+            [sys.executable, "-m", "labkit.supervisor", str(self.run_dir), "--parent-pid", str(os.getpid())],
+            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        return self
+
+    # -- watching ----------------------------------------------------------------------
+    @property
+    def summary(self) -> dict[str, Any] | None:
+        return read_json(self.run_dir / "summary.json") if self.run_dir else None
+
+    @property
+    def status(self) -> str:
+        if self.run_dir is None:
+            return "created"
+        summary = self.summary
+        if summary:
+            return summary["status"]
+        if self._supervisor_alive():
+            return "running"
+        return "failed" if (self.run_dir / "status.json").exists() else "starting"
+
+    @property
+    def done(self) -> bool:
+        return self.status in FINAL_STATUSES
+
+    @property
+    def cause(self) -> str | None:
+        summary = self.summary
+        return summary.get("cause") if summary else None
+
+    def _supervisor_pid(self) -> int | None:
+        if self._supervisor is not None:
+            return self._supervisor.pid
+        status = read_json(self.run_dir / "status.json") if self.run_dir else None
+        return status.get("supervisor_pid") if status else None
+
+    def _supervisor_alive(self) -> bool:
+        if self._supervisor is not None:
+            return self._supervisor.poll() is None
+        pid = self._supervisor_pid()
+        return bool(pid) and psutil.pid_exists(pid)
+
+    def records(self) -> dict[int, list[dict[str, Any]]]:
+        """Every rank's records so far (complete lines only)."""
+        return rank_records(self.run_dir, self.config.world_size)
+
+    def progress(self) -> int:
+        """Steps completed by rank 0 so far."""
+        steps = [r["step"] for r in self.records().get(0, []) if r.get("event") == "step"]
+        return steps[-1] if steps else 0
+
+    def wait(self, timeout: float | None = None, poll_s: float = 0.2) -> str:
+        """Block until the run ends (or `timeout` seconds pass); returns the status."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done:
+            if not self._supervisor_alive() and not self.summary:
+                self._recover_from_dead_supervisor()
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(poll_s)
+        if self._supervisor is not None and self.done:
+            try:
+                self._supervisor.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        return self.status
+
+    # -- stopping ----------------------------------------------------------------------
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> str:
+        """End every process of the run (SIGTERM to the group, grace, SIGKILL); keep its records."""
+        if self.run_dir is None or self.done:
+            return self.status
+        pid = self._supervisor_pid()
+        if pid:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        self.wait(timeout=timeout)
+        if not self.done:
+            # The supervisor itself is stuck or gone: end its process group and the run's.
+            self._recover_from_dead_supervisor(kill_supervisor=True)
+        return self.status
+
+    def _recover_from_dead_supervisor(self, kill_supervisor: bool = False) -> None:
+        status = read_json(self.run_dir / "status.json") or {}
+        for pgid in (status.get("pgid"), self._supervisor_pid() if kill_supervisor else None):
+            if pgid:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        if not self.summary:
+            summary = summarize(self.run_dir, self.config.to_dict(), status="failed",
+                                cause="the run's supervisor died; its processes were killed")
+            write_json_atomic(self.run_dir / "summary.json", summary)
+
+    def __repr__(self) -> str:
+        return f"Run({self.run_dir}, status={self.status})"

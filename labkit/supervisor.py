@@ -1,0 +1,327 @@
+"""Supervises one run: starts DeepSpeed's launcher, watches the ranks, ends every process.
+
+    python -m labkit.supervisor RUN_DIR --parent-pid PID
+
+`labkit.run.Run.start()` starts this in its own session. It exists because the
+`deepspeed` launcher does not protect its children (measured with 0.19.8: signalling only
+its PID leaves the ranks running; it exits 0 when launch.py is SIGKILLed; a stuck rank
+hangs for 10 minutes). So this process:
+
+- starts the launcher in a new process group and becomes the subreaper of its tree, so
+  ranks orphaned by a killed launcher are still ours to find and end;
+- reads every rank's records as they arrive; success is judged from the ranks' `done`
+  records, never from the launcher's exit code;
+- ends the run when a rank fails (naming the root-cause rank, not a peer that merely
+  lost its connection), when a rank falls silent past the heartbeat (after a startup
+  allowance for JIT op builds), when asked to stop (SIGTERM), or when the parent (the
+  Jupyter kernel, the CLI) dies;
+- ends a run by SIGTERM to the whole group and the tree, a grace period, then SIGKILL;
+- writes summary.json atomically, whatever happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from labkit.failures import describe_exit, is_knock_on, is_oom, last_exception_line
+from labkit.store import read_json, write_json_atomic
+from labkit.telemetry import RecordTail, rank_file
+
+POLL_S = 0.2
+SETTLE_S = 1.0        # after a first failure, wait this long for peers' records to name the root cause
+GRACE_S = 3.0         # SIGTERM -> SIGKILL
+DONE_GRACE_S = 3.0    # after every rank's done record, how long the launcher may take to exit
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def log(message: str) -> None:
+    """A timestamped line in supervisor.log: what the supervisor saw and did, and when."""
+    print(f"{time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d} {message}", flush=True)
+
+
+@dataclass
+class RankState:
+    rank: int
+    tail: RecordTail
+    pid: int | None = None
+    last_step: int = 0
+    last_progress: float = field(default_factory=time.monotonic)
+    done: bool = False
+    error: dict[str, Any] | None = None
+    vanished_at: float | None = None
+
+    def absorb(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            self.last_progress = time.monotonic()
+            event = record.get("event")
+            if event == "start":
+                self.pid = record.get("pid")
+            elif event == "step":
+                self.last_step = record["step"]
+            elif event == "done":
+                self.done = True
+            elif event == "error":
+                self.error = record
+
+
+@dataclass
+class Outcome:
+    status: str                 # finished / failed / oom / hung / stopped
+    cause: str | None = None
+    rank: int | None = None
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path, parent_pid: int):
+        self.run_dir = run_dir
+        self.parent_pid = parent_pid
+        launch = read_json(run_dir / "launch.json")
+        self.argv: list[str] = launch["argv"]
+        self.env: dict[str, str] = launch["env"]
+        self.world_size: int = launch["world_size"]
+        self.heartbeat_s: float = launch["heartbeat_s"]
+        self.startup_timeout_s: float = launch["startup_timeout_s"]
+        self.ranks = [RankState(r, RecordTail(rank_file(run_dir, r))) for r in range(self.world_size)]
+        self.stop_reason: str | None = None
+        self.oom_kills_at_start = _cgroup_oom_kills()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def run(self) -> Outcome:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self._on_stop_signal)
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # not Linux: orphans are then found through the process group only
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        argv = list(self.argv)
+        # Per-rank logs: the launcher's own option, inserted before the user module.
+        argv.insert(argv.index("--module"), f"--enable_each_rank_log={self.run_dir / 'logs'}")
+        with open(self.run_dir / "launcher.log", "ab") as launcher_log:
+            self.launcher = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=launcher_log,
+                                             stderr=subprocess.STDOUT, start_new_session=True)
+        self.started = time.monotonic()
+        log(f"launcher pid {self.launcher.pid}: {' '.join(argv)}")
+        write_json_atomic(self.run_dir / "status.json", {
+            "status": "running", "supervisor_pid": os.getpid(), "launcher_pid": self.launcher.pid,
+            "pgid": self.launcher.pid, "started_at": time.time()})
+        try:
+            outcome = self.watch()
+        except BaseException as exc:  # a bug here must still end the run's processes
+            outcome = Outcome("failed", f"supervisor error: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            log(f"outcome: {outcome}")
+            self.terminate()
+            log("every process of the run has ended")
+        return outcome
+
+    def _on_stop_signal(self, signum: int, _frame: object) -> None:
+        self.stop_reason = self.stop_reason or f"stopped by request ({signal.Signals(signum).name})"
+
+    def watch(self) -> Outcome:
+        while True:
+            now = time.monotonic()
+            for state in self.ranks:
+                state.absorb(state.tail.poll())
+            if self.stop_reason:
+                return Outcome("stopped", self.stop_reason)
+            if os.getppid() != self.parent_pid:
+                return Outcome("stopped", f"parent process {self.parent_pid} exited")
+            if all(state.done for state in self.ranks):
+                # Every record is on disk: give the launcher a moment, then end what lingers
+                # (launch.py polls once a second and interpreter teardown is slow).
+                log("every rank recorded done; waiting briefly for the launcher to exit")
+                log(f"launcher exit code {self.launcher_exit(timeout=DONE_GRACE_S)}")
+                return Outcome("finished")
+            failure = self.first_failure(now)
+            launcher_code = self.launcher.poll()
+            if failure or launcher_code is not None:
+                self.settle()
+                return self.diagnose(launcher_code)
+            hung = self.hung_ranks(now)
+            if hung:
+                return Outcome("hung", hung, None)
+            time.sleep(POLL_S)
+
+    def launcher_exit(self, timeout: float) -> int | None:
+        try:
+            return self.launcher.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def settle(self) -> None:
+        """Give peers a moment to write their own error records before choosing the root cause."""
+        deadline = time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline:
+            for state in self.ranks:
+                state.absorb(state.tail.poll())
+            time.sleep(POLL_S / 2)
+        self.launcher.poll()
+
+    # -- what went wrong ---------------------------------------------------------------
+    def exit_info(self, rank: int) -> dict[str, Any] | None:
+        return read_json(self.run_dir / f"rank{rank}.exit")
+
+    def first_failure(self, now: float) -> bool:
+        for state in self.ranks:
+            if state.error:
+                return True
+            info = self.exit_info(state.rank)
+            if info and info["returncode"] != 0:
+                return True
+            if state.pid and not state.done and not psutil.pid_exists(state.pid):
+                state.vanished_at = state.vanished_at or now
+                if now - state.vanished_at > SETTLE_S:  # the guard writes the exit file just after
+                    return True
+        return False
+
+    def diagnose(self, launcher_code: int | None) -> Outcome:
+        """The root cause: the earliest failure that is not a knock-on of another rank's."""
+        evidence = []  # (knock_on, time, rank, status, cause)
+        for state in self.ranks:
+            info = self.exit_info(state.rank)
+            if state.error:
+                record = state.error
+                message = (record.get("message") or "").strip().splitlines()
+                text = f"{record['error_type']}: {message[0] if message else ''}".rstrip(": ")
+                status = "oom" if record.get("oom") else "failed"
+                evidence.append((is_knock_on(text), record.get("wall_time", 0.0), state.rank, status, text))
+            elif info and info["returncode"] != 0:
+                logged = last_exception_line(self.rank_log(state.rank))
+                text = logged or describe_exit(info["returncode"])
+                if logged:
+                    status = "oom" if is_oom(logged.split(":")[0], logged) else "failed"
+                elif info["returncode"] == -9 and _cgroup_oom_kills() > self.oom_kills_at_start:
+                    status, text = "oom", "killed by the kernel's OOM killer (SIGKILL, no traceback)"
+                else:
+                    status = "failed"
+                mtime = (self.run_dir / f"rank{state.rank}.exit").stat().st_mtime
+                evidence.append((is_knock_on(text), mtime, state.rank, status, text))
+            elif state.vanished_at is not None:
+                evidence.append((False, time.time(), state.rank, "failed",
+                                 "process vanished without an error record or exit status"))
+        if evidence:
+            _, _, rank, status, text = min(evidence)
+            return Outcome(status, f"rank {rank}: {text}", rank)
+        if launcher_code is not None:
+            return Outcome("failed", f"DeepSpeed launcher exited with code {launcher_code} before every rank "
+                           f"finished (last steps: {self.last_steps()}); see launcher.log")
+        return Outcome("failed", "run ended without a cause on record")
+
+    def rank_log(self, rank: int) -> str:
+        logs = sorted((self.run_dir / "logs").glob(f"*_rank{rank}.log"))
+        return logs[-1].read_text(errors="replace") if logs else ""
+
+    def last_steps(self) -> str:
+        return ", ".join(f"rank {s.rank}: {s.last_step}" for s in self.ranks)
+
+    def hung_ranks(self, now: float) -> str | None:
+        silent = []
+        for state in self.ranks:
+            if state.done:
+                continue
+            if state.last_step == 0:
+                # Process start, distributed init and JIT op builds come before step 1.
+                if now - self.started > self.startup_timeout_s:
+                    silent.append(state.rank)
+            elif now - state.last_progress > self.heartbeat_s:
+                silent.append(state.rank)
+        if not silent:
+            return None
+        return (f"no progress from rank(s) {silent} within the heartbeat ({self.heartbeat_s:g} s; "
+                f"startup allowance {self.startup_timeout_s:g} s); last steps: {self.last_steps()}")
+
+    # -- ending every process ----------------------------------------------------------
+    def tree(self) -> list[psutil.Process]:
+        found: dict[int, psutil.Process] = {}
+        try:
+            for child in psutil.Process().children(recursive=True):
+                found[child.pid] = child
+        except psutil.Error:
+            pass
+        for proc in psutil.process_iter():
+            try:
+                if os.getpgid(proc.pid) == self.launcher.pid:
+                    found[proc.pid] = proc
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                continue
+        return list(found.values())
+
+    def terminate(self) -> None:
+        procs = self.tree()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.launcher.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            for proc in procs:
+                try:
+                    proc.send_signal(sig)
+                except psutil.Error:
+                    pass
+            _, procs = psutil.wait_procs(procs, timeout=GRACE_S if sig == signal.SIGTERM else 2.0)
+            procs += [p for p in self.tree() if p not in procs]
+            if not procs:
+                break
+        self.launcher.poll()
+        _reap_orphans()
+
+
+def _reap_orphans() -> None:
+    """As subreaper we inherit orphaned ranks; collect their exit status so no zombie stays."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _cgroup_oom_kills() -> int:
+    """The cgroup's OOM-kill counter: proof that a SIGKILLed rank was the OOM killer's victim."""
+    try:
+        for line in Path("/sys/fs/cgroup/memory.events").read_text().splitlines():
+            key, value = line.split()
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Supervise one labkit run.")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args()
+    supervisor = Supervisor(args.run_dir, args.parent_pid)
+    outcome = Outcome("failed", "supervisor crashed")
+    try:
+        outcome = supervisor.run()
+    finally:
+        from labkit.summary import summarize
+
+        config = read_json(args.run_dir / "config.json")
+        summary = summarize(args.run_dir, config, status=outcome.status, cause=outcome.cause,
+                            failed_rank=outcome.rank)
+        write_json_atomic(args.run_dir / "summary.json", summary)
+        write_json_atomic(args.run_dir / "status.json", {"status": outcome.status, "cause": outcome.cause,
+                                                         "finished_at": time.time()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

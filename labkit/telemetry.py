@@ -1,0 +1,131 @@
+"""Per-rank telemetry: one JSON record per line in `rank<N>.jsonl`.
+
+Each record is written with a single `os.write` on an O_APPEND descriptor, so it reaches
+the kernel before the step ends: a killed rank loses at most the step in progress. The
+fsync that makes it durable across a machine crash runs on a background thread, so
+telemetry never blocks training. Keys carry their units (`step_time_s`, `rss_bytes`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+
+def rank_file(run_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(run_dir) / f"rank{rank}.jsonl"
+
+
+class RankTelemetry:
+    def __init__(self, run_dir: str | os.PathLike, rank: int, *, per_step: bool = True):
+        self.rank = rank
+        self.per_step = per_step
+        self.start_time = time.time()
+        self._fd = os.open(rank_file(run_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._process = psutil.Process()
+        self._dirty = threading.Event()
+        self._closed = False
+        self._syncer = threading.Thread(target=self._sync_loop, name="telemetry-fsync", daemon=True)
+        self._syncer.start()
+
+    def _sync_loop(self) -> None:
+        while not self._closed:
+            if self._dirty.wait(timeout=0.5):
+                self._dirty.clear()
+                try:
+                    os.fsync(self._fd)
+                except OSError:
+                    return
+
+    def _write(self, record: dict[str, Any]) -> None:
+        record = {"rank": self.rank, "time_s": round(time.time() - self.start_time, 6), **record}
+        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        self._dirty.set()
+
+    def memory(self) -> dict[str, int]:
+        """Host memory of this rank; device memory through DeepSpeed's accelerator API."""
+        out = {
+            "rss_bytes": self._process.memory_info().rss,
+            # ru_maxrss is in KiB on Linux.
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+        from deepspeed.accelerator import get_accelerator
+
+        accel = get_accelerator()
+        if accel._name != "cpu":
+            out["device_allocated_bytes"] = int(accel.memory_allocated())
+            out["device_peak_bytes"] = int(accel.max_memory_allocated())
+            out["device_reserved_bytes"] = int(accel.memory_reserved())
+        return out
+
+    def event(self, name: str, **fields: Any) -> None:
+        """A lifecycle record (start, ready, done, error): always written."""
+        self._write({"event": name, "wall_time": time.time(), **fields})
+
+    def step(self, **fields: Any) -> None:
+        """One record per optimizer step, unless per-step telemetry is off (benchmark baseline)."""
+        if self.per_step:
+            self._write({"event": "step", **fields})
+
+    def start(self, **fields: Any) -> None:
+        self.event("start", pid=os.getpid(), host=socket.gethostname(), **fields)
+
+    def close(self) -> None:
+        self._closed = True
+        self._dirty.set()
+        self._syncer.join(timeout=2)
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All complete records of a rank file; a line cut short by a kill is skipped."""
+    records = []
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return records
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class RecordTail:
+    """Reads a rank file incrementally: each `poll()` returns only the new complete records."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self._offset)
+                chunk = handle.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(chunk)
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()  # an unfinished line waits for the next poll
+        records = []
+        for line in lines:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return records

@@ -1,0 +1,124 @@
+"""The two ways the worker trains: a plain PyTorch loop (Example 1) or a DeepSpeed engine.
+
+Both expose the same small surface (forward, backward, step, lr, census) so the worker's
+loop reads the same for every example, and each phase can be timed on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from labkit.config import RunConfig
+from labkit.state_bytes import model_state_bytes
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@contextlib.contextmanager
+def count_saved_activations() -> Iterator[list[int]]:
+    """Bytes autograd saves for backward during the block: the activation memory.
+
+    Parameters saved by layers (leaf tensors that require grad) are model states, not
+    activations, and a tensor saved by two ops is counted once.
+    """
+    total = [0]
+    seen: set[int] = set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not (tensor.is_leaf and tensor.requires_grad):
+            key = tensor.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total[0] += tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield total
+
+
+class PlainTrainer:
+    """Example 1: model, loss, optimizer and the loop, with no DeepSpeed engine."""
+
+    def __init__(self, model: nn.Module, config: RunConfig, device: torch.device):
+        self.config = config
+        self.device = device
+        self.model = model.to(device)
+        params = self.model.parameters()
+        if config.optimizer == "adam":
+            self.optimizer: torch.optim.Optimizer = torch.optim.Adam(params, lr=config.lr_at(1))
+        else:
+            self.optimizer = torch.optim.SGD(params, lr=config.lr_at(1), momentum=0.9)
+        self.criterion = nn.CrossEntropyLoss()
+        # bf16 as mixed precision: fp32 weights, bf16 compute under autocast.
+        self._autocast = config.precision == "bf16"
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
+            return self.criterion(self.model(inputs).float(), labels)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.config.grad_accum).backward()
+
+    def step(self, step: int, boundary: bool) -> None:
+        if not boundary:
+            return
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr_at(step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def census(self) -> dict[str, int]:
+        return model_state_bytes(self.model, self.optimizer, offload_optimizer=False)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.model.parameters()
+
+
+class DeepSpeedTrainer:
+    """Examples 2 and 3: the same model wrapped by `deepspeed.initialize`."""
+
+    def __init__(self, model: nn.Module, config: RunConfig, ds_config: dict[str, Any]):
+        import deepspeed
+
+        self.config = config
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config)
+        self.device = self.engine.device
+        self.dtype = _DTYPES[config.precision]
+        self.criterion = nn.CrossEntropyLoss()
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        inputs = inputs.to(self.device, dtype=self.dtype)
+        labels = labels.to(self.device)
+        return self.criterion(self.engine(inputs).float(), labels)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps itself
+
+    def step(self, step: int, boundary: bool) -> None:
+        if boundary:
+            # labkit's schedule (warmup, LR scaling) written where every ZeRO optimizer,
+            # offloaded CPU Adam included, reads it at its next step.
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.config.lr_at(step)
+        self.engine.step()  # a no-op between accumulation boundaries
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def census(self) -> dict[str, int]:
+        return model_state_bytes(self.engine.module, self.optimizer,
+                                 offload_optimizer=bool(self.config.offload_optimizer))
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.engine.module.parameters()

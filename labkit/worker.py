@@ -1,0 +1,178 @@
+"""One rank of a lab run. DeepSpeed's launcher starts one of these per GPU (or CPU rank).
+
+labkit builds the launch for you (see `labkit.launcher.build_command`); by hand it is:
+
+    python -m deepspeed.launcher.runner --num_gpus 2 --master_addr 127.0.0.1 \
+        --master_port 29517 --module labkit.rank_guard --run-dir runs/my-run
+
+`labkit.rank_guard` starts this module as `python -m labkit.worker --run-dir runs/my-run`
+and records its exit code. The run directory holds `config.json` (a `RunConfig`); this
+rank appends one JSON record per optimizer step to `rank<N>.jsonl` and ends with `done`.
+Example 1 (`pytorch`) trains with a plain PyTorch loop; examples 2 and 3 (`offload`,
+`zero3`) wrap the same model with `deepspeed.initialize`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from labkit.config import RunConfig
+from labkit.data import make_dataset
+from labkit.failures import is_oom
+from labkit.faults import FaultHooks
+from labkit.model import SimpleModel, count_parameters
+from labkit.telemetry import RankTelemetry
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--run-dir", required=True, type=Path)
+parser.add_argument("--local_rank", type=int, default=0)  # passed by DeepSpeed's launcher
+args = parser.parse_args()
+
+config = RunConfig.load(args.run_dir / "config.json")
+rank = int(os.environ.get("RANK", "0"))
+world_size = int(os.environ.get("WORLD_SIZE", "1"))
+telemetry = RankTelemetry(args.run_dir, rank, per_step=config.telemetry)
+telemetry.start(local_rank=args.local_rank, world_size=world_size)
+faults = FaultHooks(rank)
+
+
+def train() -> None:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    faults.at_start()
+    accelerator = get_accelerator()
+    # Our own timeout: a peer that dies mid-collective raises here instead of hanging for
+    # DeepSpeed's default 10 minutes (labkit's supervisor also watches heartbeats).
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(),
+                               timeout=timedelta(seconds=config.startup_timeout_s), verbose=False)
+    accelerator.set_device(args.local_rank)
+    torch.manual_seed(config.seed)  # every rank builds identical initial weights
+
+    # -- data: each rank must read its own shard --------------------------------------
+    dataset = make_dataset(config.dataset_size, config.input_size, config.output_size, config.seed)
+    if config.distributed_sampler:
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                     seed=config.seed, drop_last=True)
+        samples_per_epoch = len(sampler)  # this rank's share: the epoch shrinks with more ranks
+    else:
+        # The seed text's bug, kept switchable to measure it: every rank shuffles and
+        # reads the whole dataset, so an epoch takes as long on 8 ranks as on 1.
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(config.seed + rank))
+        samples_per_epoch = len(dataset)
+    loader = DataLoader(dataset, batch_size=config.micro_batch, sampler=sampler, drop_last=True)
+
+    def batches():
+        epoch = 0
+        while True:
+            if isinstance(sampler, DistributedSampler):
+                sampler.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+
+    # -- model and trainer -------------------------------------------------------------
+    model = SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
+    n_params = count_parameters(model)
+    if config.example == "pytorch":
+        from labkit.trainers import PlainTrainer
+
+        trainer = PlainTrainer(model, config, torch.device(accelerator.device_name(args.local_rank)))
+    else:
+        from labkit.trainers import DeepSpeedTrainer
+
+        trainer = DeepSpeedTrainer(model, config, config.ds_config())
+    from labkit.trainers import count_saved_activations
+
+    telemetry.event("ready", n_params=n_params, accelerator=accelerator._name,
+                    backend=accelerator.communication_backend_name(), **telemetry.memory())
+
+    # -- the loop ----------------------------------------------------------------------
+    sync = accelerator.synchronize  # phase times need the device to finish its queue
+    data = batches()
+    census: dict[str, int] = {}
+    activation_bytes = 0
+    samples_seen = 0
+    for step in range(1, config.steps + 1):
+        faults.at_step(step)
+        measure = step <= 2 or step % config.census_every == 0
+        step_start = time.perf_counter()
+        forward_s = backward_s = 0.0
+        losses = []
+        for micro in range(config.grad_accum):
+            inputs, labels = next(data)
+            boundary = micro == config.grad_accum - 1
+            t0 = time.perf_counter()
+            with count_saved_activations() as saved:
+                loss = trainer.forward(inputs, labels)
+            sync()
+            t1 = time.perf_counter()
+            trainer.backward(loss)
+            sync()
+            t2 = time.perf_counter()
+            forward_s += t1 - t0
+            backward_s += t2 - t1
+            losses.append(loss.item())
+            activation_bytes = max(activation_bytes, saved[0])
+            if boundary and measure:
+                census = trainer.census()  # at the peak: gradients held, before the step
+                _check_emulated_capacity(census, activation_bytes)
+            t3 = time.perf_counter()
+            trainer.step(step, boundary)
+            sync()
+            optimizer_s = time.perf_counter() - t3
+        step_time_s = time.perf_counter() - step_start
+        samples_seen += config.micro_batch * config.grad_accum
+        telemetry.step(
+            step=step,
+            loss=sum(losses) / len(losses),
+            lr=trainer.lr,
+            step_time_s=step_time_s,
+            forward_s=forward_s,
+            backward_s=backward_s,
+            optimizer_s=optimizer_s,
+            # All ranks step in lockstep, each on micro_batch x grad_accum samples.
+            samples_per_s=config.global_batch / step_time_s,
+            epoch=samples_seen / samples_per_epoch,
+            activation_bytes=activation_bytes,
+            **census,
+            **telemetry.memory(),
+        )
+    telemetry.event("done", steps=config.steps, n_params=n_params, **census, **telemetry.memory())
+    # Leave the process group now: ranks that skip this linger in teardown.
+    deepspeed.comm.destroy_process_group()
+
+
+def _check_emulated_capacity(census: dict[str, int], activation_bytes: int) -> None:
+    """On CPU, an explicit per-rank budget stands in for a GPU's memory size."""
+    budget = config.device_memory_budget_bytes
+    if budget is None:
+        return
+    on_device = (census.get("param_bytes", 0) + census.get("grad_bytes", 0) + census.get("optim_bytes", 0)
+                 + census.get("master_bytes", 0) - census.get("host_optim_bytes", 0) + activation_bytes)
+    if on_device > budget:
+        raise torch.OutOfMemoryError(
+            f"emulated device capacity exceeded: rank {rank} needs {on_device} bytes "
+            f"(model states + {activation_bytes} activation bytes) but the budget is {budget} bytes")
+
+
+try:
+    train()
+except BaseException as exc:
+    # Recorded before the traceback is printed, so the supervisor can name this rank.
+    message = str(exc) or type(exc).__name__
+    telemetry.event("error", error_type=type(exc).__name__, message=message[:2000],
+                    oom=is_oom(type(exc).__name__, message),
+                    traceback=traceback.format_exc()[-4000:])
+    telemetry.close()
+    raise
+telemetry.close()
+sys.exit(0)

@@ -1,0 +1,92 @@
+"""Bad configurations are refused before any process starts, with the field named."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit.config import ConfigError, RunConfig
+
+BAD_CONFIGS = [
+    ({"example": "zero3", "world_size": 2, "micro_batch": 64, "train_batch": 64}, "train_batch"),
+    ({"micro_batch": 0}, "micro_batch"),
+    ({"grad_accum": -1}, "grad_accum"),
+    ({"steps": 0}, "steps"),
+    ({"stage": 4}, "stage"),
+    ({"stage": -1}, "stage"),
+    ({"example": "offload", "stage": 0}, "offload_optimizer"),
+    ({"example": "zero3", "stage": 0, "offload_optimizer": True}, "offload_optimizer"),
+    ({"world_size": 10_000}, "world_size"),
+    ({"example": "pytorch", "world_size": 2}, "world_size"),
+    ({"example": "pytorch", "stage": 2}, "stage"),
+    ({"example": "pytorch", "offload_optimizer": True}, "offload_optimizer"),
+    ({"example": "bert"}, "example"),
+    ({"precision": "fp8"}, "precision"),
+    ({"lr": 0.0}, "lr"),
+    ({"lr": float("nan")}, "lr"),
+    ({"lr_scaling": "cubic"}, "lr_scaling"),
+    ({"optimizer": "lamb"}, "optimizer"),
+    ({"hidden": 0}, "hidden"),
+    ({"micro_batch": 10_000, "dataset_size": 1024}, "micro_batch"),
+    ({"stop_at_target": True}, "stop_at_target"),
+    ({"target_loss": -1.0}, "target_loss"),
+    ({"heartbeat_s": 0}, "heartbeat_s"),
+    ({"device_memory_budget_bytes": 0}, "device_memory_budget_bytes"),
+    ({"ds_overrides": {"zero_optimisation": {"stage": 2}}}, "ds_overrides"),
+    ({"ds_overrides": {"train_batch_size": 32}}, "ds_overrides"),
+    ({"ds_overrides": {"zero_optimization": {"stage3_no_such_knob": 1}}}, "ds_overrides.zero_optimization"),
+    ({"hostfile": "/no/such/hostfile"}, "hostfile"),
+]
+
+
+@pytest.mark.parametrize("values,field", BAD_CONFIGS, ids=[f for _, f in BAD_CONFIGS])
+def test_bad_config_names_the_field(values, field):
+    with pytest.raises(ConfigError) as info:
+        RunConfig(**values)
+    assert info.value.field == field
+    assert str(info.value).startswith(field + ":")
+
+
+def test_unknown_key_is_refused():
+    with pytest.raises(ConfigError, match="unknown config key"):
+        RunConfig.from_dict({"example": "zero3", "micro_batch_size": 32})
+
+
+def test_presets_correct_the_seed_text():
+    offload = RunConfig(example="offload")
+    assert offload.stage == 2 and offload.offload_optimizer is True
+    assert offload.ds_config()["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    zero3 = RunConfig(example="zero3", world_size=2, micro_batch=64, grad_accum=2)
+    ds = zero3.ds_config()
+    # train_batch_size = micro x accumulation x world size
+    assert ds["train_batch_size"] == 256
+    assert ds["train_micro_batch_size_per_gpu"] == 64 and ds["gradient_accumulation_steps"] == 2
+    assert "offload_optimizer" not in ds["zero_optimization"]
+
+
+def test_lr_scaling_rules():
+    base = dict(example="zero3", world_size=2, micro_batch=128, base_batch=64, lr=1e-3)
+    assert RunConfig(**base, lr_scaling="none").peak_lr == pytest.approx(1e-3)
+    assert RunConfig(**base, lr_scaling="linear").peak_lr == pytest.approx(4e-3)
+    assert RunConfig(**base, lr_scaling="sqrt").peak_lr == pytest.approx(2e-3)
+    warm = RunConfig(**base, lr_scaling="linear", warmup_steps=4)
+    assert [round(warm.lr_at(s), 6) for s in (1, 2, 4, 5)] == [1e-3, 2e-3, 4e-3, 4e-3]
+
+
+def test_round_trip_and_saved_config():
+    config = RunConfig(example="offload", world_size=2, steps=3)
+    again = RunConfig.from_dict(config.to_dict())
+    assert again == config
+    saved = RunConfig.from_saved({**config.to_dict(), "world_size": 64})
+    assert saved.world_size == 64  # a past run from a bigger machine still loads
+
+
+def test_hostfile_slots_must_match_world_size(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a slots=2\nnode-b slots=2  # second box\n")
+    assert RunConfig(example="zero3", world_size=4, hostfile=str(hostfile)).world_size == 4
+    with pytest.raises(ConfigError) as info:
+        RunConfig(example="zero3", world_size=3, hostfile=str(hostfile))
+    assert info.value.field == "world_size"
+    hostfile.write_text("node-a slots=two\n")
+    with pytest.raises(ConfigError, match="hostname slots=N"):
+        RunConfig(example="zero3", world_size=2, hostfile=str(hostfile))

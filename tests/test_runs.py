@@ -1,0 +1,114 @@
+"""Real DeepSpeed runs on 2 CPU ranks: the three examples, ZeRO's memory effect, failures, Stop."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from labkit import Run, RunConfig, load_run, runs
+from labkit.telemetry import rank_file, read_records
+from tests.conftest import REPO, run_processes
+
+SMALL = dict(hidden=512, depth=2, micro_batch=32, dataset_size=2048)
+
+
+@pytest.mark.parametrize("example,extra", [
+    ("pytorch", []),
+    ("offload", ["--world-size", "2"]),
+    ("zero3", ["--world-size", "2", "--grad-accum", "2"]),
+])
+def test_cli_runs_each_example(example, extra, tmp_path):
+    out = tmp_path / example
+    result = subprocess.run(
+        [sys.executable, "-m", "labkit", "run", "--example", example, "--micro-batch", "32", "--steps", "6",
+         "--out", str(out), *extra], cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps_completed"] == 6
+    for name in ("config.json", "ds_config.json", "command.txt", "launcher.log"):
+        assert (out / name).is_file(), name
+    world_size = summary["world_size"]
+    for rank in range(world_size):
+        records = read_records(rank_file(out, rank))
+        steps = [r for r in records if r["event"] == "step"]
+        assert [r["step"] for r in steps] == list(range(1, 7))
+        assert records[-1]["event"] == "done"
+        for key in ("time_s", "step_time_s", "samples_per_s", "loss", "lr", "rss_bytes", "param_bytes",
+                    "grad_bytes", "optim_bytes", "forward_s", "backward_s", "optimizer_s"):
+            assert key in steps[-1], key
+    assert summary["samples_per_s"] > 0 and summary["achieved_flops"] > 0
+
+
+@pytest.fixture(scope="session")
+def stage_runs(tmp_path_factory) -> dict[int, dict]:
+    """ZeRO stages 0-3 on 2 ranks, launched together (each on its own port) and awaited."""
+    root = tmp_path_factory.mktemp("stages")
+    handles = {stage: Run(RunConfig(example="zero3", stage=stage, world_size=2, steps=4, **SMALL),
+                          root=root).start() for stage in range(4)}
+    for run in handles.values():
+        run.wait(timeout=600)
+    return {stage: run.summary for stage, run in handles.items()}
+
+
+def test_stages_finish_concurrently(stage_runs):
+    assert {s: r["status"] for s, r in stage_runs.items()} == {0: "finished", 1: "finished", 2: "finished",
+                                                                3: "finished"}
+
+
+def test_zero1_halves_optimizer_state_per_rank(stage_runs):
+    for rank in ("0", "1"):
+        stage0 = stage_runs[0]["per_rank"][rank]["optim_bytes"]
+        stage1 = stage_runs[1]["per_rank"][rank]["optim_bytes"]
+        assert stage0 > 0 and stage1 == pytest.approx(stage0 / 2, rel=0.02)
+
+
+def test_zero3_halves_parameters_per_rank(stage_runs):
+    for rank in ("0", "1"):
+        stage0 = stage_runs[0]["per_rank"][rank]["param_bytes"]
+        stage3 = stage_runs[3]["per_rank"][rank]["param_bytes"]
+        assert stage0 > 0 and stage3 == pytest.approx(stage0 / 2, rel=0.02)
+
+
+def test_failing_rank_is_named(runs_root):
+    run = Run(RunConfig(example="zero3", world_size=2, steps=50, **SMALL),
+              env={"LABKIT_FAULT": "raise@rank1:step3"}).start()
+    assert run.wait(timeout=300) == "failed"
+    summary = run.summary
+    assert summary["failed_rank"] == 1
+    assert summary["cause"].startswith("rank 1: RuntimeError: injected fault")
+    assert not run_processes(run.run_dir)
+    # What rank 0 recorded before the failure is kept.
+    assert summary["per_rank"]["0"]["steps"] >= 2
+
+
+def test_stop_ends_every_process_and_keeps_metrics(runs_root):
+    run = Run(RunConfig(example="zero3", world_size=2, steps=100_000, **SMALL)).start()
+    deadline = time.monotonic() + 300
+    while run.progress() < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert run.progress() >= 3, (run.run_dir / "supervisor.log").read_text()
+    assert len(run_processes(run.run_dir)) >= 5  # supervisor, launcher, launch.py, 2 guards, 2 workers
+    started = time.monotonic()
+    assert run.stop() == "stopped"
+    assert time.monotonic() - started < 6
+    assert not run_processes(run.run_dir)
+    steps = [r for r in read_records(rank_file(run.run_dir, 0)) if r["event"] == "step"]
+    assert len(steps) >= 3 and run.summary["steps_completed"] >= 3
+    # The run store lists it and reloads it.
+    table = runs()
+    row = table[table.run_id == run.run_dir.name].iloc[0]
+    assert row.status == "stopped"
+    assert load_run(run.run_dir.name).status == "stopped"
+
+
+def test_killed_rank_keeps_records_up_to_its_last_step(runs_root):
+    run = Run(RunConfig(example="zero3", world_size=2, steps=50, **SMALL),
+              env={"LABKIT_FAULT": "kill@rank0:step5"}).start()
+    assert run.wait(timeout=300) in ("failed", "oom")
+    records = read_records(rank_file(run.run_dir, 0))
+    assert [r["step"] for r in records if r["event"] == "step"] == [1, 2, 3, 4]
+    assert run.summary["failed_rank"] == 0 and "SIGKILL" in run.summary["cause"]
