@@ -94,3 +94,24 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return "CPU"
+
+
+def measured_matmul_flops(device: str, dtype_name: str, seconds: float = 0.3) -> float:
+    """Dense matmul FLOP/s on `device`: the practical peak where no datasheet figure applies (CPUs)."""
+    import time
+
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    n = 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up: first call pays for kernel selection
+    get_accelerator().synchronize()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    get_accelerator().synchronize()
+    return 2 * n**3 * count / (time.perf_counter() - start)

@@ -76,7 +76,8 @@ def summarize(run_dir: str | Path, config: dict[str, Any], *, status: str, cause
     samples_per_s = global_batch / step_time if step_time else None
     n_params = next((r.get("n_params") for r in records_by_rank.get(0, []) if r.get("n_params")), None)
     done = next((r for r in records_by_rank.get(0, []) if r.get("event") == "done"), {})
-    peak_flops = done.get("peak_flops")
+    # The done record holds one device's peak; the run has world_size of them.
+    peak_flops = done["peak_flops"] * world_size if done.get("peak_flops") else None
     achieved = train_flops_per_sample(n_params) * samples_per_s if (n_params and samples_per_s) else None
     target = time_to_target(records_by_rank, config["target_loss"]) if config["target_loss"] else None
     losses = mean_loss_by_step(records_by_rank)

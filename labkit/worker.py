@@ -15,6 +15,7 @@ Example 1 (`pytorch`) trains with a plain PyTorch loop; examples 2 and 3 (`offlo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -31,6 +32,9 @@ from labkit.failures import is_oom
 from labkit.faults import FaultHooks
 from labkit.model import SimpleModel, count_parameters
 from labkit.telemetry import RankTelemetry
+from labkit.trainers import DeepSpeedTrainer, PlainTrainer, count_saved_activations
+
+TIMED_FROM_STEP = 3  # steps 1-2 pay for lazy allocations; `timed_s` in the done record starts after them
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--run-dir", required=True, type=Path)
@@ -83,27 +87,45 @@ def train() -> None:
     model = SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
     n_params = count_parameters(model)
     if config.example == "pytorch":
-        from labkit.trainers import PlainTrainer
-
         trainer = PlainTrainer(model, config, torch.device(accelerator.device_name(args.local_rank)))
     else:
-        from labkit.trainers import DeepSpeedTrainer
-
         trainer = DeepSpeedTrainer(model, config, config.ds_config())
-    from labkit.trainers import count_saved_activations
 
     telemetry.event("ready", n_params=n_params, accelerator=accelerator._name,
                     backend=accelerator.communication_backend_name(), **telemetry.memory())
 
     # -- the loop ----------------------------------------------------------------------
-    sync = accelerator.synchronize  # phase times need the device to finish its queue
+    # telemetry=False is the benchmark's baseline: the same loop, unobserved.
+    instrument = config.telemetry
+    count_on = instrument or config.device_memory_budget_bytes is not None
+    sync = accelerator.synchronize if instrument else (lambda: None)  # phase times need a drained queue
     data = batches()
+    timed_start = timed_steps = 0
     census: dict[str, int] = {}
     activation_bytes = 0
     samples_seen = 0
+    # Gradient noise scale (labkit.noise_scale): every N steps, before the timed step, each
+    # rank takes gradients on a fresh sample of micro_batch examples, on an fp32 copy.
+    if config.noise_scale_every:
+        from labkit.noise_scale import gradient_noise_probe
+
+        probe_rng = torch.Generator().manual_seed(config.seed * 1_000_003 + 7919 + rank)
+
+        def make_model() -> SimpleModel:
+            return SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
+    # stop_at_target: ranks must stop at the same step, so they agree on the global mean loss
+    # (one all_reduce per step, only when asked) over labkit.summary.time_to_target's window.
+    target_window, recent_losses, stopped_at_target = 5, [], False
     for step in range(1, config.steps + 1):
         faults.at_step(step)
-        measure = step <= 2 or step % config.census_every == 0
+        if step == TIMED_FROM_STEP:
+            timed_start = time.perf_counter()
+        measure = count_on and (step <= 2 or step % config.census_every == 0)
+        noise: dict[str, float] = {}
+        if config.noise_scale_every and step % config.noise_scale_every == 0:
+            picks = torch.randint(len(dataset), (config.micro_batch,), generator=probe_rng)
+            noise = gradient_noise_probe(make_model, list(trainer.parameters()), *dataset[picks],
+                                         device=trainer.device)
         step_start = time.perf_counter()
         forward_s = backward_s = 0.0
         losses = []
@@ -111,7 +133,7 @@ def train() -> None:
             inputs, labels = next(data)
             boundary = micro == config.grad_accum - 1
             t0 = time.perf_counter()
-            with count_saved_activations() as saved:
+            with count_saved_activations() if measure else contextlib.nullcontext([0]) as saved:
                 loss = trainer.forward(inputs, labels)
             sync()
             t1 = time.perf_counter()
@@ -131,6 +153,7 @@ def train() -> None:
             optimizer_s = time.perf_counter() - t3
         step_time_s = time.perf_counter() - step_start
         samples_seen += config.micro_batch * config.grad_accum
+        timed_steps += step >= TIMED_FROM_STEP
         telemetry.step(
             step=step,
             loss=sum(losses) / len(losses),
@@ -143,10 +166,29 @@ def train() -> None:
             samples_per_s=config.global_batch / step_time_s,
             epoch=samples_seen / samples_per_epoch,
             activation_bytes=activation_bytes,
+            **noise,
             **census,
-            **telemetry.memory(),
+            **(telemetry.memory() if instrument else {}),
         )
-    telemetry.event("done", steps=config.steps, n_params=n_params, **census, **telemetry.memory())
+        if config.stop_at_target:
+            agreed = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64, device=trainer.device)
+            torch.distributed.all_reduce(agreed)
+            recent_losses = (recent_losses + [agreed.item() / world_size])[-target_window:]
+            if sum(recent_losses) / len(recent_losses) <= config.target_loss:
+                stopped_at_target = True
+                break
+    timed = {"timed_steps": timed_steps, "timed_s": time.perf_counter() - timed_start} if timed_steps else {}
+    peak: dict[str, object] = {}
+    if rank == 0:
+        # Achieved FLOP/s means little without the device's peak next to it.
+        from labkit.devices import detect_devices, measured_matmul_flops
+
+        datasheet = detect_devices().peak_flops(config.precision)
+        peak = ({"peak_flops": datasheet, "peak_flops_source": "datasheet"} if datasheet else
+                {"peak_flops": measured_matmul_flops(str(trainer.device), config.precision),
+                 "peak_flops_source": "measured 1024x1024 matmul"})
+    telemetry.event("done", steps=step, stopped_at_target=stopped_at_target, n_params=n_params, **census,
+                    **peak, **timed, **telemetry.memory())
     # Leave the process group now: ranks that skip this linger in teardown.
     deepspeed.comm.destroy_process_group()
 

@@ -47,7 +47,11 @@ def test_cli_runs_each_example(example, extra, tmp_path):
 def stage_runs(tmp_path_factory) -> dict[int, dict]:
     """ZeRO stages 0-3 on 2 ranks, launched together (each on its own port) and awaited."""
     root = tmp_path_factory.mktemp("stages")
-    handles = {stage: Run(RunConfig(example="zero3", stage=stage, world_size=2, steps=4, **SMALL),
+    # ZeRO-3 keeps parameters below stage3_param_persistence_threshold (1e5 elements by
+    # default) whole on every rank; 0 partitions all of them, so the halving is exact.
+    whole = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    handles = {stage: Run(RunConfig(example="zero3", stage=stage, world_size=2, steps=4, **SMALL,
+                                    ds_overrides=whole if stage == 3 else {}),
                           root=root).start() for stage in range(4)}
     for run in handles.values():
         run.wait(timeout=600)
