@@ -1,7 +1,16 @@
 """DeepSpeed Batch Lab: launch real DeepSpeed runs, watch every rank, keep what they recorded."""
 
 from labkit.config import ConfigError, RunConfig
-from labkit.history import load_run, runs
 from labkit.run import Run
 
 __all__ = ["ConfigError", "Run", "RunConfig", "load_run", "runs"]
+
+
+def __getattr__(name: str):
+    # pandas is imported on first use only: every rank, guard and supervisor imports labkit,
+    # and none of them needs the run history.
+    if name in ("runs", "load_run"):
+        from labkit import history
+
+        return getattr(history, name)
+    raise AttributeError(f"module 'labkit' has no attribute {name!r}")

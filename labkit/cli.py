@@ -3,6 +3,7 @@
     python -m labkit run --example zero3 --world-size 2 --micro-batch 64 --steps 20
     python -m labkit export --example zero3 --world-size 16 --hostfile hosts --out job/
     python -m labkit runs
+    python -m labkit answer --profile ci      # sweep + max-batch search + report (labkit.answer)
 """
 
 from __future__ import annotations
@@ -113,6 +114,13 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_answer(args: argparse.Namespace) -> int:
+    """Max-batch search + batch-size sweep + report (labkit.answer)."""
+    from labkit.answer import cli
+
+    return cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m labkit", description="DeepSpeed Batch Lab")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     runs = sub.add_parser("runs", help="list past runs")
     runs.add_argument("--root", default=None)
     runs.set_defaults(func=cmd_runs)
+    answer = sub.add_parser("answer", help="batch-size sweep, max-batch search, time to target, report")
+    answer.add_argument("--profile", choices=("ci", "full"), default=None, help="default: LABKIT_PROFILE, else by device")
+    answer.add_argument("--out", default=None, help="results + run directories (default: runs/answer-<profile>)")
+    answer.add_argument("--parallel", type=int, default=None, help="runs at once (default: the profile's)")
+    answer.add_argument("--reference", default=None, help="also copy the CSVs, machine.json and report here")
+    answer.set_defaults(func=cmd_answer)
     return parser
 
 

@@ -41,6 +41,7 @@ KNOWN_DS_KEYS = frozenset({
     "steps_per_print", "wall_clock_breakdown", "communication_data_type", "prescale_gradients",
     "gradient_predivide_factor", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
     "activation_checkpointing", "flops_profiler", "comms_logger", "dump_state", "seq_parallel_communication_data_type",
+    "log_level",
 })
 
 
@@ -142,9 +143,11 @@ class RunConfig:
         else:
             _require(isinstance(self.stage, int) and not isinstance(self.stage, bool) and 0 <= self.stage <= 3,
                      "stage", f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}")
-            # DeepSpeed silently ignores offload_optimizer at stage 0.
+            # DeepSpeed accepts offload_optimizer at stage 0 without a word, but stage 0 has no
+            # ZeRO optimizer to move the states and step to the host.
             _require(not (self.offload_optimizer and self.stage == 0), "offload_optimizer",
-                     "optimizer offload needs ZeRO stage 1, 2 or 3 (DeepSpeed ignores it at stage 0)")
+                     "optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 has no ZeRO optimizer to offload; "
+                     "DeepSpeed would accept it without a word)")
 
         self._check_devices()
         derived = self.micro_batch * self.grad_accum * self.world_size

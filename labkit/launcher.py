@@ -49,6 +49,13 @@ def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port:
     argv += ["--master_port", str(master_port), "--module", "labkit.rank_guard", "--run-dir", str(run_dir)]
 
     env["PYTHONUNBUFFERED"] = "1"
+    # This interpreter's scripts first: DeepSpeed's JIT builds call `ninja` from PATH, and a
+    # different ninja than the one that built the cache makes it rebuild every op.
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([bin_dir] + [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bin_dir])
+    if not config.hostfile:
+        # Single node: gloo's sockets on loopback only, nothing listens beyond this machine.
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
     if accelerator:
         env["DS_ACCELERATOR"] = accelerator

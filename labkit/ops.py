@@ -19,6 +19,9 @@ BUILDERS = ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder")
 
 def build_all() -> list[str]:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
+    # The venv's ninja, as the runs use (launcher.build_command): another one triggers rebuilds.
+    bin_dir = os.path.dirname(sys.executable)
+    os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()

@@ -49,6 +49,7 @@ class Run:
         self._extra_env = env or {}
         self.run_dir: Path | None = None
         self._supervisor: subprocess.Popen | None = None
+        self._stop_requested = False
 
     @classmethod
     def load(cls, run_dir: str | os.PathLike) -> "Run":
@@ -101,7 +102,13 @@ class Run:
             return summary["status"]
         if self._supervisor_alive():
             return "running"
-        return "failed" if (self.run_dir / "status.json").exists() else "starting"
+        if self._supervisor_lost():
+            # Gone without a summary (SIGKILLed, OOM-killed): whoever looks ends what it left
+            # running and writes the summary, so a widget or CLI polling `done` never walks
+            # away from orphaned ranks.
+            self._recover_from_dead_supervisor()
+            return (self.summary or {}).get("status", "failed")
+        return "starting"
 
     @property
     def done(self) -> bool:
@@ -122,7 +129,25 @@ class Run:
         if self._supervisor is not None:
             return self._supervisor.poll() is None
         pid = self._supervisor_pid()
-        return bool(pid) and psutil.pid_exists(pid)
+        if not pid:
+            return False
+        try:  # a reused PID is not our supervisor: it must be supervising this run directory
+            proc = psutil.Process(pid)
+            cmdline = proc.cmdline()
+            return (proc.status() != psutil.STATUS_ZOMBIE and "labkit.supervisor" in cmdline
+                    and any(Path(proc.cwd(), arg).resolve() == self.run_dir.resolve() for arg in cmdline[1:]))
+        except psutil.AccessDenied:
+            return True  # not ours to inspect, so not ours to declare dead
+        except (psutil.Error, OSError):
+            return False
+
+    def _supervisor_lost(self) -> bool:
+        """The supervisor is gone and left no summary.json: nobody is ending the run's processes."""
+        if self.run_dir is None or self.summary or self._supervisor_alive():
+            return False
+        if self._supervisor is None and self._supervisor_pid() is None:
+            return False  # a reloaded run whose supervisor has not written status.json yet
+        return not self.summary  # it writes summary.json just before it exits: look again
 
     def records(self) -> dict[int, list[dict[str, Any]]]:
         """Every rank's records so far (complete lines only)."""
@@ -136,8 +161,10 @@ class Run:
     def wait(self, timeout: float | None = None, poll_s: float = 0.2) -> str:
         """Block until the run ends (or `timeout` seconds pass); returns the status."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.done:
-            if not self._supervisor_alive() and not self.summary:
+        # Not `while not self.done`: `status` reads "failed" as soon as the supervisor is gone,
+        # and a supervisor killed without writing summary.json leaves the ranks to us.
+        while self.run_dir is not None and not self.summary:
+            if self._supervisor_lost():
                 self._recover_from_dead_supervisor()
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -153,32 +180,79 @@ class Run:
     # -- stopping ----------------------------------------------------------------------
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> str:
         """End every process of the run (SIGTERM to the group, grace, SIGKILL); keep its records."""
-        if self.run_dir is None or self.done:
+        if self.run_dir is None or self.summary:
             return self.status
+        self._stop_requested = True
         pid = self._supervisor_pid()
-        if pid:
+        if pid and self._supervisor_alive():
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
         self.wait(timeout=timeout)
-        if not self.done:
+        if not self.summary:
             # The supervisor itself is stuck or gone: end its process group and the run's.
             self._recover_from_dead_supervisor(kill_supervisor=True)
         return self.status
 
     def _recover_from_dead_supervisor(self, kill_supervisor: bool = False) -> None:
+        """End what the supervisor left running and write the summary it could not write."""
         status = read_json(self.run_dir / "status.json") or {}
-        for pgid in (status.get("pgid"), self._supervisor_pid() if kill_supervisor else None):
+        groups = [status.get("pgid")]
+        if kill_supervisor and self._supervisor_alive():
+            groups.append(self._supervisor_pid())  # its own session: start_new_session=True
+        for pgid in groups:
             if pgid:
                 try:
                     os.killpg(pgid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
+        # Killed before it wrote status.json, it never told us the launcher's group: the
+        # launcher, launch.py and every rank name the run directory on their command lines.
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if _is_run_process(proc.info["cmdline"] or [], self.run_dir):
+                    proc.kill()
+            except psutil.Error:
+                continue
+        if self._supervisor is not None:
+            try:
+                self._supervisor.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        from labkit.supervisor import remove_shm_segments
+
+        remove_shm_segments((read_json(self.run_dir / "launch.json") or {}).get("argv", []))
         if not self.summary:
-            summary = summarize(self.run_dir, self.config.to_dict(), status="failed",
-                                cause="the run's supervisor died; its processes were killed")
+            records = self.records()
+            if records and all(any(r.get("event") == "done" for r in rank) for rank in records.values()):
+                # Every rank recorded done: the training is complete, only its ending was lost.
+                outcome = ("finished", "every rank finished; the supervisor died before it ended the run, "
+                                       "so its leftover processes were killed")
+            elif self._stop_requested:
+                outcome = ("stopped", "stopped by request; the run's supervisor did not answer, "
+                                      "so its processes were killed")
+            else:
+                outcome = ("failed", "the run's supervisor died; its processes were killed")
+            summary = summarize(self.run_dir, self.config.to_dict(), status=outcome[0], cause=outcome[1])
             write_json_atomic(self.run_dir / "summary.json", summary)
+            write_json_atomic(self.run_dir / "status.json", {"status": outcome[0], "cause": outcome[1],
+                                                             "finished_at": time.time()})
 
     def __repr__(self) -> str:
         return f"Run({self.run_dir}, status={self.status})"
+
+
+_RUN_MODULES = ("deepspeed.launcher.runner", "deepspeed.launcher.launch", "labkit.rank_guard", "labkit.worker")
+
+
+def _is_run_process(cmdline: list[str], run_dir: Path) -> bool:
+    """A launcher or rank process of this run (not, say, a CLI that waits on it with --out)."""
+    if not any(module in cmdline for module in _RUN_MODULES):
+        return False
+    roots = {str(run_dir), str(run_dir.resolve())}
+    for arg in cmdline:
+        value = arg.split("=", 1)[-1]
+        if any(value == root or value.startswith(root + os.sep) for root in roots):
+            return True
+    return False

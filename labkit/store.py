@@ -27,6 +27,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes 0600 files; run files are as readable as any other file the user writes.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
             handle.flush()
@@ -35,6 +37,18 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process umask, read without os.umask(), which would change it under other threads."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:

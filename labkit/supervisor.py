@@ -42,12 +42,14 @@ POLL_S = 0.2
 SETTLE_S = 1.0        # after a first failure, wait this long for peers' records to name the root cause
 GRACE_S = 3.0         # SIGTERM -> SIGKILL
 DONE_GRACE_S = 3.0    # after every rank's done record, how long the launcher may take to exit
+OOM_WINDOW_S = 3.0    # an oom_kill count rise this close to a rank's SIGKILL makes it an OOM kill
 PR_SET_CHILD_SUBREAPER = 36
 
 
 def log(message: str) -> None:
     """A timestamped line in supervisor.log: what the supervisor saw and did, and when."""
-    print(f"{time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d} {message}", flush=True)
+    now = time.time()  # one reading: a second boundary between two readings put stamps 1 s off
+    print(f"{time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d} {message}", flush=True)
 
 
 @dataclass
@@ -94,7 +96,9 @@ class Supervisor:
         self.startup_timeout_s: float = launch["startup_timeout_s"]
         self.ranks = [RankState(r, RecordTail(rank_file(run_dir, r))) for r in range(self.world_size)]
         self.stop_reason: str | None = None
-        self.oom_kills_at_start = _cgroup_oom_kills()
+        self.oom_kills_seen = _cgroup_oom_kills()
+        self.oom_kill_times: list[float] = []  # wall times at which a poll saw the count rise
+        self.launch_py: psutil.Process | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -145,15 +149,37 @@ class Supervisor:
                 log("every rank recorded done; waiting briefly for the launcher to exit")
                 log(f"launcher exit code {self.launcher_exit(timeout=DONE_GRACE_S)}")
                 return Outcome("finished")
+            self.watch_oom_kills()
             failure = self.first_failure(now)
             launcher_code = self.launcher.poll()
-            if failure or launcher_code is not None:
+            launch_py_died = launcher_code is None and self.launch_py_died()
+            if failure or launcher_code is not None or launch_py_died:
                 self.settle()
-                return self.diagnose(launcher_code)
+                return self.diagnose(launcher_code, launch_py_died)
             hung = self.hung_ranks(now)
             if hung:
                 return Outcome("hung", hung, None)
             time.sleep(POLL_S)
+
+    def launch_py_died(self) -> bool:
+        """DeepSpeed's launch.py (the runner's child, the ranks' parent) is gone while the runner
+        lives on: the runner only notices when it is next scheduled and exits 0 (0.19.8), which
+        took seconds on a loaded machine, while the orphaned ranks kept training."""
+        if self.launch_py is None:
+            try:
+                self.launch_py = next((c for c in psutil.Process(self.launcher.pid).children()
+                                       if "deepspeed.launcher.launch" in c.cmdline()), None)
+            except psutil.Error:
+                return False
+            return False
+        return not _alive(self.launch_py)
+
+    def watch_oom_kills(self) -> None:
+        kills = _cgroup_oom_kills()
+        if kills is not None and self.oom_kills_seen is not None and kills > self.oom_kills_seen:
+            self.oom_kill_times.append(time.time())
+            log(f"the cgroup's oom_kill count rose to {kills}")
+        self.oom_kills_seen = kills
 
     def launcher_exit(self, timeout: float) -> int | None:
         try:
@@ -187,7 +213,7 @@ class Supervisor:
                     return True
         return False
 
-    def diagnose(self, launcher_code: int | None) -> Outcome:
+    def diagnose(self, launcher_code: int | None, launch_py_died: bool = False) -> Outcome:
         """The root cause: the earliest failure that is not a knock-on of another rank's."""
         evidence = []  # (knock_on, time, rank, status, cause)
         for state in self.ranks:
@@ -201,13 +227,13 @@ class Supervisor:
             elif info and info["returncode"] != 0:
                 logged = last_exception_line(self.rank_log(state.rank))
                 text = logged or describe_exit(info["returncode"])
+                mtime = (self.run_dir / f"rank{state.rank}.exit").stat().st_mtime
                 if logged:
                     status = "oom" if is_oom(logged.split(":")[0], logged) else "failed"
-                elif info["returncode"] == -9 and _cgroup_oom_kills() > self.oom_kills_at_start:
-                    status, text = "oom", "killed by the kernel's OOM killer (SIGKILL, no traceback)"
+                elif info["returncode"] == -9:
+                    status, text = self.classify_sigkill(mtime)
                 else:
                     status = "failed"
-                mtime = (self.run_dir / f"rank{state.rank}.exit").stat().st_mtime
                 evidence.append((is_knock_on(text), mtime, state.rank, status, text))
             elif state.vanished_at is not None:
                 evidence.append((False, time.time(), state.rank, "failed",
@@ -218,7 +244,21 @@ class Supervisor:
         if launcher_code is not None:
             return Outcome("failed", f"DeepSpeed launcher exited with code {launcher_code} before every rank "
                            f"finished (last steps: {self.last_steps()}); see launcher.log")
+        if launch_py_died:
+            return Outcome("failed", f"DeepSpeed's launch.py (pid {self.launch_py.pid}) died before every rank "
+                           f"finished (last steps: {self.last_steps()}); see launcher.log")
         return Outcome("failed", "run ended without a cause on record")
+
+    def classify_sigkill(self, exited_at: float) -> tuple[str, str]:
+        """A rank SIGKILLed without a traceback (its guard recorded that at `exited_at`): OOM only if
+        the cgroup's oom_kill count rose around that moment. The count is the whole cgroup's, so
+        an OOM kill elsewhere in the run's lifetime must not turn a plain `kill -9` into "oom"."""
+        self.watch_oom_kills()
+        if self.oom_kills_seen is None:
+            return "failed", describe_exit(-9)  # no counter to ask: the hint names the OOM killer as likely
+        if any(exited_at - OOM_WINDOW_S <= t <= exited_at + OOM_WINDOW_S for t in self.oom_kill_times):
+            return "oom", "killed by the kernel's OOM killer (SIGKILL, no traceback)"
+        return "failed", "killed by SIGKILL (no traceback; the kernel recorded no OOM kill then)"
 
     def rank_log(self, rank: int) -> str:
         logs = sorted((self.run_dir / "logs").glob(f"*_rank{rank}.log"))
@@ -261,6 +301,7 @@ class Supervisor:
 
     def terminate(self) -> None:
         procs = self.tree()
+        ranks = {p.pid for p in procs if _is_rank(p)}
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(self.launcher.pid, sig)
@@ -271,12 +312,62 @@ class Supervisor:
                     proc.send_signal(sig)
                 except psutil.Error:
                     pass
-            _, procs = psutil.wait_procs(procs, timeout=GRACE_S if sig == signal.SIGTERM else 2.0)
-            procs += [p for p in self.tree() if p not in procs]
+            if sig == signal.SIGTERM:
+                # The grace is the ranks': a worker exits, its guard records how. DeepSpeed's
+                # launch.py does not exit on SIGTERM (0.19.8: it lingers until SIGKILL), so once
+                # no rank is left, what remains gets SIGKILL at once instead of after GRACE_S.
+                deadline = time.monotonic() + GRACE_S
+                while time.monotonic() < deadline and any(p.pid in ranks and _alive(p) for p in procs):
+                    time.sleep(POLL_S / 4)
+                procs = [p for p in procs if _alive(p)]
+            else:
+                _, procs = psutil.wait_procs(procs, timeout=2.0)
+            procs += [p for p in self.tree() if p not in procs and _alive(p)]
             if not procs:
                 break
         self.launcher.poll()
         _reap_orphans()
+        for path in remove_shm_segments(self.argv):
+            log(f"removed {path}")
+
+
+def remove_shm_segments(argv: list[str]) -> list[Path]:
+    """Unlink the shared-memory buffers of DeepSpeed's CPU all-reduce (ops/csrc/cpu/comm/shm.cpp).
+
+    Each local rank creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<master_addr>_<master_port>_<rank>
+    (~66 MB) and DeepSpeed never unlinks it: every CPU run leaked world_size x 66 MB of RAM
+    (15 GB of this machine's 24 GB after a few hours of lab work). The names carry the run's own
+    port, so only its buffers match; call this once every process of the run has ended.
+    """
+    try:
+        addr = argv[argv.index("--master_addr") + 1]
+        port = argv[argv.index("--master_port") + 1]
+    except (ValueError, IndexError):
+        return []
+    removed = []
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_*"):
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+def _is_rank(proc: psutil.Process) -> bool:
+    try:
+        cmdline = proc.cmdline()
+    except psutil.Error:
+        return False
+    # The module run (`-m labkit.worker`), not an argument: the launchers carry `--module labkit.rank_guard`.
+    return any(a == "-m" and b in ("labkit.rank_guard", "labkit.worker") for a, b in zip(cmdline, cmdline[1:]))
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _reap_orphans() -> None:
@@ -290,16 +381,37 @@ def _reap_orphans() -> None:
             return
 
 
-def _cgroup_oom_kills() -> int:
-    """The cgroup's OOM-kill counter: proof that a SIGKILLed rank was the OOM killer's victim."""
+def _cgroup_oom_kills() -> int | None:
+    """The OOM-kill counter of this process's memory cgroup (the ranks share it): proof that a
+    SIGKILLed rank was the OOM killer's victim. cgroup v2 keeps it in memory.events, cgroup v1
+    in memory.oom_control (both as `oom_kill N`); None where neither can be read."""
+    for path in _oom_counter_files():
+        try:
+            for line in path.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _oom_counter_files() -> list[Path]:
+    root = Path("/sys/fs/cgroup")
+    files = []
     try:
-        for line in Path("/sys/fs/cgroup/memory.events").read_text().splitlines():
-            key, value = line.split()
-            if key == "oom_kill":
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:  # "0::/path" (v2) or "4:memory:/path" (v1)
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            files.append(root / path.lstrip("/") / "memory.events")
+        elif "memory" in controllers.split(","):
+            files.append(root / "memory" / path.lstrip("/") / "memory.oom_control")
+    # Inside a cgroup namespace /proc/self/cgroup may show "/" while the mount is the cgroup itself.
+    files += [root / "memory.events", root / "memory" / "memory.oom_control"]
+    return files
 
 
 def main() -> int:

@@ -22,14 +22,16 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def count_saved_activations() -> Iterator[list[int]]:
     """Bytes autograd saves for backward during the block: the activation memory.
 
-    Parameters saved by layers (leaf tensors that require grad) are model states, not
-    activations, and a tensor saved by two ops is counted once.
+    Parameters saved by layers (leaf tensors that require grad, or views of them such as
+    `weight.t()` in nn.Linear) are model states, not activations, and a tensor saved by two
+    ops is counted once.
     """
     total = [0]
     seen: set[int] = set()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if not (tensor.is_leaf and tensor.requires_grad):
+        owner = tensor._base if tensor._base is not None else tensor
+        if not (owner.is_leaf and owner.requires_grad):
             key = tensor.untyped_storage().data_ptr()
             if key not in seen:
                 seen.add(key)

@@ -31,6 +31,7 @@ from labkit.data import make_dataset
 from labkit.failures import is_oom
 from labkit.faults import FaultHooks
 from labkit.model import SimpleModel, count_parameters
+from labkit.rendezvous import init_distributed
 from labkit.telemetry import RankTelemetry
 from labkit.trainers import DeepSpeedTrainer, PlainTrainer, count_saved_activations
 
@@ -55,10 +56,8 @@ def train() -> None:
 
     faults.at_start()
     accelerator = get_accelerator()
-    # Our own timeout: a peer that dies mid-collective raises here instead of hanging for
-    # DeepSpeed's default 10 minutes (labkit's supervisor also watches heartbeats).
-    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(),
-                               timeout=timedelta(seconds=config.startup_timeout_s), verbose=False)
+    # On loopback only for single-node runs, with our own timeout (labkit.rendezvous).
+    init_distributed(accelerator.communication_backend_name(), timedelta(seconds=config.startup_timeout_s))
     accelerator.set_device(args.local_rank)
     torch.manual_seed(config.seed)  # every rank builds identical initial weights
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from labkit.config import RunConfig
 from labkit.launcher import build_command, command_text, free_port
@@ -20,7 +21,9 @@ def test_single_node_command_uses_deepspeed_launcher_on_loopback(tmp_path):
     assert argv[-2:] == ["--run-dir", str(tmp_path.resolve())]
     assert env["OMP_NUM_THREADS"] == "4"  # 8 cores split between 2 CPU ranks
     assert env["DS_ACCELERATOR"] == "cpu"
-    assert env["PATH"] == "/bin" and "TORCH_EXTENSIONS_DIR" in env
+    # This interpreter's scripts (its ninja) first, then the caller's PATH.
+    assert env["PATH"].split(":") == [str(Path(sys.executable).parent), "/bin"]
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and "TORCH_EXTENSIONS_DIR" in env
     again = build_command(config, tmp_path, master_port=29517, base_env={"PATH": "/bin"}, cpu_count=8,
                           accelerator="cpu")
     assert again == (argv, env)
@@ -36,7 +39,8 @@ def test_multi_node_command_uses_hostfile(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("gpu-node-1 slots=8\ngpu-node-2 slots=8\n")
     config = RunConfig(example="zero3", world_size=16, hostfile=str(hostfile))
-    argv, _ = build_command(config, tmp_path / "run", master_port=29500, base_env={})
+    argv, env = build_command(config, tmp_path / "run", master_port=29500, base_env={})
+    assert "GLOO_SOCKET_IFNAME" not in env  # across nodes gloo must reach beyond loopback
     assert argv[argv.index("--hostfile") + 1] == str(hostfile)
     assert argv[argv.index("--master_addr") + 1] == "gpu-node-1"
     assert "--num_gpus" not in argv

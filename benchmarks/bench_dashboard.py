@@ -1,0 +1,249 @@
+"""Cost of the live panel: (a) one dashboard refresh at 8 ranks x 100k points, (b) Launch -> first plotted point.
+
+    .venv/bin/python benchmarks/bench_dashboard.py [--points 100000] [--ranks 8] [--pairs 2] [--skip-launch]
+                                                   [--no-kernel]
+
+(a) Kernel-side cost of one refresh: synthetic step records of `--ranks` ranks x `--points`
+    steps are accumulated in RankSeries (as the update thread does), then each refresh
+    appends one new record per rank, shapes every trace (decimated to <= 2000 points) and
+    pushes them through `fig.batch_update()`. Goal: <= 50 ms. Measured in this process
+    without a frontend: the widget messages are built and serialised (numpy -> binary
+    buffers) but not sent over ZeroMQ, which in a kernel adds a small header encoding.
+(b) Launch to first plotted point: the same RunConfig started by `LabPanel.launch()` (Run +
+    supervisor + update thread) and by the bare DeepSpeed launcher
+    (`python -m deepspeed.launcher.runner ...` from labkit.launcher.build_command), each
+    timed to rank 0's first step record (for the panel: to the refresh that plots it).
+    Runs alternate (bare, panel, bare, panel, ...) so drift on a shared machine hits both.
+    Goal: panel <= bare + 1 s. Every run is stopped right after its first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# This checkout's labkit, also where it is not installed (`python benchmarks/bench_dashboard.py`).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from labkit import RunConfig  # noqa: E402
+from labkit.dashboard import STEP_KEYS, Dashboard, RankSeries, run_traces
+from labkit.devices import detect_devices
+from labkit.launcher import build_command, free_port
+from labkit.store import read_json, write_json_atomic
+from labkit.telemetry import RecordTail, rank_file, read_records
+
+MIB = 2**20
+
+
+def synthetic_records(rank: int, start: int, count: int) -> list[dict]:
+    """Step records shaped like the worker's (every key the charts read)."""
+    rng = np.random.default_rng(rank + start)
+    noise = rng.random(count)
+    return [{"rank": rank, "event": "step", "step": step, "time_s": step * 0.05, "step_time_s": 0.05 + 0.01 * n,
+             "samples_per_s": 1280 / (0.05 + 0.01 * n), "loss": 2.3 / (1 + step / 1000) + 0.01 * n,
+             "rss_bytes": (400 + 10 * n) * MIB, "peak_rss_bytes": 420 * MIB, "param_bytes": 2 * MIB,
+             "grad_bytes": 2 * MIB, "optim_bytes": 4 * MIB, "master_bytes": 2 * MIB, "host_optim_bytes": 0,
+             "forward_s": 0.01, "backward_s": 0.02, "optimizer_s": 0.01, "lr": 1e-3}
+            for step, n in zip(range(start, start + count), noise)]
+
+
+def bench_refresh(ranks: int, points: int, repeats: int = 30) -> None:
+    print(f"(a) dashboard refresh: {ranks} ranks x {points} points per trace")
+    series = []
+    t0 = time.perf_counter()
+    for rank in range(ranks):
+        s = RankSeries(STEP_KEYS)
+        for start in range(1, points + 1, 10_000):  # in chunks: 800k dicts at once would take GBs
+            s.extend(synthetic_records(rank, start, min(10_000, points + 1 - start)))
+        series.append(s)
+    ingest = time.perf_counter() - t0
+    print(f"    one-time ingestion of {ranks * points} records (records -> columns): {ingest:.2f} s "
+          f"({ingest / (ranks * points) * 1e6:.2f} us/record; a live run ingests a few per poll)")
+
+    dash = Dashboard()
+    dash.show_series(series, memory="host")
+    dash.refresh()  # first call pays for plotly's validator imports
+    shaping, totals, cpu = [], [], []
+    step = points + 1
+    for _ in range(repeats):
+        for rank, s in enumerate(series):
+            s.extend(synthetic_records(rank, step, 1))
+        step += 1
+        t0 = time.perf_counter()
+        run_traces(series, memory="host")
+        shaping.append(time.perf_counter() - t0)
+        c0 = time.thread_time()
+        totals.append(dash.refresh())  # new records: shape + batch_update of all four figures
+        cpu.append(time.thread_time() - c0)
+    n_points = sum(len(t.x) for fig in dash.figures.values() for t in fig.data)
+    median, worst, cpu_median = statistics.median(totals) * 1e3, max(totals) * 1e3, statistics.median(cpu) * 1e3
+    # Wall time includes waiting for a core on a busy machine; CPU time is what the refresh costs.
+    print(f"    load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"    shaping only (run_traces): median {statistics.median(shaping) * 1e3:.1f} ms")
+    print(f"    full refresh (shaping + FigureWidget batch_update, {n_points} points plotted): "
+          f"wall median {median:.1f} ms, max {worst:.1f} ms; CPU median {cpu_median:.1f} ms over {repeats}  "
+          f"(goal <= 50 ms: {'met' if median <= 50 else 'NOT met'}; ratio to goal {median / 50:.2f})")
+
+
+def bench_refresh_in_kernel(ranks: int, points: int) -> None:
+    """(a) again, inside a real ipykernel, so the comm messages really leave through IOPub."""
+    from jupyter_client.manager import start_new_kernel
+
+    print("(a') the same inside an ipykernel:", flush=True)
+    script = str(Path(__file__).resolve())
+    argv = [script, "--ranks", str(ranks), "--points", str(points), "--skip-launch", "--no-kernel"]
+    km, kc = start_new_kernel(kernel_name="python3")  # the venv's python3 kernelspec: this interpreter
+
+    def echo(msg: dict) -> None:
+        if msg["msg_type"] == "stream" and "WARNING" not in msg["content"]["text"]:
+            print("    " + msg["content"]["text"].rstrip().replace("\n", "\n    "), flush=True)
+        elif msg["msg_type"] == "error":
+            print("    kernel error: " + msg["content"]["evalue"], flush=True)
+
+    try:
+        kc.execute_interactive(f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path({script!r}, "
+                               f"run_name='__main__')", timeout=900, output_hook=echo)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def bench_config() -> RunConfig:
+    return RunConfig(example="zero3", world_size=min(2, detect_devices().max_ranks), micro_batch=32, steps=5,
+                     hidden=256, depth=1, dataset_size=2048)
+
+
+class RunFailed(RuntimeError):
+    """A benchmark run ended before its first step."""
+
+
+def rank0_times(run_dir: Path) -> tuple[float, float]:
+    """Wall-clock times of rank 0's start record and of its first step record."""
+    records = read_records(rank_file(run_dir, 0))
+    start = next(r for r in records if r.get("event") == "start")
+    step = next(r for r in records if r.get("event") == "step")
+    return start["wall_time"], start["wall_time"] + step["time_s"] - start["time_s"]
+
+
+def first_step_bare(config: RunConfig, root: Path) -> dict[str, float]:
+    """Seconds from starting DeepSpeed's launcher to rank 0's first step record, with phases."""
+    run_dir = Path(tempfile.mkdtemp(prefix="bare-", dir=root))
+    write_json_atomic(run_dir / "config.json", config.to_dict())
+    port = free_port()
+    argv, env = build_command(config, run_dir, master_port=port, accelerator=detect_devices().accelerator)
+    tail = RecordTail(rank_file(run_dir, 0))
+    t0, wall0 = time.monotonic(), time.time()
+    with open(run_dir / "launcher.log", "ab") as log:
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        while not any(r.get("event") == "step" for r in tail.poll()):
+            if proc.poll() is not None:
+                raise RunFailed(f"bare launcher exited {proc.returncode} before a step; see {run_dir}/launcher.log")
+            time.sleep(0.01)
+        total = time.monotonic() - t0
+    finally:
+        # The launcher's process group holds every rank (nobody starts a new session); the
+        # benchmark needs no graceful end, and SIGKILL leaves nothing lingering.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        # DeepSpeed's CPU all-reduce leaves a ~66 MB /dev/shm buffer per rank (the supervisor
+        # removes them for labkit runs); this run's carry its own port in their names.
+        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
+            path.unlink(missing_ok=True)
+    rank_start, first_step = rank0_times(run_dir)
+    return {"total": total, "labkit": 0.0, "to_rank": rank_start - wall0, "to_step": first_step - rank_start}
+
+
+def first_point_panel(config: RunConfig, root: Path) -> dict[str, float]:
+    """Seconds from LabPanel.launch() to the dashboard refresh that plots the first step, with phases."""
+    from labkit.panel import LabPanel
+
+    fields = ("example", "world_size", "micro_batch", "steps", "hidden", "depth", "dataset_size")
+    panel = LabPanel(root=root, **{name: getattr(config, name) for name in fields})
+    assert panel.config() == config
+    t0, wall0 = time.monotonic(), time.time()
+    run = panel.launch()
+    try:
+        while panel.dashboard.first_point_at is None:
+            if run.done:
+                raise RunFailed(f"panel run ended {run.status} before a step: {run.cause}")
+            time.sleep(0.01)
+        total = panel.dashboard.first_point_at - t0
+        # The supervisor's status.json says when it started DeepSpeed's launcher (until the run ends).
+        launched = read_json(run.run_dir / "status.json")["started_at"]
+    finally:
+        panel.stop()
+        panel.close()
+    rank_start, first_step = rank0_times(run.run_dir)
+    plotted = wall0 + total
+    # labkit's own share: Launch -> launcher running (config, run dir, supervisor start) and
+    # first step on disk -> plotted (poll interval + refresh).
+    return {"total": total, "labkit": (launched - wall0) + (plotted - first_step),
+            "to_rank": rank_start - launched, "to_step": first_step - rank_start,
+            "supervisor": launched - wall0, "plot": plotted - first_step}
+
+
+def bench_launch(pairs: int) -> None:
+    config = bench_config()
+    root = Path(tempfile.mkdtemp(prefix="bench-dashboard-"))
+    print(f"(b) Launch -> first plotted point vs bare launcher -> first step ({config.world_size} ranks, "
+          f"{detect_devices().accelerator}); runs in {root}")
+    print("    phases: launcher start -> rank 0 start record (to rank) -> its first step (to step); the panel adds "
+          "Launch -> launcher started (supervisor) and first step on disk -> plotted (plot)")
+    bare, panel = [], []
+    for pair in range(pairs):
+        try:
+            b, p = first_step_bare(config, root), first_point_panel(config, root)
+        except RunFailed as exc:  # a shared machine's OOM killer, say: report it, keep measuring
+            print(f"    pair {pair + 1}: skipped, {exc}")
+            continue
+        bare.append(b)
+        panel.append(p)
+        print(f"    pair {pair + 1}: bare {b['total']:.2f} s = to rank {b['to_rank']:.1f} + to step {b['to_step']:.1f}")
+        print(f"            panel {p['total']:.2f} s = supervisor {p['supervisor']:.2f} + to rank {p['to_rank']:.1f}"
+              f" + to step {p['to_step']:.1f} + plot {p['plot']:.2f}")
+        print(f"            difference {p['total'] - b['total']:+.2f} s, ratio {p['total'] / b['total']:.3f}")
+    if not bare:
+        raise SystemExit("no pair completed")
+    totals_b = [b["total"] for b in bare]
+    totals_p = [p["total"] for p in panel]
+    diff = statistics.median(p - b for p, b in zip(totals_p, totals_b))
+    own = statistics.median(p["labkit"] for p in panel)
+    print(f"    median: bare {statistics.median(totals_b):.2f} s, panel {statistics.median(totals_p):.2f} s, "
+          f"difference {diff:+.2f} s (goal <= +1 s: {'met' if diff <= 1 else 'NOT met'}), "
+          f"ratio {statistics.median(totals_p) / statistics.median(totals_b):.3f}")
+    print(f"    labkit's own phases (supervisor + plot), median: {own:.2f} s (goal <= 1 s: "
+          f"{'met' if own <= 1 else 'NOT met'}); spread of the bare launcher's own times: "
+          f"{max(totals_b) - min(totals_b):.2f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--points", type=int, default=100_000)
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--skip-launch", action="store_true", help="only (a), no DeepSpeed runs")
+    parser.add_argument("--no-kernel", action="store_true", help="measure (a) in this process only")
+    args = parser.parse_args()
+    bench_refresh(args.ranks, args.points)
+    if not args.no_kernel:
+        bench_refresh_in_kernel(args.ranks, args.points)
+    if not args.skip_launch:
+        bench_launch(args.pairs)
+
+
+if __name__ == "__main__":
+    main()

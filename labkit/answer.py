@@ -1,0 +1,398 @@
+"""`python -m labkit answer`: measure the answer to the lab's question and write the report.
+
+Can DeepSpeed keep training time flat while the batch size grows? One command runs, on this
+machine, with real supervised DeepSpeed launches:
+
+1. the max-batch search (`labkit.maxbatch`) per strategy: largest micro-batch that fits the
+   device (GPU: real OOM; CPU: an emulated per-rank capacity, `device_memory_budget_bytes`);
+2. the batch-size sweep (`labkit.sweep`): strategies x global batches, each point trained to a
+   fixed target loss (or a step cap) with LR scaling and warmup, with gradient-noise probes;
+   plus an LR-scaling study (none / linear / sqrt) on one strategy;
+3. the derived tables: memory model vs measured vs DeepSpeed's estimates, activation
+   estimate from a measured micro-batch profile, gradient noise scale and critical batch;
+4. a self-contained HTML report (`labkit.report`) whose conclusions are computed from 1-3.
+
+Everything lands in `--out` (default `runs/answer-<profile>`): results.csv (the sweep),
+maxbatch.csv + maxbatch_probes.csv, memory.csv, activation.csv, noise.csv, machine.json,
+report.html, and the run directories under runs/. Re-running reuses every finished point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from labkit.config import RunConfig
+from labkit.store import read_json, write_json_atomic, write_text_atomic
+from labkit.sweep import STRATEGIES, Sweep, plan
+
+REPORT_MAX_BYTES = 5_000_000  # data/reference-ci keeps the report only below this size
+
+
+@dataclass(frozen=True)
+class AnswerProfile:
+    name: str
+    model: dict[str, Any]                 # RunConfig fields shared by every point
+    strategies: tuple[str, ...]           # the sweep grid
+    global_batches: tuple[int, ...]
+    world_sizes: tuple[int, ...] | None   # None: every device this machine has (one rank each)
+    memory_only: tuple[str, ...] = ()     # strategies run at the smallest batch only (memory comparison)
+    lr_study_strategy: str | None = None  # runs the other LR scalings too
+    lr_study_batches: tuple[int, ...] | None = None  # ...at these global batches (None: every batch)
+    lr_scalings: tuple[str, ...] = ("none", "linear", "sqrt")
+    grid_lr_scaling: str = "sqrt"         # Adam: sqrt scaling (Malladi et al. 2022); SGD: linear
+    maxbatch_strategies: tuple[str, ...] = ()
+    maxbatch_start: int = 1
+    maxbatch_tolerance: float = 0.0
+    cpu_budget_bytes: int | None = None   # emulated device capacity per rank, CPU only
+    parallel: int = 1                     # runs launched at once
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+PROFILES: dict[str, AnswerProfile] = {
+    # ~10 minutes on 2 CPU cores: a 320k-parameter MLP (its 512x512 layer is big enough for
+    # ZeRO-3 to partition), 3 batch sizes, 2 ranks, runs two at a time.
+    "ci": AnswerProfile(
+        name="ci",
+        model=dict(hidden=512, depth=2, dataset_size=8192, optimizer="adam", lr=2e-3, base_batch=64,
+                   warmup_steps=5, target_loss=0.8, stop_at_target=True, steps=400, noise_scale_every=4,
+                   heartbeat_s=300.0),
+        strategies=("torch", "z0", "z2", "z3", "z2-offload"),
+        global_batches=(32, 128, 512),
+        world_sizes=(2,),
+        memory_only=("z1",),
+        lr_study_strategy="z3",
+        lr_study_batches=(32, 512),
+        maxbatch_strategies=("torch", "z3"),
+        maxbatch_start=64,
+        maxbatch_tolerance=0.125,
+        cpu_budget_bytes=6_500_000,
+        parallel=2,
+    ),
+    # GPU-sized: a ~135M-parameter MLP, batches 64..4096 on every GPU; real out-of-memory errors.
+    "full": AnswerProfile(
+        name="full",
+        model=dict(hidden=4096, depth=8, input_size=1024, dataset_size=262144, optimizer="adam", lr=3e-4,
+                   base_batch=256, warmup_steps=20, target_loss=0.8, stop_at_target=True, steps=3000,
+                   noise_scale_every=10, precision="bf16"),
+        strategies=tuple(STRATEGIES),
+        global_batches=(64, 256, 1024, 4096),
+        world_sizes=None,
+        lr_study_strategy="z2",
+        maxbatch_strategies=tuple(STRATEGIES),
+        maxbatch_start=16,
+        maxbatch_tolerance=0.0,
+        cpu_budget_bytes=4_000_000_000,
+        parallel=1,
+    ),
+}
+
+
+def _world_sizes(profile: AnswerProfile) -> tuple[int, ...]:
+    from labkit.devices import detect_devices
+
+    if profile.world_sizes is not None:
+        return profile.world_sizes
+    return (max(1, detect_devices().max_ranks),)
+
+
+def _budget(profile: AnswerProfile) -> int | None:
+    """The emulated capacity on CPU; None on a GPU (its real memory is the limit)."""
+    from labkit.devices import detect_devices
+
+    return profile.cpu_budget_bytes if detect_devices().is_cpu else None
+
+
+def _model(profile: AnswerProfile) -> dict[str, Any]:
+    model = dict(profile.model)
+    from labkit.devices import detect_devices
+
+    if model.get("precision") == "bf16" and not detect_devices().bf16:
+        model["precision"] = "fp32"
+    return model
+
+
+def points(profile: AnswerProfile) -> list[RunConfig]:
+    """Every sweep point of the profile (grid, memory-only points, LR study), without duplicates."""
+    base = {**_model(profile), "device_memory_budget_bytes": _budget(profile)}
+    world_sizes = _world_sizes(profile)
+    configs = plan(profile.strategies, profile.global_batches, world_sizes, base=base,
+                   lr_scalings=(profile.grid_lr_scaling,))
+    if profile.memory_only:
+        configs += plan(profile.memory_only, profile.global_batches[:1], world_sizes, base=base,
+                        lr_scalings=(profile.grid_lr_scaling,))
+    if profile.lr_study_strategy:
+        configs += plan([profile.lr_study_strategy], profile.lr_study_batches or profile.global_batches, world_sizes,
+                        base=base, lr_scalings=profile.lr_scalings)
+    from labkit.sweep import point_key
+
+    unique: dict[str, RunConfig] = {}
+    for config in configs:
+        unique.setdefault(point_key(config), config)
+    return list(unique.values())
+
+
+def maxbatch_templates(profile: AnswerProfile) -> list[RunConfig]:
+    base = {k: v for k, v in _model(profile).items() if k not in ("stop_at_target", "target_loss",
+                                                                  "noise_scale_every")}
+    world_size = max(_world_sizes(profile))
+    templates = []
+    for strategy in profile.maxbatch_strategies:
+        ranks = 1 if strategy == "torch" else world_size
+        templates.append(RunConfig(**{**base, **STRATEGIES[strategy], "world_size": ranks, "micro_batch": 1,
+                                      "device_memory_budget_bytes": _budget(profile)}))
+    return templates
+
+
+# -- derived tables ----------------------------------------------------------------------------
+def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
+    """Measured per-rank model-state bytes vs labkit.memory's prediction vs DeepSpeed's estimates."""
+    from labkit import memory
+
+    fields = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    shape = [model.get(k, fields[k]) for k in ("input_size", "hidden", "depth", "output_size")]
+    n_params = memory.n_params_mlp(*shape)
+    persistent = memory.mlp_persistent_params(*shape)
+    from labkit.model import SimpleModel
+
+    module = SimpleModel(shape[0], shape[1], shape[3], shape[2])  # DeepSpeed's estimators want the largest layer
+    finished = results[results.status == "finished"].drop_duplicates(subset=["strategy", "world_size"])
+    rows = []
+    for r in finished.to_dict("records"):
+        stage = 0 if pd.isna(r.get("stage")) else int(r["stage"])
+        offload = bool(r.get("offload_optimizer")) and str(r.get("offload_optimizer")) != "False"
+        precision = r.get("precision") or "fp32"
+        world_size = int(r["world_size"])
+        predicted = memory.model_state_bytes(n_params, stage, world_size, precision, offload,
+                                             persistent_params=persistent if stage == 3 else 0)
+        measured = {k: float(r[k]) for k in ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes")
+                    if not pd.isna(r.get(k))}
+        errors = memory.compare(measured, predicted)
+        host = 0.0 if pd.isna(r.get("host_optim_bytes")) else float(r["host_optim_bytes"])
+        measured_device = sum(measured.values()) - host
+        row = {"strategy": r["strategy"], "world_size": world_size, "stage": stage, "offload_optimizer": offload,
+               "precision": precision, "n_params": n_params,
+               **{f"measured_{k}": v for k, v in measured.items()},
+               "measured_optim_master_bytes": measured.get("optim_bytes", 0) + measured.get("master_bytes", 0),
+               "measured_device_bytes": measured_device, "measured_buffer_bytes": r.get("buffer_bytes"),
+               **{f"predicted_{k}": v for k, v in predicted.items()},
+               **{f"error_{k}": v for k, v in errors.items()}}
+        option = {2: "zero2", 3: "zero3"}.get(stage)  # DeepSpeed has estimators for stages 2 and 3 only
+        if option:
+            estimate = memory.deepspeed_estimates(module, world_size)[option + ("_offload" if offload else "")]
+            row["deepspeed_estimate_device_bytes"] = estimate["device_bytes"]
+            row["deepspeed_estimate_host_bytes"] = estimate["host_bytes"]
+            row["deepspeed_estimate_function"] = f"estimate_{option}_model_states_mem_needs"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def analytic_max_micro_batch(result: Any, template: RunConfig) -> int | None:
+    """The max micro-batch labkit.memory predicts: (capacity - analytic on-device states) divided by
+    the activation bytes per sample of ONE measured micro-batch profile (the search's first fit)."""
+    import math
+
+    from labkit import memory
+
+    budget = template.device_memory_budget_bytes
+    profile = next((p for p in result.probes if p.fits and p.activation_bytes), None)
+    if budget is None or profile is None:
+        return None
+    shape = (template.input_size, template.hidden, template.depth, template.output_size)
+    stage = template.stage or 0
+    states = memory.model_state_bytes(memory.n_params_mlp(*shape), stage, template.world_size, template.precision,
+                                      bool(template.offload_optimizer),
+                                      persistent_params=memory.mlp_persistent_params(*shape) if stage == 3 else 0)
+    per_sample = memory.activation_bytes_per_sample(profile.activation_bytes, profile.micro_batch)
+    return max(0, math.floor((budget - states["device_bytes"]) / per_sample))
+
+
+def activation_table(results: pd.DataFrame) -> pd.DataFrame:
+    """Activation bytes predicted from ONE measured micro-batch profile (the smallest micro-batch
+    of each strategy), against the activation bytes measured at the other micro-batch sizes."""
+    from labkit import memory
+
+    rows = []
+    measured = results[results.activation_bytes.notna() & (results.status == "finished")]
+    for (strategy, world_size), group in measured.groupby(["strategy", "world_size"]):
+        group = group.drop_duplicates(subset=["micro_batch"]).sort_values("micro_batch")
+        profile = group.iloc[0]
+        per_sample = memory.activation_bytes_per_sample(int(profile.activation_bytes), int(profile.micro_batch))
+        for r in group.itertuples():
+            predicted = memory.activation_bytes(per_sample, int(r.micro_batch))
+            rows.append({"strategy": strategy, "world_size": world_size, "profile_micro_batch": int(profile.micro_batch),
+                         "per_sample_bytes": per_sample, "micro_batch": int(r.micro_batch),
+                         "measured_activation_bytes": int(r.activation_bytes), "predicted_activation_bytes": predicted,
+                         "error": (r.activation_bytes - predicted) / predicted if predicted else None})
+    return pd.DataFrame(rows)
+
+
+def noise_table(results: pd.DataFrame) -> pd.DataFrame:
+    """Every gradient-noise probe of the sweep's runs: step, loss and the two squared norms."""
+    from labkit.summary import rank_records, steps_of
+
+    rows = []
+    for r in results[results.status == "finished"].to_dict("records"):
+        run_dir = Path(str(r["run_dir"]))
+        if not run_dir.is_dir():
+            continue
+        for record in steps_of(rank_records(run_dir, 1)[0]):
+            if record.get("grad_norm_big_sq") is not None:
+                rows.append({"strategy": r["strategy"], "global_batch": r["global_batch"],
+                             "lr_scaling": r["lr_scaling"], "step": record["step"], "loss": record["loss"],
+                             **{k: record[k] for k in ("grad_norm_small_sq", "grad_norm_big_sq",
+                                                       "noise_b_small", "noise_b_big", "noise_scale")}})
+    return pd.DataFrame(rows)
+
+
+def machine_info(runtime_s: float | None = None) -> dict[str, Any]:
+    import psutil
+    import torch
+
+    import deepspeed
+    from labkit.devices import detect_devices
+
+    devices = detect_devices()
+    return {
+        "device": devices.device_name, "accelerator": devices.accelerator, "devices": devices.device_count,
+        "cpu_model": _cpu_model(), "cpu_cores": os.cpu_count(),
+        "ram_bytes": int(psutil.virtual_memory().total),
+        "device_memory_bytes": devices.total_memory_bytes if not devices.is_cpu else None,
+        "python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+        "platform": platform.platform(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average": list(os.getloadavg()), "answer_runtime_s": runtime_s,
+    }
+
+
+def _cpu_model() -> str:
+    from labkit.devices import _cpu_model as cpu_model
+
+    return cpu_model()
+
+
+# -- the command -------------------------------------------------------------------------------
+def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, parallel: int | None = None,
+           progress: bool = True) -> Path:
+    """Run everything the profile asks for in `out` and return the report's path."""
+    from labkit import maxbatch
+    from labkit.report import build_report
+    from labkit.store import default_root
+
+    profile = PROFILES[profile_name]
+    out = Path(out) if out is not None else default_root() / f"answer-{profile.name}"
+    out.mkdir(parents=True, exist_ok=True)
+    parallel = parallel or profile.parallel
+    started = time.monotonic()
+    load_before = list(os.getloadavg())
+
+    def say(text: str) -> None:
+        if progress:
+            print(f"[answer {time.monotonic() - started:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    say(f"profile {profile.name}: results in {out}")
+    configs = points(profile)
+    sweep = Sweep(configs, out, parallel=parallel, progress=progress)
+    templates = maxbatch_templates(profile)
+    cancel = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # The max-batch searches are sequential chains of short launches: they run beside the sweep.
+        searching = None
+        if templates:
+            say(f"max-batch search for {', '.join(profile.maxbatch_strategies)} (doubling, then bisection), "
+                "beside the sweep")
+            searching = pool.submit(maxbatch.search_many, templates, out, parallel=len(templates),
+                                    start=profile.maxbatch_start, tolerance=profile.maxbatch_tolerance, cancel=cancel)
+        say(f"sweep: {len(configs)} points, {parallel} at a time")
+        try:
+            results = sweep.run()
+        except BaseException:
+            cancel.set()  # Ctrl-C: stop the searches' runs too (finished probes are kept)
+            raise
+        say(f"sweep done ({sweep.launched} new launches)")
+        searches = searching.result() if searching else []
+    if searches:
+        summary, _ = maxbatch.write_results(searches, out)
+        summary["analytic_max_micro_batch"] = [analytic_max_micro_batch(s, t) for s, t in zip(searches, templates)]
+        write_text_atomic(out / "maxbatch.csv", summary.to_csv(index=False))
+        for s in searches:
+            say(f"  max-batch {s.strategy} x{s.world_size}: {s.max_micro_batch} per rank (first OOM {s.first_oom}) "
+                f"in {s.launches} launches ({s.new_launches} new)")
+
+    tables = {"memory": memory_table(results, _model(profile)), "activation": activation_table(results),
+              "noise": noise_table(results)}
+    for name, table in tables.items():
+        write_text_atomic(out / f"{name}.csv", table.to_csv(index=False))
+    runtime = time.monotonic() - started
+    launches = sweep.launched + sum(s.new_launches for s in searches)
+    machine = {**machine_info(runtime), "load_average_at_start": load_before, "profile": profile.name,
+               "launches": launches, "parallel": parallel}
+    previous = read_json(out / "machine.json")
+    if launches == 0 and previous:
+        # Nothing was measured this time (every point reused): keep when and how the numbers were taken.
+        machine = {**machine, **{k: previous[k] for k in ("answer_runtime_s", "launches", "load_average",
+                                                           "load_average_at_start", "date") if k in previous},
+                   "report_regenerated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_json_atomic(out / "machine.json", machine)
+    maxbatch_table = pd.read_csv(out / "maxbatch.csv") if (out / "maxbatch.csv").is_file() else None
+    probes = pd.read_csv(out / "maxbatch_probes.csv") if (out / "maxbatch_probes.csv").is_file() else None
+    report = build_report(results, out / "report.html", maxbatch=maxbatch_table, probes=probes,
+                          memory=tables["memory"], activation=tables["activation"], noise=tables["noise"],
+                          machine=machine, profile=dataclasses.asdict(profile))
+    say(f"report: {report} ({report.stat().st_size / 1e6:.1f} MB) after {runtime:.0f} s")
+    return report
+
+
+def publish(out: str | os.PathLike, reference: str | os.PathLike) -> list[Path]:
+    """Copy the small artifacts of an answer (CSVs, machine.json, report if < 5 MB) to `reference`."""
+    out, reference = Path(out), Path(reference)
+    reference.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in ("results.csv", "maxbatch.csv", "maxbatch_probes.csv", "memory.csv", "activation.csv", "noise.csv",
+                 "machine.json", "report.html"):
+        source = out / name
+        if not source.is_file() or (name == "report.html" and source.stat().st_size >= REPORT_MAX_BYTES):
+            continue
+        shutil.copyfile(source, reference / name)
+        copied.append(reference / name)
+    # Run directories are not published: strip their local paths from the copied results.
+    results = reference / "results.csv"
+    if results.is_file():
+        table = pd.read_csv(results)
+        table["run_dir"] = table["run_id"]
+        write_text_atomic(results, table.to_csv(index=False))
+    for path in copied:
+        path.chmod(0o644)  # atomic writes create owner-only files; these are for everyone
+    return copied
+
+
+def cli(args: Any) -> int:
+    """Entry point of `python -m labkit answer` (labkit.cli parses the arguments)."""
+    from labkit.profiles import current_profile
+    from labkit.store import default_root
+
+    profile = args.profile or current_profile()
+    out = Path(args.out) if args.out else default_root() / f"answer-{profile}"
+    try:
+        report = answer(profile, out, parallel=args.parallel)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: finished points are kept in {out}; run the same command again to resume",
+              file=sys.stderr)
+        return 130
+    print(f"report: {report}")
+    print(f"results: {out / 'results.csv'}")
+    if args.reference:
+        for path in publish(out, args.reference):
+            print(f"published: {path}")
+    return 0

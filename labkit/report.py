@@ -1,0 +1,532 @@
+"""The answer's HTML report: plots, tables and conclusions computed from the measured numbers.
+
+`build_report(results, path, ...)` writes one self-contained HTML file (plotly.js embedded,
+so it opens offline). Every sentence of the conclusions is produced by `conclusions(...)` from
+the tables it is given: nothing in the text is a hard-coded result.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+from labkit.noise_scale import aggregate, critical_batch_from_steps
+from labkit.sweep import STRATEGY_LABELS
+
+COLORS = {"torch": "#636efa", "z0": "#ef553b", "z1": "#ab63fa", "z2": "#00cc96", "z3": "#ffa15a",
+          "z2-offload": "#19d3f3", "z3-offload": "#ff6692"}
+TABLE_COLUMNS = ["strategy", "world_size", "micro_batch", "grad_accum", "global_batch", "lr_scaling", "status",
+                 "median_step_time_s", "samples_per_s", "time_per_epoch_s", "steps_to_target",
+                 "compute_time_to_target_s", "train_time_to_target_s", "time_to_target_s", "final_loss", "model_state_bytes", "activation_bytes",
+                 "device_bytes", "peak_rss_bytes", "noise_scale", "run_id"]
+
+
+# -- small helpers ---------------------------------------------------------------------------------
+def label(strategy: str) -> str:
+    return STRATEGY_LABELS.get(strategy, strategy)
+
+
+def mb(value: float | None) -> str:
+    return "n/a" if value is None or _nan(value) else f"{value / 1e6:.2f} MB"
+
+
+def times(ratio: float) -> str:
+    return f"{ratio:.1f}x" if ratio >= 1.95 or ratio <= 0.55 else f"{ratio:.2f}x"
+
+
+def change(before: float, after: float, noun: str) -> str:
+    """'grew 3.1x' / 'fell 1.8x' / 'stayed within 10%' from before to after."""
+    if not before or not after or _nan(before) or _nan(after):
+        return f"{noun} was not measured at both ends"
+    ratio = after / before
+    if 0.9 <= ratio <= 1.1:
+        return f"{noun} stayed within {abs(ratio - 1) * 100:.0f}%"
+    return f"{noun} {'grew' if ratio > 1 else 'fell'} {times(ratio if ratio > 1 else 1 / ratio)}"
+
+
+def _nan(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def grid_scaling(results: pd.DataFrame, profile: dict[str, Any] | None = None) -> str | None:
+    """The LR scaling of the main grid (the study of the other scalings runs on one strategy)."""
+    if profile and profile.get("grid_lr_scaling"):
+        return profile["grid_lr_scaling"]
+    if "lr_scaling" not in results or results.empty:
+        return None
+    return results.groupby("lr_scaling")["strategy"].nunique().idxmax()
+
+
+def with_compute_time(results: pd.DataFrame) -> pd.DataFrame:
+    """Adds compute_time_to_target_s = steps to target x median step time: the time to the target
+    on an unshared device. (The sum of the measured step times, train_time_to_target_s, also
+    holds the stalls other processes caused on a shared machine.)"""
+    if "compute_time_to_target_s" in results:
+        return results
+    frame = results.copy()
+    frame["compute_time_to_target_s"] = frame.steps_to_target * frame.median_step_time_s
+    return frame
+
+
+def grid(results: pd.DataFrame, profile: dict[str, Any] | None = None) -> pd.DataFrame:
+    results = with_compute_time(results)
+    scaling = grid_scaling(results, profile)
+    frame = results if scaling is None else results[results.lr_scaling == scaling]
+    return frame.sort_values(["strategy", "global_batch"])
+
+
+# -- conclusions -----------------------------------------------------------------------------------
+def conclusions(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, memory: pd.DataFrame | None = None,
+                activation: pd.DataFrame | None = None, noise: pd.DataFrame | None = None,
+                machine: dict[str, Any] | None = None, profile: dict[str, Any] | None = None) -> list[str]:
+    """Plain-text statements, each computed from the tables (skipped when its data is missing)."""
+    out: list[str] = []
+    table = grid(results, profile)
+    finished = table[table.status == "finished"]
+
+    # 1. Per strategy: step time, time per epoch, time to target from the smallest to the largest batch.
+    per_strategy = []
+    for strategy, rows in finished.groupby("strategy", sort=False):
+        rows = rows.sort_values("global_batch")
+        if len(rows) < 2:
+            continue
+        first, last = rows.iloc[0], rows.iloc[-1]
+        per_strategy.append((strategy, first, last))
+        out.append(
+            f"{label(strategy)}: from global batch {int(first.global_batch)} to {int(last.global_batch)}, "
+            f"{change(first.median_step_time_s, last.median_step_time_s, 'step time')}, "
+            f"{change(first.time_per_epoch_s, last.time_per_epoch_s, 'time per epoch')} and "
+            f"{change(first.compute_time_to_target_s, last.compute_time_to_target_s, 'time to target loss')} "
+            f"({_steps_text(first, last)}).")
+
+    # 2. The headline: does time to target stay flat (or fall) as the batch grows?
+    reached = finished[finished.compute_time_to_target_s.notna()]
+    if not reached.empty:
+        best = reached.loc[reached.compute_time_to_target_s.idxmin()]
+        out.insert(0, _headline(per_strategy, best))
+
+    # 3. Out of memory: which strategies fit which batch.
+    ooms = table[table.status == "oom"]
+    if not ooms.empty:
+        capacity = _capacity_text(table, machine)
+        for batch, rows in ooms.groupby("global_batch"):
+            fit = table[(table.global_batch == batch) & (table.status == "finished")].strategy.tolist()
+            out.append(f"At global batch {int(batch)} {', '.join(label(s) for s in rows.strategy)} ran out of "
+                       f"memory ({capacity})" + (f" while {', '.join(label(s) for s in fit)} fit." if fit else "."))
+
+    # 4. Max-batch search.
+    if maxbatch is not None and not maxbatch.empty:
+        out.extend(_maxbatch_text(maxbatch, machine))
+
+    # 5. Gradient noise scale and critical batch.
+    out.extend(_noise_text(results, noise, profile))
+
+    # 6. Memory model and activation estimate.
+    if memory is not None and not memory.empty:
+        out.extend(_memory_text(memory))
+    if activation is not None and not activation.empty:
+        per_sample = activation.groupby("strategy").per_sample_bytes.first()
+        others = activation[activation.micro_batch != activation.profile_micro_batch]
+        text = (f"Activations: one measured micro-batch profile gives {per_sample.min() / 1e3:.2f}-"
+                f"{per_sample.max() / 1e3:.2f} kB per sample")
+        if not others.empty:
+            worst = others.loc[others.error.abs().idxmax()]
+            text += (f"; scaling it linearly predicted the activation bytes measured at {len(others)} other "
+                     f"micro-batch sizes within {abs(worst.error) * 100:.1f}% (worst: {label(worst.strategy)} at "
+                     f"micro-batch {int(worst.micro_batch)}, profiled at {int(worst.profile_micro_batch)})")
+        out.append(text + ".")
+
+    # 7. How the numbers were taken.
+    if machine:
+        load = machine.get("load_average_at_start") or machine.get("load_average")
+        out.append(f"Measured on {machine.get('device') or machine.get('cpu_model')} ({machine.get('cpu_cores')} cores"
+                   + (f", load average {load[0]:.1f} at the start" if load else "") + f"), "
+                   f"{machine.get('parallel', 1)} run(s) at a time: step times of concurrent runs share the cores, "
+                   "so compare them within this report, not across machines.")
+    return out
+
+
+def _steps_text(first: Any, last: Any) -> str:
+    if _nan(first.steps_to_target) or _nan(last.steps_to_target):
+        return "the target loss was not reached at both batch sizes within the step cap"
+    return (f"{int(first.steps_to_target)} -> {int(last.steps_to_target)} steps, "
+            f"{first.epochs_to_target:.2f} -> {last.epochs_to_target:.2f} epochs to the target")
+
+
+def _headline(per_strategy: list[tuple[str, Any, Any]], best: Any) -> str:
+    deepspeed = [(s, f, l) for s, f, l in per_strategy if s != "torch"
+                 and not _nan(f.compute_time_to_target_s) and not _nan(l.compute_time_to_target_s)]
+    flat = [s for s, f, l in deepspeed if l.compute_time_to_target_s <= 1.1 * f.compute_time_to_target_s]
+    largest = ", ".join(f"{label(s)} {int(l.global_batch)}" for s, _, l in deepspeed)
+    text = ""
+    if deepspeed:
+        if len(flat) == len(deepspeed):
+            text = ("Answer: yes on this machine: every DeepSpeed strategy reached the target loss in no more "
+                    f"training time (within 10%) at its largest batch that fit ({largest}) than at its smallest. ")
+        elif flat:
+            text = (f"Answer: partly: {', '.join(label(s) for s in flat)} kept time to target flat or falling as the "
+                    f"batch grew; {', '.join(label(s) for s, _, _ in deepspeed if s not in flat)} did not. ")
+        else:
+            text = "Answer: no on this machine: every DeepSpeed strategy took longer to reach the target at its largest batch. "
+    return text + (f"Fastest to the target loss: {label(best.strategy)} at global batch {int(best.global_batch)} "
+                   f"({int(best.steps_to_target)} steps x {best.median_step_time_s * 1e3:.1f} ms median step = "
+                   f"{best.compute_time_to_target_s:.2f} s of training).")
+
+
+def _capacity_text(table: pd.DataFrame, machine: dict[str, Any] | None) -> str:
+    budget = table.device_budget_bytes.dropna()
+    if not budget.empty:
+        return f"emulated device capacity {mb(budget.iloc[0])} per rank"
+    return f"real device memory{' of ' + mb(machine['device_memory_bytes']) if machine and machine.get('device_memory_bytes') else ''}"
+
+
+def _maxbatch_text(maxbatch: pd.DataFrame, machine: dict[str, Any] | None) -> list[str]:
+    out = []
+    rows = maxbatch.sort_values("max_micro_batch")
+    parts = [f"{label(r.strategy)} x{int(r.world_size)}: {int(r.max_micro_batch)} per rank "
+             f"({int(r.max_micro_batch) * int(r.world_size)} global) in {int(r.launches)} launches"
+             for r in rows.itertuples()]
+    emulated = bool(rows.emulated_capacity.iloc[0])
+    capacity = (f"an emulated device capacity of {mb(rows.budget_bytes.iloc[0])} per rank" if emulated
+                else "the real device memory")
+    out.append(f"Largest micro-batch that fits {capacity} (doubling, then bisection): " + "; ".join(parts) + ".")
+    if len(rows) >= 2 and rows.max_micro_batch.iloc[0] > 0:
+        low, high = rows.iloc[0], rows.iloc[-1]
+        out.append(f"{label(high.strategy)} fits {times(high.max_micro_batch / low.max_micro_batch)} the micro-batch of "
+                   f"{label(low.strategy)}; the search took {int(maxbatch.launches.sum())} launches for "
+                   f"{len(maxbatch)} strategies ({maxbatch.launches.mean():.1f} each). DeepSpeed's Autotuner needs a "
+                   "profiling run plus, per ZeRO stage, a min-batch run, up to 3 runs around its computed maximum, a "
+                   "binary search and a list of micro-batch sizes to time (more when it also tunes ZeRO knobs): see "
+                   "docs/answer.md.")
+    checked = rows[rows.consistent.notna()] if "consistent" in rows else rows.iloc[0:0]
+    if not checked.empty:
+        good = checked[checked.consistent.astype(str) == "True"]
+        predicted = [f"{label(r.strategy)} {int(r.predicted_max_micro_batch)}" for r in checked.itertuples()
+                     if not _nan(r.predicted_max_micro_batch)]
+        analytic = [f"{label(r.strategy)} {int(r.analytic_max_micro_batch)}" for r in checked.itertuples()
+                    if "analytic_max_micro_batch" in checked and not _nan(r.analytic_max_micro_batch)]
+        out.append(f"The boundaries agree with the memory numbers for {len(good)} of {len(checked)} strategies "
+                   "(states + activations counted at the largest fit stay within the capacity, the first OOM exceeds it)"
+                   + (f"; the linear activation fit predicts {', '.join(predicted)}" if predicted else "")
+                   + (f"; labkit.memory's analytic states plus one activation profile predict {', '.join(analytic)}"
+                      if analytic else "") + ".")
+    return out
+
+
+def pooled_noise(noise: pd.DataFrame | None) -> Any:
+    if noise is None or noise.empty:
+        return None
+    return aggregate(noise[["grad_norm_small_sq", "grad_norm_big_sq", "noise_b_small", "noise_b_big"]]
+                     .itertuples(index=False, name=None))
+
+
+def lr_study(results: pd.DataFrame) -> tuple[str | None, pd.DataFrame]:
+    """(strategy, rows) of the LR-scaling study: the strategy run with the most scalings."""
+    finished = results[results.status == "finished"]
+    if finished.empty:
+        return None, finished
+    counts = finished.groupby("strategy").lr_scaling.nunique()
+    strategy = counts.idxmax()
+    if counts.max() < 2:
+        return None, finished.iloc[0:0]
+    return strategy, finished[finished.strategy == strategy]
+
+
+def best_steps(study: pd.DataFrame) -> pd.DataFrame:
+    """Per global batch, the fewest steps to target over the LR scalings tried (the tuned LR)."""
+    reached = study[study.steps_to_target.notna()]
+    if reached.empty:
+        return reached
+    return reached.loc[reached.groupby("global_batch").steps_to_target.idxmin()].sort_values("global_batch")
+
+
+def _noise_text(results: pd.DataFrame, noise: pd.DataFrame | None, profile: dict[str, Any] | None) -> list[str]:
+    out = []
+    pooled = pooled_noise(noise)
+    strategy, study = lr_study(results)
+    fit = None
+    if strategy is not None:
+        best = best_steps(study)
+        fit = critical_batch_from_steps(best.global_batch.tolist(), best.steps_to_target.tolist())
+        largest = study[study.global_batch == study.global_batch.max()]
+        reached = largest[largest.steps_to_target.notna()].sort_values("steps_to_target")
+        if not reached.empty:
+            parts = [f"{r.lr_scaling} {int(r.steps_to_target)}" for r in reached.itertuples()]
+            out.append(f"LR scaling ({label(strategy)}, global batch {int(largest.global_batch.iloc[0])}, warmup "
+                       f"{int(largest.warmup_steps.iloc[0])} steps): steps to target by scaling rule: "
+                       + ", ".join(parts) + f"; {reached.lr_scaling.iloc[0]} scaling needed the fewest.")
+        if len(best) >= 2:
+            first, last = best.iloc[0], best.iloc[-1]
+            factor = last.global_batch / first.global_batch
+            gain = first.steps_to_target / last.steps_to_target
+            out.append(f"With the best LR scaling per batch, {int(factor)}x the batch ({int(first.global_batch)} -> "
+                       f"{int(last.global_batch)}) cut the steps to target {gain:.1f}x (perfect scaling: {int(factor)}x), "
+                       f"i.e. {100 * gain / factor:.0f}% of the ideal step saving.")
+    if pooled is not None and pooled.b_simple:
+        text = (f"Gradient noise scale B_simple = tr(Sigma)/|G|^2 ~ {pooled.b_simple:.0f} samples "
+                f"(McCandlish et al. 2018, unbiased two-batch estimator, pooled over {pooled.n} probes)")
+        late = noise[noise.loss <= noise.loss.median()]
+        early = noise[noise.loss > noise.loss.median()]
+        early_b, late_b = pooled_noise(early), pooled_noise(late)
+        if early_b and late_b and early_b.b_simple and late_b.b_simple:
+            ratio = late_b.b_simple / early_b.b_simple
+            trend = "stays about the same" if 0.9 <= ratio <= 1.1 else ("grows" if ratio > 1 else "shrinks")
+            text += (f"; it {trend} as the loss falls: {early_b.b_simple:.0f} at losses above {noise.loss.median():.2f}, "
+                     f"{late_b.b_simple:.0f} below")
+        out.append(text + ". It estimates the critical batch size: below it a bigger batch saves steps almost "
+                   "linearly, above it the saving fades.")
+    if fit:
+        out.append(f"Fitting steps-to-target S(B) = S_min (1 + B_crit/B) to the measured steps gives B_crit ~ "
+                   f"{fit['b_crit']:.0f} (S_min ~ {fit['s_min']:.0f} steps)"
+                   + (f", {'consistent with' if 0.33 <= fit['b_crit'] / pooled.b_simple <= 3 else 'unlike'} the "
+                      f"noise-scale estimate ({fit['b_crit'] / pooled.b_simple:.1f}x)" if pooled and pooled.b_simple else "")
+                   + ".")
+    return out
+
+
+def _memory_text(memory: pd.DataFrame) -> list[str]:
+    out = []
+    errors = {k: memory[f"error_{k}"].abs() for k in ("param_bytes", "grad_bytes", "optim_bytes")
+              if f"error_{k}" in memory}
+    if errors:
+        within = [k.replace("_bytes", "") for k, e in errors.items() if e.max() <= 0.05]
+        off = memory[memory.get("error_grad_bytes", pd.Series(0.0, index=memory.index)).abs() > 0.05]
+        text = ("Memory model (labkit.memory, ZeRO paper Sec. 3 adapted to DeepSpeed 0.19.8) vs the per-rank census: "
+                + (f"{', '.join(within)} bytes within 5% for every strategy" if within else "no state within 5% everywhere"))
+        worst = {k.replace("_bytes", ""): e.max() for k, e in errors.items() if e.max() > 0.05}
+        if worst:
+            text += "; largest deviations " + ", ".join(f"{k} {v * 100:.0f}%" for k, v in worst.items())
+        if not off.empty:
+            text += (f" (grads at {', '.join(label(s) for s in off.strategy)}: DeepSpeed keeps the whole gradient of a "
+                     "parameter that straddles the partition boundary, the paper's Psi/N assumes an exact split)")
+        out.append(text + ".")
+    stage0 = memory[(memory.stage == 0) & (memory.world_size > 1)]
+    stage3 = memory[(memory.stage == 3) & (~memory.offload_optimizer.astype(bool))]
+    if not stage0.empty and not stage3.empty:
+        ratio = stage0.measured_device_bytes.iloc[0] / stage3.measured_device_bytes.iloc[0]
+        out.append(f"Measured model states on the device per rank: {mb(stage0.measured_device_bytes.iloc[0])} at ZeRO-0 "
+                   f"vs {mb(stage3.measured_device_bytes.iloc[0])} at ZeRO-3 with {int(stage3.world_size.iloc[0])} ranks "
+                   f"({times(ratio)} less; small layers stay whole on every rank under ZeRO-3's persistence threshold).")
+    if "deepspeed_estimate_device_bytes" in memory:
+        estimated = memory[memory.deepspeed_estimate_device_bytes.notna()]
+        if not estimated.empty:
+            parts = [f"{label(r.strategy)} {mb(r.deepspeed_estimate_device_bytes)} vs {mb(r.measured_device_bytes)} "
+                     "measured" for r in estimated.itertuples()]
+            out.append("DeepSpeed's own estimates (assume fp16 mixed precision and count the fp32 gradient partition "
+                       "built during step): " + "; ".join(parts) + ".")
+    return out
+
+
+# -- figures ---------------------------------------------------------------------------------------
+def figures(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, probes: pd.DataFrame | None = None,
+            memory: pd.DataFrame | None = None, activation: pd.DataFrame | None = None,
+            noise: pd.DataFrame | None = None, profile: dict[str, Any] | None = None) -> list[tuple[str, Any]]:
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    figs: list[tuple[str, Any]] = []
+    table = grid(results, profile)
+    finished = table[table.status == "finished"]
+
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("median step time (s)", "samples / s", "time per epoch (s)"))
+    for strategy, rows in finished.groupby("strategy", sort=False):
+        for col, key in enumerate(("median_step_time_s", "samples_per_s", "time_per_epoch_s"), start=1):
+            fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].round(5), mode="lines+markers", name=label(strategy),
+                                     legendgroup=strategy, showlegend=col == 1,
+                                     line={"color": COLORS.get(strategy)}), row=1, col=col)
+    _oom_markers(fig, table, go, cols=3)
+    fig.update_xaxes(type="log", title_text="global batch")
+    figs.append(("Throughput vs global batch (x: out of memory)", fig))
+
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("time to target: steps x median step (s)", "steps to target",
+                                                        "epochs to target"))
+    for strategy, rows in finished.groupby("strategy", sort=False):
+        for col, key in enumerate(("compute_time_to_target_s", "steps_to_target", "epochs_to_target"), start=1):
+            fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].round(4), mode="lines+markers", name=label(strategy),
+                                     legendgroup=strategy, showlegend=col == 1,
+                                     line={"color": COLORS.get(strategy)}), row=1, col=col)
+    fig.update_xaxes(type="log", title_text="global batch")
+    figs.append(("Time to the target loss vs global batch", fig))
+
+    strategy, study = lr_study(results)
+    pooled = pooled_noise(noise)
+    if strategy is not None:
+        fig = go.Figure()
+        for scaling, rows in study.sort_values("global_batch").groupby("lr_scaling"):
+            fig.add_trace(go.Scatter(x=rows.global_batch, y=rows.steps_to_target, mode="lines+markers",
+                                     name=f"LR scaling {scaling}"))
+        best = best_steps(study)
+        fit = critical_batch_from_steps(best.global_batch.tolist(), best.steps_to_target.tolist())
+        if fit:
+            xs = [best.global_batch.min() * (best.global_batch.max() / best.global_batch.min()) ** (i / 40)
+                  for i in range(41)]
+            fig.add_trace(go.Scatter(x=xs, y=[fit["s_min"] * (1 + fit["b_crit"] / x) for x in xs], mode="lines",
+                                     line={"dash": "dot"}, name=f"fit S_min(1+B_crit/B), B_crit~{fit['b_crit']:.0f}"))
+            fig.add_vline(x=fit["b_crit"], line_dash="dot", annotation_text="B_crit (fit)")
+        if pooled and pooled.b_simple:
+            fig.add_vline(x=pooled.b_simple, line_dash="dash", annotation_text="B_simple (noise scale)")
+        fig.update_xaxes(type="log", title_text="global batch")
+        fig.update_yaxes(type="log", title_text="steps to target")
+        figs.append((f"LR scaling and critical batch ({label(strategy)})", fig))
+
+    if noise is not None and not noise.empty:
+        frame = noise.copy()
+        frame["bin"] = pd.qcut(frame.loss, q=min(8, max(1, len(frame) // 6)), duplicates="drop")
+        xs, ys = [], []
+        for interval, rows in frame.groupby("bin", observed=True):
+            estimate = pooled_noise(rows)
+            if estimate and estimate.b_simple:
+                xs.append(round(float(interval.mid), 4))
+                ys.append(round(estimate.b_simple, 1))
+        fig = go.Figure(go.Scatter(x=xs, y=ys, mode="lines+markers", name="B_simple (pooled per loss bin)"))
+        if pooled and pooled.b_simple:
+            fig.add_hline(y=pooled.b_simple, line_dash="dash", annotation_text=f"pooled {pooled.b_simple:.0f}")
+        fig.update_xaxes(title_text="training loss", autorange="reversed")
+        fig.update_yaxes(title_text="B_simple (samples)")
+        figs.append(("Gradient noise scale during training", fig))
+
+    if memory is not None and not memory.empty:
+        fig = go.Figure()
+        names = [label(s) for s in memory.strategy]
+        for key, title in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optim_master_bytes", "optim+master")):
+            fig.add_trace(go.Bar(x=names, y=memory[f"measured_{key}"] / 1e6, name=f"measured {title}",
+                                 offsetgroup="measured"))
+        base = [0.0] * len(memory)
+        for key, title in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optim_bytes", "optim+master")):
+            values = (memory[f"predicted_{key}"] / 1e6).tolist()
+            fig.add_trace(go.Bar(x=names, y=values, base=base, name=f"predicted {title}", offsetgroup="predicted",
+                                 marker_pattern_shape="/"))
+            base = [b + v for b, v in zip(base, values)]
+        if "deepspeed_estimate_device_bytes" in memory:
+            fig.add_trace(go.Scatter(x=names, y=memory.deepspeed_estimate_device_bytes / 1e6, mode="markers",
+                                     marker={"symbol": "diamond", "size": 12}, name="DeepSpeed estimate (device)"))
+        fig.update_layout(barmode="stack")
+        fig.update_yaxes(title_text="MB per rank")
+        figs.append(("Model states per rank: measured vs labkit.memory vs DeepSpeed's estimate", fig))
+
+    if probes is not None and not probes.empty:
+        fig = go.Figure()
+        for strategy, rows in probes.groupby("strategy"):
+            fig.add_trace(go.Scatter(x=rows.micro_batch, y=rows.device_bytes / 1e6, mode="markers+text",
+                                     text=rows.order, textposition="top center", name=label(strategy),
+                                     marker={"color": COLORS.get(strategy), "size": 10,
+                                             "symbol": ["circle" if s == "finished" else "x" for s in rows.status]}))
+        budget = probes.budget_bytes.dropna()
+        if not budget.empty:
+            fig.add_hline(y=budget.iloc[0] / 1e6, line_dash="dash", annotation_text="emulated device capacity")
+        fig.update_xaxes(title_text="micro-batch per rank")
+        fig.update_yaxes(title_text="on-device MB per rank (states + activations)")
+        figs.append(("Max-batch search: every launch (number = order, x = out of memory)", fig))
+
+    if activation is not None and not activation.empty:
+        fig = go.Figure()
+        for strategy, rows in activation.groupby("strategy"):
+            fig.add_trace(go.Scatter(x=rows.micro_batch, y=rows.measured_activation_bytes / 1e6, mode="markers",
+                                     name=f"{label(strategy)} measured", marker={"color": COLORS.get(strategy)}))
+            fig.add_trace(go.Scatter(x=rows.micro_batch, y=rows.predicted_activation_bytes / 1e6, mode="lines",
+                                     name=f"{label(strategy)} from 1 profile",
+                                     line={"color": COLORS.get(strategy), "dash": "dot"}))
+        fig.update_xaxes(type="log", title_text="micro-batch per rank")
+        fig.update_yaxes(type="log", title_text="activation MB per rank")
+        figs.append(("Activation memory: measured vs a one-profile linear estimate", fig))
+    for _, fig in figs:
+        fig.update_layout(height=420, margin={"l": 50, "r": 20, "t": 50, "b": 40}, template="plotly_white")
+    return figs
+
+
+def _oom_markers(fig: Any, table: pd.DataFrame, go: Any, cols: int) -> None:
+    """A dotted vertical line at each (strategy, batch) that ran out of memory."""
+    for row in table[table.status == "oom"].itertuples():
+        for col in range(1, cols + 1):
+            fig.add_vline(x=row.global_batch, line_color=COLORS.get(row.strategy, "grey"), line_dash="dot",
+                          opacity=0.5, row=1, col=col,
+                          annotation_text=f"{row.strategy} OOM" if col == 1 else None)
+
+
+# -- the page --------------------------------------------------------------------------------------
+def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFrame | None = None,
+                 probes: pd.DataFrame | None = None, memory: pd.DataFrame | None = None,
+                 activation: pd.DataFrame | None = None, noise: pd.DataFrame | None = None,
+                 machine: dict[str, Any] | None = None, profile: dict[str, Any] | None = None) -> Path:
+    """Write the report and return its path."""
+    from plotly.offline import get_plotlyjs
+
+    from labkit.store import write_text_atomic
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    statements = conclusions(results, maxbatch=maxbatch, memory=memory, activation=activation, noise=noise,
+                             machine=machine, profile=profile)
+    figs = figures(results, maxbatch=maxbatch, probes=probes, memory=memory, activation=activation, noise=noise,
+                   profile=profile)
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>DeepSpeed Batch Lab: the answer</title>",
+        f"<script type='text/javascript'>{get_plotlyjs()}</script>",
+        "<style>body{font-family:system-ui,sans-serif;max-width:1200px;margin:auto;padding:1em;color:#222}"
+        "table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
+        "th{background:#f4f4f4}.note{color:#555;font-size:13px}li{margin:.3em 0}</style></head><body>",
+        "<h1>Can DeepSpeed keep training time flat while the batch size grows?</h1>",
+        f"<p class='note'>{_header(machine, profile, results)}</p>",
+        "<h2>Conclusions (computed from the measurements below)</h2><ul>",
+        *[f"<li>{html.escape(s)}</li>" for s in statements],
+        "</ul>",
+    ]
+    for title, fig in figs:
+        parts.append(f"<h2>{html.escape(title)}</h2>")
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False}))
+    parts.append("<h2>Results (results.csv)</h2>")
+    parts.append(_html_table(results, [c for c in TABLE_COLUMNS if c in results]))
+    if maxbatch is not None and not maxbatch.empty:
+        parts += ["<h2>Max-batch search (maxbatch.csv)</h2>", _html_table(maxbatch, list(maxbatch.columns))]
+    if memory is not None and not memory.empty:
+        parts += ["<h2>Memory model comparison (memory.csv)</h2>", _html_table(memory, list(memory.columns))]
+    parts.append(f"<p class='note'>{html.escape(_method_note(results))}</p></body></html>")
+    write_text_atomic(path, "\n".join(parts))
+    return path
+
+
+def _header(machine: dict[str, Any] | None, profile: dict[str, Any] | None, results: pd.DataFrame) -> str:
+    bits = []
+    if profile:
+        bits.append(f"profile <b>{html.escape(str(profile.get('name')))}</b>")
+    if machine:
+        bits.append(html.escape(f"{machine.get('cpu_model')} ({machine.get('cpu_cores')} cores, "
+                                f"{(machine.get('ram_bytes') or 0) / 2**30:.0f} GiB RAM), accelerator "
+                                f"{machine.get('accelerator')}, torch {machine.get('torch')}, deepspeed "
+                                f"{machine.get('deepspeed')}, {machine.get('date')}"))
+        if machine.get("answer_runtime_s"):
+            bits.append(f"measured in {machine['answer_runtime_s']:.0f} s with {machine.get('launches', '?')} launches")
+    bits.append(f"{len(results)} sweep points")
+    return "; ".join(bits)
+
+
+def _method_note(results: pd.DataFrame) -> str:
+    emulated = results.device_budget_bytes.notna().any() if "device_budget_bytes" in results else False
+    return ("Step time: median over rank 0's steps after the first two. Time per epoch: step time x dataset size / "
+            "global batch. Steps to target: the first step whose mean loss over ranks, averaged over a 5-step window, "
+            "reaches the target. Time to target (compute_time_to_target_s, used in the conclusions): steps to target x "
+            "median step time; train_time_to_target_s sums rank 0's measured step times instead (stalls caused by "
+            "other processes included); time_to_target_s is the wall clock from process start. "
+            + ("Out of memory on CPU means the emulated device capacity (device_memory_budget_bytes): the worker counts "
+               "the model states a GPU would hold plus saved activations and raises torch.OutOfMemoryError past it. "
+               if emulated else "Out of memory is the device's own error. ")
+            + "Bytes are per rank, the largest over ranks.")
+
+
+def _html_table(frame: pd.DataFrame, columns: Iterable[str]) -> str:
+    def fmt(value: Any) -> str:
+        if _nan(value):
+            return ""
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return html.escape(str(value))
+
+    columns = list(columns)
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{fmt(row.get(c))}</td>" for c in columns) + "</tr>"
+                   for row in frame.to_dict("records"))
+    return f"<div style='overflow-x:auto'><table><tr>{head}</tr>{body}</table></div>"

@@ -1,0 +1,320 @@
+"""The dashboard's data shaping (pure functions) and the panel's binding to RunConfig/Run, without a browser.
+
+ipywidgets and FigureWidget work without a frontend (their comm messages go nowhere), so the
+panel and the dashboard thread are exercised here on synthetic run directories; real runs in
+a real browser are tests/browser/test_panel_browser.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from labkit import RunConfig
+from labkit.dashboard import (Dashboard, RankSeries, decimate, decimation_index, load_series, memory_kind,
+                              run_traces, step_columns)
+from labkit.panel import LabPanel, rank_log, status_line, tail_text
+from labkit.run import Run, run_name
+from labkit.store import new_run_dir, write_json_atomic
+from labkit.summary import summarize
+
+MIB = 2**20
+
+
+def step_record(rank: int, step: int, world: int = 2, **extra) -> dict:
+    return {"rank": rank, "event": "step", "step": step, "time_s": step * 0.1, "step_time_s": 0.1 + 0.01 * rank,
+            "samples_per_s": 640.0 / (0.1 + 0.01 * rank), "loss": 2.0 / step + rank, "rss_bytes": (100 + step) * MIB,
+            "peak_rss_bytes": (200 + step) * MIB, "param_bytes": 4 * MIB, "grad_bytes": 2 * MIB,
+            "optim_bytes": 8 * MIB, "master_bytes": 4 * MIB, "host_optim_bytes": 0, **extra}
+
+
+def write_run(run_dir: Path, config: RunConfig, steps: int, *, status: str | None = "finished") -> Path:
+    """A run directory as a real run leaves it: config, rank files, (summary)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / "config.json", config.to_dict())
+    for rank in range(config.world_size):
+        lines = [{"rank": rank, "time_s": 0.0, "event": "start", "pid": 1}]
+        lines += [step_record(rank, step, config.world_size) for step in range(1, steps + 1)]
+        if status == "finished":
+            lines.append({"rank": rank, "time_s": steps * 0.1 + 0.05, "event": "done", "steps": steps})
+        (run_dir / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        (run_dir / "logs").mkdir(exist_ok=True)
+        (run_dir / "logs" / f"20260101_rank{rank}.log").write_text(f"hello from rank {rank}\n")
+    if status is not None:
+        write_json_atomic(run_dir / "summary.json", summarize(run_dir, config.to_dict(), status=status, cause=None))
+    return run_dir
+
+
+def config(**overrides) -> RunConfig:
+    return RunConfig(**{"example": "zero3", "world_size": 2, "micro_batch": 32, "steps": 10, **overrides})
+
+
+# -- decimation ----------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [0, 1, 2, 1999, 2000, 2001, 4001, 100_000, 123_457])
+def test_decimation_keeps_at_most_max_points_first_and_last(n):
+    idx = decimation_index(n, 2000)
+    assert len(idx) <= 2000
+    assert len(idx) == min(n, len(idx))
+    if n:
+        assert idx[0] == 0 and idx[-1] == n - 1
+        assert np.all(np.diff(idx) > 0)
+    if n <= 2000:
+        assert list(idx) == list(range(n))
+    else:
+        assert len(idx) > 1000  # striding, not throwing most points away
+
+
+def test_decimate_pairs_x_and_y():
+    x = np.arange(1, 101, dtype=float)
+    xs, ys = decimate(x, x * 2, max_points=10)
+    assert len(xs) <= 10 and xs[-1] == 100 and np.array_equal(ys, xs * 2)
+    with pytest.raises(ValueError):
+        decimation_index(10, 1)
+
+
+# -- records -> columns --------------------------------------------------------------------
+def test_step_columns_skip_lifecycle_records_and_mark_missing_keys_nan():
+    records = [{"event": "start"}, step_record(0, 1), {"event": "step", "step": 2, "loss": None}, {"event": "done"}]
+    cols = step_columns(records)
+    assert list(cols["step"]) == [1.0, 2.0]
+    assert cols["loss"][0] == pytest.approx(2.0) and math.isnan(cols["loss"][1])
+    assert math.isnan(cols["device_allocated_bytes"][0])
+    assert all(c.dtype == np.float64 for c in cols.values())  # float64: plotly sends it as a binary buffer
+
+
+def test_rank_series_grows_and_remembers_last_census():
+    series = RankSeries()
+    for step in range(1, 1001):
+        extra = {} if step % 10 == 0 else {"param_bytes": None}  # census only every 10 steps
+        series.extend([step_record(0, step, **extra)])
+    assert series.n == 1000 and series.last_step == 1000
+    assert list(series.column("step")[:3]) == [1, 2, 3]
+    assert series.last("param_bytes") == 4 * MIB
+    series.extend([step_record(0, 1001, param_bytes=None)] * 100)
+    assert series.last("param_bytes") == 4 * MIB  # found beyond the last 64 records too
+    assert math.isnan(RankSeries().last("loss"))
+
+
+# -- series -> traces ----------------------------------------------------------------------
+def two_ranks(steps: int = 50, **extra) -> list[RankSeries]:
+    return [RankSeries.from_records([step_record(r, s, **extra) for s in range(1, steps + 1)]) for r in range(2)]
+
+
+def test_live_traces_per_chart():
+    series = two_ranks()
+    series[1].extend([step_record(1, 51)])  # rank 1 one step ahead: global and loss use common steps
+    traces = run_traces(series)
+    names = {chart: [t.name for t in ts] for chart, ts in traces.items()}
+    assert names == {
+        "throughput": ["global", "rank 0", "rank 1"],
+        "memory": ["rank 0 RSS", "rank 1 RSS"],  # CPU ranks: RSS; GPU: allocated and peak
+        "state": ["params", "grads", "optimizer + master", "offloaded to host"],
+        "loss": ["loss"],
+    }
+    glob, r0, r1 = traces["throughput"]
+    assert len(glob.x) == 50 and len(r0.x) == 50 and len(r1.x) == 51
+    # Global: the slowest rank (rank 1) bounds the lockstep throughput; per rank: its own samples.
+    assert glob.y[0] == pytest.approx(640.0 / 0.11)
+    assert r0.y[0] == pytest.approx(640.0 / 0.1 / 2)
+    assert traces["memory"][0].y[0] == pytest.approx(101)  # MiB
+    params, grads, optim, host = traces["state"]
+    assert list(params.x) == ["rank 0", "rank 1"] and list(params.y) == [4, 4]
+    assert list(optim.y) == [12, 12] and list(host.y) == [0, 0]
+    assert traces["loss"][0].y[0] == pytest.approx((2.0 + 3.0) / 2)  # mean over ranks
+
+
+def test_device_memory_and_offload_split():
+    series = two_ranks(device_allocated_bytes=10 * MIB, device_peak_bytes=20 * MIB, host_optim_bytes=12 * MIB)
+    assert memory_kind(series) == "device" and memory_kind(two_ranks()) == "host"
+    traces = run_traces(series, memory="device")
+    assert [t.name for t in traces["memory"]] == ["rank 0 allocated", "rank 0 peak", "rank 1 allocated",
+                                                  "rank 1 peak"]
+    assert traces["memory"][1].y[-1] == pytest.approx(20) and traces["memory"][1].style["line"]["dash"] == "dash"
+    assert list(traces["state"][2].y) == [0, 0] and list(traces["state"][3].y) == [12, 12]
+
+
+def test_long_runs_are_decimated_with_the_last_point():
+    traces = run_traces(two_ranks(steps=5000), max_points=100)
+    for chart in ("throughput", "memory", "loss"):
+        for trace in traces[chart]:
+            assert len(trace.x) <= 100 and trace.x[-1] == 5000, (chart, trace.name)
+
+
+def test_overlay_traces_are_labelled_and_dotted():
+    traces = run_traces(two_ranks(), label="old-run", color="#123456")
+    assert [t.name for t in traces["throughput"]] == ["old-run · global"]  # no per-rank throughput
+    assert traces["memory"][0].name == "old-run · rank 0 RSS"
+    assert traces["memory"][0].style["line"] == {"color": "#123456", "dash": "dot", "width": 1.5}
+    assert list(traces["state"][0].x) == ["old-run r0", "old-run r1"]
+
+
+def test_empty_run_has_empty_traces():
+    traces = run_traces([RankSeries(), RankSeries()])
+    assert all(len(t.x) == 0 for t in traces["throughput"] + traces["memory"] + traces["loss"])
+
+
+# -- small panel helpers -------------------------------------------------------------------
+def test_status_lines():
+    assert status_line("created") == "status: idle"
+    assert status_line("running", step=0, steps=20, run_id="r").startswith("status: starting · r")
+    assert status_line("running", step=3, steps=20, run_id="r") == "status: running step 3/20 · r"
+    done = status_line("finished", steps=20, summary={"steps_completed": 20, "samples_per_s": 1234.5,
+                                                      "final_loss": 0.5})
+    assert done == "status: finished 20/20 steps · 1234 samples/s · final loss 0.5000"
+    assert status_line("stopped", step=4, steps=20) == "status: stopped at step 4/20"
+    failed = status_line("failed", summary={"cause": "rank 1: RuntimeError: boom", "failed_rank": 1})
+    assert failed == "status: failed · rank 1: RuntimeError: boom"
+    assert status_line("oom", summary={"cause": "out of memory", "failed_rank": 0}) == \
+        "status: oom · rank 0: out of memory"
+    assert "finished" not in status_line("stopped", steps=20)  # the browser test waits for "finished"
+
+
+def test_tail_text(tmp_path):
+    path = tmp_path / "x.log"
+    path.write_text("".join(f"line {i}\n" for i in range(1000)))
+    assert tail_text(path, max_lines=3) == "line 997\nline 998\nline 999"
+    assert tail_text(path, max_lines=10**6, max_bytes=100).splitlines()[0].startswith("line 9")
+    assert tail_text(tmp_path / "missing.log") == ""
+
+
+# -- the dashboard thread ------------------------------------------------------------------
+def test_dashboard_plots_a_finished_run_and_stops(tmp_path):
+    run = Run.load(write_run(tmp_path / "r1", config(), steps=12))
+    ticks = []
+    dash = Dashboard(run, refresh_s=0.05, on_tick=lambda d, final: ticks.append(final))
+    assert dash.join(timeout=30), "the update thread must end when the run is done"
+    assert dash.error is None and ticks[-1] is True and ticks.count(True) == 1
+    data = {chart: {t.name: len(t.x) for t in fig.data} for chart, fig in dash.figures.items()}
+    assert data["throughput"] == {"global": 12, "rank 0": 12, "rank 1": 12}
+    assert data["memory"] == {"rank 0 RSS": 12, "rank 1 RSS": 12}
+    assert dash.first_point_at is not None and dash.refreshes >= 1
+
+
+def test_dashboard_follows_new_records_until_closed(tmp_path):
+    run_dir = write_run(tmp_path / "live", config(), steps=3, status=None)  # no summary: still going
+    run = Run.load(run_dir)
+    dash = Dashboard(run, refresh_s=0.05)
+    try:
+        _wait(lambda: len(dash.figures["throughput"].data[1].x) == 3)
+        with open(run_dir / "rank0.jsonl", "a") as handle:
+            handle.write(json.dumps(step_record(0, 4)) + "\n" + json.dumps(step_record(0, 5))[:20])  # 2nd cut short
+        _wait(lambda: len(dash.figures["throughput"].data[1].x) == 4)
+        assert len(dash.figures["throughput"].data[0].x) == 3  # global waits for rank 1
+        assert dash.running
+    finally:
+        dash.close()
+    assert not dash.running
+
+
+def test_overlay_and_clear(tmp_path):
+    old = write_run(tmp_path / "20260101-000000-zero3-z3-w2-b64-abcd", config(), steps=5)
+    dash = Dashboard()
+    dash.show_series([RankSeries(), RankSeries()])
+    assert dash.overlay([old]) == [old.name]
+    names = [t.name for t in dash.figures["loss"].data]
+    assert names == ["loss", "zero3-z3-w2-b64-abcd · loss"]
+    assert len(dash.figures["loss"].data[1].x) == 5
+    assert len(load_series(old)) == 2
+    dash.clear_overlays()
+    assert [t.name for t in dash.figures["loss"].data] == ["loss"]
+
+
+def _wait(condition, timeout: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+# -- the panel binds to RunConfig and Run --------------------------------------------------
+def plain(widget) -> str:
+    return re.sub(r"<[^>]+>", "", widget.value)
+
+
+def test_widgets_build_the_config_and_the_global_batch(runs_root):
+    panel = LabPanel(world_size=2, micro_batch=16, grad_accum=2, dataset_size=2048)
+    assert "= 64" in plain(panel.derived) and panel.message.value == ""
+    panel.controls["micro_batch"].value = 8
+    assert "8 × 2 × 2 = 32" in plain(panel.derived)
+    panel.controls["grad_accum"].value = 4
+    panel.controls["lr_scaling"].value = "linear"
+    built = panel.config()
+    assert (built.global_batch, built.dataset_size, built.lr_scaling) == (64, 2048, "linear")
+    assert "peak LR 0.001" in plain(panel.derived)
+    panel.controls["stage"].value = 1
+    assert panel.config().stage == 1 and "ZeRO stage 1" in plain(panel.derived)
+    assert panel.controls["world_size"].max == panel.config().max_world_size  # capped at the machine's ranks
+    with pytest.raises(TypeError):
+        LabPanel(no_such_field=1)
+
+
+@pytest.mark.parametrize("changes,field", [
+    ({"example": "pytorch"}, "world_size"),                    # plain PyTorch is one process
+    ({"stage": 0, "offload_optimizer": True}, "offload_optimizer"),  # DeepSpeed would ignore it silently
+])
+def test_invalid_combination_shows_the_error_and_launches_nothing(runs_root, changes, field):
+    panel = LabPanel(world_size=2, micro_batch=32)
+    for name, value in changes.items():
+        panel.controls[name].value = value
+    assert plain(panel.message).startswith(f"⚠ {field}:")
+    assert panel.launch() is None and panel.run is None
+    assert f"⚠ {field}:" in plain(panel.message)
+    assert not runs_root.exists() or not any(runs_root.iterdir())
+    assert not panel.dashboard.running
+
+
+class SyntheticRun(Run):
+    """A Run whose start() writes what a finished run leaves, instead of launching processes."""
+
+    def start(self):
+        self.run_dir = new_run_dir(run_name(self.config), self._root)
+        write_run(self.run_dir, self.config, steps=self.config.steps)
+        return self
+
+
+def test_launch_runs_the_config_and_reports_the_outcome(runs_root, monkeypatch):
+    import labkit.panel
+
+    monkeypatch.setattr(labkit.panel, "Run", SyntheticRun)
+    panel = LabPanel(world_size=2, micro_batch=32, steps=7, hidden=64, refresh_s=0.05)
+    run = panel.launch()
+    assert run is panel.run and run.config == panel.config()
+    assert panel.dashboard.join(timeout=30)
+    assert plain(panel.status).startswith("status: finished 7/7 steps")
+    assert run.run_dir.name in plain(panel.status)
+    assert (panel.launch_button.disabled, panel.stop_button.disabled) == (False, True)
+    assert {t.name: len(t.x) for t in panel.dashboard.figures["throughput"].data} == \
+        {"global": 7, "rank 0": 7, "rank 1": 7}
+    assert [v.value.count("hello from rank") for v in panel.logs.children] == [1, 1]
+    assert panel.logs.titles == ("rank 0 log", "rank 1 log")
+    assert rank_log(run.run_dir, 1).name == "20260101_rank1.log"
+    assert panel.run_select.options[0][1] == str(run.run_dir)  # the history knows it
+
+
+def test_history_and_overlays_reload_from_the_run_store(runs_root):
+    for name in ("20260101-000000-a", "20260101-000001-b"):
+        write_run(runs_root / name, config(), steps=4)
+    panel = LabPanel()  # a fresh kernel: only the run store
+    assert [label for label, _ in panel.run_select.options] == ["20260101-000001-b (finished)",
+                                                               "20260101-000000-a (finished)"]
+    table = panel.history.outputs[0]["data"]["text/plain"]
+    assert "20260101-000000-a" in table and "finished" in table
+    panel.run_select.value = (str(runs_root / "20260101-000000-a"),)
+    panel.overlay_button.click()
+    assert "a · global" in [t.name for t in panel.dashboard.figures["throughput"].data]
+
+
+def test_preset_choice_maps_to_none(runs_root):
+    panel = LabPanel(example="offload", world_size=2)
+    assert panel.controls["stage"].label == "preset"  # shown, not a blank dropdown
+    assert (panel.config().stage, panel.config().offload_optimizer) == (2, True)  # the example's preset
+    panel.controls["offload_optimizer"].value = False
+    assert panel.config().offload_optimizer is False
+    assert LabPanel(stage=1).controls["stage"].value == 1
