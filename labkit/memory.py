@@ -27,7 +27,7 @@ backward at an accumulation boundary, before ``step``) differs in places:
 * Optimizer offload (stages 1-3): moments + master go to the host, and so does the
   fp32 grad partition (4*Psi/N).  Stages 1/2 then keep no grads on the device at
   the boundary; stage 3 keeps its low-precision grad partition on the device too.
-* Stage 3 keeps "persistent" params (numel < ``param_persistence_threshold``,
+* Stage 3 keeps "persistent" params (numel <= ``param_persistence_threshold``,
   default 1e5) whole on every rank, on top of its Psi/N partition (when N > 1):
   pass their count as ``persistent_params`` (see :func:`mlp_persistent_params`).
 * Partitions are padded to a multiple of 2*N elements at stages 1/2 (negligible).
@@ -103,11 +103,12 @@ def n_params_mlp(input_size: int, hidden: int, depth: int, output_size: int) -> 
 
 def mlp_persistent_params(input_size: int, hidden: int, depth: int, output_size: int,
                           threshold: int = 100_000) -> int:
-    """Params of labkit's MLP that ZeRO-3 keeps whole on every rank: each tensor with
-    fewer than ``threshold`` elements (DeepSpeed's ``param_persistence_threshold``)."""
+    """Params of labkit's MLP that ZeRO-3 keeps whole on every rank: each tensor with at
+    most ``threshold`` elements (DeepSpeed's ``param_persistence_threshold``; its
+    ``mark_persistent_parameters`` compares with ``<=``)."""
     shapes = [(input_size, hidden)] + [(hidden, hidden)] * (depth - 1) + [(hidden, output_size)]
     sizes = [n for fan_in, fan_out in shapes for n in (fan_in * fan_out, fan_out)]
-    return sum(s for s in sizes if s < threshold)
+    return sum(s for s in sizes if s <= threshold)
 
 
 def zero12_grad_elements(param_numels: Sequence[int], world_size: int) -> list[int]:
