@@ -29,6 +29,7 @@ class Devices:
     fp16: bool
     device_name: str
     total_memory_bytes: int  # per device; host RAM on CPU
+    visible_devices_env: str = "CUDA_VISIBLE_DEVICES"  # the accelerator's device-selection variable
 
     @property
     def is_cpu(self) -> bool:
@@ -69,6 +70,7 @@ def detect_devices() -> Devices:
         fp16=bool(accel.is_fp16_supported()),
         device_name=device_name,
         total_memory_bytes=total_memory,
+        visible_devices_env=accel.visible_devices_envs()[0],
     )
 
 

@@ -234,11 +234,11 @@ class LabPanel:
             return None
         try:
             config = self.config()
+            run = Run(config, env=self.env, root=self.root).start()  # refuses GPUs another run holds
         except ConfigError as exc:
             self._show_error(exc)
             return None
         self.message.value = ""
-        run = Run(config, env=self.env, root=self.root).start()
         self.run = run
         self.launch_button.disabled = True
         self.stop_button.disabled = False

@@ -23,8 +23,9 @@ from typing import Any
 
 import psutil
 
+from labkit import device_lease
 from labkit.config import RunConfig
-from labkit.devices import detect_devices
+from labkit.devices import Devices, detect_devices
 from labkit.launcher import build_command, command_text, free_port
 from labkit.store import new_run_dir, read_json, write_json_atomic, write_text_atomic
 from labkit.summary import rank_records, summarize
@@ -64,6 +65,22 @@ class Run:
     def start(self) -> "Run":
         if self.run_dir is not None:
             raise RuntimeError(f"this run was already started in {self.run_dir}")
+        devices = detect_devices()
+        base_env = {**os.environ, **self._extra_env}
+        leases = self._lease_devices(devices, base_env)  # refuses busy GPUs before anything is written
+        try:
+            return self._launch(devices, base_env, leases)
+        finally:
+            device_lease.release(leases)  # the supervisor holds its own copies for the run's lifetime
+
+    def _lease_devices(self, devices: Devices, base_env: dict[str, str]) -> list[int]:
+        if devices.is_cpu or self.config.hostfile:
+            return []
+        ids = device_lease.run_devices(self.config.world_size, devices.device_count,
+                                       base_env.get(devices.visible_devices_env))
+        return device_lease.take(devices.accelerator, ids, f"a run starting in process {os.getpid()}")
+
+    def _launch(self, devices: Devices, base_env: dict[str, str], leases: list[int]) -> "Run":
         if self._out is not None:
             self._out.mkdir(parents=True, exist_ok=True)
             if any(self._out.iterdir()):
@@ -71,8 +88,7 @@ class Run:
             self.run_dir = self._out
         else:
             self.run_dir = new_run_dir(run_name(self.config), self._root)
-        devices = detect_devices()
-        base_env = {**os.environ, **self._extra_env}
+        device_lease.describe(leases, f"run {self.run_dir}")
         argv, env = build_command(self.config, self.run_dir, master_port=free_port(), base_env=base_env,
                                   accelerator=devices.accelerator)
         write_json_atomic(self.run_dir / "config.json", self.config.to_dict())
@@ -84,7 +100,8 @@ class Run:
         log = open(self.run_dir / "supervisor.log", "ab")
         self._supervisor = subprocess.Popen(
             [sys.executable, "-m", "labkit.supervisor", str(self.run_dir), "--parent-pid", str(os.getpid())],
-            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            pass_fds=leases)
         log.close()
         return self
 
