@@ -20,7 +20,6 @@ report.html, and the run directories under runs/. Re-running reuses every finish
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
 import shutil
@@ -287,6 +286,7 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
            progress: bool = True) -> Path:
     """Run everything the profile asks for in `out` and return the report's path."""
     from labkit import maxbatch
+    from labkit.devices import detect_devices
     from labkit.report import build_report
     from labkit.store import default_root
 
@@ -306,14 +306,17 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     sweep = Sweep(configs, out, parallel=parallel, progress=progress)
     templates = maxbatch_templates(profile)
     cancel = threading.Event()
+    # CPU ranks share the cores, so the max-batch searches (sequential chains of short launches)
+    # run beside the sweep. GPU runs must not share devices (labkit.device_lease refuses it, and
+    # a neighbour's memory would fake an OOM): there they run after the sweep, one at a time.
+    beside = detect_devices().is_cpu
+    search_kwargs = dict(start=profile.maxbatch_start, tolerance=profile.maxbatch_tolerance, cancel=cancel)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        # The max-batch searches are sequential chains of short launches: they run beside the sweep.
         searching = None
-        if templates:
+        if templates and beside:
             say(f"max-batch search for {', '.join(profile.maxbatch_strategies)} (doubling, then bisection), "
                 "beside the sweep")
-            searching = pool.submit(maxbatch.search_many, templates, out, parallel=len(templates),
-                                    start=profile.maxbatch_start, tolerance=profile.maxbatch_tolerance, cancel=cancel)
+            searching = pool.submit(maxbatch.search_many, templates, out, parallel=len(templates), **search_kwargs)
         say(f"sweep: {len(configs)} points, {parallel} at a time")
         try:
             results = sweep.run()
@@ -322,6 +325,10 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
             raise
         say(f"sweep done ({sweep.launched} new launches)")
         searches = searching.result() if searching else []
+    if templates and not beside:
+        say(f"max-batch search for {', '.join(profile.maxbatch_strategies)} (doubling, then bisection), "
+            "one launch at a time")
+        searches = maxbatch.search_many(templates, out, parallel=1, **search_kwargs)
     if searches:
         summary, _ = maxbatch.write_results(searches, out)
         summary["analytic_max_micro_batch"] = [analytic_max_micro_batch(s, t) for s, t in zip(searches, templates)]

@@ -8,7 +8,6 @@ one stop-at-target run; every test below reads them.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pandas as pd
 import pytest
