@@ -101,6 +101,7 @@ def train() -> None:
     data = batches()
     timed_start = timed_steps = 0
     census: dict[str, int] = {}
+    telemetry_s = 0.0  # timed steps' census, memory readings and records: the instrumentation's own cost
     activation_bytes = 0
     samples_seen = 0
     # Gradient noise scale (labkit.noise_scale): every N steps, before the timed step, each
@@ -144,7 +145,9 @@ def train() -> None:
             losses.append(loss.item())
             activation_bytes = max(activation_bytes, saved[0])
             if boundary and measure:
+                t_census = time.perf_counter()
                 census = trainer.census()  # at the peak: gradients held, before the step
+                telemetry_s += (time.perf_counter() - t_census) * (step >= TIMED_FROM_STEP)
                 _check_emulated_capacity(census, activation_bytes)
             t3 = time.perf_counter()
             trainer.step(step, boundary)
@@ -153,6 +156,7 @@ def train() -> None:
         step_time_s = time.perf_counter() - step_start
         samples_seen += config.micro_batch * config.grad_accum
         timed_steps += step >= TIMED_FROM_STEP
+        t_record = time.perf_counter()
         telemetry.step(
             step=step,
             loss=sum(losses) / len(losses),
@@ -169,6 +173,7 @@ def train() -> None:
             **census,
             **(telemetry.memory() if instrument else {}),
         )
+        telemetry_s += (time.perf_counter() - t_record) * (step >= TIMED_FROM_STEP)
         if config.stop_at_target:
             agreed = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64, device=trainer.device)
             torch.distributed.all_reduce(agreed)
@@ -176,7 +181,8 @@ def train() -> None:
             if sum(recent_losses) / len(recent_losses) <= config.target_loss:
                 stopped_at_target = True
                 break
-    timed = {"timed_steps": timed_steps, "timed_s": time.perf_counter() - timed_start} if timed_steps else {}
+    timed = ({"timed_steps": timed_steps, "timed_s": time.perf_counter() - timed_start, "telemetry_s": telemetry_s}
+             if timed_steps else {})
     peak: dict[str, object] = {}
     if rank == 0:
         # Achieved FLOP/s means little without the device's peak next to it.
