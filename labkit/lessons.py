@@ -162,16 +162,11 @@ def comms_logger_overrides() -> dict[str, Any]:
     function that called it (one line each in rank 0's log).
 
     The comms logger reports at INFO level and DeepSpeed's logger defaults to WARNING, so the
-    run's top-level `log_level` must be "info" too; it is included when labkit's config accepts
-    that key (otherwise the run logs nothing and `comm_log` comes back empty).
+    run's top-level `log_level` (read by `DeepSpeedConfig`, applied by the engine) must be
+    "info" too; otherwise the run logs nothing and `comm_log` comes back empty.
     """
-    from labkit.config import KNOWN_DS_KEYS
-
-    overrides: dict[str, Any] = {"comms_logger": {"enabled": True, "verbose": True, "prof_all": True,
-                                                  "debug": True}}
-    if "log_level" in KNOWN_DS_KEYS:
-        overrides["log_level"] = "info"
-    return overrides
+    return {"comms_logger": {"enabled": True, "verbose": True, "prof_all": True, "debug": True},
+            "log_level": "info"}
 
 
 _COMM_LINE = re.compile(r"^\[(?P<when>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\].*?comm op: (?P<op>[\w.]+)"
