@@ -188,6 +188,13 @@ def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
                "measured_device_bytes": measured_device, "measured_buffer_bytes": r.get("buffer_bytes"),
                **{f"predicted_{k}": v for k, v in predicted.items()},
                **{f"error_{k}": v for k, v in errors.items()}}
+        if stage in (1, 2) and not offload and "grad_bytes" in measured:
+            # The paper's Psi/N assumes an exact split; DeepSpeed keeps the whole gradient of each
+            # parameter that overlaps a rank's slice. The census row is the largest rank's.
+            held = max(memory.zero12_grad_elements([p.numel() for p in module.parameters()], world_size))
+            row["predicted_layout_grad_bytes"] = held * (4 if precision == "fp32" else 2)
+            row["error_layout_grad_bytes"] = (measured["grad_bytes"] - row["predicted_layout_grad_bytes"]) / \
+                row["predicted_layout_grad_bytes"]
         option = {2: "zero2", 3: "zero3"}.get(stage)  # DeepSpeed has estimators for stages 2 and 3 only
         if option:
             estimate = memory.deepspeed_estimates(module, world_size)[option + ("_offload" if offload else "")]

@@ -302,7 +302,12 @@ def _memory_text(memory: pd.DataFrame) -> list[str]:
             text += "; largest deviations " + ", ".join(f"{k} {v * 100:.0f}%" for k, v in worst.items())
         if not off.empty:
             text += (f" (grads at {', '.join(label(s) for s in off.strategy)}: DeepSpeed keeps the whole gradient of a "
-                     "parameter that straddles the partition boundary, the paper's Psi/N assumes an exact split)")
+                     "parameter that straddles the partition boundary, the paper's Psi/N assumes an exact split")
+            layout = off.get("error_layout_grad_bytes", pd.Series(dtype=float)).dropna().abs()
+            if not layout.empty:
+                text += (f"; predicted with that layout (labkit.memory.zero12_grad_elements) they are within "
+                         f"{layout.max() * 100:.1f}%")
+            text += ")"
         out.append(text + ".")
     stage0 = memory[(memory.stage == 0) & (memory.world_size > 1)]
     stage3 = memory[(memory.stage == 3) & (~memory.offload_optimizer.astype(bool))]
