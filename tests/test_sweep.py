@@ -130,6 +130,17 @@ def test_memory_model_matches_measured_states_within_5_percent(launched):
         assert all(abs(e) <= 0.05 for e in errors.values()), (stage, measured, predicted, errors)
 
 
+def test_memory_table_predicts_stage_1_2_grads_from_deepspeeds_layout(launched):
+    from labkit.answer import memory_table
+
+    model = {k: v for k, v in ALIGNED.items() if k != "micro_batch"}
+    table = memory_table(launched["table"], model).set_index("strategy")
+    for strategy in ("z1", "z2"):
+        row = table.loc[strategy]
+        assert row.predicted_layout_grad_bytes == row.measured_grad_bytes, row
+    assert table.loc[["z0", "z3"], "predicted_layout_grad_bytes"].isna().all()  # only stages 1/2 keep whole params
+
+
 # -- max-batch search -------------------------------------------------------------------------------
 def test_maxbatch_finds_the_emulated_boundary(launched):
     from labkit import memory
