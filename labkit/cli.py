@@ -80,8 +80,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     bar.close()
     summary = run.summary or {}
     if run.status == "finished":
-        print(f"finished: {summary.get('steps_completed')} steps, median step {summary.get('median_step_time_s'):.4f} s, "
-              f"{summary.get('samples_per_s'):.1f} samples/s; {run.run_dir}/summary.json")
+        step_time, rate = summary.get("median_step_time_s"), summary.get("samples_per_s")
+        timing = (f", median step {step_time:.4f} s, {rate:.1f} samples/s" if step_time and rate
+                  else " (no per-step records: telemetry was off)")
+        print(f"finished: {summary.get('steps_completed')} steps{timing}; {run.run_dir}/summary.json")
         return 0
     print(f"{run.status}: {run.cause}\nsee {run.run_dir}", file=sys.stderr)
     return {"oom": 3, "hung": 4, "stopped": 130}.get(run.status, 1)

@@ -8,8 +8,11 @@ naming `world_size`) when another run holds one. CPU ranks share the cores inste
 take no lease; multi-node runs (a hostfile) are the cluster scheduler's business.
 
 A lease is an flock on `<lease dir>/<accelerator><id>.lock`. `Run.start()` takes it and
-hands the descriptor to the run's supervisor (`pass_fds`): the kernel drops the lock when
-the supervisor exits, even when it is SIGKILLed, so a lease never outlives its run.
+hands the descriptor to the run's supervisor, which hands it on to DeepSpeed's launcher
+(`pass_fds`): the kernel drops the lock when the last of them exits, even by SIGKILL, so a
+lease never outlives its run, and a killed supervisor does not free GPUs its ranks still use.
+Every run (CPU ones too) also leases its rendezvous port (`take_port`), so two runs started
+at the same moment never pick the same one.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def take(accelerator: str, device_ids: list[str], holder: str,
     try:
         for device in device_ids:
             path = lease_dir / f"{accelerator}{device}.lock"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            # O_NOFOLLOW: the directory is shared; a planted symlink must not redirect our writes.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
             fds.append(fd)
             try:
                 os.fchmod(fd, 0o666)  # past the umask: the next run may be another user's
@@ -76,6 +80,19 @@ def take(accelerator: str, device_ids: list[str], holder: str,
         release(fds)
         raise
     return fds
+
+
+def take_port(lease_dir: str | os.PathLike | None = None) -> tuple[int, list[int]]:
+    """A free rendezvous port and the lease that keeps other labkit runs off it until this run ends."""
+    from labkit.launcher import free_port
+
+    for _ in range(50):
+        port = free_port()
+        try:
+            return port, take("port", [str(port)], f"a run starting in process {os.getpid()}", lease_dir)
+        except DevicesBusy:
+            continue  # another run picked it a moment ago and has not bound it yet
+    raise RuntimeError("no free rendezvous port: 50 candidates were all leased")
 
 
 def describe(fds: list[int], holder: str) -> None:

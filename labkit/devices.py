@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 
 # Dense peak FLOP/s of common training GPUs (vendor datasheets; SXM parts, no sparsity),
@@ -14,7 +15,7 @@ GPU_PEAK_FLOPS = {
     "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
     "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
     "A10G": {"bf16": 70e12, "fp16": 70e12, "fp32": 31.2e12},
-    "T4": {"bf16": 65e12, "fp16": 65e12, "fp32": 8.1e12},
+    "T4": {"bf16": 0.0, "fp16": 65e12, "fp32": 8.1e12},  # Turing has no bf16 tensor cores
     "V100": {"bf16": 0.0, "fp16": 125e12, "fp32": 15.7e12},
 }
 
@@ -41,8 +42,10 @@ class Devices:
 
     def peak_flops(self, precision: str) -> float | None:
         """Datasheet peak for a known GPU, else None (the caller measures a matmul peak)."""
+        # Whole words only: "L4" must not match an "NVIDIA L40S".
+        words = set(re.split(r"[^A-Za-z0-9]+", self.device_name))
         for key, table in GPU_PEAK_FLOPS.items():
-            if key in self.device_name:
+            if key in words:
                 return table.get(precision) or None
         return None
 

@@ -55,6 +55,12 @@ _TRACEBACK_LAST = re.compile(r"^(\w[\w.]*(Error|Exception|Interrupt|Exit)\b.*)$"
 
 
 def last_exception_line(log_text: str) -> str | None:
-    """The 'SomeError: message' line of the last traceback in a rank's log, if any."""
-    matches = _TRACEBACK_LAST.findall(log_text)
+    """The 'SomeError: message' line of the last traceback in a rank's log, if any.
+
+    Only what follows the last "Traceback" header counts: an error line logged earlier (a
+    warning, a caught and printed exception) is not why the rank ended."""
+    start = log_text.rfind("Traceback (most recent call last):")
+    if start < 0:
+        return None
+    matches = _TRACEBACK_LAST.findall(log_text[start:])
     return matches[-1][0] if matches else None

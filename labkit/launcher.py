@@ -8,6 +8,7 @@ The command is DeepSpeed's own launcher (`python -m deepspeed.launcher.runner`, 
 from __future__ import annotations
 
 import os
+import random
 import shlex
 import socket
 import sys
@@ -22,19 +23,43 @@ DEFAULT_EXTENSIONS_DIR = Path(__file__).resolve().parent.parent / ".cache" / "to
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now; each run gets its own so two runs never collide."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port nobody listens on now, outside the kernel's ephemeral range.
+
+    Rank 0 binds it seconds (or, with JIT op builds, minutes) later. A port the kernel hands
+    out for outgoing connections (gloo's, NCCL's, another run's) could be taken by then, so
+    pick from below that range, where only explicit binds land. `device_lease.take_port`
+    also keeps other labkit runs off it for the run's lifetime.
+    """
+    low, high = _ephemeral_range()
+    candidates = range(20000, low) if low - 20000 >= 1000 else range(high + 1, 65536)
+    for _ in range(200):
+        port = random.choice(candidates) if len(candidates) >= 1000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise RuntimeError(f"no free port on {host}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port: int,
                   base_env: Mapping[str, str] | None = None, cpu_count: int | None = None,
-                  accelerator: str | None = None) -> tuple[list[str], dict[str, str]]:
+                  accelerator: str | None = None, device_ids: list[str] | None = None,
+                  visible_devices_env: str = "CUDA_VISIBLE_DEVICES") -> tuple[list[str], dict[str, str]]:
     """(argv, env) that launch `config` writing into `run_dir`. Pure: no process, no I/O.
 
     `accelerator` ("cpu", "cuda", ...) pins DeepSpeed's choice in the ranks; None lets
-    DeepSpeed detect it. `cpu_count` splits cores between CPU ranks.
+    DeepSpeed detect it. `cpu_count` splits cores between CPU ranks. `device_ids` (GPU runs on
+    one node) are the devices the run leased: the ranks get exactly those.
     """
     run_dir = Path(run_dir).resolve()
     env = dict(os.environ if base_env is None else base_env)
@@ -44,6 +69,14 @@ def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port:
         # starts one rank per slot; node 0 is the rendezvous point.
         first_host = next(iter(hostfile_slots(config.hostfile)))
         argv += ["--hostfile", str(Path(config.hostfile).resolve()), "--master_addr", first_host]
+    elif device_ids is not None:
+        # Not --num_gpus: with it DeepSpeed's runner drops CUDA_VISIBLE_DEVICES and takes devices
+        # 0..N-1, not the ones leased. Given the visible devices and no count, it includes
+        # exactly those (runner.py, 0.19.8) and hands rank i the i-th.
+        if len(device_ids) != config.world_size:
+            raise ValueError(f"{len(device_ids)} device ids for {config.world_size} ranks")
+        env[visible_devices_env] = ",".join(device_ids)
+        argv += ["--master_addr", "127.0.0.1"]
     else:
         argv += ["--num_gpus", str(config.world_size), "--master_addr", "127.0.0.1"]
     argv += ["--master_port", str(master_port), "--module", "labkit.rank_guard", "--run-dir", str(run_dir)]
@@ -54,8 +87,11 @@ def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port:
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([bin_dir] + [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bin_dir])
     if not config.hostfile:
-        # Single node: gloo's sockets on loopback only, nothing listens beyond this machine.
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # Single node: gloo's and NCCL's sockets on loopback only, nothing listens beyond this
+        # machine (NCCL's bootstrap skips `lo` unless told). Set, not defaulted: an inherited
+        # eth0 would open the run to the network.
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+        env["NCCL_SOCKET_IFNAME"] = "lo"
     env.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
     if accelerator:
         env["DS_ACCELERATOR"] = accelerator

@@ -29,9 +29,13 @@ def init_distributed(backend: str, timeout: timedelta) -> None:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind(("127.0.0.1", port))
             listener.listen(max(world_size, 16))
+        # detach(): the store's server keeps accepting on this descriptor for the whole run. With
+        # fileno() the socket object, garbage-collected when this function returns, would close
+        # it under the store; on NCCL, whose init does not wait for every rank, a slower rank
+        # could then never join.
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout,
                               wait_for_workers=False,
-                              master_listen_fd=listener.fileno() if listener else None)
+                              master_listen_fd=listener.detach() if listener else None)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     # Our own timeout: a peer that dies mid-collective raises instead of hanging for
     # DeepSpeed's default 10 minutes (labkit's supervisor also watches heartbeats).

@@ -26,7 +26,7 @@ import psutil
 from labkit import device_lease
 from labkit.config import RunConfig
 from labkit.devices import Devices, detect_devices
-from labkit.launcher import build_command, command_text, free_port
+from labkit.launcher import build_command, command_text
 from labkit.store import new_run_dir, read_json, write_json_atomic, write_text_atomic
 from labkit.summary import rank_records, summarize
 
@@ -67,20 +67,25 @@ class Run:
             raise RuntimeError(f"this run was already started in {self.run_dir}")
         devices = detect_devices()
         base_env = {**os.environ, **self._extra_env}
-        leases = self._lease_devices(devices, base_env)  # refuses busy GPUs before anything is written
+        device_ids = self._device_ids(devices, base_env)
+        # Refuses busy GPUs before anything is written.
+        leases = device_lease.take(devices.accelerator, device_ids, f"a run starting in process {os.getpid()}")
         try:
-            return self._launch(devices, base_env, leases)
+            port, port_lease = device_lease.take_port()
+            leases += port_lease
+            return self._launch(devices, base_env, leases, device_ids, port)
         finally:
             device_lease.release(leases)  # the supervisor holds its own copies for the run's lifetime
 
-    def _lease_devices(self, devices: Devices, base_env: dict[str, str]) -> list[int]:
+    def _device_ids(self, devices: Devices, base_env: dict[str, str]) -> list[str]:
+        """The GPUs this run will use (none for CPU ranks and multi-node runs)."""
         if devices.is_cpu or self.config.hostfile:
             return []
-        ids = device_lease.run_devices(self.config.world_size, devices.device_count,
-                                       base_env.get(devices.visible_devices_env))
-        return device_lease.take(devices.accelerator, ids, f"a run starting in process {os.getpid()}")
+        return device_lease.run_devices(self.config.world_size, devices.device_count,
+                                        base_env.get(devices.visible_devices_env))
 
-    def _launch(self, devices: Devices, base_env: dict[str, str], leases: list[int]) -> "Run":
+    def _launch(self, devices: Devices, base_env: dict[str, str], leases: list[int], device_ids: list[str],
+                port: int) -> "Run":
         if self._out is not None:
             self._out.mkdir(parents=True, exist_ok=True)
             if any(self._out.iterdir()):
@@ -89,8 +94,9 @@ class Run:
         else:
             self.run_dir = new_run_dir(run_name(self.config), self._root)
         device_lease.describe(leases, f"run {self.run_dir}")
-        argv, env = build_command(self.config, self.run_dir, master_port=free_port(), base_env=base_env,
-                                  accelerator=devices.accelerator)
+        argv, env = build_command(self.config, self.run_dir, master_port=port, base_env=base_env,
+                                  accelerator=devices.accelerator, device_ids=device_ids or None,
+                                  visible_devices_env=devices.visible_devices_env)
         write_json_atomic(self.run_dir / "config.json", self.config.to_dict())
         write_json_atomic(self.run_dir / "ds_config.json", self.config.ds_config())
         write_text_atomic(self.run_dir / "command.txt", command_text(argv, env, base_env) + "\n")
@@ -99,7 +105,8 @@ class Run:
             "heartbeat_s": self.config.heartbeat_s, "startup_timeout_s": self.config.startup_timeout_s})
         log = open(self.run_dir / "supervisor.log", "ab")
         self._supervisor = subprocess.Popen(
-            [sys.executable, "-m", "labkit.supervisor", str(self.run_dir), "--parent-pid", str(os.getpid())],
+            [sys.executable, "-m", "labkit.supervisor", str(self.run_dir), "--parent-pid", str(os.getpid()),
+             "--lease-fds", ",".join(map(str, leases))],
             env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             pass_fds=leases)
         log.close()
@@ -215,23 +222,32 @@ class Run:
     def _recover_from_dead_supervisor(self, kill_supervisor: bool = False) -> None:
         """End what the supervisor left running and write the summary it could not write."""
         status = read_json(self.run_dir / "status.json") or {}
-        groups = [status.get("pgid")]
+        groups = []
+        # The launcher's group id comes from a file that may be days old: its number may belong
+        # to someone else's processes by now. Only a group one of this run's processes is in.
+        if status.get("pgid") and self._group_is_this_run(status["pgid"]):
+            groups.append(status["pgid"])
         if kill_supervisor and self._supervisor_alive():
             groups.append(self._supervisor_pid())  # its own session: start_new_session=True
         for pgid in groups:
-            if pgid:
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         # Killed before it wrote status.json, it never told us the launcher's group: the
         # launcher, launch.py and every rank name the run directory on their command lines.
-        for proc in psutil.process_iter(["cmdline"]):
-            try:
-                if _is_run_process(proc.info["cmdline"] or [], self.run_dir):
+        # Scan until a pass finds none: a process forked during a scan can escape it.
+        for _ in range(5):
+            found = [proc for proc in psutil.process_iter(["cmdline"])
+                     if _is_run_process(proc.info["cmdline"] or [], self.run_dir)]
+            if not found:
+                break
+            for proc in found:
+                try:
                     proc.kill()
-            except psutil.Error:
-                continue
+                except psutil.Error:
+                    continue
+            psutil.wait_procs(found, timeout=2)
         if self._supervisor is not None:
             try:
                 self._supervisor.wait(timeout=5)
@@ -255,6 +271,15 @@ class Run:
             write_json_atomic(self.run_dir / "summary.json", summary)
             write_json_atomic(self.run_dir / "status.json", {"status": outcome[0], "cause": outcome[1],
                                                              "finished_at": time.time()})
+
+    def _group_is_this_run(self, pgid: int) -> bool:
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if os.getpgid(proc.pid) == pgid and _is_run_process(proc.info["cmdline"] or [], self.run_dir):
+                    return True
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                continue
+        return False
 
     def __repr__(self) -> str:
         return f"Run({self.run_dir}, status={self.status})"

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import socket
+
 import psutil
 
 from labkit.failures import describe_exit, is_knock_on, is_oom, last_exception_line
@@ -57,6 +59,7 @@ class RankState:
     rank: int
     tail: RecordTail
     pid: int | None = None
+    local: bool = True          # on this host: its pid can be checked here
     last_step: int = 0
     last_progress: float = field(default_factory=time.monotonic)
     done: bool = False
@@ -69,7 +72,8 @@ class RankState:
             event = record.get("event")
             if event == "start":
                 self.pid = record.get("pid")
-            elif event == "step":
+                self.local = record.get("host") in (None, socket.gethostname())
+            elif event in ("step", "beat"):  # "beat": runs with per-step telemetry off
                 self.last_step = record["step"]
             elif event == "done":
                 self.done = True
@@ -85,15 +89,17 @@ class Outcome:
 
 
 class Supervisor:
-    def __init__(self, run_dir: Path, parent_pid: int):
+    def __init__(self, run_dir: Path, parent_pid: int, lease_fds: tuple[int, ...] = ()):
         self.run_dir = run_dir
         self.parent_pid = parent_pid
+        self.lease_fds = lease_fds  # GPU and port leases: the launcher holds them too (labkit.device_lease)
         launch = read_json(run_dir / "launch.json")
         self.argv: list[str] = launch["argv"]
         self.env: dict[str, str] = launch["env"]
         self.world_size: int = launch["world_size"]
         self.heartbeat_s: float = launch["heartbeat_s"]
         self.startup_timeout_s: float = launch["startup_timeout_s"]
+        self.multi_node = "--hostfile" in self.argv
         self.ranks = [RankState(r, RecordTail(rank_file(run_dir, r))) for r in range(self.world_size)]
         self.stop_reason: str | None = None
         self.oom_kills_seen = _cgroup_oom_kills()
@@ -114,7 +120,8 @@ class Supervisor:
         argv.insert(argv.index("--module"), f"--enable_each_rank_log={self.run_dir / 'logs'}")
         with open(self.run_dir / "launcher.log", "ab") as launcher_log:
             self.launcher = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=launcher_log,
-                                             stderr=subprocess.STDOUT, start_new_session=True)
+                                             stderr=subprocess.STDOUT, start_new_session=True,
+                                             pass_fds=self.lease_fds)
         self.started = time.monotonic()
         log(f"launcher pid {self.launcher.pid}: {' '.join(argv)}")
         write_json_atomic(self.run_dir / "status.json", {
@@ -155,7 +162,11 @@ class Supervisor:
             launch_py_died = launcher_code is None and self.launch_py_died()
             if failure or launcher_code is not None or launch_py_died:
                 self.settle()
-                return self.diagnose(launcher_code, launch_py_died)
+                if all(state.done for state in self.ranks):
+                    # The last done records landed while this pass looked elsewhere and the
+                    # launcher exited 0 meanwhile: a finished run, not a failed one.
+                    return Outcome("finished")
+                return self.diagnose(self.launcher.poll(), launch_py_died)
             hung = self.hung_ranks(now)
             if hung:
                 return Outcome("hung", hung, None)
@@ -207,7 +218,7 @@ class Supervisor:
             info = self.exit_info(state.rank)
             if info and info["returncode"] != 0:
                 return True
-            if state.pid and not state.done and not psutil.pid_exists(state.pid):
+            if state.pid and state.local and not state.done and not psutil.pid_exists(state.pid):
                 state.vanished_at = state.vanished_at or now
                 if now - state.vanished_at > SETTLE_S:  # the guard writes the exit file just after
                     return True
@@ -225,15 +236,14 @@ class Supervisor:
                 status = "oom" if record.get("oom") else "failed"
                 evidence.append((is_knock_on(text), record.get("wall_time", 0.0), state.rank, status, text))
             elif info and info["returncode"] != 0:
-                logged = last_exception_line(self.rank_log(state.rank))
-                text = logged or describe_exit(info["returncode"])
                 mtime = (self.run_dir / f"rank{state.rank}.exit").stat().st_mtime
-                if logged:
-                    status = "oom" if is_oom(logged.split(":")[0], logged) else "failed"
-                elif info["returncode"] == -9:
+                if info["returncode"] == -9:
+                    # SIGKILL leaves no traceback of its own: an older one in the log is not its cause.
                     status, text = self.classify_sigkill(mtime)
                 else:
-                    status = "failed"
+                    logged = last_exception_line(self.rank_log(state.rank))
+                    text = logged or describe_exit(info["returncode"])
+                    status = "oom" if logged and is_oom(logged.split(":")[0], logged) else "failed"
                 evidence.append((is_knock_on(text), mtime, state.rank, status, text))
             elif state.vanished_at is not None:
                 evidence.append((False, time.time(), state.rank, "failed",
@@ -317,7 +327,10 @@ class Supervisor:
                 # launch.py does not exit on SIGTERM (0.19.8: it lingers until SIGKILL), so once
                 # no rank is left, what remains gets SIGKILL at once instead of after GRACE_S.
                 deadline = time.monotonic() + GRACE_S
-                while time.monotonic() < deadline and any(p.pid in ranks and _alive(p) for p in procs):
+                # Multi-node: the ranks are remote and the runner's SIGTERM handler is what stops
+                # them (pdsh kill on each host), so the runner gets the grace instead.
+                waited = ranks | ({self.launcher.pid} if self.multi_node else set())
+                while time.monotonic() < deadline and any(p.pid in waited and _alive(p) for p in procs):
                     time.sleep(POLL_S / 4)
                 procs = [p for p in procs if _alive(p)]
             else:
@@ -418,8 +431,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="Supervise one labkit run.")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--lease-fds", default="", help="inherited lease descriptors to hand to the launcher")
     args = parser.parse_args()
-    supervisor = Supervisor(args.run_dir, args.parent_pid)
+    lease_fds = tuple(int(fd) for fd in args.lease_fds.split(",") if fd)
+    supervisor = Supervisor(args.run_dir, args.parent_pid, lease_fds)
     outcome = Outcome("failed", "supervisor crashed")
     try:
         outcome = supervisor.run()

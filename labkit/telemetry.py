@@ -19,6 +19,8 @@ from typing import Any
 
 import psutil
 
+BEAT_S = 1.0  # with per-step records off, a heartbeat this often keeps the hang watchdog informed
+
 
 def rank_file(run_dir: str | os.PathLike, rank: int) -> Path:
     return Path(run_dir) / f"rank{rank}.jsonl"
@@ -31,6 +33,10 @@ class RankTelemetry:
         self.start_time = time.time()
         self._fd = os.open(rank_file(run_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._process = psutil.Process()
+        self._last_beat = 0.0
+        from deepspeed.accelerator import get_accelerator
+
+        self._accelerator = get_accelerator()
         self._dirty = threading.Event()
         self._closed = False
         self._syncer = threading.Thread(target=self._sync_loop, name="telemetry-fsync", daemon=True)
@@ -57,11 +63,10 @@ class RankTelemetry:
             # ru_maxrss is in KiB on Linux.
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
-        from deepspeed.accelerator import get_accelerator
-
-        accel = get_accelerator()
+        accel = self._accelerator
         if accel._name != "cpu":
             out["device_allocated_bytes"] = int(accel.memory_allocated())
+            # Since the last begin_step(): the step's own peak (the run's peak is the max over steps).
             out["device_peak_bytes"] = int(accel.max_memory_allocated())
             out["device_reserved_bytes"] = int(accel.memory_reserved())
         return out
@@ -70,10 +75,20 @@ class RankTelemetry:
         """A lifecycle record (start, ready, done, error): always written."""
         self._write({"event": name, "wall_time": time.time(), **fields})
 
+    def begin_step(self) -> None:
+        """Start the device's peak-memory counter afresh, so each step record carries its own peak
+        (not deepspeed.initialize's transients, nor an earlier step's)."""
+        if self._accelerator._name != "cpu":
+            self._accelerator.reset_peak_memory_stats()
+
     def step(self, **fields: Any) -> None:
-        """One record per optimizer step, unless per-step telemetry is off (benchmark baseline)."""
+        """One record per optimizer step. With per-step telemetry off (the benchmark's baseline),
+        only a small heartbeat about once a second: the supervisor must still tell a hang."""
         if self.per_step:
             self._write({"event": "step", **fields})
+        elif time.monotonic() - self._last_beat >= BEAT_S:
+            self._last_beat = time.monotonic()
+            self._write({"event": "beat", "step": fields["step"]})
 
     def start(self, **fields: Any) -> None:
         self.event("start", pid=os.getpid(), host=socket.gethostname(), **fields)

@@ -523,8 +523,8 @@ def test_stop_ends_every_process_within_6s(fleet):
 def test_parent_sigkill_ends_every_rank_within_2s(fleet):
     r = fleet.result("parent_kill")
     assert r["status"] == "stopped" and "parent process" in r["cause"], r
-    assert r["ranks_gone_after_notice_s"] < PARENT_KILL_LIMIT_S, r
-    assert r["noticed_after_s"] < 1.0, r  # the supervisor polls getppid() every 0.2 s
+    # The limit, from the SIGKILL itself to the last rank gone.
+    assert r["ranks_gone_after_kill_s"] < PARENT_KILL_LIMIT_S, r
     assert not r["survivors"] and not r["leftovers"], r
 
 

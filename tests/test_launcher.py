@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from labkit.config import RunConfig
 from labkit.launcher import build_command, command_text, free_port
 
@@ -53,5 +55,46 @@ def test_command_text_is_copy_pasteable(tmp_path):
     assert "DS_ACCELERATOR=cpu" in text and "'" in text  # the space in the path is quoted
 
 
-def test_free_ports_differ():
-    assert len({free_port() for _ in range(5)}) > 1
+def test_gpu_command_gives_the_ranks_exactly_the_leased_devices(tmp_path):
+    """Not --num_gpus: with it DeepSpeed's runner ignores CUDA_VISIBLE_DEVICES and uses GPUs 0..N-1."""
+    config = RunConfig(example="zero3", world_size=2, max_world_size=8)
+    argv, env = build_command(config, tmp_path, master_port=29500, base_env={"CUDA_VISIBLE_DEVICES": "4,5,6"},
+                              accelerator="cuda", device_ids=["5", "6"])
+    assert "--num_gpus" not in argv and "--include" not in argv
+    assert env["CUDA_VISIBLE_DEVICES"] == "5,6"
+    assert argv[argv.index("--master_addr") + 1] == "127.0.0.1"
+    with pytest.raises(ValueError, match="3 device ids for 2 ranks"):
+        build_command(config, tmp_path, master_port=29500, base_env={}, accelerator="cuda",
+                      device_ids=["0", "1", "2"])
+
+
+def test_single_node_sockets_stay_on_loopback_whatever_the_caller_set(tmp_path):
+    config = RunConfig(example="zero3", world_size=2)
+    _, env = build_command(config, tmp_path, master_port=29500, accelerator="cuda", device_ids=["0", "1"],
+                           base_env={"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"})
+    # NCCL's bootstrap skips `lo` unless told; an inherited eth0 would open the run to the network.
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["NCCL_SOCKET_IFNAME"] == "lo"
+
+
+def test_free_port_is_outside_the_ephemeral_range_and_bindable():
+    import socket
+
+    from labkit.launcher import _ephemeral_range
+
+    low, high = _ephemeral_range()
+    for _ in range(20):
+        port = free_port()
+        assert not low <= port <= high, port  # outgoing connections never take it meanwhile
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_last_exception_line_reads_only_the_last_traceback():
+    from labkit.failures import last_exception_line
+
+    log = ("ValueError: a warning printed and caught long ago\n"
+           "step 7 ...\n")
+    assert last_exception_line(log) is None  # no traceback: the exit code speaks instead
+    log += ("Traceback (most recent call last):\n  File \"w.py\", line 3, in <module>\n"
+            "RuntimeError: injected fault\n")
+    assert last_exception_line(log) == "RuntimeError: injected fault"

@@ -116,3 +116,16 @@ def test_killed_rank_keeps_records_up_to_its_last_step(runs_root):
     records = read_records(rank_file(run.run_dir, 0))
     assert [r["step"] for r in records if r["event"] == "step"] == [1, 2, 3, 4]
     assert run.summary["failed_rank"] == 0 and "SIGKILL" in run.summary["cause"]
+
+
+def test_run_without_per_step_records_still_shows_a_hang(runs_root):
+    """telemetry=False (the benchmark's baseline) writes no step records, only a heartbeat about
+    once a second: without it a stuck rank would go unnoticed for the whole startup allowance."""
+    run = Run(RunConfig(example="zero3", world_size=2, steps=100_000, telemetry=False, heartbeat_s=5, **SMALL),
+              env={"LABKIT_FAULT": "hang@rank1:step40"}).start()
+    assert run.wait(timeout=300) == "hung", run.cause
+    assert "heartbeat" in run.cause
+    beats = [r for r in read_records(rank_file(run.run_dir, 0)) if r["event"] == "beat"]
+    assert beats and not any(r["event"] == "step" for r in read_records(rank_file(run.run_dir, 0)))
+    assert beats[-1]["step"] < 40  # rank 0 waits for rank 1 inside step 40's collective
+    assert not run_processes(run.run_dir)
