@@ -55,34 +55,54 @@ def detect_devices() -> Devices:
     from deepspeed.accelerator import get_accelerator
 
     accel = get_accelerator()
-    count = accel.device_count()
     if accel._name == "cpu":
-        max_ranks = os.cpu_count() or 1
-        device_name = _cpu_model()
-        total_memory = _host_memory()
-    else:
-        max_ranks = count
-        device_name = _gpu_name(accel._name)
-        total_memory = int(accel.total_memory(0)) if count else 0
-    return Devices(
-        accelerator=accel._name,
-        device_count=count,
-        max_ranks=max_ranks,
-        backend=accel.communication_backend_name(),
-        bf16=bool(accel.is_bf16_supported()),
-        fp16=bool(accel.is_fp16_supported()),
-        device_name=device_name,
-        total_memory_bytes=total_memory,
-        visible_devices_env=accel.visible_devices_envs()[0],
-    )
+        return Devices(
+            accelerator="cpu",
+            device_count=accel.device_count(),
+            max_ranks=os.cpu_count() or 1,
+            backend=accel.communication_backend_name(),
+            bf16=bool(accel.is_bf16_supported()),
+            fp16=bool(accel.is_fp16_supported()),
+            device_name=_cpu_model(),
+            total_memory_bytes=_host_memory(),
+            visible_devices_env=accel.visible_devices_envs()[0],
+        )
+    # GPUs: asked in a child process. Device properties and the bf16 check initialise the device
+    # runtime in the asking process, and this one is the Jupyter kernel: it would keep a context
+    # (hundreds of MB) on GPU 0 beside rank 0 for the whole session, or be refused outright on
+    # GPUs in exclusive-process mode.
+    return Devices(**_probe_in_child())
 
 
-def _gpu_name(accelerator: str) -> str:
+# Runs in a child: everything the lab needs to know about the GPUs, as JSON on stdout.
+_PROBE = """
+import json
+from deepspeed.accelerator import get_accelerator
+import torch
+accel = get_accelerator()
+count = accel.device_count()
+module = torch.get_device_module(accel._name)
+print(json.dumps({
+    "accelerator": accel._name, "device_count": count, "max_ranks": count,
+    "backend": accel.communication_backend_name(),
+    "bf16": bool(accel.is_bf16_supported()), "fp16": bool(accel.is_fp16_supported()),
     # DeepSpeed's accelerator API has no device-name call; torch's per-backend module does.
-    import torch
+    "device_name": module.get_device_name(0) if count and hasattr(module, "get_device_name") else accel._name,
+    "total_memory_bytes": int(accel.total_memory(0)) if count else 0,
+    "visible_devices_env": accel.visible_devices_envs()[0],
+}))
+"""
 
-    module = torch.get_device_module(accelerator)
-    return module.get_device_name(0) if hasattr(module, "get_device_name") else accelerator
+
+def _probe_in_child() -> dict:
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(f"could not query the accelerator's devices:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def _host_memory() -> int:
