@@ -20,13 +20,21 @@ def main() -> int:
     argv = sys.argv[1:]
     run_dir = Path(argv[argv.index("--run-dir") + 1])
     rank = int(os.environ.get("RANK", "0"))
-    child = subprocess.Popen([sys.executable, "-u", "-m", "labkit.worker", *argv])
+    child: subprocess.Popen | None = None
+    pending: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
-        child.send_signal(signum)
+        if child is None:
+            pending.append(signum)  # arrived before the worker existed: passed on once it does
+        else:
+            child.send_signal(signum)
 
+    # Installed before the worker starts: a stop that lands in between must still reach it.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, forward)
+    child = subprocess.Popen([sys.executable, "-u", "-m", "labkit.worker", *argv])
+    for signum in pending:
+        child.send_signal(signum)
     returncode = child.wait()
     write_json_atomic(run_dir / f"rank{rank}.exit", {"rank": rank, "pid": child.pid, "returncode": returncode})
     # Exit like the child did, so DeepSpeed's launcher reacts as it would without us.
