@@ -226,6 +226,18 @@ def test_maxbatch_finds_the_emulated_boundary(launched):
     assert result.predicted_max_micro_batch == BOUNDARY
 
 
+def test_points_that_did_not_finish_have_no_throughput(launched):
+    from labkit.sweep import row_from_run
+
+    rows = [row_from_run(d) for d in (launched["root"] / "maxbatch" / "runs").iterdir()]
+    ooms = [r for r in rows if r["status"] == "oom"]
+    fits = [r for r in rows if r["status"] == "finished"]
+    assert ooms and fits
+    # An OOM probe ran a step or two of lazy allocations: no throughput, no epoch time from it.
+    assert all(r["samples_per_s"] is None and r["time_per_epoch_s"] is None for r in ooms)
+    assert all(r["samples_per_s"] > 0 and r["time_per_epoch_s"] > 0 for r in fits)
+
+
 def test_maxbatch_search_replays_cached_probes(launched):
     again = search(launched["template"], launched["root"] / "maxbatch", start=2)
     assert again.max_micro_batch == BOUNDARY and again.launches == 5 and again.new_launches == 0
