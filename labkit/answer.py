@@ -3,11 +3,11 @@
 Can DeepSpeed keep training time flat while the batch size grows? One command runs, on this
 machine, with real supervised DeepSpeed launches:
 
-1. the max-batch search (`labkit.maxbatch`) per strategy: largest micro-batch that fits the
-   device (GPU: real OOM; CPU: an emulated per-rank capacity, `device_memory_budget_bytes`);
-2. the batch-size sweep (`labkit.sweep`): strategies x global batches, each point trained to a
+1. the batch-size sweep (`labkit.sweep`): strategies x global batches, each point trained to a
    fixed target loss (or a step cap) with LR scaling and warmup, with gradient-noise probes;
    plus an LR-scaling study (none / linear / sqrt) on one strategy;
+2. then the max-batch search (`labkit.maxbatch`) per strategy: largest micro-batch that fits the
+   device (GPU: real OOM; CPU: an emulated per-rank capacity, `device_memory_budget_bytes`);
 3. the derived tables: memory model vs measured vs DeepSpeed's estimates, activation
    estimate from a measured micro-batch profile, gradient noise scale and critical batch;
 4. a self-contained HTML report (`labkit.report`) whose conclusions are computed from 1-3.
@@ -35,7 +35,7 @@ import pandas as pd
 
 from labkit.config import RunConfig
 from labkit.store import read_json, write_json_atomic, write_text_atomic
-from labkit.sweep import STRATEGIES, Sweep, plan
+from labkit.sweep import STRATEGIES, Sweep, plan, strategy_of
 
 REPORT_MAX_BYTES = 5_000_000  # data/reference-ci keeps the report only below this size
 
@@ -172,20 +172,25 @@ def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
     for r in finished.to_dict("records"):
         stage = 0 if pd.isna(r.get("stage")) else int(r["stage"])
         offload = bool(r.get("offload_optimizer")) and str(r.get("offload_optimizer")) != "False"
-        precision = r.get("precision") or "fp32"
+        precision = _state_precision(r["strategy"], r.get("precision"))
         world_size = int(r["world_size"])
         predicted = memory.model_state_bytes(n_params, stage, world_size, precision, offload,
                                              persistent_params=persistent if stage == 3 else 0)
         measured = {k: float(r[k]) for k in ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes")
                     if not pd.isna(r.get(k))}
-        errors = memory.compare(measured, predicted)
-        host = 0.0 if pd.isna(r.get("host_optim_bytes")) else float(r["host_optim_bytes"])
-        measured_device = sum(measured.values()) - host
+        # What optimizer offload keeps on the host: optimizer states + master, and grad partitions.
+        host = {k: 0.0 if pd.isna(r.get(k)) else float(r[k]) for k in ("host_optim_bytes", "host_grad_bytes")}
+        measured_device = sum(measured.values()) - sum(host.values())
+        errors = memory.compare({**measured, "host_grad_bytes": host["host_grad_bytes"],
+                                 "device_bytes": measured_device, "host_bytes": sum(host.values())}, predicted)
         row = {"strategy": r["strategy"], "world_size": world_size, "stage": stage, "offload_optimizer": offload,
                "precision": precision, "n_params": n_params,
+               "persistent_params": persistent if stage == 3 and world_size > 1 else 0,
                **{f"measured_{k}": v for k, v in measured.items()},
                "measured_optim_master_bytes": measured.get("optim_bytes", 0) + measured.get("master_bytes", 0),
-               "measured_device_bytes": measured_device, "measured_buffer_bytes": r.get("buffer_bytes"),
+               **{f"measured_{k}": v for k, v in host.items()},
+               "measured_device_bytes": measured_device, "measured_host_bytes": sum(host.values()),
+               "measured_buffer_bytes": r.get("buffer_bytes"),
                **{f"predicted_{k}": v for k, v in predicted.items()},
                **{f"error_{k}": v for k, v in errors.items()}}
         if stage in (1, 2) and not offload and "grad_bytes" in measured:
@@ -205,6 +210,13 @@ def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _state_precision(strategy: str, precision: str | None) -> str:
+    """The precision of the model states. Plain PyTorch (labkit.trainers.PlainTrainer) keeps fp32
+    weights, grads and Adam state and runs bf16 only under autocast: fp32 states whatever the
+    run's precision. DeepSpeed keeps bf16/fp16 params and grads with an fp32 master."""
+    return "fp32" if strategy == "torch" else (precision or "fp32")
+
+
 def analytic_max_micro_batch(result: Any, template: RunConfig) -> int | None:
     """The max micro-batch labkit.memory predicts: (capacity - analytic on-device states) divided by
     the activation bytes per sample of ONE measured micro-batch profile (the search's first fit)."""
@@ -218,7 +230,8 @@ def analytic_max_micro_batch(result: Any, template: RunConfig) -> int | None:
         return None
     shape = (template.input_size, template.hidden, template.depth, template.output_size)
     stage = template.stage or 0
-    states = memory.model_state_bytes(memory.n_params_mlp(*shape), stage, template.world_size, template.precision,
+    precision = _state_precision(strategy_of(template), template.precision)
+    states = memory.model_state_bytes(memory.n_params_mlp(*shape), stage, template.world_size, precision,
                                       bool(template.offload_optimizer),
                                       persistent_params=memory.mlp_persistent_params(*shape) if stage == 3 else 0)
     per_sample = memory.activation_bytes_per_sample(profile.activation_bytes, profile.micro_batch)
@@ -313,29 +326,29 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     sweep = Sweep(configs, out, parallel=parallel, progress=progress)
     templates = maxbatch_templates(profile)
     cancel = threading.Event()
-    # CPU ranks share the cores, so the max-batch searches (sequential chains of short launches)
-    # run beside the sweep. GPU runs must not share devices (labkit.device_lease refuses it, and
-    # a neighbour's memory would fake an OOM): there they run after the sweep, one at a time.
-    beside = detect_devices().is_cpu
-    search_kwargs = dict(start=profile.maxbatch_start, tolerance=profile.maxbatch_tolerance, cancel=cancel)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        searching = None
-        if templates and beside:
-            say(f"max-batch search for {', '.join(profile.maxbatch_strategies)} (doubling, then bisection), "
-                "beside the sweep")
-            searching = pool.submit(maxbatch.search_many, templates, out, parallel=len(templates), **search_kwargs)
-        say(f"sweep: {len(configs)} points, {parallel} at a time")
-        try:
-            results = sweep.run()
-        except BaseException:
-            cancel.set()  # Ctrl-C: stop the searches' runs too (finished probes are kept)
-            raise
-        say(f"sweep done ({sweep.launched} new launches)")
-        searches = searching.result() if searching else []
-    if templates and not beside:
+    # The max-batch searches run after the sweep, on every device. GPU runs must not share devices
+    # (labkit.device_lease refuses it, and a neighbour's memory would fake an OOM). CPU ranks share
+    # the cores: searches launched beside the sweep would change the contention under the sweep's
+    # step times part-way through, and the report compares those times (fastest strategy, step
+    # time vs batch). On CPU the searches still run side by side with each other (their probes are
+    # not timed), which keeps `answer --profile ci` within ~7 minutes on 2 cores.
+    is_cpu = detect_devices().is_cpu
+    say(f"sweep: {len(configs)} points, {parallel} at a time")
+    results = sweep.run()
+    say(f"sweep done ({sweep.launched} new launches)")
+    searches = []
+    if templates:
+        side_by_side = len(templates) if is_cpu else 1
         say(f"max-batch search for {', '.join(profile.maxbatch_strategies)} (doubling, then bisection), "
-            "one launch at a time")
-        searches = maxbatch.search_many(templates, out, parallel=1, **search_kwargs)
+            f"{side_by_side} search(es) at a time")
+        search_kwargs = dict(start=profile.maxbatch_start, tolerance=profile.maxbatch_tolerance, cancel=cancel)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            searching = pool.submit(maxbatch.search_many, templates, out, parallel=side_by_side, **search_kwargs)
+            try:
+                searches = searching.result()
+            except BaseException:
+                cancel.set()  # Ctrl-C: stop the searches' runs in flight (finished probes are kept)
+                raise
     if searches:
         summary, _ = maxbatch.write_results(searches, out)
         summary["analytic_max_micro_batch"] = [analytic_max_micro_batch(s, t) for s, t in zip(searches, templates)]

@@ -26,7 +26,13 @@ backward at an accumulation boundary, before ``step``) differs in places:
   so the transient peak is full-size grads at both stages 1 and 2.
 * Optimizer offload (stages 1-3): moments + master go to the host, and so does the
   fp32 grad partition (4*Psi/N).  Stages 1/2 then keep no grads on the device at
-  the boundary; stage 3 keeps its low-precision grad partition on the device too.
+  the boundary.  Stage 3 keeps a grad partition in the gradient-accumulation dtype
+  (the params' dtype here) too, and it is on the host as well: ``stage3.py`` sets
+  ``self.device`` to "cpu" under optimizer offload and allocates
+  ``grad_partitions_flat_buffer`` there.  So with offload only the params stay on
+  the device, at every stage.  (With gradient accumulation > 1, stages 1/2 also keep
+  the whole grads of the partition's params on the host, ``accumulated_grads_in_cpu``:
+  not modelled.)
 * Stage 3 keeps "persistent" params (numel <= ``param_persistence_threshold``,
   default 1e5) whole on every rank, on top of its Psi/N partition (when N > 1):
   pass their count as ``persistent_params`` (see :func:`mlp_persistent_params`).
@@ -44,7 +50,7 @@ from typing import Any
 from torch import nn
 
 PRECISIONS = ("fp32", "bf16", "fp16", "mixed")
-STATE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "device_bytes", "host_bytes")
+STATE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "device_bytes", "host_bytes", "host_grad_bytes")
 
 
 def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str = "mixed",
@@ -53,8 +59,9 @@ def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str
 
     Returns ``param_bytes``, ``grad_bytes`` (device + host), ``optim_bytes``
     (moments + fp32 master, the paper's K*Psi/N), ``device_bytes`` (what stays on
-    the accelerator) and ``host_bytes`` (what optimizer offload put on the CPU).
-    ``persistent_params``: params stage 3 keeps unpartitioned (see module doc).
+    the accelerator), ``host_bytes`` (what optimizer offload put on the CPU) and
+    ``host_grad_bytes`` (the grads among them, like the census key of
+    ``labkit.state_bytes``).  ``persistent_params``: params stage 3 keeps unpartitioned (see module doc).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -78,9 +85,10 @@ def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str
         device_grads = lp * psi / n if stage >= 1 else lp * psi
         host_grads = 0.0
     else:
-        # The fp32 grad partition lives next to the offloaded optimizer.
-        host_grads = 4 * psi / n
-        device_grads = lp * psi / n if stage >= 3 else 0.0
+        # The grad partitions live next to the offloaded optimizer: the fp32 one, and at
+        # stage 3 the low-precision one too (grad_partitions_flat_buffer on self.device = cpu).
+        host_grads = 4 * psi / n + (lp * psi / n if stage >= 3 else 0.0)
+        device_grads = 0.0
 
     host = optim + host_grads if offload_optimizer else 0.0
     device = params + device_grads + (0.0 if offload_optimizer else optim)
@@ -90,6 +98,7 @@ def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str
         "optim_bytes": round(optim),
         "device_bytes": round(device),
         "host_bytes": round(host),
+        "host_grad_bytes": round(host_grads),
     }
 
 

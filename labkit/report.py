@@ -187,8 +187,7 @@ def _capacity_text(table: pd.DataFrame, machine: dict[str, Any] | None) -> str:
 def _maxbatch_text(maxbatch: pd.DataFrame, machine: dict[str, Any] | None) -> list[str]:
     out = []
     rows = maxbatch.sort_values("max_micro_batch")
-    parts = [f"{label(r.strategy)} x{int(r.world_size)}: {int(r.max_micro_batch)} per rank "
-             f"({int(r.max_micro_batch) * int(r.world_size)} global) in {int(r.launches)} launches"
+    parts = [f"{label(r.strategy)} x{int(r.world_size)}: {_bracket(r)} in {int(r.launches)} launches"
              for r in rows.itertuples()]
     emulated = bool(rows.emulated_capacity.iloc[0])
     capacity = (f"an emulated device capacity of {mb(rows.budget_bytes.iloc[0])} per rank" if emulated
@@ -215,6 +214,19 @@ def _maxbatch_text(maxbatch: pd.DataFrame, machine: dict[str, Any] | None) -> li
                    + (f"; labkit.memory's analytic states plus one activation profile predict {', '.join(analytic)}"
                       if analytic else "") + ".")
     return out
+
+
+def _bracket(r: Any) -> str:
+    """Where the search left the boundary: the largest micro-batch that fit and the first that
+    ran out of memory (the search stops within its tolerance, not always at adjacent sizes)."""
+    fit, ranks = int(r.max_micro_batch), int(r.world_size)
+    if _nan(getattr(r, "first_oom", None)):
+        return f"at least {fit} per rank ({fit * ranks} global; no OOM up to the search's limit)"
+    oom = int(r.first_oom)
+    if oom == fit + 1:
+        return f"{fit} per rank ({fit * ranks} global; {oom} ran out of memory)"
+    return (f"largest fit {fit}, first OOM {oom} per rank (the boundary lies in {fit}-{oom - 1}; "
+            f"{fit * ranks} global fit)")
 
 
 def pooled_noise(noise: pd.DataFrame | None) -> Any:
@@ -301,21 +313,32 @@ def _memory_text(memory: pd.DataFrame) -> list[str]:
         if worst:
             text += "; largest deviations " + ", ".join(f"{k} {v * 100:.0f}%" for k, v in worst.items())
         if not off.empty:
-            text += (f" (grads at {', '.join(label(s) for s in off.strategy)}: DeepSpeed keeps the whole gradient of a "
-                     "parameter that straddles the partition boundary, the paper's Psi/N assumes an exact split")
-            layout = off.get("error_layout_grad_bytes", pd.Series(dtype=float)).dropna().abs()
-            if not layout.empty:
-                text += (f"; predicted with that layout (labkit.memory.zero12_grad_elements) they are within "
-                         f"{layout.max() * 100:.1f}%")
-            text += ")"
+            # The partition layout explains a grad deviation only where predicting with it lands close.
+            layout = off.get("error_layout_grad_bytes", pd.Series(float("nan"), index=off.index)).abs()
+            explained, unexplained = off[layout <= 0.05], off[~(layout <= 0.05)]
+            notes = []
+            if not explained.empty:
+                notes.append(f"grads at {', '.join(label(s) for s in explained.strategy)}: DeepSpeed keeps the whole "
+                             "gradient of a parameter that straddles the partition boundary, the paper's Psi/N assumes "
+                             "an exact split; predicted with that layout (labkit.memory.zero12_grad_elements) they are "
+                             f"within {layout[explained.index].max() * 100:.1f}%")
+            if not unexplained.empty:
+                notes.append(f"grads at {', '.join(label(s) for s in unexplained.strategy)}: not explained by the "
+                             "partition layout")
+            text += " (" + "; ".join(notes) + ")"
         out.append(text + ".")
     stage0 = memory[(memory.stage == 0) & (memory.world_size > 1)]
     stage3 = memory[(memory.stage == 3) & (~memory.offload_optimizer.astype(bool))]
     if not stage0.empty and not stage3.empty:
         ratio = stage0.measured_device_bytes.iloc[0] / stage3.measured_device_bytes.iloc[0]
-        out.append(f"Measured model states on the device per rank: {mb(stage0.measured_device_bytes.iloc[0])} at ZeRO-0 "
-                   f"vs {mb(stage3.measured_device_bytes.iloc[0])} at ZeRO-3 with {int(stage3.world_size.iloc[0])} ranks "
-                   f"({times(ratio)} less; small layers stay whole on every rank under ZeRO-3's persistence threshold).")
+        text = (f"Measured model states on the device per rank: {mb(stage0.measured_device_bytes.iloc[0])} at ZeRO-0 "
+                f"vs {mb(stage3.measured_device_bytes.iloc[0])} at ZeRO-3 with {int(stage3.world_size.iloc[0])} ranks "
+                f"({times(ratio)} less")
+        persistent = stage3.get("persistent_params", pd.Series(dtype=float)).dropna()
+        if not persistent.empty and persistent.iloc[0] > 0:
+            text += (f"; {int(persistent.iloc[0])} parameters in small tensors stay whole on every rank under "
+                     "ZeRO-3's persistence threshold")
+        out.append(text + ").")
     if "deepspeed_estimate_device_bytes" in memory:
         estimated = memory[memory.deepspeed_estimate_device_bytes.notna()]
         if not estimated.empty:
@@ -517,7 +540,10 @@ def _method_note(results: pd.DataFrame) -> str:
             "median step time; train_time_to_target_s sums rank 0's measured step times instead (stalls caused by "
             "other processes included); time_to_target_s is the wall clock from process start. "
             + ("Out of memory on CPU means the emulated device capacity (device_memory_budget_bytes): the worker counts "
-               "the model states a GPU would hold plus saved activations and raises torch.OutOfMemoryError past it. "
+               "the model states a GPU would hold (params, grads, optimizer states and fp32 master, less what optimizer "
+               "offload keeps on the host) plus saved activations, and raises torch.OutOfMemoryError past it. It leaves "
+               "out communication buffers (buffer_bytes: ZeRO-3's reduce bucket, offload staging buffers) and the "
+               "parameters ZeRO-3 gathers transiently for forward and backward, so a real GPU needs more. "
                if emulated else "Out of memory is the device's own error. ")
             + "Bytes are per rank, the largest over ranks.")
 

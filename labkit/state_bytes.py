@@ -15,8 +15,9 @@ Where the tensors live (DeepSpeed 0.19.8, verified with real 2-rank gloo runs):
 * stage 1/2 (``DeepSpeedZeroOptimizer``): params are views of ``bit16_groups_flat``
   (padded), master ``single_partition_of_fp32_groups``, grads at the boundary are
   views kept in ``averaged_gradients`` (``p.grad`` is already cleared); with
-  offload the fp32 grad partition is ``single_partition_of_fp32_groups[i].grad`` and
-  staging buffers ``temp_grad_buffer_for_{cpu,gpu}_offload`` and
+  offload the fp32 grad partition is ``single_partition_of_fp32_groups[i].grad`` (on
+  the host: ``self.device`` is "cpu" under offload; ``offload_gradient_dict`` holds
+  views of it) and staging buffers ``temp_grad_buffer_for_{cpu,gpu}_offload`` and
   ``param_buffer_of_bit16_for_cpu_offload_groups`` exist; with offload and gradient
   accumulation > 1 the whole grads of the partition's params are also kept on the
   host in ``accumulated_grads_in_cpu``.
@@ -24,7 +25,9 @@ Where the tensors live (DeepSpeed 0.19.8, verified with real 2-rank gloo runs):
   (views of ``fp16_partitioned_groups_flat``) plus full ``p.data`` of "persistent"
   small params, master ``fp32_partitioned_groups_flat``, grads in
   ``grad_partitions_flat_buffer`` (and ``fp32_partitioned_groups_flat[i].grad`` with
-  offload), a reduce bucket ``ipg_buckets[dtype].buffer``.
+  offload), a reduce bucket ``ipg_buckets[dtype].buffer``.  With offload
+  ``self.device`` is "cpu", and ``grad_partitions_flat_buffer`` is allocated there:
+  both grad partitions live on the host.
 
 Every tensor is counted by the full size of its storage, once (dedup on
 ``untyped_storage().data_ptr()``), in the first category that reaches it, in the
@@ -53,7 +56,12 @@ _GRAD_ATTRS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat
 _BUFFER_ATTRS = ("ipg_buckets", "temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload",
                  "param_buffer_of_bit16_for_cpu_offload_groups", "param_groups_fp16_flat_cpu_memory")
 
-KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "buffer_bytes")
+KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "host_grad_bytes",
+        "buffer_bytes")
+# Grads that optimizer offload keeps on the host, besides the fp32 master's .grad (stage 3's
+# grad_partitions_flat_buffer is allocated on self.device, "cpu" under offload). On the CPU
+# accelerator every tensor is on "cpu", so these names stand in for the device check.
+_HOST_GRAD_ATTRS = ("accumulated_grads_in_cpu", "offload_gradient_dict", "grad_partitions_flat_buffer")
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -87,11 +95,12 @@ def _base_optimizer(optimizer: Any) -> Any:
 
 
 class _Counter:
-    """Sum storage bytes per category, each storage once."""
+    """Sum storage bytes per category, each storage once; remember what each category got."""
 
     def __init__(self) -> None:
         self.seen: set[int] = set()
         self.totals: dict[str, int] = {k: 0 for k in KEYS}
+        self.counted: dict[str, list[tuple[torch.Tensor, int]]] = {k: [] for k in KEYS}
 
     def add(self, key: str, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
@@ -103,6 +112,11 @@ class _Counter:
                 continue
             self.seen.add(ptr)
             self.totals[key] += nbytes
+            self.counted[key].append((t, nbytes))
+
+    def bytes_where(self, keys: Iterable[str], keep: Any) -> int:
+        """Bytes of the storages counted under ``keys`` whose tensor passes ``keep``."""
+        return sum(n for k in keys for t, n in self.counted[k] if keep(t))
 
 
 def _attrs(obj: Any, names: Iterable[str]) -> Iterator[torch.Tensor]:
@@ -117,11 +131,17 @@ def model_state_bytes(model: nn.Module, optimizer: Any, *, offload_optimizer: bo
     ``step`` (where gradients are complete).  Returns ``param_bytes``,
     ``grad_bytes``, ``optim_bytes`` (optimizer moments), ``master_bytes`` (fp32
     master copies), ``host_optim_bytes`` (the part of optim+master on the host
-    because of optimizer offload) and ``buffer_bytes`` (reduce buckets and offload
-    staging buffers, not part of the ZeRO paper's model states).
+    because of optimizer offload), ``host_grad_bytes`` (the part of grad_bytes on
+    the host because of optimizer offload: the grad partitions next to the offloaded
+    optimizer) and ``buffer_bytes`` (reduce buckets and offload staging buffers, not
+    part of the ZeRO paper's model states).  Device bytes of model states are
+    param + grad + optim + master - host_optim - host_grad.
 
-    On a GPU, host bytes are the optim/master tensors whose device is "cpu"; on the
-    CPU accelerator every tensor is on "cpu", so ``offload_optimizer`` decides.
+    On a GPU, host bytes are the counted tensors whose device is "cpu"; on the CPU
+    accelerator every tensor is on "cpu", so ``offload_optimizer`` decides: all of
+    optim+master, and the grads DeepSpeed allocates on its offload device (the
+    master's .grad, ``accumulated_grads_in_cpu``, ``offload_gradient_dict`` and, at
+    stage 3, ``grad_partitions_flat_buffer``).
     """
     params = list(model.parameters())
     base = _base_optimizer(optimizer)
@@ -151,10 +171,16 @@ def model_state_bytes(model: nn.Module, optimizer: Any, *, offload_optimizer: bo
     accel_is_cpu = not params or params[0].device.type == "cpu"
     if accel_is_cpu:
         out["host_optim_bytes"] = out["optim_bytes"] + out["master_bytes"] if offload_optimizer else 0
+        host_grads: set[int] = set()
+        if offload_optimizer:
+            candidates = [*_attrs(optimizer, _HOST_GRAD_ATTRS), *(m.grad for m in master_tensors if m.grad is not None)]
+            host_grads = {t.untyped_storage().data_ptr() for t in candidates if t.device.type != "meta"}
+        out["host_grad_bytes"] = c.bytes_where(["grad_bytes"], lambda t: t.untyped_storage().data_ptr() in host_grads)
     else:
-        host = _Counter()
-        host.add("host_optim_bytes", (t for t in master_tensors if t.device.type == "cpu"))
-        host.add("host_optim_bytes",
-                 (t for state in base.state.values() for t in _tensors(state) if t.device.type == "cpu"))
-        out["host_optim_bytes"] = host.totals["host_optim_bytes"]
+        out["host_optim_bytes"] = c.bytes_where(["optim_bytes", "master_bytes"], _on_host)
+        out["host_grad_bytes"] = c.bytes_where(["grad_bytes"], _on_host)
     return out
+
+
+def _on_host(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu"

@@ -8,7 +8,7 @@ from typing import Any
 
 from labkit.telemetry import rank_file, read_records
 
-STATE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes")
+STATE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "host_grad_bytes")
 MEMORY_KEYS = ("peak_rss_bytes", "device_peak_bytes", "activation_bytes")
 WARMUP_STEPS = 2  # the first steps include lazy allocations and op builds; leave them out of medians
 
@@ -71,9 +71,12 @@ def summarize(run_dir: str | Path, config: dict[str, Any], *, status: str, cause
             **{k: max((r.get(k, 0) or 0 for r in records), default=None) or None for k in MEMORY_KEYS},
         }
     rank0_steps = steps_of(records_by_rank.get(0, []))
-    timed = rank0_steps[WARMUP_STEPS:] or rank0_steps
+    finished = status == "finished"
+    # A short finished run (a max-batch probe) falls back to its warm-up steps; a run that did not
+    # finish does not: an OOM at step 2 has one step of lazy allocations, not a throughput.
+    timed = rank0_steps[WARMUP_STEPS:] or (rank0_steps if finished else [])
     step_time = statistics.median(r["step_time_s"] for r in timed) if timed else None
-    samples_per_s = global_batch / step_time if step_time else None
+    samples_per_s = global_batch / step_time if step_time and finished else None
     n_params = next((r.get("n_params") for r in records_by_rank.get(0, []) if r.get("n_params")), None)
     done = next((r for r in records_by_rank.get(0, []) if r.get("event") == "done"), {})
     # The done record holds one device's peak; the run has world_size of them.

@@ -10,7 +10,9 @@ results are a tidy table, one row per point, written to `<out>/results.csv` afte
 the run directories live in `<out>/runs/`. A point is keyed by its full `RunConfig`, so a sweep
 that is interrupted (Ctrl-C, a killed kernel) and started again reuses every point that already
 finished or ran out of device memory, from the CSV or from the run directories, and launches only
-the rest (`Sweep.launched` counts the new launches). Failed, hung and stopped points are launched
+the rest (`Sweep.launched` counts the new launches). The key also holds `MEASUREMENT_VERSION`
+(recorded in each run directory the sweep launches, as `point.json`), so points measured by an
+older labkit are launched again. Failed, hung and stopped points are launched
 again next time; within one sweep a failed or hung point, or one the host's kernel OOM killer
 ended (host memory, shared with other jobs, is not the device capacity being measured), is
 retried once (`retries`).
@@ -34,7 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 import pandas as pd
 
 from labkit.config import RunConfig
-from labkit.store import read_json, run_dirs, write_text_atomic
+from labkit.store import read_json, run_dirs, write_json_atomic, write_text_atomic
 
 # Strategy name -> RunConfig fields. "torch" is the plain PyTorch loop (one process).
 STRATEGIES: dict[str, dict[str, Any]] = {
@@ -55,14 +57,20 @@ STRATEGY_LABELS = {
 HOST_OOM = "OOM killer"
 RETRY_STATUSES = ("failed", "hung")  # retried once within a sweep (a loaded machine times out, drops sockets)
 _OOM_NEEDS = re.compile(r"needs (\d+) bytes")
+# A point's numbers depend on how labkit measures, not only on its RunConfig: bump this when the
+# census or the emulated-capacity accounting changes, so cached points (OOM verdicts included) are
+# measured again. 2: grad partitions that optimizer offload keeps on the host (host_grad_bytes)
+# no longer count as device bytes. Run directories without a point file were measured by 1.
+MEASUREMENT_VERSION = 2
+POINT_FILE = "point.json"  # {"key", "measurement_version"}, written by Sweep into each run it launches
 
 COLUMNS = [
     "key", "strategy", "example", "stage", "offload_optimizer", "precision", "world_size", "micro_batch",
     "grad_accum", "global_batch", "lr_scaling", "peak_lr", "warmup_steps", "target_loss", "status", "cause",
     "steps_completed", "median_step_time_s", "samples_per_s", "time_per_epoch_s", "steps_to_target",
     "epochs_to_target", "time_to_target_s", "train_time_to_target_s", "compute_time_to_target_s", "final_loss", "wall_time_s", "n_params",
-    "param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "buffer_bytes",
-    "model_state_bytes", "activation_bytes", "device_bytes", "device_budget_bytes", "peak_rss_bytes",
+    "param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "host_grad_bytes",
+    "buffer_bytes", "model_state_bytes", "activation_bytes", "device_bytes", "device_budget_bytes", "peak_rss_bytes",
     "device_peak_bytes", "noise_scale", "noise_g2", "noise_trace", "noise_probes", "run_id", "run_dir",
 ]
 
@@ -84,12 +92,20 @@ def strategy_of(config: RunConfig | dict[str, Any]) -> str:
     return f"z{c['stage']}" + ("-offload" if c["offload_optimizer"] else "")
 
 
-def point_key(config: RunConfig | dict[str, Any]) -> str:
-    """A stable id of a point: a hash of its whole config (the detected device count excluded)."""
+def point_key(config: RunConfig | dict[str, Any], measurement_version: int = MEASUREMENT_VERSION) -> str:
+    """A stable id of a point: a hash of its whole config (the detected device count excluded)
+    and of the measurement version that measures it."""
     data = config.to_dict() if isinstance(config, RunConfig) else dict(config)
     data = json.loads(json.dumps(data, default=str))  # the form config.json holds
     data.pop("max_world_size", None)
+    data["measurement_version"] = measurement_version
     return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def run_key(run_dir: str | os.PathLike, config: dict[str, Any]) -> str:
+    """The point key of a run directory, with the measurement version that measured it."""
+    point = read_json(Path(run_dir) / POINT_FILE) or {}
+    return point_key(config, int(point.get("measurement_version") or 1))
 
 
 def split_batch(global_batch: int, world_size: int, max_micro_batch: int | None = None) -> tuple[int, int] | None:
@@ -154,8 +170,9 @@ def row_from_run(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     # Compute time to the target: rank 0's step times up to that step (no process start, no probes).
     train_time = (sum(r["step_time_s"] for r in rank0 if r["step"] <= steps_to_target)
                   if steps_to_target else None)
+    finished = summary.get("status") == "finished"
     row: dict[str, Any] = {
-        "key": point_key(config),
+        "key": run_key(run_dir, config),
         "strategy": strategy_of(config),
         **{k: config.get(k) for k in ("example", "stage", "offload_optimizer", "precision", "world_size",
                                        "micro_batch", "grad_accum", "lr_scaling", "warmup_steps", "target_loss")},
@@ -165,7 +182,8 @@ def row_from_run(run_dir: str | os.PathLike) -> dict[str, Any] | None:
                                         "steps_to_target", "time_to_target_s", "final_loss", "wall_time_s",
                                         "n_params")},
         # An epoch is dataset_size samples over all ranks (the distributed sampler shards it).
-        "time_per_epoch_s": step_time * config["dataset_size"] / global_batch if step_time else None,
+        # Only for finished points: a run that stopped early has no steady-state step time.
+        "time_per_epoch_s": step_time * config["dataset_size"] / global_batch if step_time and finished else None,
         "epochs_to_target": steps_to_target * global_batch / config["dataset_size"] if steps_to_target else None,
         "train_time_to_target_s": train_time,
         # Robust to stalls on a shared machine: what the same steps take at the typical step time.
@@ -182,7 +200,8 @@ def row_from_run(run_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 def _memory_columns(records: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per-rank bytes: the largest over ranks (ZeRO ranks differ only by padding)."""
-    keys = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "buffer_bytes")
+    keys = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "host_grad_bytes",
+            "buffer_bytes")
     out: dict[str, Any] = {}
     per_rank = []
     for rank_records in records.values():
@@ -196,9 +215,10 @@ def _memory_columns(records: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
         states = {k: (last or {}).get(k) for k in keys}
         device = None
         if last is not None:
-            # What labkit's emulated capacity check counts: model states on the device + activations.
+            # What labkit's emulated capacity check counts: model states on the device + activations
+            # (what optimizer offload keeps on the host left out).
             device = (sum(states[k] or 0 for k in ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes"))
-                      - (states["host_optim_bytes"] or 0) + (activation or 0))
+                      - (states["host_optim_bytes"] or 0) - (states["host_grad_bytes"] or 0) + (activation or 0))
         per_rank.append({**states, "activation_bytes": activation, "device_bytes": needed or device,
                          "peak_rss_bytes": max((r.get("peak_rss_bytes") or 0 for r in rank_records), default=0) or None,
                          "device_peak_bytes": max((r.get("device_peak_bytes") or 0 for r in rank_records),
@@ -260,7 +280,7 @@ class Sweep:
             config = read_json(run_dir / "config.json")
             summary = read_json(run_dir / "summary.json")
             if config and summary and settled(summary.get("status"), summary.get("cause")):
-                key = point_key(config)
+                key = run_key(run_dir, config)
                 if key not in rows and (wanted is None or key in wanted):
                     rows[key] = row_from_run(run_dir)
         return rows
@@ -291,6 +311,7 @@ class Sweep:
                     busy += 1
                     key, config = pending.pop(0)
                     run = Run(config, root=self.runs_root).start()
+                    write_json_atomic(run.run_dir / POINT_FILE, {"key": key, "measurement_version": MEASUREMENT_VERSION})
                     self.launched += 1
                     running.append((key, run, time.monotonic()))
                 for item in list(running):

@@ -56,9 +56,10 @@ def train() -> None:
 
     faults.at_start()
     accelerator = get_accelerator()
+    # The device first: NCCL binds a communicator to the current device when the group is made.
+    accelerator.set_device(args.local_rank)
     # On loopback only for single-node runs, with our own timeout (labkit.rendezvous).
     init_distributed(accelerator.communication_backend_name(), timedelta(seconds=config.startup_timeout_s))
-    accelerator.set_device(args.local_rank)
     torch.manual_seed(config.seed)  # every rank builds identical initial weights
 
     # -- data: each rank must read its own shard --------------------------------------
@@ -118,6 +119,8 @@ def train() -> None:
     target_window, recent_losses, stopped_at_target = 5, [], False
     for step in range(1, config.steps + 1):
         faults.at_step(step)
+        # Per-step device peak: reset the accelerator's peak counter here (a labkit.telemetry
+        # call, to come), so device_peak_bytes in this step's record is this step's own peak.
         if step == TIMED_FROM_STEP:
             timed_start = time.perf_counter()
         measure = count_on and (step <= 2 or step % config.census_every == 0)
@@ -176,7 +179,7 @@ def train() -> None:
         telemetry_s += (time.perf_counter() - t_record) * (step >= TIMED_FROM_STEP)
         if config.stop_at_target:
             agreed = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64, device=trainer.device)
-            torch.distributed.all_reduce(agreed)
+            deepspeed.comm.all_reduce(agreed)
             recent_losses = (recent_losses + [agreed.item() / world_size])[-target_window:]
             if sum(recent_losses) / len(recent_losses) <= config.target_loss:
                 stopped_at_target = True
@@ -199,12 +202,16 @@ def train() -> None:
 
 
 def _check_emulated_capacity(census: dict[str, int], activation_bytes: int) -> None:
-    """On CPU, an explicit per-rank budget stands in for a GPU's memory size."""
+    """On CPU, an explicit per-rank budget stands in for a GPU's memory size: the model states a
+    GPU would hold (optimizer states and grad partitions that offload keeps on the host left
+    out) plus saved activations. Communication buffers (buffer_bytes) and params gathered
+    transiently by ZeRO-3 are not counted."""
     budget = config.device_memory_budget_bytes
     if budget is None:
         return
     on_device = (census.get("param_bytes", 0) + census.get("grad_bytes", 0) + census.get("optim_bytes", 0)
-                 + census.get("master_bytes", 0) - census.get("host_optim_bytes", 0) + activation_bytes)
+                 + census.get("master_bytes", 0) - census.get("host_optim_bytes", 0)
+                 - census.get("host_grad_bytes", 0) + activation_bytes)
     if on_device > budget:
         raise torch.OutOfMemoryError(
             f"emulated device capacity exceeded: rank {rank} needs {on_device} bytes "

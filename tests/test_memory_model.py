@@ -67,16 +67,22 @@ def test_fp32_stage_0_has_no_master_but_partitioned_stages_clone_it() -> None:
     assert states(1, 1, "fp32")["device_bytes"] - states(0, 1, "fp32")["device_bytes"] == 4 * PSI
 
 
-def test_offload_moves_optimizer_states_to_host() -> None:
+def test_offload_moves_optimizer_states_and_grad_partitions_to_host() -> None:
     for stage in (1, 2, 3):
         on, off = states(stage, 4), states(stage, 4, offload=True)
         assert off["optim_bytes"] == on["optim_bytes"]
-        assert off["host_bytes"] == off["optim_bytes"] + 4 * PSI // 4  # + fp32 grad partition
+        # + the fp32 grad partition; stage 3's low-precision grad partition is on the host too
+        # (stage3.py: self.device = cpu under offload, grad_partitions_flat_buffer lives there).
+        host_grads = 4 * PSI // 4 + (2 * PSI // 4 if stage == 3 else 0)
+        assert off["host_grad_bytes"] == host_grads
+        assert off["host_bytes"] == off["optim_bytes"] + host_grads
         assert off["device_bytes"] < on["device_bytes"]
-        assert on["host_bytes"] == 0
-    # Stage 1/2 keep no grads on the device; stage 3 keeps its low-precision partition.
+        assert on["host_bytes"] == on["host_grad_bytes"] == 0
+        # Only the params stay on the device.
+        assert off["device_bytes"] == off["param_bytes"]
     assert states(2, 4, offload=True)["device_bytes"] == 2 * PSI
-    assert states(3, 4, offload=True)["device_bytes"] == (2 + 2) * PSI // 4
+    assert states(3, 4, offload=True)["device_bytes"] == 2 * PSI // 4
+    assert states(3, 4, "fp32", offload=True)["host_grad_bytes"] == (4 + 4) * PSI // 4
 
 
 def test_device_plus_host_accounts_for_every_state() -> None:
@@ -230,6 +236,37 @@ class _FakeZero:
         grads_in_partition = torch.zeros(offset)  # whole params overlapping the partition
         self.averaged_gradients = {0: [grads_in_partition[:part]]}
         self.ipg_buckets = {torch.float32: types.SimpleNamespace(buffer=[torch.empty(1000)])}
+
+
+def test_census_host_grads_follow_offload_on_the_cpu_accelerator() -> None:
+    model = SimpleModel(input_size=20, hidden=64, output_size=5, depth=2)
+    psi = count_parameters(model)
+    fake = _FakeZero(model)
+    master = fake.single_partition_of_fp32_groups[0]
+    master.grad = torch.zeros_like(master)  # the fp32 grad partition (host under offload)
+    fake.offload_gradient_dict = {0: [master.grad[:10]]}  # views of it
+    fake.accumulated_grads_in_cpu = {0: torch.zeros(100)}  # whole grads kept with accumulation > 1
+    on = model_state_bytes(model, fake, offload_optimizer=False)
+    off = model_state_bytes(model, fake, offload_optimizer=True)
+    assert on["grad_bytes"] == off["grad_bytes"] == 4 * psi + 4 * (psi // 2) + 400
+    assert on["host_grad_bytes"] == 0 and on["host_optim_bytes"] == 0
+    # The model's grads_in_partition stays on the device; the master's grad and the accumulation
+    # copies are where DeepSpeed's offload device is.
+    assert off["host_grad_bytes"] == 4 * (psi // 2) + 400
+    assert off["host_optim_bytes"] == off["optim_bytes"] + off["master_bytes"]
+
+
+def test_census_stage3_offload_grad_partition_buffer_is_host() -> None:
+    model = SimpleModel(input_size=20, hidden=64, output_size=5, depth=2)
+    psi = count_parameters(model)
+    fake = types.SimpleNamespace(param_groups=[], state={})
+    fake.fp32_partitioned_groups_flat = [torch.zeros(psi // 2, requires_grad=True)]
+    fake.fp32_partitioned_groups_flat[0].grad = torch.zeros(psi // 2)
+    fake.grad_partitions_flat_buffer = torch.zeros(psi // 2)
+    fake.optimizer = types.SimpleNamespace(param_groups=[{"params": fake.fp32_partitioned_groups_flat}], state={})
+    off = model_state_bytes(model, fake, offload_optimizer=True)
+    assert off["grad_bytes"] == off["host_grad_bytes"] == 2 * 4 * (psi // 2)
+    assert model_state_bytes(model, fake, offload_optimizer=False)["host_grad_bytes"] == 0
 
 
 def test_census_zero_layout_dedups_views_and_separates_buffers() -> None:

@@ -1,8 +1,9 @@
 """The answer's machinery: sweep (resumable), max-batch search, noise scale, memory model, report.
 
 Real runs are shared: one session fixture launches, side by side, a 4-point sweep (ZeRO stages
-0-3 on 2 ranks, with gradient-noise probes), a max-batch search under an emulated capacity and
-one stop-at-target run; every test below reads them.
+0-3 on 2 ranks, with gradient-noise probes), a 3-point memory sweep on the CI profile's model
+(ZeRO-2, ZeRO-2 and ZeRO-3 with optimizer offload), a max-batch search under an emulated
+capacity and one stop-at-target run; every test below reads them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from labkit.sweep import Sweep, plan, point_key, split_batch
 # DeepSpeed keeps the whole gradient of a tensor that straddles the partition boundary, which
 # the ZeRO paper's (and labkit.memory's) Psi/N does not model.
 ALIGNED = dict(input_size=129, hidden=64, depth=2, output_size=64, dataset_size=512, micro_batch=16)
+# The CI profile's model: its flat vector does NOT split at a tensor boundary (the 512x512 weight
+# straddles it), so ZeRO-1/2 keep far more than Psi/2 of the gradients.
+CI_MODEL = dict(input_size=100, hidden=512, depth=2, output_size=10, dataset_size=512)
 MAXBATCH_MODEL = dict(input_size=100, hidden=64, depth=1, output_size=10, dataset_size=1024)
 BOUNDARY = 5  # the emulated capacity below is set so that micro-batch 5 fits and 6 does not
 
@@ -55,23 +59,29 @@ def launched(tmp_path_factory):
     template = RunConfig(example="pytorch", device_memory_budget_bytes=_budget_for(BOUNDARY), **MAXBATCH_MODEL)
     stop_config = RunConfig(example="pytorch", hidden=128, micro_batch=64, steps=300, lr=4e-3, dataset_size=2048,
                             target_loss=1.6, stop_at_target=True, noise_scale_every=3)
+    # Two steps: the census of step 2 sees the optimizer states created by step 1.
+    memory_points = plan(["z2", "z2-offload", "z3-offload"], [32], [2], base=dict(steps=2, **CI_MODEL))
 
     def sweep():
         first = Sweep(points, root / "sweep", parallel=4, progress=False)
         return first, first.run()
+
+    def memory_sweep():
+        return Sweep(memory_points, root / "memory", parallel=3, progress=False).run()
 
     def stop_run():
         run = Run(stop_config, root=root / "stop").start()
         run.wait(timeout=600)
         return run
 
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=4) as pool:
         sweep_job = pool.submit(sweep)
+        memory_job = pool.submit(memory_sweep)
         maxbatch_job = pool.submit(search, template, root / "maxbatch", start=2)
         stop_job = pool.submit(stop_run)
         first, table = sweep_job.result()
         return {"root": root, "points": points, "first": first, "table": table, "maxbatch": maxbatch_job.result(),
-                "template": template, "stop": stop_job.result()}
+                "template": template, "stop": stop_job.result(), "memory": memory_job.result()}
 
 
 # -- the sweep --------------------------------------------------------------------------------------
@@ -115,6 +125,25 @@ def test_sweep_resumes_without_new_launches(launched):
     assert {point_key(p) for p in launched["points"]} == set(pd.read_csv(root / "results.csv").key)
 
 
+def test_points_measured_by_an_older_labkit_are_not_reused(launched, tmp_path):
+    import shutil
+
+    from labkit.store import read_json
+    from labkit.sweep import MEASUREMENT_VERSION, POINT_FILE
+
+    point = launched["points"][0]
+    key = point_key(point)
+    assert key != point_key(point, MEASUREMENT_VERSION - 1)
+    source = next(d for d in (launched["root"] / "sweep" / "runs").iterdir()
+                  if (read_json(d / POINT_FILE) or {}).get("key") == key)
+    old = tmp_path / "old" / "runs" / source.name
+    shutil.copytree(source, old)
+    (old / POINT_FILE).unlink()  # run directories from before the measurement version have no point file
+    assert Sweep([point], tmp_path / "old", progress=False).known_rows({key}) == {}
+    shutil.copy(source / POINT_FILE, old / POINT_FILE)
+    assert list(Sweep([point], tmp_path / "old", progress=False).known_rows({key})) == [key]
+
+
 def test_memory_model_matches_measured_states_within_5_percent(launched):
     from labkit import memory
 
@@ -139,6 +168,40 @@ def test_memory_table_predicts_stage_1_2_grads_from_deepspeeds_layout(launched):
         row = table.loc[strategy]
         assert row.predicted_layout_grad_bytes == row.measured_grad_bytes, row
     assert table.loc[["z0", "z3"], "predicted_layout_grad_bytes"].isna().all()  # only stages 1/2 keep whole params
+    # On the CI model the partition boundary cuts the 512x512 weight: the layout prediction (whole
+    # grads of every param overlapping the rank's slice) is what rank 1 holds, far from Psi/N.
+    row = memory_table(launched["memory"], CI_MODEL).set_index("strategy").loc["z2"]
+    assert row.measured_grad_bytes == row.predicted_layout_grad_bytes, row
+    assert row.measured_grad_bytes > 1.5 * row.predicted_grad_bytes, row
+
+
+def test_offload_census_matches_the_memory_model_on_device_and_host(launched):
+    """Optimizer offload keeps the optimizer states, the fp32 master and the grad partitions (at
+    ZeRO-3 the low-precision one too) on the host: only the params count as device bytes."""
+    from labkit import memory
+
+    shape = [CI_MODEL[k] for k in ("input_size", "hidden", "depth", "output_size")]
+    n_params = memory.n_params_mlp(*shape)
+    table = launched["memory"].set_index("strategy")
+    assert (table.status == "finished").all(), table.status
+    for strategy, stage in (("z2-offload", 2), ("z3-offload", 3)):
+        row = table.loc[strategy]
+        predicted = memory.model_state_bytes(n_params, stage, 2, "fp32", True,
+                                             persistent_params=memory.mlp_persistent_params(*shape) if stage == 3 else 0)
+        states = row.param_bytes + row.grad_bytes + row.optim_bytes + row.master_bytes
+        census = {"param_bytes": row.param_bytes, "grad_bytes": row.grad_bytes,
+                  "optim_bytes": row.optim_bytes + row.master_bytes, "host_grad_bytes": row.host_grad_bytes,
+                  "host_bytes": row.host_optim_bytes + row.host_grad_bytes,
+                  "device_bytes": states - row.host_optim_bytes - row.host_grad_bytes}
+        errors = memory.compare(census, predicted)
+        assert set(errors) == {"param_bytes", "grad_bytes", "optim_bytes", "host_grad_bytes", "host_bytes",
+                               "device_bytes"}
+        # Stage 1/2 pad their partitions to a multiple of 2N elements: a few bytes.
+        assert all(abs(e) < 1e-4 for e in errors.values()), (strategy, census, predicted, errors)
+        assert row.host_optim_bytes == row.optim_bytes + row.master_bytes > 0
+        assert row.host_grad_bytes == row.grad_bytes > 0  # no grad stays on the device
+        # The sweep's device column (what the emulated capacity counts) holds params + activations only.
+        assert row.device_bytes == row.param_bytes + row.activation_bytes
 
 
 # -- max-batch search -------------------------------------------------------------------------------
@@ -161,6 +224,18 @@ def test_maxbatch_finds_the_emulated_boundary(launched):
     # (torch's Adam also keeps a 4-byte step counter per tensor: 16 bytes here.)
     assert result.state_bytes == pytest.approx(memory.model_state_bytes(n_params, 0, 1, "fp32")["device_bytes"], abs=64)
     assert result.predicted_max_micro_batch == BOUNDARY
+
+
+def test_points_that_did_not_finish_have_no_throughput(launched):
+    from labkit.sweep import row_from_run
+
+    rows = [row_from_run(d) for d in (launched["root"] / "maxbatch" / "runs").iterdir()]
+    ooms = [r for r in rows if r["status"] == "oom"]
+    fits = [r for r in rows if r["status"] == "finished"]
+    assert ooms and fits
+    # An OOM probe ran a step or two of lazy allocations: no throughput, no epoch time from it.
+    assert all(r["samples_per_s"] is None and r["time_per_epoch_s"] is None for r in ooms)
+    assert all(r["samples_per_s"] > 0 and r["time_per_epoch_s"] > 0 for r in fits)
 
 
 def test_maxbatch_search_replays_cached_probes(launched):
@@ -282,3 +357,32 @@ def test_report_with_every_table(tmp_path):
     assert "B_simple = tr(Sigma)/|G|^2 ~ 100 samples" in text
     assert "ZeRO-3 fits 2.0x the micro-batch of plain PyTorch" in text
     assert "13 launches for 2 strategies" in text
+
+
+def test_report_memory_and_maxbatch_text_follow_the_numbers():
+    from labkit.report import _maxbatch_text, _memory_text
+
+    def memory_row(strategy, stage, grad_error, layout_error=None, persistent=0):
+        return {"strategy": strategy, "world_size": 2, "stage": stage, "offload_optimizer": False,
+                "persistent_params": persistent, "measured_device_bytes": 4e6 if stage == 0 else 2e6,
+                "error_param_bytes": 0.0, "error_grad_bytes": grad_error, "error_optim_bytes": 0.0,
+                "error_layout_grad_bytes": layout_error}
+
+    explained = pd.DataFrame([memory_row("z0", 0, 0.0), memory_row("z2", 2, 0.96, 0.0),
+                              memory_row("z3", 3, 0.0, persistent=57354)])
+    text = " ".join(_memory_text(explained))
+    assert "ZeRO-2: DeepSpeed keeps the whole gradient of a parameter that straddles" in text
+    assert "57354 parameters in small tensors stay whole" in text
+    # A grad deviation the layout does not predict gets no layout story; no persistent params, no threshold.
+    unexplained = pd.DataFrame([memory_row("z0", 0, 0.0), memory_row("z2", 2, 0.96, 0.5), memory_row("z3", 3, 0.3)])
+    text = " ".join(_memory_text(unexplained))
+    assert "straddles" not in text and "ZeRO-2, ZeRO-3: not explained by the partition layout" in text
+    assert "persistence threshold" not in text
+
+    maxbatch = pd.DataFrame([{"strategy": "torch", "world_size": 1, "budget_bytes": 6e6, "emulated_capacity": True,
+                              "max_micro_batch": 288, "first_oom": 320, "launches": 7},
+                             {"strategy": "z3", "world_size": 2, "budget_bytes": 6e6, "emulated_capacity": True,
+                              "max_micro_batch": 640, "first_oom": 641, "launches": 8}])
+    text = " ".join(_maxbatch_text(maxbatch, None))
+    assert "plain PyTorch x1: largest fit 288, first OOM 320 per rank (the boundary lies in 288-319" in text
+    assert "ZeRO-3 x2: 640 per rank (1280 global; 641 ran out of memory)" in text
