@@ -128,6 +128,34 @@ def step_records(run: Run, rank: int = 0) -> pd.DataFrame:
     return pd.DataFrame(records).set_index("step") if records else pd.DataFrame()
 
 
+def maxbatch_result(runs: Mapping[str, Run], capacity_bytes: int, *, emulated: bool):
+    """Runs of one configuration at several micro-batches, read as a max-batch search.
+
+    Returns a `labkit.maxbatch.MaxBatchResult` whose probes are these runs (sorted by
+    micro-batch; counted bytes as `labkit.sweep.row_from_run` reads them), so its
+    `activation_fit()`, `predicted_max_micro_batch` and `consistent()` are the max-batch
+    search's own. `capacity_bytes`: the emulated budget (CPU) or the device's memory (GPU).
+    """
+    import math
+
+    from labkit.maxbatch import MaxBatchResult, Probe
+    from labkit.sweep import row_from_run, strategy_of
+
+    def as_int(value: Any) -> int | None:
+        return None if value is None or (isinstance(value, float) and math.isnan(value)) else int(value)
+
+    probes = []
+    for run in sorted(runs.values(), key=lambda r: r.config.micro_batch):
+        row = row_from_run(run.run_dir) or {}
+        probes.append(Probe(run.config.micro_batch, run.status, as_int(row.get("device_bytes")),
+                            as_int(row.get("activation_bytes")), row.get("run_id"), False))
+    first = next(iter(runs.values())).config
+    return MaxBatchResult(strategy=strategy_of(first), world_size=first.world_size, budget_bytes=capacity_bytes,
+                          emulated=emulated, max_micro_batch=max((p.micro_batch for p in probes if p.fits), default=0),
+                          first_oom=min((p.micro_batch for p in probes if p.status == "oom"), default=None),
+                          probes=probes)
+
+
 # -- charts ------------------------------------------------------------------------------
 def stacked_bars(table: pd.DataFrame, columns: Sequence[str], *, title: str, yaxis: str,
                  xaxis: str | None = None):

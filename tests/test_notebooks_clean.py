@@ -3,7 +3,8 @@
 Clean: no outputs and no execution counts (results belong to the machine that ran them, and
 diffs stay readable). Template: a Jupyter kernelspec, exactly one cell tagged `parameters`
 (papermill injects its values after it), and a first markdown cell opening with "What you'll
-do". Executing the notebooks is nbval's job (`pytest --nbval-lax notebooks`), not this file's.
+do", "What you'll learn" and "What you'll need", in that order.
+Executing the notebooks is nbval's job (`pytest --nbval-lax notebooks`), not this file's.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ def test_exactly_one_parameters_cell(notebook: nbformat.NotebookNode):
     assert "current_profile()" in tagged[0].source, "the parameters cell must read the profile (LABKIT_PROFILE)"
 
 
-def test_opens_with_what_youll_do(notebook: nbformat.NotebookNode):
+def test_opens_with_what_youll_do_learn_need(notebook: nbformat.NotebookNode):
     first = notebook.cells[0]
     assert first.cell_type == "markdown"
     assert first.source.lstrip().startswith("#"), "the first cell starts with the notebook's title"
-    assert "What you'll do" in first.source
+    positions = [first.source.find(f"**What you'll {word}:**") for word in ("do", "learn", "need")]
+    assert all(p >= 0 for p in positions), "the opening names what you'll do, learn and need (bold, with a colon)"
+    assert positions == sorted(positions), "the opening says do, learn, need in that order"
