@@ -61,7 +61,7 @@ class AnswerProfile:
 
 
 PROFILES: dict[str, AnswerProfile] = {
-    # ~10 minutes on 2 CPU cores: a 320k-parameter MLP (its 512x512 layer is big enough for
+    # Under 10 minutes on 2 CPU cores (data/reference-ci/machine.json has the figure): a 320k-parameter MLP (its 512x512 layer is big enough for
     # ZeRO-3 to partition), 3 batch sizes, 2 ranks, runs two at a time.
     "ci": AnswerProfile(
         name="ci",

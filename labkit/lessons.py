@@ -280,6 +280,17 @@ def ds_report(lines: Sequence[str] = ("torch version", "deepspeed info", "deepsp
     return "\n".join(wanted) if wanted else text[-2000:]
 
 
+def build_ops(timeout_s: float = 1800) -> str:
+    """Build (or load from the cache) DeepSpeed's JIT ops in a child process: `python -m labkit.ops`.
+
+    Not in this kernel: on a GPU, loading the CUDA ops would give the kernel a device context
+    on GPU 0 that rank 0 then shares for the whole session. Raises with the build log on failure."""
+    result = subprocess.run([sys.executable, "-m", "labkit.ops"], capture_output=True, text=True, timeout=timeout_s)
+    if result.returncode != 0:
+        raise RuntimeError(f"building DeepSpeed's ops failed:\n{result.stdout[-2000:]}{result.stderr[-3000:]}")
+    return "\n".join(line for line in result.stdout.splitlines() if ": " in line and "WARNING" not in line)
+
+
 # -- DeepSpeed's own batch check, without launching ----------------------------------------
 class _DataParallelGroup:
     """What `DeepSpeedConfig` asks its `mpu` argument: the data-parallel world size."""

@@ -66,7 +66,7 @@ def summarize(run_dir: str | Path, config: dict[str, Any], *, status: str, cause
             if any(k in record for k in STATE_KEYS):
                 last_state = record
         per_rank[str(rank)] = {
-            "steps": len(steps),
+            "steps": len(steps) or _unrecorded_steps(records),
             **{k: last_state.get(k) for k in STATE_KEYS},
             **{k: max((r.get(k, 0) or 0 for r in records), default=None) or None for k in MEMORY_KEYS},
         }
@@ -115,6 +115,14 @@ def summarize(run_dir: str | Path, config: dict[str, Any], *, status: str, cause
         "flops_utilization": achieved / peak_flops if (achieved and peak_flops) else None,
         "per_rank": per_rank,
     }
+
+
+def _unrecorded_steps(records: list[dict[str, Any]]) -> int:
+    """Steps of a run with per-step records off: its done record, else its last heartbeat."""
+    done = next((r for r in records if r.get("event") == "done"), None)
+    if done is not None:
+        return done.get("steps") or 0
+    return max((r["step"] for r in records if r.get("event") == "beat"), default=0)
 
 
 def _median(records: list[dict[str, Any]], key: str) -> float | None:

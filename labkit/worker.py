@@ -119,8 +119,6 @@ def train() -> None:
     target_window, recent_losses, stopped_at_target = 5, [], False
     for step in range(1, config.steps + 1):
         faults.at_step(step)
-        # Per-step device peak: reset the accelerator's peak counter here (a labkit.telemetry
-        # call, to come), so device_peak_bytes in this step's record is this step's own peak.
         if step == TIMED_FROM_STEP:
             timed_start = time.perf_counter()
         measure = count_on and (step <= 2 or step % config.census_every == 0)
@@ -129,6 +127,8 @@ def train() -> None:
             picks = torch.randint(len(dataset), (config.micro_batch,), generator=probe_rng)
             noise = gradient_noise_probe(make_model, list(trainer.parameters()), *dataset[picks],
                                          device=trainer.device)
+        if instrument:
+            telemetry.begin_step()  # device_peak_bytes in this step's record: this step's own peak
         step_start = time.perf_counter()
         forward_s = backward_s = 0.0
         losses = []

@@ -128,4 +128,5 @@ def test_run_without_per_step_records_still_shows_a_hang(runs_root):
     beats = [r for r in read_records(rank_file(run.run_dir, 0)) if r["event"] == "beat"]
     assert beats and not any(r["event"] == "step" for r in read_records(rank_file(run.run_dir, 0)))
     assert beats[-1]["step"] < 40  # rank 0 waits for rank 1 inside step 40's collective
+    assert 0 < run.summary["steps_completed"] < 40  # counted from the heartbeats
     assert not run_processes(run.run_dir)
