@@ -490,6 +490,16 @@ def plotly_traces(page: Any, with_values: bool = False) -> list[list[dict[str, A
     return list(page.evaluate(_JS_PLOTLY, with_values))
 
 
+def wait_for_charts(page: Any, count: int, timeout_s: float = 60.0) -> None:
+    """Wait until ``count`` plotly charts are on the page (they render after their cell has returned)."""
+    try:
+        page.wait_for_function(
+            "(n) => window.jupyterapp.shell.currentWidget.node.querySelectorAll('.js-plotly-plot').length >= n",
+            arg=count, timeout=timeout_s * 1000, polling=250)
+    except Exception as exc:
+        raise HarnessError(f"fewer than {count} plotly charts after {timeout_s}s: {plotly_traces(page)}") from exc
+
+
 def wait_for_points(page: Any, min_points: int, chart: int = 0, trace: int = 0, timeout_s: float = 60.0) -> None:
     """Wait until trace ``trace`` of chart ``chart`` has at least ``min_points`` finite points."""
     deadline = time.monotonic() + timeout_s

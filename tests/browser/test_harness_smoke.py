@@ -67,6 +67,7 @@ def run_smoke(root: Path, update_chart: bool = True, screenshot_name: str = "smo
             harness.run_all_cells(page, timeout_s=120)
             # The kernel is the interpreter running the tests (the venv), not some other python3.
             assert f"kernel: {sys.executable}" in harness.widget_texts(page)
+            harness.wait_for_charts(page, 1)
             assert harness.plotly_traces(page) == [[
                 {"name": "loss", "type": "scatter", "n_points": 0, "length": 0, "x_len": 0, "y_len": 0}
             ]]  # fmt: skip

@@ -63,7 +63,7 @@ def chart_problems(charts: list[list[dict]], steps: int, world: int) -> list[str
         problems.append(f"throughput traces {[t['name'] for t in throughput]}, expected {expected}")
     for rank in range(world):
         if not rank_traces(memory, rank):
-            problems.append(f"no memory trace for rank {rank}")
+            problems.append(f"no memory trace for rank {rank} among {[t['name'] for t in memory]}")
     for chart, traces in (("throughput", throughput), ("memory", memory), ("loss", loss)):
         problems += [f"{chart} {t['name']!r}: {t['n_points']} finite points of {steps}"
                      for t in traces if t["n_points"] != steps]
@@ -90,6 +90,7 @@ def test_panel_launches_plots_stops_and_compares(tmp_path: Path, chromium: str) 
             assert harness.kernel_output(page, "import labkit; print(labkit.__file__)").strip() == \
                 str(REPO / "labkit" / "__init__.py")
             assert status_text(page) == "status: idle"
+            harness.wait_for_charts(page, 4)
             assert [len(chart) for chart in harness.plotly_traces(page)] == [0, 0, 0, 0]  # nothing launched yet
 
             # -- run 1: Launch, follow it to the end ------------------------------------------
