@@ -119,8 +119,10 @@ def test_panel_launches_plots_stops_and_compares(tmp_path: Path, chromium: str) 
             # -- run 2: a long run, stopped while it trains; no process left -----------------
             harness.set_text_widget(page, "steps", str(LONG_STEPS))
             harness.click_button(page, "Launch")
-            wait_until(lambda: status_text(page).startswith("status: running step") or FINAL.match(status_text(page)),
-                       RUN_TIMEOUT_S, lambda: f"run 2 to train; status line now: {status_text(page)!r}")
+            # Until the kernel handles the click, the status line still shows run 1's final status.
+            wait_until(lambda: run1.name not in status_text(page) and (
+                status_text(page).startswith("status: running step") or FINAL.match(status_text(page))),
+                RUN_TIMEOUT_S, lambda: f"run 2 to train; status line now: {status_text(page)!r}")
             running = status_text(page)
             assert re.match(rf"status: running step \d+/{LONG_STEPS} · ", running), running
             run2 = run_dir_of(runs_root, running)
