@@ -8,13 +8,14 @@
 Two layers:
 
 - pure data shaping, unit-tested without widgets: `step_columns` turns records into numpy
-  columns, `RankSeries` accumulates them per rank, `decimation_index` strides a long trace
-  down to <= max_points (always keeping the last point), `run_traces` turns a run's series
-  into the trace list of each chart;
+  columns, `RankSeries` accumulates them per rank, `decimation_index` spreads max_points
+  indices evenly over a long trace (first and last point kept), `run_traces` turns a run's
+  series into the trace list of each chart;
 - `Dashboard`: four `go.FigureWidget`s refreshed from ONE background thread with
   `fig.batch_update()` and numpy arrays. Never `widget.hold_sync()`: it silently drops
   FigureWidget updates. The thread only reads files and sends comm messages, so the
-  kernel stays free to run other cells.
+  kernel stays free to run other cells. A thread is bound to the run and the series it
+  was started for: it never touches a later run's.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from labkit.run import FINAL_STATUSES
 from labkit.store import read_json
 from labkit.telemetry import RecordTail, rank_file, read_records
 
@@ -40,7 +42,11 @@ STEP_KEYS = ("step", "time_s", "samples_per_s", "step_time_s", "loss", "rss_byte
              "master_bytes", "host_optim_bytes")
 CHARTS = ("throughput", "memory", "state", "loss")
 DEFAULT_MAX_POINTS = 2000
-REFRESH_S = 0.25       # 4 Hz: the thread polls the rank files this often (refreshes only on new records)
+REFRESH_S = 0.25       # 4 Hz (>= 2 Hz wanted): the thread polls the rank files this often (refreshes only on new records)
+JOIN_TIMEOUT_S = 10.0  # close() waits this long for the update thread's current tick
+# A reloaded run (no supervisor handle) reads "starting" until its supervisor writes status.json,
+# which it does within seconds of starting; still "starting" after this long, it died first.
+STARTING_TIMEOUT_S = 120.0
 MIB = float(2**20)
 
 RANK_COLORS = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880",
@@ -120,15 +126,14 @@ class RankSeries:
 
 
 def decimation_index(n: int, max_points: int = DEFAULT_MAX_POINTS) -> np.ndarray:
-    """Indices of at most `max_points` evenly strided points of n, first and last included."""
+    """Indices of min(n, max_points) points spread evenly over n, first and last included."""
     if max_points < 2:
         raise ValueError(f"max_points must be >= 2, got {max_points}")
     if n <= max_points:
         return np.arange(n)
-    # stride >= (n-1)/(max_points-1), so index (max_points-1)*stride >= n-1: never more than max_points.
-    stride = -(-(n - 1) // (max_points - 1))
-    idx = np.arange(0, n, stride)
-    return idx if idx[-1] == n - 1 else np.append(idx, n - 1)
+    # Spacing (n-1)/(max_points-1) > 1, so flooring keeps the indices strictly increasing;
+    # a whole-number stride would return ~n/2 points just above the cap (2001 -> 1001).
+    return np.linspace(0, n - 1, max_points).astype(np.int64)
 
 
 def decimate(x: np.ndarray, y: np.ndarray, max_points: int = DEFAULT_MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
@@ -293,18 +298,21 @@ def _plotly_trace(trace: TraceData):
 class Dashboard:
     """Four live FigureWidgets for one run at a time, plus overlays of past runs.
 
-    `on_tick(dashboard, final)` (optional) is called from the update thread after every poll,
-    and once more with final=True after the last refresh: the panel hangs its status line
-    and log tail on it, so a run costs one thread, not several.
+    `on_tick(run, series, final, error)` (optional) is called from the update thread after
+    every poll, and once more with final=True when the thread ends on its own: the run is
+    done, or the thread gave up (`error` then says why; None otherwise). The panel hangs
+    its status line and log tail on it, so a run costs one thread, not several. `run` and
+    `series` are the ones the thread follows, not whatever the dashboard shows by then.
     """
 
     def __init__(self, run: Any = None, *, refresh_s: float = REFRESH_S, max_points: int = DEFAULT_MAX_POINTS,
-                 on_tick: Callable[["Dashboard", bool], None] | None = None):
+                 on_tick: Callable[[Any, list[RankSeries], bool, str | None], None] | None = None):
         import ipywidgets as W
 
         self.refresh_s = refresh_s
         self.max_points = max_points
         self.on_tick = on_tick
+        self.starting_timeout_s = STARTING_TIMEOUT_S
         self.figures = {chart: _new_figure(chart) for chart in CHARTS}
         # Two per row where there is room, one per row where there is not.
         self.widget = W.Box(list(self.figures.values()), layout=W.Layout(display="flex", flex_flow="row wrap",
@@ -315,10 +323,13 @@ class Dashboard:
         self.overlays: dict[str, dict[str, list[TraceData]]] = {}  # run id -> traces per chart
         self.first_point_at: float | None = None  # time.monotonic() of the first plotted step
         self.refreshes = 0
+        self.ticks = 0                             # polls of the current thread
         self.last_refresh_s: float | None = None  # how long the last refresh took (kernel-side)
-        self.error: str | None = None             # traceback if the update thread died
+        self.error: str | None = None             # why the update thread gave up, if it did
         self._live_counts = {chart: 0 for chart in CHARTS}
-        self._lock = threading.RLock()  # the figures are changed by the thread and by overlay() calls
+        # Guards series, overlays and figures: the thread extends and plots, the kernel's
+        # thread overlays and rebuilds.
+        self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         if run is not None:
@@ -334,42 +345,80 @@ class Dashboard:
         """Follow `run` (a started `labkit.Run`, or `Run.load(dir)` of a past one) until it is done."""
         from labkit.devices import detect_devices
 
-        self.close()
+        if not self.close():
+            raise RuntimeError(f"the update thread of {self.run.run_dir.name} did not stop within "
+                               f"{JOIN_TIMEOUT_S:g} s; not following a second run beside it")
         tails = [RecordTail(rank_file(run.run_dir, rank)) for rank in range(run.config.world_size)]
-        self.run = run
-        self.first_point_at = None
-        self.refreshes = 0
-        self.error = None
+        series = [RankSeries() for _ in tails]
         kind = "host" if detect_devices().is_cpu else "device"
-        self.show_series([RankSeries() for _ in tails], memory=kind)
+        with self._lock:
+            self.run = run
+            self.first_point_at = None
+            self.refreshes = 0
+            self.ticks = 0
+            self.error = None
+            self.show_series(series, memory=kind)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(run, tails, self._stop),
+        self._thread = threading.Thread(target=self._loop, args=(run, series, tails, self._stop),
                                         name="labkit-dashboard", daemon=True)
         self._thread.start()
 
     def show_series(self, series: list[RankSeries], memory: str = "host") -> None:
-        """Make `series` the live traces (rebuilding the figures); `refresh()` plots them."""
+        """Make `series` the live traces (rebuilding the figures); `refresh()` plots them.
+
+        An update thread following other series stops at its next poll.
+        """
         with self._lock:
             self.series = series
             self.memory = memory
             self._rebuild()
 
-    def _loop(self, run: Any, tails: list[RecordTail], stop: threading.Event) -> None:
+    def _loop(self, run: Any, series: list[RankSeries], tails: list[RecordTail], stop: threading.Event) -> None:
+        error = None
+        final = False
+        started = time.monotonic()
         try:
-            while True:
+            while not stop.is_set():
                 # Ask "done?" before polling: the ranks' last records are on disk before
                 # summary.json is, so the poll after a True answer reads everything.
-                done = run.done
-                added = sum(s.extend(t.poll()) for s, t in zip(self.series, tails))
-                if added or done or self.refreshes == 0:
-                    self.refresh()
+                status = run.status
+                done = status in FINAL_STATUSES
+                columns = [step_columns(t.poll()) for t in tails]  # file reads outside the lock
+                with self._lock:
+                    if series is not self.series:
+                        return  # the dashboard moved on (watch, show_series): not ours to plot
+                    added = sum(s.extend_columns(c) for s, c in zip(series, columns))
+                    if added or done or self.refreshes == 0:
+                        self.refresh()
+                    self.ticks += 1
+                if done:
+                    final = True
+                    return
+                # Only a reloaded run reads "starting" (a launched one has its supervisor's handle).
+                if status == "starting" and time.monotonic() - started > self.starting_timeout_s:
+                    final = True
+                    error = (f"{run.run_dir.name} still reads 'starting' after {self.starting_timeout_s:g} s: "
+                             "its supervisor never wrote status.json (it probably died); stopped following it")
+                    return
                 if self.on_tick is not None:
-                    self.on_tick(self, done)
-                if done or stop.wait(self.refresh_s):
+                    self.on_tick(run, series, False, None)
+                if stop.wait(self.refresh_s):
                     return
         except Exception:
-            self.error = traceback.format_exc()
-            print(f"labkit dashboard update thread stopped:\n{self.error}", file=sys.stderr)
+            final = True
+            error = traceback.format_exc()
+            print(f"labkit dashboard update thread stopped:\n{error}", file=sys.stderr)
+        finally:
+            with self._lock:
+                current = series is self.series
+                if current:
+                    self.error = error
+            # The final tick re-enables the panel's controls, even after an error.
+            if final and current and self.on_tick is not None:
+                try:
+                    self.on_tick(run, series, True, error)
+                except Exception:
+                    print(f"labkit dashboard final update failed:\n{traceback.format_exc()}", file=sys.stderr)
 
     def refresh(self) -> float:
         """Re-plot the live traces from the series; returns the seconds it took (kernel-side cost)."""
@@ -391,50 +440,67 @@ class Dashboard:
         self.last_refresh_s = time.perf_counter() - start
         return self.last_refresh_s
 
+    def last_step(self) -> int:
+        """The last step rank 0 recorded in the live series (0 before the first)."""
+        with self._lock:
+            return self.series[0].last_step if self.series else 0
+
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the update thread to end (the run done); True if it has."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
         return not self.running
 
-    def close(self) -> None:
-        """Stop the update thread (the figures keep what they show)."""
+    def close(self) -> bool:
+        """Stop the update thread (the figures keep what they show); False if it did not end in time.
+
+        A thread that outlives the join is kept (`running` stays True) so that nobody starts
+        a second one beside it; it ends at its next poll.
+        """
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+        thread = self._thread
+        if thread is None:
+            return True
+        if thread is threading.current_thread():
+            return False  # from on_tick: the loop ends when the tick returns
+        thread.join(timeout=JOIN_TIMEOUT_S)
+        if thread.is_alive():
+            return False
         self._thread = None
+        return True
 
     # -- past runs -------------------------------------------------------------------------
     def overlay(self, runs: Iterable[str | Path]) -> list[str]:
         """Draw past runs (directories or ids in the run store) on the same axes; returns their ids."""
         from labkit.store import default_root
 
-        added = []
-        for run in runs:
+        loaded = []
+        for run in runs:  # the files are read outside the lock: the update thread keeps going
             path = Path(run)
             if not path.is_dir():
                 path = default_root() / str(run)
-            series = load_series(path)
-            color = OVERLAY_COLORS[len(self.overlays) % len(OVERLAY_COLORS)]
-            label = overlay_label(path.name)
-            self.overlays[label] = run_traces(series, memory=memory_kind(series), label=label, color=color,
-                                              max_points=self.max_points)
-            added.append(path.name)
+            loaded.append((path, load_series(path)))
         with self._lock:
+            for path, series in loaded:
+                color = OVERLAY_COLORS[len(self.overlays) % len(OVERLAY_COLORS)]
+                label = overlay_label(path.name)
+                self.overlays[label] = run_traces(series, memory=memory_kind(series), label=label, color=color,
+                                                  max_points=self.max_points)
             self._rebuild()
-        return added
+        return [path.name for path, _ in loaded]
 
     def clear_overlays(self) -> None:
-        self.overlays.clear()
         with self._lock:
+            self.overlays.clear()
             self._rebuild()
 
     def _rebuild(self) -> None:
-        """Replace every figure's traces: the live run's (empty until refreshed), then the overlays'."""
+        """(Under the lock.) Replace every figure's traces: the live run's (empty until refreshed), then the overlays'."""
         live = run_traces(self.series, memory=self.memory, max_points=self.max_points)
         for chart, fig in self.figures.items():
             traces = live[chart] + [t for overlay in self.overlays.values() for t in overlay[chart]]

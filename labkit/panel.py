@@ -24,15 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from labkit.config import EXAMPLES, LR_SCALINGS, PRECISIONS, ConfigError, RunConfig
-from labkit.dashboard import REFRESH_S, Dashboard
-from labkit.history import runs
-from labkit.run import Run
+from labkit.dashboard import REFRESH_S, Dashboard, RankSeries
+from labkit.history import COLUMNS, runs
+from labkit.run import FINAL_STATUSES, Run
 
 LOG_REFRESH_S = 1.0    # log tails are re-read at most this often
 LOG_LINES = 40
-HISTORY_COLUMNS = ("run_id", "status", "example", "stage", "offload_optimizer", "precision", "world_size",
-                   "micro_batch", "grad_accum", "global_batch", "steps_completed", "samples_per_s",
-                   "median_step_time_s", "final_loss", "cause")
 _FIELDS = {f.name for f in dataclasses.fields(RunConfig)}
 # Dropdowns cannot show None as a chosen value (it means "nothing selected"): "preset" stands
 # for RunConfig's None, "use the example's preset".
@@ -51,6 +48,8 @@ def status_line(status: str, *, step: int = 0, steps: int = 0, run_id: str = "",
     summary = summary or {}
     if status == "created":
         return "status: idle"
+    if status == "stopping":
+        return f"status: stopping{where}"
     if status in ("starting", "running"):
         if step == 0:
             return f"status: starting{where} (process start, distributed init, op builds)"
@@ -113,7 +112,10 @@ class LabPanel:
         self.env = env
         self.root = root
         self.run: Run | None = None
-        self._lock = threading.Lock()
+        self._stopping: Run | None = None  # the run Stop was pressed for, until it is done
+        # Status line, buttons and logs are written by the kernel's thread (launch, stop) and
+        # by the dashboard's thread (ticks): one writer at a time.
+        self._lock = threading.RLock()
         self._logs_read_at = 0.0
         values = {f.name: f.default for f in dataclasses.fields(RunConfig)
                   if f.default is not dataclasses.MISSING}
@@ -121,9 +123,9 @@ class LabPanel:
         max_ranks = detect_devices().max_ranks
         wide = {"description_width": "120px"}
 
-        def intbox(name: str, description: str, low: int = 1, high: int = 10**7) -> W.BoundedIntText:
-            return W.BoundedIntText(value=min(max(values[name], low), high), min=low, max=high,
-                                    description=description, style=wide)
+        def intbox(name: str, description: str) -> W.IntText:
+            # Unbounded: a bounded box would clamp silently; RunConfig says what is wrong.
+            return W.IntText(value=values[name], description=description, style=wide)
 
         # One control per RunConfig field, keyed by the field's name: config() reads them as they are.
         self.controls: dict[str, W.ValueWidget] = {
@@ -135,8 +137,8 @@ class LabPanel:
                                             description="optimizer offload", style=wide),
             "precision": W.Dropdown(options=PRECISIONS, value=values["precision"], description="precision",
                                     style=wide),
-            # Capped at what this machine can host: one rank per GPU, or per core on CPU.
-            "world_size": intbox("world_size", f"world size (≤{max_ranks})", high=max_ranks),
+            # What this machine can host: one rank per GPU, or per core on CPU (RunConfig checks it).
+            "world_size": intbox("world_size", f"world size (≤{max_ranks})"),
             "micro_batch": intbox("micro_batch", "micro-batch"),
             "grad_accum": intbox("grad_accum", "grad. accumulation"),
             "steps": intbox("steps", "steps"),
@@ -213,7 +215,7 @@ class LabPanel:
             config = self.config()
         except ConfigError as exc:
             self.derived.value = "global batch: —"
-            self._show_error(exc)
+            self._show_error(str(exc))
             return
         stage = "no ZeRO" if config.stage is None else f"ZeRO stage {config.stage}"
         offload = ", optimizer offloaded" if config.offload_optimizer else ""
@@ -223,69 +225,102 @@ class LabPanel:
             f"({config.lr_scaling} scaling) · {stage}{offload}")
         self.message.value = ""
 
-    def _show_error(self, exc: Exception) -> None:
-        self.message.value = f"<span style='color:#b00020'>⚠ {html.escape(str(exc))}</span>"
+    def _show_error(self, text: str) -> None:
+        self.message.value = f"<span style='color:#b00020'>⚠ {html.escape(text)}</span>"
 
     # -- actions ---------------------------------------------------------------------------
     def launch(self) -> Run | None:
         """Start a run with the current choice; None (and the reason shown) if nothing was launched."""
         if self.run is not None and not self.run.done:
-            self._show_error(RuntimeError(f"run {self.run.run_dir.name} is still going; stop it first"))
+            self._show_error(f"run {self.run.run_dir.name} is still going; stop it first")
+            return None
+        # The last run's update thread goes first, so nothing of it can touch the new run.
+        if not self.dashboard.close():
+            self._show_error("the last run's chart updates have not stopped yet; press Launch again")
             return None
         try:
             config = self.config()
             run = Run(config, env=self.env, root=self.root).start()  # refuses GPUs another run holds
         except ConfigError as exc:
-            self._show_error(exc)
+            self._show_error(str(exc))
             return None
-        self.message.value = ""
-        self.run = run
-        self.launch_button.disabled = True
-        self.stop_button.disabled = False
-        self._show_status(run, 0)
-        self.logs.children = [self._log_view() for _ in range(config.world_size)]
-        self.logs.titles = tuple(f"rank {rank} log" for rank in range(config.world_size))
-        self.logs.selected_index = None  # collapsed until asked for
+        except Exception as exc:  # a busy GPU, a full disk: shown in the panel, not lost in a callback
+            self._show_error(f"launch failed: {type(exc).__name__}: {exc}")
+            return None
+        with self._lock:
+            self.message.value = ""
+            self.run = run
+            self._stopping = None
+            self.launch_button.disabled = True
+            self.stop_button.disabled = False
+            self._show_status(run, 0)
+            self.logs.children = [self._log_view() for _ in range(config.world_size)]
+            self.logs.titles = tuple(f"rank {rank} log" for rank in range(config.world_size))
+            self.logs.selected_index = None  # collapsed until asked for
         self.dashboard.watch(run)  # its thread also drives the status line and log tails (_on_tick)
         self.refresh_history()
         return run
 
     def stop(self) -> str | None:
         """End every process of the current run (blocks a few seconds); returns its status."""
-        if self.run is None:
+        run = self.run
+        if run is None:
             return None
-        if not self.run.done:
-            self.status.value = f"status: stopping · {html.escape(self.run.run_dir.name)}"
-        status = self.run.stop()
+        if not run.done:
+            with self._lock:
+                self._stopping = run  # ticks keep showing "stopping" until the run is done
+                self._show_status(run, self.dashboard.last_step())
+        status = run.stop()
         self.dashboard.join(timeout=10)  # its final tick shows "stopped" and reloads the history
+        if run is self.run:
+            # Whatever the update thread managed: the run is over, the controls are free again.
+            self._finish(run, self.dashboard.last_step())
         return status
 
     def close(self) -> None:
         self.dashboard.close()
 
     # -- updates (from the dashboard's thread) ---------------------------------------------
-    def _on_tick(self, dashboard: Dashboard, final: bool) -> None:
-        run = dashboard.run
-        if run is not self.run:
-            return
-        step = dashboard.series[0].last_step if dashboard.series else 0
+    def _on_tick(self, run: Run, series: list[RankSeries], final: bool, error: str | None) -> None:
+        step = series[0].last_step if series else 0  # this thread is the one that extends them
         with self._lock:
-            self._show_status(run, step)
-            now = time.monotonic()
-            if final or now - self._logs_read_at >= LOG_REFRESH_S:
-                self._logs_read_at = now
-                self._show_logs(run)
-        if final:
-            self.launch_button.disabled = False
-            self.stop_button.disabled = True
-            self.refresh_history()
+            if run is not self.run:
+                return  # a thread of an earlier run: never writes over the current one
+            if not final:
+                self._show_status(run, step)
+                now = time.monotonic()
+                if now - self._logs_read_at >= LOG_REFRESH_S:
+                    self._logs_read_at = now
+                    self._show_logs(run)
+                return
+            if error:
+                self._show_error(f"live updates stopped: {error.strip().splitlines()[-1]}"
+                                 + ("" if run.done else "; the run goes on (Stop ends it)"))
+        self._finish(run, step)
 
-    def _show_status(self, run: Run, step: int) -> None:
+    def _finish(self, run: Run, step: int) -> None:
+        """The last status, logs and history of `run`; Launch enabled, Stop only while it still runs."""
+        with self._lock:
+            done = False
+            try:
+                done = self._show_status(run, step)
+                self._show_logs(run)
+            finally:
+                self.launch_button.disabled = False
+                self.stop_button.disabled = done
+        self.refresh_history()
+
+    def _show_status(self, run: Run, step: int) -> bool:
+        """Show the run's status line; returns whether the run is done."""
         status = run.status
-        summary = run.summary if status not in ("starting", "running") else None
+        done = status in FINAL_STATUSES
+        if not done and self._stopping is run:
+            status = "stopping"
+        summary = run.summary if done else None
         text = status_line(status, step=step, steps=run.config.steps, run_id=run.run_dir.name, summary=summary)
-        color = {"finished": "#1b5e20", "stopped": "#6d4c41"}.get(status, "#b00020" if run.done else "#0d47a1")
+        color = {"finished": "#1b5e20", "stopped": "#6d4c41"}.get(status, "#b00020" if done else "#0d47a1")
         self.status.value = f"<span style='color:{color}'>{html.escape(text)}</span>"
+        return done
 
     @staticmethod
     def _log_view():
@@ -307,10 +342,14 @@ class LabPanel:
         """Reload the run store: the overlay choices and the history table."""
         table = runs(self.root)
         newest_first = table.iloc[::-1]
+        shown = newest_first.loc[:, list(COLUMNS)]
+        with self._lock:  # the kernel's thread (buttons) and the dashboard's (final tick) both reload
+            self._show_history(newest_first, shown)
+
+    def _show_history(self, newest_first: Any, shown: Any) -> None:
         chosen = set(self.run_select.value)
         self.run_select.options = [(f"{row.run_id} ({row.status})", row.path) for row in newest_first.itertuples()]
         self.run_select.value = tuple(path for _, path in self.run_select.options if path in chosen)
-        shown = newest_first.loc[:, list(HISTORY_COLUMNS)]
         # Set the Output's outputs directly: `with output:` captures by thread and must not
         # be used from the dashboard's thread.
         self.history.outputs = ({

@@ -7,17 +7,21 @@ a real browser are tests/browser/test_panel_browser.py.
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from labkit import RunConfig
-from labkit.dashboard import (Dashboard, RankSeries, decimate, decimation_index, load_series, memory_kind,
-                              run_traces, step_columns)
+import labkit.dashboard
+import labkit.panel
+from labkit.dashboard import (REFRESH_S, Dashboard, RankSeries, decimate, decimation_index, load_series,
+                              memory_kind, run_traces, step_columns)
 from labkit.panel import LabPanel, rank_log, status_line, tail_text
 from labkit.run import Run, run_name
 from labkit.store import new_run_dir, write_json_atomic
@@ -55,18 +59,18 @@ def config(**overrides) -> RunConfig:
 
 
 # -- decimation ----------------------------------------------------------------------------
-@pytest.mark.parametrize("n", [0, 1, 2, 1999, 2000, 2001, 4001, 100_000, 123_457])
-def test_decimation_keeps_at_most_max_points_first_and_last(n):
+@pytest.mark.parametrize("n", [0, 1, 2, 1999, 2000, 2001, 2002, 3999, 4001, 100_000, 123_457])
+def test_decimation_keeps_max_points_first_and_last(n):
     idx = decimation_index(n, 2000)
-    assert len(idx) <= 2000
-    assert len(idx) == min(n, len(idx))
+    assert len(idx) == min(n, 2000)  # just above the cap too (2001 -> 2000, not 1001)
     if n:
         assert idx[0] == 0 and idx[-1] == n - 1
         assert np.all(np.diff(idx) > 0)
     if n <= 2000:
         assert list(idx) == list(range(n))
-    else:
-        assert len(idx) > 1000  # striding, not throwing most points away
+    else:  # evenly spread: no gap more than one index wider than the ideal spacing
+        gaps = np.diff(idx)
+        assert gaps.max() - gaps.min() <= 1 and gaps.max() <= math.ceil((n - 1) / 1999)
 
 
 def test_decimate_pairs_x_and_y():
@@ -186,9 +190,10 @@ def test_tail_text(tmp_path):
 def test_dashboard_plots_a_finished_run_and_stops(tmp_path):
     run = Run.load(write_run(tmp_path / "r1", config(), steps=12))
     ticks = []
-    dash = Dashboard(run, refresh_s=0.05, on_tick=lambda d, final: ticks.append(final))
+    dash = Dashboard(run, refresh_s=0.05, on_tick=lambda r, series, final, error: ticks.append((r, final, error)))
     assert dash.join(timeout=30), "the update thread must end when the run is done"
-    assert dash.error is None and ticks[-1] is True and ticks.count(True) == 1
+    assert dash.error is None and ticks[-1] == (run, True, None)
+    assert [final for _, final, _ in ticks].count(True) == 1
     data = {chart: {t.name: len(t.x) for t in fig.data} for chart, fig in dash.figures.items()}
     assert data["throughput"] == {"global": 12, "rank 0": 12, "rank 1": 12}
     assert data["memory"] == {"rank 0 RSS": 12, "rank 1 RSS": 12}
@@ -224,6 +229,80 @@ def test_overlay_and_clear(tmp_path):
     assert [t.name for t in dash.figures["loss"].data] == ["loss"]
 
 
+def test_refresh_is_at_least_twice_a_second():
+    assert 0 < REFRESH_S <= 0.5
+    assert Dashboard().refresh_s == REFRESH_S
+
+
+def test_no_labkit_module_calls_hold_sync():
+    """hold_sync() silently drops FigureWidget updates: batch_update() only."""
+    calls = []
+    for path in sorted(Path(labkit.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "hold_sync":
+                calls.append(f"{path.name}:{node.lineno}")
+    assert calls == []
+    assert len(list(Path(labkit.__file__).parent.glob("*.py"))) > 10  # the right directory
+
+
+def dashboard_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "labkit-dashboard" and t.is_alive()]
+
+
+def test_a_thread_never_touches_series_it_was_not_started_for(tmp_path):
+    run_dir = write_run(tmp_path / "live", config(), steps=3, status=None)
+    ticks = []
+    dash = Dashboard(Run.load(run_dir), refresh_s=0.05, on_tick=lambda r, series, final, error: ticks.append(final))
+    _wait(lambda: dash.series[0].n == 3)
+    fresh = [RankSeries(), RankSeries()]
+    dash.show_series(fresh)  # e.g. a re-launch: the old thread must stop, not feed these
+    with open(run_dir / "rank0.jsonl", "a") as handle:
+        handle.write(json.dumps(step_record(0, 4)) + "\n")
+    assert dash.join(timeout=10)
+    assert fresh[0].n == 0 and dash.series is fresh
+    assert True not in ticks  # no final tick: that would re-enable Launch for whatever runs now
+
+
+def test_close_keeps_a_thread_that_did_not_stop_and_watch_refuses_a_second(tmp_path, monkeypatch):
+    monkeypatch.setattr(labkit.dashboard, "JOIN_TIMEOUT_S", 0.2)
+    first = Run.load(write_run(tmp_path / "a", config(), steps=3, status=None))
+    second = Run.load(write_run(tmp_path / "b", config(), steps=5, status=None))
+    release = threading.Event()
+    dash = Dashboard(refresh_s=0.05, on_tick=lambda r, s, final, error: release.wait(20) if r is first else None)
+    dash.watch(first)
+    try:
+        _wait(lambda: dash.ticks >= 1)  # the thread is now stuck in its tick
+        assert dash.close() is False and dash.running
+        with pytest.raises(RuntimeError, match="did not stop"):
+            dash.watch(second)
+        assert len(dashboard_threads()) == 1
+    finally:
+        release.set()
+    assert dash.join(timeout=10)
+    dash.watch(second)
+    try:
+        _wait(lambda: dash.series[0].n == 5)
+        assert len(dashboard_threads()) == 1 and dash.run is second
+    finally:
+        assert dash.close()
+    assert dashboard_threads() == []
+
+
+def test_a_run_stuck_starting_is_given_up(tmp_path):
+    run_dir = tmp_path / "dead"
+    run_dir.mkdir()
+    write_json_atomic(run_dir / "config.json", config().to_dict())  # its supervisor died before status.json
+    run = Run.load(run_dir)
+    assert run.status == "starting"
+    ticks = []
+    dash = Dashboard(refresh_s=0.05, on_tick=lambda r, s, final, error: ticks.append((final, error)))
+    dash.starting_timeout_s = 0.3
+    dash.watch(run)
+    assert dash.join(timeout=10)
+    assert "still reads 'starting'" in dash.error
+    assert ticks[-1][0] is True and ticks[-1][1] == dash.error
+
+
 def _wait(condition, timeout: float = 20.0) -> None:
     import time
 
@@ -250,9 +329,18 @@ def test_widgets_build_the_config_and_the_global_batch(runs_root):
     assert "peak LR 0.001" in plain(panel.derived)
     panel.controls["stage"].value = 1
     assert panel.config().stage == 1 and "ZeRO stage 1" in plain(panel.derived)
-    assert panel.controls["world_size"].max == panel.config().max_world_size  # capped at the machine's ranks
     with pytest.raises(TypeError):
         LabPanel(no_such_field=1)
+
+
+def test_a_world_size_above_the_machine_shows_the_config_error(runs_root):
+    from labkit.devices import detect_devices
+
+    too_many = detect_devices().max_ranks + 1
+    panel = LabPanel(world_size=too_many, micro_batch=4)
+    assert panel.controls["world_size"].value == too_many  # kept as asked, not clamped to the maximum
+    assert plain(panel.message).startswith(f"⚠ world_size: {too_many} ranks requested but this machine has")
+    assert panel.launch() is None and not runs_root.exists()
 
 
 @pytest.mark.parametrize("changes,field", [
@@ -267,7 +355,8 @@ def test_invalid_combination_shows_the_error_and_launches_nothing(runs_root, cha
     assert panel.launch() is None and panel.run is None
     assert f"⚠ {field}:" in plain(panel.message)
     assert not runs_root.exists() or not any(runs_root.iterdir())
-    assert not panel.dashboard.running
+    assert dashboard_threads() == [] and plain(panel.status) == "status: idle"
+    assert not panel.launch_button.disabled and panel.stop_button.disabled
 
 
 class SyntheticRun(Run):
@@ -280,8 +369,6 @@ class SyntheticRun(Run):
 
 
 def test_launch_runs_the_config_and_reports_the_outcome(runs_root, monkeypatch):
-    import labkit.panel
-
     monkeypatch.setattr(labkit.panel, "Run", SyntheticRun)
     panel = LabPanel(world_size=2, micro_batch=32, steps=7, hidden=64, refresh_s=0.05)
     run = panel.launch()
@@ -318,3 +405,142 @@ def test_preset_choice_maps_to_none(runs_root):
     panel.controls["offload_optimizer"].value = False
     assert panel.config().offload_optimizer is False
     assert LabPanel(stage=1).controls["stage"].value == 1
+
+
+class LiveRun(Run):
+    """A run the test drives: start() writes 2 steps per rank, it is "running" until finish()."""
+
+    stop_gate: threading.Event | None = None  # set: stop() waits for it (a slow supervisor)
+
+    def start(self):
+        self.run_dir = new_run_dir(run_name(self.config), self._root)
+        write_run(self.run_dir, self.config, steps=2, status=None)
+        return self
+
+    @property
+    def status(self) -> str:
+        summary = self.summary
+        return summary["status"] if summary else "running"
+
+    def finish(self, status: str = "finished") -> None:
+        write_json_atomic(self.run_dir / "summary.json",
+                          summarize(self.run_dir, self.config.to_dict(), status=status, cause=None))
+
+    def stop(self, timeout: float = 6.0) -> str:
+        if self.stop_gate is not None:
+            assert self.stop_gate.wait(timeout=20)
+        if not self.summary:
+            self.finish("stopped")
+        return self.status
+
+
+def test_launching_twice_leaves_one_update_thread_and_none_after(runs_root, monkeypatch):
+    monkeypatch.setattr(labkit.panel, "Run", LiveRun)
+    panel = LabPanel(world_size=2, micro_batch=32, steps=9, refresh_s=0.05)
+    assert dashboard_threads() == []
+    first = panel.launch()
+    assert len(dashboard_threads()) == 1
+    assert panel.launch() is None and "still going" in plain(panel.message)  # one run at a time
+    first.finish()
+    assert panel.dashboard.join(timeout=20) and dashboard_threads() == []
+    assert plain(panel.status).startswith("status: finished") and not panel.launch_button.disabled
+
+    second = panel.launch()
+    assert second is not first and len(dashboard_threads()) == 1
+    _wait(lambda: plain(panel.status).startswith("status: running step 2/9"))
+    assert second.run_dir.name in plain(panel.status)
+    with open(first.run_dir / "rank0.jsonl", "a") as handle:  # the first run's files change: not plotted
+        handle.write(json.dumps(step_record(0, 3)) + "\n")
+    ticks = panel.dashboard.ticks
+    _wait(lambda: panel.dashboard.ticks >= ticks + 3)
+    assert panel.dashboard.last_step() == 2 and panel.launch_button.disabled
+    assert panel.stop() == "stopped"
+    assert dashboard_threads() == []
+    assert plain(panel.status).startswith("status: stopped at step 2/9")
+
+
+def test_stop_shows_stopping_until_the_run_is_done(runs_root, monkeypatch):
+    monkeypatch.setattr(labkit.panel, "Run", LiveRun)
+    monkeypatch.setattr(LiveRun, "stop_gate", threading.Event())
+    panel = LabPanel(world_size=2, micro_batch=32, steps=9, refresh_s=0.05)
+    run = panel.launch()
+    _wait(lambda: plain(panel.status).startswith("status: running step 2/9"))
+    stopper = threading.Thread(target=panel.stop)  # the kernel's thread, in the Stop button's callback
+    stopper.start()
+    try:
+        _wait(lambda: plain(panel.status).startswith("status: stopping"))
+        ticks = panel.dashboard.ticks
+        _wait(lambda: panel.dashboard.ticks >= ticks + 3)  # ticks go on and must not overwrite it
+        assert plain(panel.status) == f"status: stopping · {run.run_dir.name}"
+    finally:
+        LiveRun.stop_gate.set()
+        stopper.join(timeout=30)
+    assert plain(panel.status).startswith("status: stopped at step 2/9")
+    assert (panel.launch_button.disabled, panel.stop_button.disabled) == (False, True)
+
+
+def test_an_error_in_the_update_thread_is_shown_and_frees_the_controls(runs_root, monkeypatch):
+    monkeypatch.setattr(labkit.panel, "Run", LiveRun)
+    real = labkit.dashboard.run_traces
+
+    def failing(*args, **kwargs):  # fails in the update thread only: launch() itself draws empty traces
+        if threading.current_thread().name == "labkit-dashboard":
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(labkit.dashboard, "run_traces", failing)
+    panel = LabPanel(world_size=2, micro_batch=32, steps=9, refresh_s=0.05)
+    run = panel.launch()
+    assert panel.dashboard.join(timeout=20)
+    assert "RuntimeError: boom" in panel.dashboard.error
+    assert plain(panel.message) == "⚠ live updates stopped: RuntimeError: boom; the run goes on (Stop ends it)"
+    # Launch is clickable (it says the run is still going); Stop still works.
+    assert (panel.launch_button.disabled, panel.stop_button.disabled) == (False, False)
+    assert panel.launch() is None and "still going" in plain(panel.message)
+    assert panel.stop() == "stopped" and run.status == "stopped"
+    assert plain(panel.status).startswith("status: stopped")
+    assert (panel.launch_button.disabled, panel.stop_button.disabled) == (False, True)
+
+
+class FailingRun(Run):
+    def start(self):
+        raise OSError(28, "No space left on device")
+
+
+def test_a_launch_error_is_shown_in_the_panel(runs_root, monkeypatch):
+    monkeypatch.setattr(labkit.panel, "Run", FailingRun)
+    panel = LabPanel(world_size=2, micro_batch=32)
+    assert panel.launch() is None and panel.run is None
+    assert plain(panel.message) == "⚠ launch failed: OSError: [Errno 28] No space left on device"
+    assert not panel.launch_button.disabled and dashboard_threads() == []
+
+
+def test_launch_waits_for_the_last_runs_thread(runs_root, monkeypatch):
+    """A thread still busy with the last run's final tick: Launch refuses instead of starting a second one."""
+    monkeypatch.setattr(labkit.panel, "Run", LiveRun)
+    monkeypatch.setattr(labkit.dashboard, "JOIN_TIMEOUT_S", 0.2)
+    entered, release = threading.Event(), threading.Event()
+    real = labkit.panel.tail_text
+
+    def slow_tail(path, *args, **kwargs):  # the final tick's log read hangs (a slow disk)
+        if (Path(path).parent.parent / "summary.json").exists():
+            entered.set()
+            release.wait(20)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(labkit.panel, "tail_text", slow_tail)
+    panel = LabPanel(world_size=2, micro_batch=32, steps=9, refresh_s=0.05)
+    first = panel.launch()
+    first.finish()
+    try:
+        assert entered.wait(timeout=20)
+        assert panel.launch() is None
+        assert "have not stopped yet" in plain(panel.message)
+        assert [p.name for p in runs_root.iterdir()] == [first.run_dir.name]  # nothing started
+    finally:
+        release.set()
+    assert panel.dashboard.join(timeout=20)
+    second = panel.launch()
+    assert second is not None and len(dashboard_threads()) == 1
+    second.finish()
+    assert panel.dashboard.join(timeout=20)

@@ -7,7 +7,7 @@ Typical use::
             run_all_cells(page)
             click_button(page, "Launch")
             wait_for_text(page, "finished", timeout_s=300)
-            charts = plotly_traces(page)      # [[{"name": ..., "n_points": ...}, ...], ...]
+            charts = plotly_traces(page)      # [[{"name": ..., "n_points": <finite y values>}, ...], ...]
             screenshot(page, art / "done.png")
 
 Design notes (the why):
@@ -93,6 +93,10 @@ class HarnessError(RuntimeError):
 
 class CellExecutionError(HarnessError):
     """A notebook cell raised while running all cells."""
+
+
+class BrowserUnavailable(HarnessError):
+    """No Chromium to drive (the tests skip on it unless LABKIT_BROWSER_REQUIRED is set)."""
 
 
 @dataclass
@@ -266,10 +270,22 @@ def jupyter_lab(
         shutil.rmtree(home, ignore_errors=True)
 
 
-def chromium_executable() -> str | None:
-    """Chromium to use: $LABKIT_CHROMIUM, else /usr/bin/chromium, else None (Playwright's bundled one)."""
-    path = os.environ.get("LABKIT_CHROMIUM", "/usr/bin/chromium")
-    return path if Path(path).exists() else None
+def chromium_executable() -> str:
+    """Chromium to drive: $LABKIT_CHROMIUM, else /usr/bin/chromium, else ``chromium`` on PATH.
+
+    Never Playwright's bundled browser: it cannot be downloaded here, and its error would only
+    say ``playwright install``. Raises :class:`BrowserUnavailable` naming where it looked.
+    """
+    override = os.environ.get("LABKIT_CHROMIUM")
+    if override:
+        if Path(override).is_file() and os.access(override, os.X_OK):
+            return override
+        raise BrowserUnavailable(f"LABKIT_CHROMIUM={override} is not an executable file")
+    for candidate in ("/usr/bin/chromium", shutil.which("chromium")):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    raise BrowserUnavailable("no Chromium found at /usr/bin/chromium or as `chromium` on PATH: install Debian's "
+                             "chromium (apt-get install chromium) or set LABKIT_CHROMIUM to its path")
 
 
 # --- JS snippets, all acting on the notebook that is the current widget in the main area -----------
@@ -335,7 +351,8 @@ _JS_WAIT_TEXT = """([sel, text, exact]) => {
 # Plotly charts: FigureWidget (anywidget) and fig.show() (jupyterlab-plotly mime renderer) both end in a
 # div.js-plotly-plot (the "graph div", gd). gd.data is the trace list as given: FigureWidget x/y are Array
 # or typed arrays (numpy floats arrive as Float64Array), but fig.show() leaves numpy data as undecoded
-# {dtype, bdata} objects. gd._fullData[i] has decoded arrays and `_length`, the number of points drawn.
+# {dtype, bdata} objects. gd._fullData[i] has decoded arrays and `_length` (the trace's length, NaN
+# included: a trace of NaNs has a length but draws nothing). n_points counts the finite y values.
 _JS_PLOTLY = """(withValues) => {
   const root = window.jupyterapp.shell.currentWidget.node;
   const len = a => (a && typeof a.length === 'number') ? a.length : 0;
@@ -343,8 +360,10 @@ _JS_PLOTLY = """(withValues) => {
     const full = (gd._fullData && gd._fullData[i]) || {};
     const x = len(full.x) ? full.x : t.x, y = len(full.y) ? full.y : t.y;
     const raw = Math.max(len(x), len(y), len(t.values), len(t.z));
+    let finite = 0;
+    for (let j = 0; j < len(y); j++) { if (typeof y[j] === 'number' && Number.isFinite(y[j])) finite++; }
     const tr = {name: t.name == null ? '' : String(t.name), type: t.type || 'scatter',
-                n_points: typeof full._length === 'number' ? full._length : raw,
+                n_points: finite, length: typeof full._length === 'number' ? full._length : raw,
                 x_len: len(x), y_len: len(y)};
     if (withValues) { tr.x = len(x) ? Array.from(x) : []; tr.y = len(y) ? Array.from(y) : []; }
     return tr;
@@ -464,14 +483,25 @@ def wait_for_text(
 def plotly_traces(page: Any, with_values: bool = False) -> list[list[dict[str, Any]]]:
     """Trace data of every plotly chart in the open notebook, as the browser sees it.
 
-    One list per chart (document order), one dict per trace: ``name``, ``type``, ``n_points`` (points
-    plotly drew), ``x_len``, ``y_len``, and with ``with_values`` also ``x`` and ``y`` lists.
+    One list per chart (document order), one dict per trace: ``name``, ``type``, ``n_points`` (finite
+    y values: the points plotly can draw), ``length`` (plotly's trace length, NaN included), ``x_len``,
+    ``y_len``, and with ``with_values`` also ``x`` and ``y`` lists (NaN stays NaN).
     """
     return list(page.evaluate(_JS_PLOTLY, with_values))
 
 
+def wait_for_charts(page: Any, count: int, timeout_s: float = 60.0) -> None:
+    """Wait until ``count`` plotly charts are on the page (they render after their cell has returned)."""
+    try:
+        page.wait_for_function(
+            "(n) => window.jupyterapp.shell.currentWidget.node.querySelectorAll('.js-plotly-plot').length >= n",
+            arg=count, timeout=timeout_s * 1000, polling=250)
+    except Exception as exc:
+        raise HarnessError(f"fewer than {count} plotly charts after {timeout_s}s: {plotly_traces(page)}") from exc
+
+
 def wait_for_points(page: Any, min_points: int, chart: int = 0, trace: int = 0, timeout_s: float = 60.0) -> None:
-    """Wait until trace ``trace`` of chart ``chart`` has at least ``min_points`` drawn points."""
+    """Wait until trace ``trace`` of chart ``chart`` has at least ``min_points`` finite points."""
     deadline = time.monotonic() + timeout_s
     while True:
         charts = plotly_traces(page)
@@ -481,6 +511,43 @@ def wait_for_points(page: Any, min_points: int, chart: int = 0, trace: int = 0, 
         if time.monotonic() > deadline:
             raise HarnessError(f"chart {chart} trace {trace} below {min_points} points: {charts}")
         time.sleep(0.25)
+
+
+# Runs code in the open notebook's kernel (not a cell: nothing shows in the notebook) and returns
+# its stdout; the kernel must be idle or the request waits its turn.
+_JS_KERNEL_RUN = """async (code) => {
+  const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+  let out = '', err = null;
+  const future = k.requestExecute({code, silent: false, store_history: false});
+  future.onIOPub = msg => {
+    if (msg.header.msg_type === 'stream') out += msg.content.text;
+    if (msg.header.msg_type === 'error') err = msg.content.ename + ': ' + msg.content.evalue;
+  };
+  await future.done;
+  return {out, err};
+}"""
+
+
+def kernel_output(page: Any, code: str) -> str:
+    """Stdout of ``code`` run in the notebook's kernel (raises :class:`HarnessError` if it raised)."""
+    result = page.evaluate(_JS_KERNEL_RUN, code)
+    if result["err"]:
+        raise HarnessError(f"kernel code {code!r} raised {result['err']}")
+    return str(result["out"])
+
+
+def set_text_widget(page: Any, description: str, value: str, timeout_s: float = 30.0) -> None:
+    """Type ``value`` into the (unique) Text/IntText/FloatText widget labelled ``description``, then leave it.
+
+    Leaving the box (Tab) is what sends the value to the kernel: these widgets do not update continuously.
+    """
+    label = page.locator("label.widget-label", has_text=re.compile(rf"^\s*{re.escape(description)}\s*$"))
+    boxes = page.locator(".widget-text").filter(has=label).locator("input")
+    boxes.first.wait_for(state="visible", timeout=timeout_s * 1000)
+    if boxes.count() != 1:
+        raise HarnessError(f"expected 1 text widget {description!r}, found {boxes.count()}")
+    boxes.fill(value, timeout=timeout_s * 1000)
+    boxes.press("Tab")
 
 
 def screenshot(page: Any, path: Path, scroll_to: str | None = None) -> Path:

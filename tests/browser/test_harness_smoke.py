@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -68,8 +67,9 @@ def run_smoke(root: Path, update_chart: bool = True, screenshot_name: str = "smo
             harness.run_all_cells(page, timeout_s=120)
             # The kernel is the interpreter running the tests (the venv), not some other python3.
             assert f"kernel: {sys.executable}" in harness.widget_texts(page)
+            harness.wait_for_charts(page, 1)
             assert harness.plotly_traces(page) == [[
-                {"name": "loss", "type": "scatter", "n_points": 0, "x_len": 0, "y_len": 0}
+                {"name": "loss", "type": "scatter", "n_points": 0, "length": 0, "x_len": 0, "y_len": 0}
             ]]  # fmt: skip
 
             harness.click_button(page, "Go")
@@ -86,10 +86,7 @@ def run_smoke(root: Path, update_chart: bool = True, screenshot_name: str = "smo
 
 
 @pytest.mark.browser
-def test_figurewidget_fills_from_background_thread(tmp_path: Path) -> None:
-    pytest.importorskip("playwright.sync_api")
-    if harness.chromium_executable() is None and not os.environ.get("LABKIT_BROWSER_REQUIRED"):
-        pytest.skip("no Chromium at $LABKIT_CHROMIUM or /usr/bin/chromium (set LABKIT_BROWSER_REQUIRED=1 to fail)")
+def test_figurewidget_fills_from_background_thread(tmp_path: Path, chromium: str) -> None:
     t0 = time.monotonic()
     run_smoke(tmp_path)
     print(f"browser smoke test: {time.monotonic() - t0:.1f}s")
