@@ -20,6 +20,7 @@ Two layers:
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
@@ -259,9 +260,33 @@ CHART_LAYOUT = {
 }
 
 
-def _new_figure(chart: str):
+@functools.cache
+def _locked_figure_class() -> type:
+    """A FigureWidget that handles the browser's messages under its dashboard's lock.
+
+    ipywidgets handles each message from the browser (plotly.js answers every edit with a
+    delta) inside `hold_trait_notifications()`, which is per widget, not per thread. A trait the
+    update thread sets meanwhile is held and compressed with its next change, and plotly sends
+    each edit as `_py2js_addTraces = msg` then `= None`: the browser receives only the None. A
+    lost addTraces left a chart empty for the rest of the run (about one run in three under
+    load, seen in the browser test). So incoming messages and the update thread's edits take
+    turns on one lock.
+    """
     import plotly.graph_objects as go
 
+    class LockedFigureWidget(go.FigureWidget):
+        def __init__(self, *args: Any, sync_lock: threading.RLock, **kwargs: Any):
+            self._sync_lock = sync_lock  # before super(): the comm may deliver messages from then on
+            super().__init__(*args, **kwargs)
+
+        def _handle_msg(self, msg: dict) -> None:
+            with self._sync_lock:
+                super()._handle_msg(msg)
+
+    return LockedFigureWidget
+
+
+def _new_figure(chart: str, sync_lock: threading.RLock):
     title, ytitle = CHART_LAYOUT[chart]
     layout: dict[str, Any] = {
         # A fixed size: FigureWidget does not follow its container, and plotly's default
@@ -276,7 +301,7 @@ def _new_figure(chart: str):
         layout["barmode"] = "stack"
     else:
         layout["xaxis"] = {"title": {"text": "step"}}
-    return go.FigureWidget(layout=layout)
+    return _locked_figure_class()(layout=layout, sync_lock=sync_lock)
 
 
 def _same(old: Any, new: np.ndarray) -> bool:
@@ -313,7 +338,10 @@ class Dashboard:
         self.max_points = max_points
         self.on_tick = on_tick
         self.starting_timeout_s = STARTING_TIMEOUT_S
-        self.figures = {chart: _new_figure(chart) for chart in CHARTS}
+        # Guards series, overlays and figures: the thread extends and plots, the kernel's
+        # thread overlays, rebuilds and handles the browser's messages to the figures.
+        self._lock = threading.RLock()
+        self.figures = {chart: _new_figure(chart, self._lock) for chart in CHARTS}
         # Two per row where there is room, one per row where there is not.
         self.widget = W.Box(list(self.figures.values()), layout=W.Layout(display="flex", flex_flow="row wrap",
                                                                          grid_gap="8px"))
@@ -327,9 +355,6 @@ class Dashboard:
         self.last_refresh_s: float | None = None  # how long the last refresh took (kernel-side)
         self.error: str | None = None             # why the update thread gave up, if it did
         self._live_counts = {chart: 0 for chart in CHARTS}
-        # Guards series, overlays and figures: the thread extends and plots, the kernel's
-        # thread overlays and rebuilds.
-        self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         if run is not None:

@@ -544,3 +544,49 @@ def test_launch_waits_for_the_last_runs_thread(runs_root, monkeypatch):
     assert second is not None and len(dashboard_threads()) == 1
     second.finish()
     assert panel.dashboard.join(timeout=20)
+
+
+def _swallowed_add_traces(figure_factory) -> list:
+    """The browser sends a message (handled on the kernel's main thread) while the update thread
+    adds a trace under the dashboard's lock. Returns the addTraces payloads the kernel sent."""
+    lock = threading.RLock()
+    fig = figure_factory(lock)
+    sent: list = []
+    fig._send = lambda msg, buffers=None: sent.append(msg)  # what would go to the browser
+    inside, added = threading.Event(), threading.Event()
+    set_trait = fig.set_trait
+
+    def slow_set_trait(name, value):  # runs inside ipywidgets' hold_trait_notifications()
+        inside.set()
+        added.wait(2.0)  # without the lock, the update thread adds its trace right now
+        set_trait(name, value)
+
+    fig.set_trait = slow_set_trait
+
+    def update_thread() -> None:
+        inside.wait(5.0)
+        with lock:
+            fig.add_scatter(x=np.arange(3.0), y=np.arange(3.0), name="rank 0")
+        added.set()
+
+    thread = threading.Thread(target=update_thread)
+    thread.start()
+    fig._handle_msg({"content": {"data": {"method": "update", "state": {"_js2py_pointsCallback": None}}},
+                     "buffers": []})
+    added.wait(5.0)
+    thread.join(5.0)
+    return [m["state"]["_py2js_addTraces"] for m in sent if "_py2js_addTraces" in m.get("state", {})]
+
+
+def test_a_browser_message_cannot_swallow_the_update_threads_new_trace():
+    """ipywidgets compresses a trait set during its handling of a browser message; plotly sends
+    addTraces as `msg` then `None`, so only None reached the browser and the chart stayed empty."""
+    import plotly.graph_objects as go
+
+    from labkit.dashboard import _new_figure
+
+    payloads = _swallowed_add_traces(lambda lock: _new_figure("loss", lock))
+    assert any(p is not None for p in payloads), payloads
+    # The same race on a plain FigureWidget loses the trace: the test can tell the difference.
+    plain = _swallowed_add_traces(lambda lock: go.FigureWidget())
+    assert plain and all(p is None for p in plain), plain
