@@ -40,7 +40,7 @@ from labkit.telemetry import RecordTail, rank_file, read_records
 # Record keys the charts use; each becomes one float64 column per rank (NaN where absent).
 STEP_KEYS = ("step", "time_s", "samples_per_s", "step_time_s", "loss", "rss_bytes", "peak_rss_bytes",
              "device_allocated_bytes", "device_peak_bytes", "param_bytes", "grad_bytes", "optim_bytes",
-             "master_bytes", "host_optim_bytes")
+             "master_bytes", "host_optim_bytes", "host_grad_bytes")
 CHARTS = ("throughput", "memory", "state", "loss")
 DEFAULT_MAX_POINTS = 2000
 REFRESH_S = 0.25       # 4 Hz (>= 2 Hz wanted): the thread polls the rank files this often (refreshes only on new records)
@@ -219,11 +219,12 @@ def run_traces(series: Sequence[RankSeries], *, memory: str = "host", label: str
 
     parts = {
         "params": [latest(s, "param_bytes") for s in series],
-        "grads": [latest(s, "grad_bytes") for s in series],
-        # host_optim_bytes is the part of optimizer + master state that lives on the host (offload).
+        # With optimizer offload, host_optim_bytes (optimizer + master) and host_grad_bytes (the
+        # gradient partitions the optimizer reads) live on the host: their own bar.
+        "grads": [latest(s, "grad_bytes") - latest(s, "host_grad_bytes") for s in series],
         "optimizer + master": [latest(s, "optim_bytes") + latest(s, "master_bytes") - latest(s, "host_optim_bytes")
                                for s in series],
-        "offloaded to host": [latest(s, "host_optim_bytes") for s in series],
+        "offloaded to host": [latest(s, "host_optim_bytes") + latest(s, "host_grad_bytes") for s in series],
     }
     for name, shade in STATE_PARTS:
         style = {"marker": {"color": shade, "opacity": 0.5 if overlay else 1.0}, "showlegend": not overlay, **group}

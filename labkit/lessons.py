@@ -29,7 +29,7 @@ MiB = 2**20
 
 # Per-rank byte counters of a run summary, in the order the notebooks show them.
 STATE_COLUMNS = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes")
-RANK_COLUMNS = (*STATE_COLUMNS, "host_optim_bytes", "activation_bytes", "peak_rss_bytes", "device_peak_bytes")
+RANK_COLUMNS = (*STATE_COLUMNS, "host_optim_bytes", "host_grad_bytes", "activation_bytes", "peak_rss_bytes", "device_peak_bytes")
 SUMMARY_COLUMNS = ("status", "example", "stage", "offload_optimizer", "precision", "world_size", "micro_batch",
                    "grad_accum", "global_batch", "steps_completed", "median_step_time_s", "forward_s",
                    "backward_s", "optimizer_s", "samples_per_s", "final_loss", "wall_time_s")

@@ -133,13 +133,16 @@ def test_live_traces_per_chart():
 
 
 def test_device_memory_and_offload_split():
-    series = two_ranks(device_allocated_bytes=10 * MIB, device_peak_bytes=20 * MIB, host_optim_bytes=12 * MIB)
+    series = two_ranks(device_allocated_bytes=10 * MIB, device_peak_bytes=20 * MIB, host_optim_bytes=12 * MIB,
+                       host_grad_bytes=1 * MIB)
     assert memory_kind(series) == "device" and memory_kind(two_ranks()) == "host"
     traces = run_traces(series, memory="device")
     assert [t.name for t in traces["memory"]] == ["rank 0 allocated", "rank 0 peak", "rank 1 allocated",
                                                   "rank 1 peak"]
     assert traces["memory"][1].y[-1] == pytest.approx(20) and traces["memory"][1].style["line"]["dash"] == "dash"
-    assert list(traces["state"][2].y) == [0, 0] and list(traces["state"][3].y) == [12, 12]
+    # Offloaded: optimizer + master (12 MiB) and the host gradient partition (1 of the 2 MiB of grads).
+    assert list(traces["state"][1].y) == [1, 1]
+    assert list(traces["state"][2].y) == [0, 0] and list(traces["state"][3].y) == [13, 13]
 
 
 def test_long_runs_are_decimated_with_the_last_point():
