@@ -20,6 +20,14 @@ def runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
     for run_dir in run_dirs(root):
         summary = read_json(run_dir / "summary.json")
         config = read_json(run_dir / "config.json") or {}
+        if summary is None and (run_dir / "status.json").exists() and config:
+            # "running" only while its supervisor lives: a run whose supervisor died (a machine
+            # reboot, a SIGKILL) is recovered by Run.status, which ends what it left and writes
+            # its summary, instead of being listed as running forever.
+            from labkit.run import Run
+
+            Run.load(run_dir).status
+            summary = read_json(run_dir / "summary.json")
         if summary is None:
             summary = {"status": "running" if (run_dir / "status.json").exists() else "created", **config,
                        "global_batch": config.get("micro_batch", 0) * config.get("grad_accum", 0)

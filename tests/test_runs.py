@@ -130,3 +130,20 @@ def test_run_without_per_step_records_still_shows_a_hang(runs_root):
     assert beats[-1]["step"] < 40  # rank 0 waits for rank 1 inside step 40's collective
     assert 0 < run.summary["steps_completed"] < 40  # counted from the heartbeats
     assert not run_processes(run.run_dir)
+
+
+def test_run_store_does_not_list_a_run_with_a_dead_supervisor_as_running(runs_root):
+    run = Run(RunConfig(example="zero3", world_size=2, steps=100_000, **SMALL)).start()
+    deadline = time.monotonic() + 300
+    while run.progress() < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    status = json.loads((run.run_dir / "status.json").read_text())
+    import os
+    import signal
+
+    os.kill(status["supervisor_pid"], signal.SIGKILL)  # no summary.json: nobody ends the ranks
+    run._supervisor.wait()
+    table = runs()  # a fresh look, as after a kernel restart
+    row = table[table.run_id == run.run_dir.name].iloc[0]
+    assert row.status == "failed" and "supervisor died" in row.cause
+    assert not run_processes(run.run_dir)
