@@ -61,8 +61,8 @@ class AnswerProfile:
 
 
 PROFILES: dict[str, AnswerProfile] = {
-    # Under 10 minutes on 2 CPU cores (data/reference-ci/machine.json has the figure): a 320k-parameter MLP (its 512x512 layer is big enough for
-    # ZeRO-3 to partition), 3 batch sizes, 2 ranks, runs two at a time.
+    # Under 10 minutes on 2 CPU cores (data/reference-ci/machine.json has the figure): a 320k-parameter
+    # MLP (its 512x512 layer is big enough for ZeRO-3 to partition), 3 batch sizes, 2 ranks, two at a time.
     "ci": AnswerProfile(
         name="ci",
         model=dict(hidden=512, depth=2, dataset_size=8192, optimizer="adam", lr=2e-3, base_batch=64,
@@ -342,6 +342,8 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
         say(f"max-batch search for {', '.join(profile.maxbatch_strategies)} (doubling, then bisection), "
             f"{side_by_side} search(es) at a time")
         search_kwargs = dict(start=profile.maxbatch_start, tolerance=profile.maxbatch_tolerance, cancel=cancel)
+        # In a thread of its own: search_many's pool waits for its searches on the way out, so
+        # Ctrl-C must reach this wait, which sets `cancel` to end them.
         with ThreadPoolExecutor(max_workers=1) as pool:
             searching = pool.submit(maxbatch.search_many, templates, out, parallel=side_by_side, **search_kwargs)
             try:

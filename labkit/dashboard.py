@@ -43,7 +43,7 @@ STEP_KEYS = ("step", "time_s", "samples_per_s", "step_time_s", "loss", "rss_byte
              "master_bytes", "host_optim_bytes", "host_grad_bytes")
 CHARTS = ("throughput", "memory", "state", "loss")
 DEFAULT_MAX_POINTS = 2000
-REFRESH_S = 0.25       # 4 Hz (>= 2 Hz wanted): the thread polls the rank files this often (refreshes only on new records)
+REFRESH_S = 0.25       # 4 Hz (>= 2 Hz wanted): the thread polls the rank files this often (replots on new records)
 JOIN_TIMEOUT_S = 10.0  # close() waits this long for the update thread's current tick
 # A reloaded run (no supervisor handle) reads "starting" until its supervisor writes status.json,
 # which it does within seconds of starting; still "starting" after this long, it died first.

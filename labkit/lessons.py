@@ -29,7 +29,8 @@ MiB = 2**20
 
 # Per-rank byte counters of a run summary, in the order the notebooks show them.
 STATE_COLUMNS = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes")
-RANK_COLUMNS = (*STATE_COLUMNS, "host_optim_bytes", "host_grad_bytes", "activation_bytes", "peak_rss_bytes", "device_peak_bytes")
+RANK_COLUMNS = (*STATE_COLUMNS, "host_optim_bytes", "host_grad_bytes", "activation_bytes", "peak_rss_bytes",
+                "device_peak_bytes")
 SUMMARY_COLUMNS = ("status", "example", "stage", "offload_optimizer", "precision", "world_size", "micro_batch",
                    "grad_accum", "global_batch", "steps_completed", "median_step_time_s", "forward_s",
                    "backward_s", "optimizer_s", "samples_per_s", "final_loss", "wall_time_s")
@@ -136,19 +137,14 @@ def maxbatch_result(runs: Mapping[str, Run], capacity_bytes: int, *, emulated: b
     `activation_fit()`, `predicted_max_micro_batch` and `consistent()` are the max-batch
     search's own. `capacity_bytes`: the emulated budget (CPU) or the device's memory (GPU).
     """
-    import math
-
-    from labkit.maxbatch import MaxBatchResult, Probe
+    from labkit.maxbatch import MaxBatchResult, Probe, int_or_none
     from labkit.sweep import row_from_run, strategy_of
-
-    def as_int(value: Any) -> int | None:
-        return None if value is None or (isinstance(value, float) and math.isnan(value)) else int(value)
 
     probes = []
     for run in sorted(runs.values(), key=lambda r: r.config.micro_batch):
         row = row_from_run(run.run_dir) or {}
-        probes.append(Probe(run.config.micro_batch, run.status, as_int(row.get("device_bytes")),
-                            as_int(row.get("activation_bytes")), row.get("run_id"), False))
+        probes.append(Probe(run.config.micro_batch, run.status, int_or_none(row.get("device_bytes")),
+                            int_or_none(row.get("activation_bytes")), row.get("run_id"), False))
     first = next(iter(runs.values())).config
     return MaxBatchResult(strategy=strategy_of(first), world_size=first.world_size, budget_bytes=capacity_bytes,
                           emulated=emulated, max_micro_batch=max((p.micro_batch for p in probes if p.fits), default=0),

@@ -157,8 +157,8 @@ def search(template: RunConfig, out: str | os.PathLike, *, start: int = 1, limit
         if not settled(status, row.get("cause")):
             raise MaxBatchError(f"{result.strategy} micro-batch {micro_batch}: probe {status}: {row.get('cause')} "
                                 f"(see {row.get('run_dir')})")
-        result.probes.append(Probe(micro_batch, status, _int(row.get("device_bytes")),
-                                   _int(row.get("activation_bytes")), row.get("run_id"), sweep.launched == 0))
+        result.probes.append(Probe(micro_batch, status, int_or_none(row.get("device_bytes")),
+                                   int_or_none(row.get("activation_bytes")), row.get("run_id"), sweep.launched == 0))
         return status == "finished"
 
     low, high = 0, None  # largest fit, smallest OOM
@@ -200,7 +200,8 @@ def write_results(results: Sequence[MaxBatchResult], out: str | os.PathLike) -> 
     return summary, probes
 
 
-def _int(value: Any) -> int | None:
+def int_or_none(value: Any) -> int | None:
+    """A count read from a results row: None for a missing (None or NaN) value."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
     return int(value)
