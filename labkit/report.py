@@ -394,9 +394,9 @@ def figures(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, prob
                   for i in range(41)]
             fig.add_trace(go.Scatter(x=xs, y=[fit["s_min"] * (1 + fit["b_crit"] / x) for x in xs], mode="lines",
                                      line={"dash": "dot"}, name=f"fit S_min(1+B_crit/B), B_crit~{fit['b_crit']:.0f}"))
-            fig.add_vline(x=fit["b_crit"], line_dash="dot", annotation_text="B_crit (fit)")
+            _vline_on_log_x(fig, fit["b_crit"], "dot", "B_crit (fit)")
         if pooled and pooled.b_simple:
-            fig.add_vline(x=pooled.b_simple, line_dash="dash", annotation_text="B_simple (noise scale)")
+            _vline_on_log_x(fig, pooled.b_simple, "dash", "B_simple (noise scale)")
         fig.update_xaxes(type="log", title_text="global batch")
         fig.update_yaxes(type="log", title_text="steps to target")
         figs.append((f"LR scaling and critical batch ({label(strategy)})", fig))
@@ -466,13 +466,32 @@ def figures(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, prob
     return figs
 
 
+def _vline_on_log_x(fig: Any, x: float, dash: str, text: str | None, *, row: int | None = None,
+                    col: int | None = None, **line: Any) -> None:
+    """A labelled vertical line at data value ``x`` on a log x axis.
+
+    Plotly.js takes a shape's x0/x1 on a log axis in data units but an annotation's x in log10 units, and
+    ``add_vline(annotation_text=...)`` gives both the data value: the label then sits at 10**x and drags
+    the autorange there (an axis from 1 to 10^279).  So the line is a shape and the label is placed at log10(x).
+    """
+    at = {} if row is None else {"row": row, "col": col}
+    fig.add_vline(x=x, line_dash=dash, **line, **at)
+    if text:
+        # Refs named by hand: add_annotation(row=, col=) would turn yref "paper" into data units of the subplot.
+        n = "" if col in (None, 1) else str(col) if row in (None, 1) else None
+        if n is None:
+            raise ValueError("_vline_on_log_x labels lines in the first row of subplots only")
+        fig.add_annotation(x=math.log10(x), xref=f"x{n}", y=1, yref=f"y{n} domain", yanchor="bottom", text=text,
+                           showarrow=False)
+
+
 def _oom_markers(fig: Any, table: pd.DataFrame, go: Any, cols: int) -> None:
     """A dotted vertical line at each (strategy, batch) that ran out of memory."""
     for row in table[table.status == "oom"].itertuples():
         for col in range(1, cols + 1):
-            fig.add_vline(x=row.global_batch, line_color=COLORS.get(row.strategy, "grey"), line_dash="dot",
-                          opacity=0.5, row=1, col=col,
-                          annotation_text=f"{row.strategy} OOM" if col == 1 else None)
+            # Every caller puts global batch on a log x axis.
+            _vline_on_log_x(fig, row.global_batch, "dot", f"{row.strategy} OOM" if col == 1 else None, row=1,
+                            col=col, line_color=COLORS.get(row.strategy, "grey"), opacity=0.5)
 
 
 # -- the page --------------------------------------------------------------------------------------
