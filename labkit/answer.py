@@ -358,6 +358,8 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
         for s in searches:
             say(f"  max-batch {s.strategy} x{s.world_size}: {s.max_micro_batch} per rank (first OOM {s.first_oom}) "
                 f"in {s.launches} launches ({s.new_launches} new)")
+        if any(s.emulated for s in searches):
+            say(f"  note: {maxbatch.EMULATED_EVIDENCE}")
 
     tables = {"memory": memory_table(results, _model(profile)), "activation": activation_table(results),
               "noise": noise_table(results)}
