@@ -95,6 +95,31 @@ PROFILES: dict[str, AnswerProfile] = {
         maxbatch_tolerance=0.0,
         cpu_budget_bytes=4_000_000_000,
         parallel=1,
+        notes=("For one node of 80 GB GPUs (A100/H100 80GB).",
+               "Untested: no run of this profile on such a GPU has been checked yet (labkit's GPU path was read, "
+               "not run); treat this report as the first."),
+    ),
+    # One node of 16-24 GB GPUs (T4, L4, A10G): a 54.6M-parameter MLP (0.87 GB of model states per rank at
+    # stage 0, 0.22 GB at ZeRO-3 on 4 GPUs), ~36 launches; estimated ~20 min, arithmetic in docs/answer.md.
+    "workshop": AnswerProfile(
+        name="workshop",
+        model=dict(hidden=4096, depth=4, input_size=1024, dataset_size=262144, optimizer="adam", lr=3e-4,
+                   base_batch=256, warmup_steps=20, target_loss=0.8, stop_at_target=True, steps=600,
+                   noise_scale_every=10, precision="bf16"),
+        strategies=("torch", "z0", "z2", "z3", "z2-offload"),
+        global_batches=(256, 1024, 4096),
+        world_sizes=None,
+        memory_only=("z1",),
+        lr_study_strategy="z2",
+        lr_study_batches=(256, 4096),
+        maxbatch_strategies=("torch", "z3"),
+        maxbatch_start=4096,
+        maxbatch_tolerance=0.125,
+        cpu_budget_bytes=4_000_000_000,
+        parallel=1,
+        notes=("For one node of 16-24 GB GPUs (T4, L4, A10G); T4 has no bf16, so it runs fp32.",
+               "Untested: no run of this profile on such a GPU has been checked yet; its ~20 min is an estimate "
+               "from the CPU reference timings and the memory model (docs/answer.md), not a measurement."),
     ),
 }
 
@@ -358,6 +383,8 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
         for s in searches:
             say(f"  max-batch {s.strategy} x{s.world_size}: {s.max_micro_batch} per rank (first OOM {s.first_oom}) "
                 f"in {s.launches} launches ({s.new_launches} new)")
+        if any(s.emulated for s in searches):
+            say(f"  note: {maxbatch.EMULATED_EVIDENCE}")
 
     tables = {"memory": memory_table(results, _model(profile)), "activation": activation_table(results),
               "noise": noise_table(results)}

@@ -139,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--root", default=None)
     runs.set_defaults(func=cmd_runs)
     answer = sub.add_parser("answer", help="batch-size sweep, max-batch search, time to target, report")
-    answer.add_argument("--profile", choices=("ci", "full"), default=None, help="default: LABKIT_PROFILE, else by device")
+    # labkit.answer.PROFILES' names (not imported here: it pulls in pandas and the sweep).
+    answer.add_argument("--profile", choices=("ci", "workshop", "full"), default=None,
+                        help="default: LABKIT_PROFILE, else by device; workshop: one node of 16-24 GB GPUs")
     answer.add_argument("--out", default=None, help="results + run directories (default: runs/answer-<profile>)")
     answer.add_argument("--parallel", type=int, default=None, help="runs at once (default: the profile's)")
     answer.add_argument("--reference", default=None, help="also copy the CSVs, machine.json and report here")

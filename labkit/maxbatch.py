@@ -17,6 +17,10 @@ between the last fit and the first OOM until they are adjacent (or within `toler
 fraction). That is ~2 log2(max) launches. Probes are cached like sweep points: a repeated
 search replays finished probes from their run directories (`launches` counts new ones).
 
+On CPU the emulated boundary is therefore the memory model's own prediction enforced: it shows that the
+search and the count work, and is no evidence that the model is right (`boundary_evidence` in maxbatch.csv
+says which kind each row is).  `find_boundary` is the search's logic as a pure function.
+
 From the probes' own memory numbers it also predicts the boundary: model states on the device
 plus activations linear in the micro-batch (`activation_bytes` measured at two micro-batch
 sizes), so `predicted_max_micro_batch` = floor((budget - states - a0) / a1).
@@ -31,13 +35,20 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import pandas as pd
 
 from labkit.config import RunConfig
 from labkit.store import write_text_atomic
 from labkit.sweep import Sweep, settled, strategy_of
+
+# Says what an emulated boundary is: the worker enforces labkit's own count of the bytes a GPU would hold,
+# so the boundary agrees with the memory model by construction (maxbatch.csv column `boundary_evidence`).
+EMULATED_EVIDENCE = ("emulated: the boundary is the memory model's own prediction enforced (the worker raises "
+                     "OutOfMemoryError when labkit's count passes device_memory_budget_bytes), so it is no evidence "
+                     "for the model")
+DEVICE_EVIDENCE = "the device's own out-of-memory error"
 
 PROBE_STEPS = 2  # the capacity check runs at steps 1 and 2 (step 2: optimizer state exists)
 
@@ -129,7 +140,8 @@ class MaxBatchResult:
                 "predicted_max_micro_batch": self.predicted_max_micro_batch,
                 "state_bytes": self.state_bytes,
                 "activation_bytes_per_sample": (self.activation_fit() or (None, None))[1],
-                "consistent": self.consistent()}
+                "consistent": self.consistent(),
+                "boundary_evidence": EMULATED_EVIDENCE if self.emulated else DEVICE_EVIDENCE}
 
     def probe_rows(self) -> list[dict[str, Any]]:
         return [{"strategy": self.strategy, "world_size": self.world_size, "order": i + 1,
@@ -161,10 +173,28 @@ def search(template: RunConfig, out: str | os.PathLike, *, start: int = 1, limit
                                    int_or_none(row.get("activation_bytes")), row.get("run_id"), sweep.launched == 0))
         return status == "finished"
 
-    low, high = 0, None  # largest fit, smallest OOM
+    result.max_micro_batch, result.first_oom = find_boundary(probe, start=start, limit=limit, tolerance=tolerance)
+    return result
+
+
+def find_boundary(fits: Callable[[int], bool], *, start: int = 1, limit: int,
+                  tolerance: float = 0.0) -> tuple[int, int | None]:
+    """(largest micro-batch that fits, smallest that does not) for a monotone `fits` predicate.
+
+    Doubles from `start` (clamped to 1..`limit`) until `fits` is False, then bisects between the last fit
+    and that first failure until they are adjacent, or within `tolerance` (a fraction of the fit).  The
+    boundary is found wherever it lies in 1..`limit`, not only among the doubled sizes: with a failing
+    `start` it bisects down from it.  `(limit, None)`: `limit` fits; `(0, 1)`: nothing fits.  Pure: the
+    search calls it with a probe that launches a run; the tests with a fake predicate.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    low, high = 0, None  # largest fit, smallest failure
     micro_batch = max(1, min(start, limit))
     while True:  # doubling
-        if probe(micro_batch):
+        if fits(micro_batch):
             low = micro_batch
             if micro_batch >= limit:
                 break
@@ -174,12 +204,11 @@ def search(template: RunConfig, out: str | os.PathLike, *, start: int = 1, limit
             break
     while high is not None and high - low > max(1, math.floor(low * tolerance)):  # bisection
         middle = (low + high) // 2
-        if probe(middle):
+        if fits(middle):
             low = middle
         else:
             high = middle
-    result.max_micro_batch, result.first_oom = low, high
-    return result
+    return low, high
 
 
 def search_many(templates: Sequence[RunConfig], out: str | os.PathLike, *, parallel: int = 2,

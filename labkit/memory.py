@@ -37,6 +37,7 @@ backward at an accumulation boundary, before ``step``) differs in places:
   default 1e5) whole on every rank, on top of its Psi/N partition (when N > 1):
   pass their count as ``persistent_params`` (see :func:`mlp_persistent_params`).
 * Partitions are padded to a multiple of 2*N elements at stages 1/2 (negligible).
+* :func:`accountings` puts the paper's figures and these side by side, with the reduce bucket's bytes.
 * Not model states, so not modelled here: the stage-3 reduce bucket
   (``reduce_bucket_size`` elements, 2 GB fp32 by default, kept between steps),
   offload staging buffers, the fp32 grad partition built during ``step``.
@@ -50,12 +51,18 @@ from typing import Any
 from torch import nn
 
 PRECISIONS = ("fp32", "bf16", "fp16", "mixed")
+ACCOUNTINGS = ("deepspeed", "paper")
 STATE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "device_bytes", "host_bytes", "host_grad_bytes")
 
 
 def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str = "mixed",
-                      offload_optimizer: bool = False, *, persistent_params: int = 0) -> dict[str, int]:
+                      offload_optimizer: bool = False, *, persistent_params: int = 0,
+                      accounting: str = "deepspeed") -> dict[str, int]:
     """Predicted model-state bytes of ONE rank.
+
+    ``accounting="deepspeed"`` (default): what DeepSpeed 0.19.8 holds right after backward at an
+    accumulation boundary (module doc).  ``accounting="paper"``: the ZeRO paper's Figure 1, mixed-precision
+    Adam only (2 + 2 + K)*Psi, K = 12, no offload, no persistent params: stage 1 keeps the full 2*Psi grads.
 
     Returns ``param_bytes``, ``grad_bytes`` (device + host), ``optim_bytes``
     (moments + fp32 master, the paper's K*Psi/N), ``device_bytes`` (what stays on
@@ -71,6 +78,13 @@ def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str
         raise ValueError("world_size must be >= 1 and n_params >= 0")
     if offload_optimizer and stage == 0:
         raise ValueError("DeepSpeed offloads the optimizer only with ZeRO stage >= 1")
+    if accounting not in ACCOUNTINGS:
+        raise ValueError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
+    if accounting == "paper":
+        if precision == "fp32" or offload_optimizer or persistent_params:
+            raise ValueError("accounting='paper' is the ZeRO paper's mixed-precision Adam without offload or "
+                             "persistent params; use accounting='deepspeed' for fp32, offload or persistent_params")
+        return _paper_state_bytes(n_params, stage, world_size)
 
     psi, n = n_params, world_size
     lp = 4 if precision == "fp32" else 2  # bytes per param / grad element on the device
@@ -100,6 +114,81 @@ def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str
         "host_bytes": round(host),
         "host_grad_bytes": round(host_grads),
     }
+
+
+def _paper_state_bytes(psi: int, stage: int, n: int) -> dict[str, int]:
+    """Figure 1 of the ZeRO paper: 2*Psi fp16 params, 2*Psi fp16 grads, K*Psi = 12*Psi optimizer states."""
+    params = 2 * psi / n if stage >= 3 else 2 * psi
+    grads = 2 * psi / n if stage >= 2 else 2 * psi  # P_os (stage 1) keeps every grad whole
+    optim = 12 * psi / n if stage >= 1 else 12 * psi
+    return {"param_bytes": round(params), "grad_bytes": round(grads), "optim_bytes": round(optim),
+            "device_bytes": round(params + grads + optim), "host_bytes": 0, "host_grad_bytes": 0}
+
+
+# Where and why DeepSpeed 0.19.8 differs from the paper, per stage (read in deepspeed/runtime/engine.py,
+# zero/stage_1_and_2.py, zero/stage3.py, utils.py; see accountings()).
+_DIFFERENCES = {
+    0: "same states (no ZeRO optimizer: the engine all-reduces the grads in chunks of 5e8 elements; "
+       "in fp32 there is no master copy, K = 8)",
+    1: "grads: the paper's P_os keeps full 2*Psi grads; DeepSpeed 0.19.8 stage 1 also keeps every full-size grad "
+       "through all micro-steps and the boundary backward (engine.allreduce_gradients reduces at stage 1 only at "
+       "the accumulation boundary), but at the end of that backward (independent_gradient_partition_epilogue) it "
+       "copies its partition's grads into grads_in_partition and sets p.grad = None, so right after backward it "
+       "holds Psi/N like stage 2 (the whole grad of each param overlapping its partition). With bf16 and "
+       "grad_accum_dtype fp32, stage 1 runs BF16_Optimizer instead, which keeps full fp32 grads (4*Psi). "
+       "Plus the reduce bucket during backward",
+    2: "same states after backward; plus the reduce bucket during backward (freed at the end of backward)",
+    3: "same states, plus params of <= param_persistence_threshold elements kept whole on every rank, plus the "
+       "reduce bucket, allocated once at init and kept between steps",
+}
+
+
+def reduce_bucket_bytes(stage: int, precision: str = "mixed", reduce_bucket_size: int = 500_000_000) -> int:
+    """Bytes of DeepSpeed 0.19.8's contiguous reduce bucket (``contiguous_gradients``, the default) on one rank.
+
+    Stages 1/2: ``setup_buckets`` allocates ``torch.empty(reduce_bucket_size)`` in the grads' dtype at each
+    backward (twice with ``overlap_comm``, which defaults to on only at stage 3) and frees it in the epilogue.
+    Stage 3: allocated once in ``__init__`` and kept.  Stage 0 has no ZeRO bucket (0).  It does not shrink with
+    the model: 5e8 elements are 1 GB in bf16/fp16, 2 GB in fp32, whatever Psi is.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0..3, got {stage}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return 0 if stage == 0 else int(reduce_bucket_size) * (4 if precision == "fp32" else 2)
+
+
+def accountings(n_params: int, world_size: int, precision: str = "mixed", *,
+                reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000) -> Any:
+    """Both accountings side by side, one row per ZeRO stage (a pandas DataFrame).
+
+    Columns: ``stage``, ``paper_grad_bytes``, ``paper_device_bytes`` (Figure 1 of the paper),
+    ``deepspeed_grad_bytes``, ``deepspeed_device_bytes`` (:func:`model_state_bytes`' default),
+    ``reduce_bucket_bytes`` (:func:`reduce_bucket_bytes`, shown, not folded in), ``allgather_bucket_bytes``
+    (0: at stages 1/2 ``all_gather_dp_groups`` gathers the updated params in shards of
+    ``allgather_bucket_size`` elements that are views of the fp16 params, or in one
+    ``all_gather_into_tensor`` where the backend has it, so no buffer is allocated) and
+    ``where_deepspeed_differs``.  The paper column needs mixed precision; for fp32 it is left empty (NaN).
+    """
+    import pandas as pd
+
+    if allgather_bucket_size < 0:
+        raise ValueError("allgather_bucket_size must be >= 0")
+    rows = []
+    for stage in range(4):
+        ds = model_state_bytes(n_params, stage, world_size, precision)
+        paper = None if precision == "fp32" else model_state_bytes(n_params, stage, world_size, accounting="paper")
+        rows.append({
+            "stage": stage,
+            "paper_grad_bytes": math.nan if paper is None else paper["grad_bytes"],
+            "paper_device_bytes": math.nan if paper is None else paper["device_bytes"],
+            "deepspeed_grad_bytes": ds["grad_bytes"],
+            "deepspeed_device_bytes": ds["device_bytes"],
+            "reduce_bucket_bytes": reduce_bucket_bytes(stage, precision, reduce_bucket_size),
+            "allgather_bucket_bytes": 0,
+            "where_deepspeed_differs": _DIFFERENCES[stage],
+        })
+    return pd.DataFrame(rows)
 
 
 def n_params_mlp(input_size: int, hidden: int, depth: int, output_size: int) -> int:

@@ -25,6 +25,49 @@ TABLE_COLUMNS = ["strategy", "world_size", "micro_batch", "grad_accum", "global_
                  "device_bytes", "peak_rss_bytes", "noise_scale", "run_id"]
 
 
+# -- where the results come from -------------------------------------------------------------------
+def _device_kind(accelerator: Any, device: Any) -> str:
+    """'cpu' for every CPU (the CPU model is not a device kind), else accelerator + device name."""
+    accelerator = str(accelerator or "unknown")
+    return "cpu" if accelerator == "cpu" else f"{accelerator}: {device or 'unknown device'}"
+
+
+def provenance_banner(machine: dict[str, Any] | None, devices: Any, *, profile: str | None = None) -> str | None:
+    """A warning when the results were measured on another device kind than this machine's, else None.
+
+    `machine`: the results' machine.json (None: unknown origin, which is said too).  `devices`: this
+    machine's `labkit.devices.Devices` (`detect_devices()`).  `profile`: the profile the reader asked for;
+    results of another profile (notebook 04 falling back to data/reference-ci) are said as well.  Plain
+    text: `build_report` puts it at the report's top, notebook 04 prints it above its first table.
+    """
+    here = _device_kind(devices.accelerator, devices.device_name)
+    count_here = f"{devices.device_count} x " if not devices.is_cpu else ""
+    if not machine:
+        return (f"These results carry no machine.json: where they were measured is unknown. This machine has "
+                f"{count_here}{here}.")
+    there = _device_kind(machine.get("accelerator"), machine.get("device"))
+    parts = []
+    if there != here:
+        count_there = f"{machine.get('devices')} x " if there != "cpu" and machine.get("devices") else ""
+        parts.append(f"These results were measured on {count_there}{there} ({machine.get('cpu_cores')} CPU cores, "
+                     f"{machine.get('date')}), not on this machine's {count_here}{here}: their times, memory and "
+                     "out-of-memory boundaries are that machine's"
+                     + (" (on CPU an emulated device capacity), and say nothing about this device"
+                        if there == "cpu" else "")
+                     + ". Run `python -m labkit answer` with a profile for this machine to measure here.")
+    if profile is not None and machine.get("profile") not in (None, profile):
+        parts.append(f"They are the '{machine.get('profile')}' profile's results, not the '{profile}' profile's "
+                     "that were asked for (none were found).")
+    return " ".join(parts) or None
+
+
+def _banner_html(machine: dict[str, Any] | None, devices: Any, profile: dict[str, Any] | None) -> str:
+    untested = [n for n in (profile or {}).get("notes") or () if "untested" in str(n).lower()]
+    text = " ".join(filter(None, [provenance_banner(machine, devices) if devices is not None else None, *untested]))
+    return (f"<p class='banner' style='background:#fff3cd;border:1px solid #e0b252;padding:.6em'>"
+            f"<b>Note:</b> {html.escape(text)}</p>" if text else "")
+
+
 # -- small helpers ---------------------------------------------------------------------------------
 def label(strategy: str) -> str:
     return STRATEGY_LABELS.get(strategy, strategy)
@@ -394,9 +437,9 @@ def figures(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, prob
                   for i in range(41)]
             fig.add_trace(go.Scatter(x=xs, y=[fit["s_min"] * (1 + fit["b_crit"] / x) for x in xs], mode="lines",
                                      line={"dash": "dot"}, name=f"fit S_min(1+B_crit/B), B_crit~{fit['b_crit']:.0f}"))
-            fig.add_vline(x=fit["b_crit"], line_dash="dot", annotation_text="B_crit (fit)")
+            _vline_on_log_x(fig, fit["b_crit"], "dot", "B_crit (fit)")
         if pooled and pooled.b_simple:
-            fig.add_vline(x=pooled.b_simple, line_dash="dash", annotation_text="B_simple (noise scale)")
+            _vline_on_log_x(fig, pooled.b_simple, "dash", "B_simple (noise scale)")
         fig.update_xaxes(type="log", title_text="global batch")
         fig.update_yaxes(type="log", title_text="steps to target")
         figs.append((f"LR scaling and critical batch ({label(strategy)})", fig))
@@ -466,27 +509,55 @@ def figures(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, prob
     return figs
 
 
+def _vline_on_log_x(fig: Any, x: float, dash: str, text: str | None, *, row: int | None = None,
+                    col: int | None = None, **line: Any) -> None:
+    """A labelled vertical line at data value ``x`` on a log x axis.
+
+    Plotly.js takes a shape's x0/x1 on a log axis in data units but an annotation's x in log10 units, and
+    ``add_vline(annotation_text=...)`` gives both the data value: the label then sits at 10**x and drags
+    the autorange there (an axis from 1 to 10^279).  So the line is a shape and the label is placed at log10(x).
+    """
+    at = {} if row is None else {"row": row, "col": col}
+    fig.add_vline(x=x, line_dash=dash, **line, **at)
+    if text:
+        # Refs named by hand: add_annotation(row=, col=) would turn yref "paper" into data units of the subplot.
+        n = "" if col in (None, 1) else str(col) if row in (None, 1) else None
+        if n is None:
+            raise ValueError("_vline_on_log_x labels lines in the first row of subplots only")
+        fig.add_annotation(x=math.log10(x), xref=f"x{n}", y=1, yref=f"y{n} domain", yanchor="bottom", text=text,
+                           showarrow=False)
+
+
 def _oom_markers(fig: Any, table: pd.DataFrame, go: Any, cols: int) -> None:
     """A dotted vertical line at each (strategy, batch) that ran out of memory."""
     for row in table[table.status == "oom"].itertuples():
         for col in range(1, cols + 1):
-            fig.add_vline(x=row.global_batch, line_color=COLORS.get(row.strategy, "grey"), line_dash="dot",
-                          opacity=0.5, row=1, col=col,
-                          annotation_text=f"{row.strategy} OOM" if col == 1 else None)
+            # Every caller puts global batch on a log x axis.
+            _vline_on_log_x(fig, row.global_batch, "dot", f"{row.strategy} OOM" if col == 1 else None, row=1,
+                            col=col, line_color=COLORS.get(row.strategy, "grey"), opacity=0.5)
 
 
 # -- the page --------------------------------------------------------------------------------------
 def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFrame | None = None,
                  probes: pd.DataFrame | None = None, memory: pd.DataFrame | None = None,
                  activation: pd.DataFrame | None = None, noise: pd.DataFrame | None = None,
-                 machine: dict[str, Any] | None = None, profile: dict[str, Any] | None = None) -> Path:
-    """Write the report and return its path."""
+                 machine: dict[str, Any] | None = None, profile: dict[str, Any] | None = None,
+                 devices: Any = "detect") -> Path:
+    """Write the report and return its path.
+
+    `devices`: the machine the report is written on (`labkit.devices.Devices`; default: detected), compared with
+    `machine` for the banner at the top (:func:`provenance_banner`); None: no comparison.  A profile note that
+    says "untested" goes in the banner too."""
     from plotly.offline import get_plotlyjs
 
     from labkit.store import write_text_atomic
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(devices, str) and devices == "detect":
+        from labkit.devices import detect_devices
+
+        devices = detect_devices()
     statements = conclusions(results, maxbatch=maxbatch, memory=memory, activation=activation, noise=noise,
                              machine=machine, profile=profile)
     figs = figures(results, maxbatch=maxbatch, probes=probes, memory=memory, activation=activation, noise=noise,
@@ -497,6 +568,7 @@ def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFr
         "<style>body{font-family:system-ui,sans-serif;max-width:1200px;margin:auto;padding:1em;color:#222}"
         "table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
         "th{background:#f4f4f4}.note{color:#555;font-size:13px}li{margin:.3em 0}</style></head><body>",
+        _banner_html(machine, devices, profile),
         "<h1>Can DeepSpeed keep training time flat while the batch size grows?</h1>",
         f"<p class='note'>{_header(machine, profile, results)}</p>",
         "<h2>Conclusions (computed from the measurements below)</h2><ul>",

@@ -224,6 +224,8 @@ def test_maxbatch_finds_the_emulated_boundary(launched):
     # (torch's Adam also keeps a 4-byte step counter per tensor: 16 bytes here.)
     assert result.state_bytes == pytest.approx(memory.model_state_bytes(n_params, 0, 1, "fp32")["device_bytes"], abs=64)
     assert result.predicted_max_micro_batch == BOUNDARY
+    # ...which it must: the emulated boundary is that count enforced, and maxbatch.csv says so.
+    assert "no evidence" in result.summary_row()["boundary_evidence"]
 
 
 def test_points_that_did_not_finish_have_no_throughput(launched):
