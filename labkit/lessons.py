@@ -140,6 +140,31 @@ def last_census(run: Run, rank: int = 0) -> dict[str, Any]:
     return census[-1]
 
 
+def offload_traffic(run: Run, rank: int = 0) -> dict[str, float]:
+    """Bytes that cross between device and host each optimizer step with `offload_optimizer`,
+    per rank, from the rank's measured census: its partition has `optim_bytes / 8` elements
+    (Adam's two fp32 moments each); its gradients go down to the host and the updated
+    parameters come back up, both in the training precision (bf16/fp16: 2 bytes, fp32: 4).
+    On a GPU these copies cross PCIe (or NVLink-C2C); on the CPU accelerator they are memory copies."""
+    elements = last_census(run, rank)["optim_bytes"] / 8
+    size = 4 if run.config.precision == "fp32" else 2
+    return {"partition_elements": elements, "to_host_bytes": elements * size, "to_device_bytes": elements * size}
+
+
+def source_line(function: Any, contains: str) -> str:
+    """The first line of `function`'s source (DeepSpeed's, say) that contains `contains`, with
+    its file and line number: to show in a notebook what the installed version does."""
+    import inspect
+
+    function = inspect.unwrap(function)  # through decorators such as torch.no_grad()
+    lines, first = inspect.getsourcelines(function)
+    for offset, line in enumerate(lines):
+        if contains in line:
+            path = Path(inspect.getsourcefile(function) or "?")
+            return f"{'/'.join(path.parts[-3:])}:{first + offset}: {line.strip()}"
+    raise ValueError(f"{contains!r} is not in the source of {function!r} (another DeepSpeed version?)")
+
+
 def partition_rows(runs: Mapping[str, Run]) -> pd.DataFrame:
     """One row per (run, rank) with the run's ZeRO `stage`, the `rank` and its model-state MiB:
     the input of `labkit.figures.zero_partition_figure`."""
