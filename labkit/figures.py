@@ -45,13 +45,13 @@ def capacity_figure(result: Any, capacity_bytes: int, *, emulated: bool) -> go.F
                              y=[p.device_bytes / MiB for p in fits], mode="markers",
                              marker=dict(size=11, color="#00cc96")))
     if failed:
-        fig.add_trace(go.Scatter(name="out of memory (bytes it needed)", x=[p.micro_batch for p in failed],
+        fig.add_trace(go.Scatter(name="out of memory (bytes counted when it failed)", x=[p.micro_batch for p in failed],
                                  y=[p.device_bytes / MiB for p in failed], mode="markers",
                                  marker=dict(size=13, symbol="x", color="#ef553b")))
     fit, states = result.activation_fit(), result.state_bytes
     predicted = result.predicted_max_micro_batch
     if fit is not None and states is not None:
-        slope, intercept = fit
+        intercept, slope = fit  # MaxBatchResult.activation_fit: (bytes per step, bytes per sample)
         right = max([p.micro_batch for p in result.probes] + [predicted or 0]) * 1.15
         fig.add_trace(go.Scatter(name="model states + activation fit", x=[0, right],
                                  y=[(states + intercept) / MiB, (states + intercept + slope * right) / MiB],

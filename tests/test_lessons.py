@@ -73,3 +73,20 @@ def test_holdings_figure_splits_host_parts():
     assert bars["optimizer states + fp32 master"] == [3.0, 0.0]
     assert bars["optimizer states + fp32 master, on the host"] == [0.0, 3.0]
     assert bars["gradients, on the host"] == [0.0, 1.0]
+
+
+def test_capacity_figure_draws_the_fit_through_the_probes():
+    from labkit.maxbatch import MaxBatchResult, Probe
+
+    mib = 2**20
+    # 10 MiB of model states, 1 MiB per step plus 0.5 MiB per sample of activations.
+    probes = [Probe(b, "finished", 10 * mib + mib + b * mib // 2, mib + b * mib // 2, None, False) for b in (4, 8)]
+    probes.append(Probe(40, "oom", 31 * mib, None, None, False))
+    result = MaxBatchResult(strategy="pytorch", world_size=1, budget_bytes=30 * mib, emulated=True,
+                            max_micro_batch=8, first_oom=40, probes=probes)
+    assert result.predicted_max_micro_batch == 38
+    traces = {trace.name: trace for trace in figures.capacity_figure(result, 30 * mib, emulated=True).data}
+    fit = traces["model states + activation fit"]
+    assert fit.y[0] == pytest.approx(11.0)
+    assert fit.y[1] == pytest.approx(11.0 + 0.5 * fit.x[1])
+    assert list(traces["out of memory (bytes counted when it failed)"].x) == [40]
