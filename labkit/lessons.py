@@ -23,6 +23,7 @@ from typing import Any
 
 import pandas as pd
 
+import labkit.figures  # noqa: F401  (sets plotly's renderer: figures show in JupyterLab and in `make docs` HTML)
 from labkit.config import ConfigError, RunConfig
 from labkit.run import Run
 
@@ -278,8 +279,6 @@ def stacked_bars(table: pd.DataFrame, columns: Sequence[str], *, title: str, yax
     """A static stacked bar chart: one bar per row of `table`, one segment per column."""
     import plotly.graph_objects as go
 
-    import labkit.figures  # noqa: F401  (sets a renderer that shows in JupyterLab and in HTML exports)
-
     x = [" / ".join(map(str, i)) if isinstance(i, tuple) else str(i) for i in table.index]
     fig = go.Figure([go.Bar(name=c, x=x, y=table[c]) for c in columns if c in table])
     fig.update_layout(barmode="stack", title=title, yaxis_title=yaxis, xaxis_title=xaxis or table.index.name,
@@ -291,8 +290,6 @@ def line_chart(table: pd.DataFrame, x: str, ys: Sequence[str], *, title: str, ya
                log_x: bool = False, log_y: bool = False, markers: bool = True):
     """A static line chart of `ys` against column `x` of `table`."""
     import plotly.graph_objects as go
-
-    import labkit.figures  # noqa: F401  (sets a renderer that shows in JupyterLab and in HTML exports)
 
     mode = "lines+markers" if markers else "lines"
     fig = go.Figure([go.Scatter(name=y, x=table[x], y=table[y], mode=mode) for y in ys if y in table])
