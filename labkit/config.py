@@ -146,11 +146,12 @@ class RunConfig:
         else:
             _require(isinstance(self.stage, int) and not isinstance(self.stage, bool) and 0 <= self.stage <= 3,
                      "stage", f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}")
-            # DeepSpeed accepts offload_optimizer at stage 0 without a word, but stage 0 has no
-            # ZeRO optimizer to move the states and step to the host.
+            # Stage 0 has no ZeRO optimizer to move the states and step to the host. DeepSpeed does
+            # not refuse the config: it builds CPU Adam over the model's own parameters, which on a
+            # GPU asserts at the first step (ops/adam/cpu_adam.py) and on CPU offloads nothing.
             _require(not (self.offload_optimizer and self.stage == 0), "offload_optimizer",
                      "optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 has no ZeRO optimizer to offload; "
-                     "DeepSpeed would accept it without a word)")
+                     "DeepSpeed would start, then CPU Adam would fail at the first step on GPU parameters)")
 
         self._check_devices()
         derived = self.micro_batch * self.grad_accum * self.world_size
