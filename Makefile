@@ -8,7 +8,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 LAB_PORT ?= 8888
 
-.PHONY: install ops lab test test-fast bench clean
+.PHONY: install ops lab test test-fast bench docs clean
 
 install: $(STAMP)
 
@@ -37,6 +37,17 @@ test-fast: install
 
 bench: ops
 	$(BIN)/python benchmarks/run_all.py
+
+# Every notebook executed on the ci profile, as HTML with its outputs, in build/docs/ (git-ignored):
+# a worked run to read before starting. The committed notebooks stay without outputs.
+DOCS := build/docs
+docs: ops
+	mkdir -p $(DOCS)
+	cd notebooks && for nb in *.ipynb; do \
+		LABKIT_PROFILE=ci ../$(BIN)/jupyter nbconvert --to html --execute \
+			--ExecutePreprocessor.timeout=900 --output-dir ../$(DOCS) "$$nb" || exit 1; \
+	done
+	@echo "HTML with outputs in $(DOCS)/"
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from labkit.config import ConfigError, RunConfig
+from labkit.config import EXAMPLES, ConfigError, RunConfig
 
 # RunConfig fields exposed as flags: --micro-batch for micro_batch, and so on.
 _FLAG_FIELDS = ("stage", "precision", "world_size", "micro_batch", "grad_accum", "train_batch", "steps",
@@ -28,7 +28,7 @@ _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | No
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     fields = {f.name: f for f in dataclasses.fields(RunConfig)}
-    parser.add_argument("--example", choices=("pytorch", "offload", "zero3"), required=True)
+    parser.add_argument("--example", choices=EXAMPLES, required=True)
     for name in _FLAG_FIELDS:
         kind = _TYPES.get(str(fields[name].type), str)
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,

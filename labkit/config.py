@@ -18,15 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-EXAMPLES = ("pytorch", "offload", "zero3")
+EXAMPLES = ("pytorch", "deepspeed", "offload", "zero3")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCALINGS = ("none", "linear", "sqrt")
 OPTIMIZERS = ("adam", "sgd")
 
-# The seed text's three examples, corrected. Values a preset fills in when the user
-# leaves them unset.
+# The seed text's three examples, corrected, and "deepspeed": DeepSpeed's engine with the
+# stage and offload you choose (nothing turned on by default), for runs that are none of the
+# three (stage 0-2 without offload, say). Values a preset fills in when the user leaves them unset.
 PRESETS: dict[str, dict[str, Any]] = {
     "pytorch": {"stage": None, "offload_optimizer": False},
+    "deepspeed": {"stage": 0, "offload_optimizer": False},
     # ZeRO-Offload is its own switch (offload_optimizer), not "stage 1"; the
     # ZeRO-Offload paper paired it with stage 2.
     "offload": {"stage": 2, "offload_optimizer": True},
@@ -78,7 +80,7 @@ def _require(condition: bool, field_name: str, message: str) -> None:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    example: Literal["pytorch", "offload", "zero3"] = "zero3"
+    example: Literal["pytorch", "deepspeed", "offload", "zero3"] = "zero3"
     stage: int | None = None              # ZeRO stage 0-3; None = the example's preset
     offload_optimizer: bool | None = None  # optimizer state + step on the CPU; None = preset
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -136,18 +138,20 @@ class RunConfig:
         _require(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {OPTIMIZERS}, got {self.optimizer!r}")
 
         if self.example == "pytorch":
-            _require(self.stage is None, "stage", "the plain PyTorch example has no ZeRO stage; use example='offload' or 'zero3'")
+            _require(self.stage is None, "stage",
+                     "the plain PyTorch example has no ZeRO stage; use example='deepspeed', 'offload' or 'zero3'")
             _require(not self.offload_optimizer, "offload_optimizer", "the plain PyTorch example has no DeepSpeed optimizer to offload")
             _require(self.world_size == 1, "world_size", "the plain PyTorch example is a single-process loop; use a DeepSpeed example for several ranks")
             _require(self.precision != "fp16", "precision", "fp16 needs a loss scaler; the plain PyTorch example supports fp32 and bf16")
         else:
             _require(isinstance(self.stage, int) and not isinstance(self.stage, bool) and 0 <= self.stage <= 3,
                      "stage", f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}")
-            # DeepSpeed accepts offload_optimizer at stage 0 without a word, but stage 0 has no
-            # ZeRO optimizer to move the states and step to the host.
+            # Stage 0 has no ZeRO optimizer to move the states and step to the host. DeepSpeed does
+            # not refuse the config: it builds CPU Adam over the model's own parameters, which on a
+            # GPU asserts at the first step (ops/adam/cpu_adam.py) and on CPU offloads nothing.
             _require(not (self.offload_optimizer and self.stage == 0), "offload_optimizer",
                      "optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 has no ZeRO optimizer to offload; "
-                     "DeepSpeed would accept it without a word)")
+                     "DeepSpeed would start, then CPU Adam would fail at the first step on GPU parameters)")
 
         self._check_devices()
         derived = self.micro_batch * self.grad_accum * self.world_size

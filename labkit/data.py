@@ -10,7 +10,7 @@ See data/README.md.
 from __future__ import annotations
 
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, DistributedSampler, RandomSampler, Sampler, TensorDataset
 
 TEACHER_HIDDEN = 64
 
@@ -22,3 +22,20 @@ def make_dataset(size: int, input_size: int, output_size: int, seed: int) -> Ten
     w2 = torch.randn(TEACHER_HIDDEN, output_size, generator=generator) / TEACHER_HIDDEN**0.5
     labels = (torch.tanh(inputs @ w1) @ w2).argmax(dim=1)
     return TensorDataset(inputs, labels)
+
+
+def make_sampler(dataset: Dataset, *, distributed_sampler: bool, world_size: int, rank: int, seed: int,
+                 same_seed_every_rank: bool = False) -> tuple[Sampler, int]:
+    """The sampler one rank reads with, and how many samples make its epoch.
+
+    `distributed_sampler=True`: each rank its own shard (`dataset_size / world_size` samples).
+    False reproduces the seed text's bug: every rank shuffles and reads the whole dataset, each
+    with its own seed (`seed + rank`); `same_seed_every_rank=True` is the worse variant, where
+    every rank draws the same order and so the same batches (only the lessons use it).
+    """
+    if distributed_sampler:
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                     drop_last=True)
+        return sampler, len(sampler)
+    generator = torch.Generator().manual_seed(seed if same_seed_every_rank else seed + rank)
+    return RandomSampler(dataset, generator=generator), len(dataset)

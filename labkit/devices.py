@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 # Dense peak FLOP/s of common training GPUs (vendor datasheets; SXM parts, no sparsity),
 # by the precision the run uses. Unknown devices fall back to a measured matmul peak.
+# Any name containing "H100" maps to the SXM peak: an H100 PCIe peaks lower (about 756 TFLOP/s
+# dense bf16, 51 fp32: fewer SMs, lower clocks), so its utilisation reads low against this table.
 GPU_PEAK_FLOPS = {
     "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
     "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},

@@ -4,7 +4,8 @@
     runs = lessons.launch_all({"stage 0": RunConfig(...), "stage 1": RunConfig(...)})
     lessons.summary_table(runs)          # one row per run: status, timings, batch
     lessons.rank_table(runs)             # one row per (run, rank): model-state bytes in MiB
-    lessons.stacked_bars(table, [...])   # a static plotly bar chart
+    lessons.stacked_bars(table, [...])   # a static plotly bar chart (labkit.figures draws the rest)
+    lessons.check(condition, "what it shows")  # prints "Check: ...", raises if it does not hold
 
 Everything here reads what the runs recorded (`Run.summary`, `Run.records()`, the rank
 logs); nothing is estimated except where a function says so.
@@ -22,6 +23,7 @@ from typing import Any
 
 import pandas as pd
 
+import labkit.figures  # noqa: F401  (sets plotly's renderer: figures show in JupyterLab and in `make docs` HTML)
 from labkit.config import ConfigError, RunConfig
 from labkit.run import Run
 
@@ -87,6 +89,14 @@ def config_error(**fields: Any) -> str | None:
     return None
 
 
+def check(condition: Any, what: str, detail: Any = None) -> None:
+    """A claim the notebook shows, printed as a line the learner reads ("Check: what ... holds");
+    raises AssertionError (which fails nbval) with `detail` when it does not hold."""
+    if not condition:
+        raise AssertionError(f"Check failed: {what}" + (f"\n{detail}" if detail is not None else ""))
+    print(f"Check: {what} -- holds")
+
+
 # -- tables ------------------------------------------------------------------------------
 def mib(value: float | None) -> float | None:
     return None if value is None else value / MiB
@@ -121,6 +131,117 @@ def fit_line(x: Iterable[float], y: Iterable[float]) -> tuple[float, float]:
 
     slope, intercept = np.polyfit(np.asarray(list(x), dtype=float), np.asarray(list(y), dtype=float), 1)
     return float(slope), float(intercept)
+
+
+def last_census(run: Run, rank: int = 0) -> dict[str, Any]:
+    """The rank's last per-step record that carries a model-state census (`param_bytes`, ...)."""
+    census = [r for r in run.records().get(rank, []) if "param_bytes" in r]
+    if not census:
+        raise ValueError(f"rank {rank} of {run.run_dir} recorded no model-state census")
+    return census[-1]
+
+
+def offload_traffic(run: Run, rank: int = 0) -> dict[str, float]:
+    """Bytes that cross between device and host each optimizer step with `offload_optimizer`,
+    per rank, from the rank's measured census: its partition has `optim_bytes / 8` elements
+    (Adam's two fp32 moments each); its gradients go down to the host and the updated
+    parameters come back up, both in the training precision (bf16/fp16: 2 bytes, fp32: 4).
+    On a GPU these copies cross PCIe (or NVLink-C2C); on the CPU accelerator they are memory copies."""
+    elements = last_census(run, rank)["optim_bytes"] / 8
+    size = 4 if run.config.precision == "fp32" else 2
+    return {"partition_elements": elements, "to_host_bytes": elements * size, "to_device_bytes": elements * size}
+
+
+def source_line(function: Any, contains: str) -> str:
+    """The first line of `function`'s source (DeepSpeed's, say) that contains `contains`, with
+    its file and line number: to show in a notebook what the installed version does."""
+    import inspect
+
+    function = inspect.unwrap(function)  # through decorators such as torch.no_grad()
+    lines, first = inspect.getsourcelines(function)
+    for offset, line in enumerate(lines):
+        if contains in line:
+            path = Path(inspect.getsourcefile(function) or "?")
+            return f"{'/'.join(path.parts[-3:])}:{first + offset}: {line.strip()}"
+    raise ValueError(f"{contains!r} is not in the source of {function!r} (another DeepSpeed version?)")
+
+
+def partition_rows(runs: Mapping[str, Run]) -> pd.DataFrame:
+    """One row per (run, rank) with the run's ZeRO `stage`, the `rank` and its model-state MiB:
+    the input of `labkit.figures.zero_partition_figure`."""
+    table = rank_table(runs, STATE_COLUMNS).reset_index()
+    stages = {label: run.config.stage for label, run in runs.items()}
+    table.insert(1, "stage", table["run"].map(stages))
+    return table
+
+
+def epoch_progress(runs: Mapping[str, Run]) -> pd.DataFrame:
+    """Per run: how many steps an epoch takes, the samples/s the worker counts (every rank's
+    samples) and the unique samples/s (measured progress through the dataset: dataset size x
+    epochs per step / step time), and how many times the first overstates the second."""
+    rows = {}
+    for label, run in runs.items():
+        records = step_records(run)
+        epochs_per_step = records["epoch"].iloc[-1] / len(records)
+        step_time = run.summary["median_step_time_s"]
+        counted = run.summary["samples_per_s"]
+        unique = run.config.dataset_size * epochs_per_step / step_time
+        rows[label] = {"world_size": run.config.world_size, "distributed_sampler": run.config.distributed_sampler,
+                       "global_batch": run.config.global_batch, "steps_per_epoch": 1 / epochs_per_step,
+                       "samples_per_s (counted)": counted, "unique samples_per_s": unique,
+                       "overstated_x": counted / unique}
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def sampler_overlap(dataset_size: int, micro_batch: int, world_size: int, steps: int = 4,
+                    seed: int = 0) -> pd.DataFrame:
+    """What the ranks read, sampled with the worker's own `labkit.data.make_sampler` (no run):
+    per data-loading mode and step, how many distinct samples the global batch of
+    `world_size` micro-batches holds. Modes: a DistributedSampler; no sampler, each rank its
+    own seed (the seed text's loader in labkit); no sampler with the same seed on every rank."""
+    from torch.utils.data import DataLoader
+
+    from labkit.data import make_dataset, make_sampler
+
+    dataset = make_dataset(dataset_size, 1, 2, seed)
+    modes = {"DistributedSampler": dict(distributed_sampler=True),
+             "no sampler, seed per rank": dict(distributed_sampler=False),
+             "no sampler, same seed on every rank": dict(distributed_sampler=False, same_seed_every_rank=True)}
+    rows = []
+    for mode, options in modes.items():
+        loaders = []
+        for rank in range(world_size):
+            sampler, _ = make_sampler(dataset, world_size=world_size, rank=rank, seed=seed, **options)
+            loaders.append(iter(DataLoader(list(sampler), batch_size=micro_batch, drop_last=True)))
+        for step in range(1, steps + 1):
+            picked = [next(loader).tolist() for loader in loaders]
+            distinct = len({i for batch in picked for i in batch})
+            rows.append({"mode": mode, "step": step, "samples read": micro_batch * world_size,
+                         "distinct samples": distinct, "micro-batches' worth": distinct / micro_batch})
+    return pd.DataFrame(rows)
+
+
+def deepspeed_loader_shards(dataset_size: int, world_size: int, micro_batch: int) -> pd.DataFrame:
+    """The loader DeepSpeed builds from `deepspeed.initialize(training_data=...)`: the engine's
+    `deepspeed_io` makes a `DeepSpeedDataLoader` with the data-parallel size and rank; built
+    here for each rank (no process group needed) to show its sampler's shard."""
+    from deepspeed.runtime.dataloader import DeepSpeedDataLoader
+
+    from labkit.data import make_dataset
+
+    dataset = make_dataset(dataset_size, 1, 2, 0)
+    shards = {}
+    for rank in range(world_size):
+        loader = DeepSpeedDataLoader(dataset, batch_size=micro_batch, pin_memory=False, local_rank=rank,
+                                     tput_timer=None, data_parallel_world_size=world_size,
+                                     data_parallel_rank=rank)
+        shards[rank] = (type(loader.data_sampler).__name__, set(loader.data_sampler))
+    from collections import Counter
+
+    seen = Counter(index for _, indices in shards.values() for index in indices)
+    return pd.DataFrame([{"rank": rank, "sampler": name, "samples per epoch": len(indices),
+                          "shared with another rank": sum(seen[i] > 1 for i in indices)}
+                         for rank, (name, indices) in shards.items()]).set_index("rank")
 
 
 def step_records(run: Run, rank: int = 0) -> pd.DataFrame:
@@ -256,6 +377,111 @@ def comm_ops(run: Run, rank: int = 0, first_steps: int = 2) -> pd.DataFrame:
         table.loc[mean, "calls"] = table.loc[mean, "calls"] / len(later)
         table.loc[mean, "MiB"] = table.loc[mean, "MiB"] / len(later)
     table["MiB"] = table["MiB"] / MiB
+    return table
+
+
+def zero3_tensors(config: RunConfig, threshold: int | None = None) -> pd.DataFrame:
+    """The parameter tensors of the run's MLP in forward order: elements, bytes at the run's
+    precision, and whether ZeRO-3 keeps each whole on every rank ("persistent": at most
+    `threshold` elements, DeepSpeed's `stage3_param_persistence_threshold`, default 100,000).
+    Cross-checked against `labkit.memory.mlp_persistent_params`."""
+    import torch
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from labkit import memory
+    from labkit.model import SimpleModel
+
+    if threshold is None:
+        threshold = DeepSpeedZeroConfig().param_persistence_threshold
+    size = torch.empty(0, dtype={"fp32": torch.float32, "bf16": torch.bfloat16,
+                                 "fp16": torch.float16}[config.precision]).element_size()
+    mlp = SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
+    table = pd.DataFrame([{"tensor": name, "module": name.rsplit(".", 1)[0], "elements": p.numel(),
+                           "bytes": p.numel() * size, "persistent": p.numel() <= threshold}
+                          for name, p in mlp.named_parameters()])
+    persistent = memory.mlp_persistent_params(config.input_size, config.hidden, config.depth, config.output_size,
+                                              threshold=threshold)
+    if table.loc[table["persistent"], "elements"].sum() != persistent:
+        raise AssertionError("labkit.memory.mlp_persistent_params disagrees with the model's tensors")
+    table.attrs["threshold"] = threshold
+    return table
+
+
+def zero3_step_pattern(run: Run, tensors: pd.DataFrame, step: int | None = None) -> dict[str, Any]:
+    """Read one step of rank 0's communication log (a ZeRO-3 run with `comms_logger_overrides()`,
+    `stage3_max_reuse_distance: 0`, `stage3_prefetch_bucket_size: 0`) against the ZeRO-3
+    pattern. Returns the step's log and what it shows; the `*_ok` entries say whether each
+    part of the pattern holds:
+
+    - `gathers_ok`: before the first reduce-scatter, one all-gather per module with
+      partitioned parameters in forward order, then again in backward (reverse) order, each
+      of one rank's shard;
+    - `scatter_ok`: the reduce-scatter(s) carry every gradient;
+    - `persistent_ok`: after them, all-gathers of the persistent parameters only.
+    DeepSpeed logs sizes rounded to 2 decimals of their unit, hence the tolerances.
+    """
+    step = min(3, run.config.steps) if step is None else step
+    log = comm_log(run)
+    one = log[log["phase"] == step].drop(columns="phase").reset_index(drop=True)
+    ranks = run.config.world_size
+
+    def close(measured: list[float], expected: list[float]) -> bool:
+        return len(measured) == len(expected) and all(abs(m - e) <= 0.01 * e for m, e in zip(measured, expected))
+
+    gathers = one["op"].str.startswith("all_gather")
+    scatters = one.index[one["op"].str.startswith("reduce_scatter")]
+    part = tensors[~tensors["persistent"]]
+    modules = list(dict.fromkeys(part["module"]))  # forward order
+    forward = [part.loc[part["module"] == m, "bytes"].sum() / ranks for m in modules]
+    first = scatters[0] if len(scatters) else len(one)
+    gathered = one.loc[gathers & (one.index < first), "bytes"].tolist()
+    scattered, all_grads = one.loc[scatters, "bytes"].sum(), tensors["bytes"].sum()
+    after = sorted(one.loc[gathers & (one.index > (scatters[-1] if len(scatters) else len(one))), "bytes"])
+    return {"step": step, "log": one, "modules": modules, "ranks": ranks,
+            "gathers_ok": close(gathered, forward + forward[::-1]), "gathered": gathered,
+            "expected_gathers": forward + forward[::-1],
+            "scatters": len(scatters),
+            "scatter_ok": len(scatters) > 0 and abs(scattered - all_grads) <= 0.02 * all_grads,
+            "scattered_bytes": scattered, "gradient_bytes": all_grads,
+            "persistent_ok": close(after, sorted(tensors.loc[tensors["persistent"], "bytes"] / ranks)),
+            "persistent_gathers": len(after)}
+
+
+def step_timeline(run: Run, step: int | None = None) -> pd.DataFrame:
+    """Spans of one step, per rank, for `labkit.figures.timeline_figure`: each rank's forward,
+    backward and optimizer phases (its own records; placed back to back, ending at the
+    step's record, so within a millisecond or two) and the collectives of rank 0's
+    communication log (DeepSpeed's comms logger prints on rank 0 only; every rank takes part
+    in each collective). Times in ms from the start of rank 0's step."""
+    from datetime import datetime
+
+    step = min(3, run.config.steps) if step is None else step
+    spans = []
+    for rank in range(run.config.world_size):
+        records = run.records().get(rank, [])
+        start = next((r for r in records if r.get("event") == "start"), None)
+        record = next((r for r in records if r.get("event") == "step" and r["step"] == step), None)
+        if start is None or record is None:
+            continue
+        end = start["wall_time"] - start["time_s"] + record["time_s"]
+        for phase in ("optimizer", "backward", "forward"):
+            spans.append({"lane": f"rank {rank}", "kind": phase, "start": end - record[f"{phase}_s"], "end": end,
+                          "label": f"rank {rank} {phase} {record[f'{phase}_s'] * 1e3:.1f} ms"})
+            end -= record[f"{phase}_s"]
+    ready, ends = _step_ends(run, 0)
+    for match in _COMM_LINE.finditer(rank_log_text(run, 0)):
+        when = datetime.strptime(match["when"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        previous = dict(ends).get(step - 1, ready)
+        if previous is None or not (previous < when <= dict(ends).get(step, 0)):
+            continue
+        ms = float(match["ms"])
+        spans.append({"lane": "collectives (rank 0's log)", "kind": match["op"], "start": when - ms / 1e3,
+                      "end": when, "label": f"{match['op']} {match['size']} {match['unit']} {ms:.2f} ms "
+                                            f"({(match['caller'] or '').strip()})"})
+    table = pd.DataFrame(spans, columns=["lane", "kind", "start", "end", "label"])
+    origin = table.loc[table["lane"] == "rank 0", "start"].min() if len(table) else 0.0
+    table["start_ms"] = (table.pop("start") - origin) * 1e3
+    table["end_ms"] = (table.pop("end") - origin) * 1e3
     return table
 
 

@@ -18,7 +18,8 @@ class SimpleModel(nn.Module):
             layers += [nn.Linear(hidden, hidden), nn.ReLU()]
         layers.append(nn.Linear(hidden, output_size))
         # A Sequential of Linear submodules: ZeRO-3 gathers each one's parameters
-        # just before its forward (and again before its backward), then frees them.
+        # just before its forward and again before its backward, freeing them in between only
+        # if stage3_max_reuse_distance allows (DeepSpeed's default keeps a model < ~1B gathered).
         self.layers = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

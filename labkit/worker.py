@@ -24,10 +24,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from labkit.config import RunConfig
-from labkit.data import make_dataset
+from labkit.data import make_dataset, make_sampler
 from labkit.failures import is_oom
 from labkit.faults import FaultHooks
 from labkit.model import SimpleModel, count_parameters
@@ -64,15 +64,10 @@ def train() -> None:
 
     # -- data: each rank must read its own shard --------------------------------------
     dataset = make_dataset(config.dataset_size, config.input_size, config.output_size, config.seed)
-    if config.distributed_sampler:
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=config.seed, drop_last=True)
-        samples_per_epoch = len(sampler)  # this rank's share: the epoch shrinks with more ranks
-    else:
-        # The seed text's bug, kept switchable to measure it: every rank shuffles and
-        # reads the whole dataset, so an epoch takes as long on 8 ranks as on 1.
-        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(config.seed + rank))
-        samples_per_epoch = len(dataset)
+    # Each rank must read its own shard; distributed_sampler=False keeps the seed text's bug
+    # switchable to measure it (every rank reads the whole dataset: an epoch never shrinks).
+    sampler, samples_per_epoch = make_sampler(dataset, distributed_sampler=config.distributed_sampler,
+                                              world_size=world_size, rank=rank, seed=config.seed)
     loader = DataLoader(dataset, batch_size=config.micro_batch, sampler=sampler, drop_last=True)
 
     def batches():

@@ -9,6 +9,7 @@ Executing the notebooks is nbval's job (`pytest --nbval-lax notebooks`), not thi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -57,3 +58,32 @@ def test_opens_with_what_youll_do_learn_need(notebook: nbformat.NotebookNode):
     positions = [first.source.find(f"**What you'll {word}:**") for word in ("do", "learn", "need")]
     assert all(p >= 0 for p in positions), "the opening names what you'll do, learn and need (bold, with a colon)"
     assert positions == sorted(positions), "the opening says do, learn, need in that order"
+
+
+# Issue 14: notebooks that teach. 04 and 05 were being reworked on other branches when this
+# check came in; strict xfail makes this test fail as soon as they gain the section, so the
+# mark is removed then.
+_EXERCISES_PENDING = {"04-the-answer.ipynb", "05-live-panel.ipynb"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(path, id=path.name, marks=pytest.mark.xfail(
+    strict=True, reason="exercises not written yet")) if path.name in _EXERCISES_PENDING else
+    pytest.param(path, id=path.name) for path in NOTEBOOKS])
+def test_ends_with_exercises_each_with_a_solution_or_check(path: Path):
+    last = nbformat.read(path, as_version=4).cells[-1]
+    assert last.cell_type == "markdown" and "## Exercises" in last.source, "the last cell is an '## Exercises' section"
+    exercises = [line for line in last.source.split("## Exercises", 1)[1].splitlines()
+                 if re.match(r"\d+\. ", line)]
+    assert 2 <= len(exercises) <= 4, f"{len(exercises)} exercises: 2-4 expected"
+    answers = last.source.count("<details>") + last.source.count("lessons.check(")
+    assert answers >= len(exercises), "each exercise has a collapsed <details> solution or a check to run"
+
+
+@pytest.mark.parametrize("path", [path for path in NOTEBOOKS if path.name not in _EXERCISES_PENDING],
+                         ids=lambda path: path.name)
+def test_claims_are_checked_in_sight(path: Path):
+    """Assertions stay (nbval needs them) but print a "Check:" line: `lessons.check`, not a bare assert."""
+    notebook = nbformat.read(path, as_version=4)
+    bare = [index for index, cell in enumerate(notebook.cells)
+            if cell.cell_type == "code" and any(line.lstrip().startswith("assert ") for line in cell.source.splitlines())]
+    assert not bare, f"cells {bare} assert without a visible Check: line (use lessons.check)"

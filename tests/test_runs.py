@@ -19,6 +19,7 @@ SMALL = dict(hidden=512, depth=2, micro_batch=32, dataset_size=2048)
 @pytest.mark.parametrize("example,extra", [
     ("pytorch", []),
     ("offload", ["--world-size", "2"]),
+    ("deepspeed", ["--world-size", "2", "--stage", "1"]),
     ("zero3", ["--world-size", "2", "--grad-accum", "2"]),
 ])
 def test_cli_runs_each_example(example, extra, tmp_path):

@@ -1,0 +1,92 @@
+"""The pure helpers the lesson notebooks call (no runs launched): samplers, DeepSpeed's
+sharded loader, the deepspeed preset, `lessons.check` and the figures."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from labkit import RunConfig, figures, lessons
+from labkit.data import make_dataset, make_sampler
+
+
+def test_deepspeed_example_takes_the_stage_given_and_turns_nothing_on():
+    config = RunConfig(example="deepspeed", stage=1, world_size=1)
+    assert (config.stage, config.offload_optimizer) == (1, False)
+    assert RunConfig(example="deepspeed").stage == 0
+    assert config.ds_config()["zero_optimization"] == {"stage": 1}
+
+
+def test_make_sampler_modes():
+    dataset = make_dataset(64, 3, 2, seed=0)
+    shards = [set(make_sampler(dataset, distributed_sampler=True, world_size=2, rank=r, seed=0)[0]) for r in (0, 1)]
+    assert not shards[0] & shards[1] and len(shards[0] | shards[1]) == 64
+    own = [list(make_sampler(dataset, distributed_sampler=False, world_size=2, rank=r, seed=0)[0]) for r in (0, 1)]
+    assert own[0] != own[1] and sorted(own[0]) == list(range(64))
+    same = [list(make_sampler(dataset, distributed_sampler=False, world_size=2, rank=r, seed=0,
+                              same_seed_every_rank=True)[0]) for r in (0, 1)]
+    assert same[0] == same[1]
+
+
+def test_sampler_overlap_counts_distinct_samples_per_global_batch():
+    table = lessons.sampler_overlap(256, 16, 4, steps=3)
+    worth = table.groupby("mode")["micro-batches' worth"].mean()
+    assert worth["DistributedSampler"] == 4
+    assert worth["no sampler, same seed on every rank"] == 1
+    assert 1 < worth["no sampler, seed per rank"] <= 4
+
+
+def test_deepspeed_training_data_loader_shards():
+    shards = lessons.deepspeed_loader_shards(100, 4, 5)
+    assert (shards["sampler"] == "DistributedSampler").all()
+    assert (shards["samples per epoch"] == 25).all() and (shards["shared with another rank"] == 0).all()
+
+
+def test_check_prints_or_raises(capsys):
+    lessons.check(True, "it holds")
+    assert capsys.readouterr().out == "Check: it holds -- holds\n"
+    with pytest.raises(AssertionError, match="Check failed: it does not"):
+        lessons.check(False, "it does not", {"detail": 1})
+
+
+def test_zero3_tensors_match_the_persistence_rule():
+    tensors = lessons.zero3_tensors(RunConfig(example="zero3", hidden=1024, depth=2))
+    assert tensors.loc[~tensors["persistent"], "module"].unique().tolist() == ["layers.0", "layers.2"]
+    higher = lessons.zero3_tensors(RunConfig(example="zero3", hidden=1024, depth=2), threshold=200_000)
+    assert higher.loc[~higher["persistent"], "module"].unique().tolist() == ["layers.2"]
+
+
+def test_zero_partition_figure_one_bar_per_stage_and_rank():
+    rows = pd.DataFrame([{"stage": s, "rank": r, "param_MiB": 4.0 / (2 if s == 3 else 1), "grad_MiB": 4.0,
+                          "optim_MiB": 8.0, "master_MiB": 0.0} for s in (0, 3) for r in (0, 1)])
+    fig = figures.zero_partition_figure(rows)
+    assert [trace.name for trace in fig.data] == ["parameters", "gradients", "optimizer states", "fp32 master"]
+    assert list(fig.data[0].x[0]) == ["stage 0", "stage 0", "stage 3", "stage 3"]
+    assert list(fig.data[0].y) == [4.0, 4.0, 2.0, 2.0]
+
+
+def test_holdings_figure_splits_host_parts():
+    held = pd.DataFrame({"param_MiB": [1.0, 1.0], "grad_MiB": [1.0, 1.0], "optim_MiB": [2.0, 2.0],
+                         "master_MiB": [1.0, 1.0], "host_optim_MiB": [0.0, 3.0], "host_grad_MiB": [0.0, 1.0]},
+                        index=["plain", "offload"])
+    bars = {trace.name: list(trace.y) for trace in figures.holdings_figure(held).data}
+    assert bars["optimizer states + fp32 master"] == [3.0, 0.0]
+    assert bars["optimizer states + fp32 master, on the host"] == [0.0, 3.0]
+    assert bars["gradients, on the host"] == [0.0, 1.0]
+
+
+def test_capacity_figure_draws_the_fit_through_the_probes():
+    from labkit.maxbatch import MaxBatchResult, Probe
+
+    mib = 2**20
+    # 10 MiB of model states, 1 MiB per step plus 0.5 MiB per sample of activations.
+    probes = [Probe(b, "finished", 10 * mib + mib + b * mib // 2, mib + b * mib // 2, None, False) for b in (4, 8)]
+    probes.append(Probe(40, "oom", 31 * mib, None, None, False))
+    result = MaxBatchResult(strategy="pytorch", world_size=1, budget_bytes=30 * mib, emulated=True,
+                            max_micro_batch=8, first_oom=40, probes=probes)
+    assert result.predicted_max_micro_batch == 38
+    traces = {trace.name: trace for trace in figures.capacity_figure(result, 30 * mib, emulated=True).data}
+    fit = traces["model states + activation fit"]
+    assert fit.y[0] == pytest.approx(11.0)
+    assert fit.y[1] == pytest.approx(11.0 + 0.5 * fit.x[1])
+    assert list(traces["out of memory (bytes counted when it failed)"].x) == [40]
