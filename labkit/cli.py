@@ -139,9 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--root", default=None)
     runs.set_defaults(func=cmd_runs)
     answer = sub.add_parser("answer", help="batch-size sweep, max-batch search, time to target, report")
-    answer.add_argument("--profile", choices=("ci", "full"), default=None, help="default: LABKIT_PROFILE, else by device")
+    answer.add_argument("--profile", choices=("ci", "full", "smoke"), default=None,
+                        help="default: LABKIT_PROFILE, else by device (smoke: a minutes-long end-to-end check)")
     answer.add_argument("--out", default=None, help="results + run directories (default: runs/answer-<profile>)")
-    answer.add_argument("--parallel", type=int, default=None, help="runs at once (default: the profile's)")
+    answer.add_argument("--parallel", type=int, default=None,
+                        help="timed runs at once (default and maximum: as many as share no core or device)")
     answer.add_argument("--reference", default=None, help="also copy the CSVs, machine.json and report here")
     answer.set_defaults(func=cmd_answer)
     return parser
