@@ -196,8 +196,8 @@ def credit_sentences(results: pd.DataFrame, maxbatch: pd.DataFrame | None = None
         parts = []
         for strategy, rows in credit[credit.step_time_vs_z0.notna()].groupby("strategy", sort=False):
             ratios = rows.step_time_vs_z0
-            parts.append(f"{label(strategy)} {ratios.min():.2f}-{ratios.max():.2f}x" if len(rows) > 1
-                         else f"{label(strategy)} {ratios.iloc[0]:.2f}x")
+            low, high = f"{ratios.min():.2f}", f"{ratios.max():.2f}"
+            parts.append(f"{label(strategy)} {low}x" if low == high else f"{label(strategy)} {low}-{high}x")
         if parts:
             out.append("Cost per step of ZeRO against stage 0 at the same per-rank micro-batch and ranks (step time "
                        "ratio over the points measured): " + "; ".join(parts) + ".")
