@@ -220,12 +220,16 @@ def _maxbatch_credit(maxbatch: pd.DataFrame | None) -> str | None:
     rows = {(r.strategy, int(r.world_size)): int(r.max_micro_batch) for r in maxbatch.itertuples()
             if not _nan(r.max_micro_batch)}
     parts = []
+    torch = rows.get(("torch", 1))
     for (strategy, ranks), fit in rows.items():
-        if strategy in ZERO and ("z0", ranks) in rows and rows[("z0", ranks)] > 0:
+        if strategy in ZERO and rows.get(("z0", ranks)):
             parts.append(f"{label(strategy)} fits {fit} per rank where stage 0 fits {rows[('z0', ranks)]} on the same "
                          f"{ranks} ranks ({fit / rows[('z0', ranks)]:.2f}x)")
-    torch = rows.get(("torch", 1))
-    if torch and ("z0", 1) not in rows and any(s == "z0" for s, _ in rows):
+        elif strategy in ZERO and torch:
+            # Stage 0 keeps the same unpartitioned fp32 params, grads and Adam states per rank as plain PyTorch.
+            parts.append(f"{label(strategy)} fits {fit} per rank on {ranks} ranks where plain PyTorch (the same "
+                         f"unpartitioned states per rank as stage 0) fits {torch} ({fit / torch:.2f}x)")
+    if torch and any(s == "z0" for s, _ in rows):
         z0 = next(v for (s, _), v in rows.items() if s == "z0")
         parts.append(f"plain PyTorch fits {torch} on one process, stage 0 {z0} per rank: without partitioning the "
                      "per-rank limit is the same, more ranks only multiply the global batch")

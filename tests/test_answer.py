@@ -178,6 +178,10 @@ def test_maxbatch_credit_compares_zero_with_stage_0_at_the_same_ranks():
     text = "\n".join(credit_sentences(_two_way_results(), maxbatch))
     assert "ZeRO-3 fits 640 per rank where stage 0 fits 290 on the same 2 ranks (2.21x)" in text
     assert "without partitioning the per-rank limit is the same" in text
+    # No stage-0 search: ZeRO-3 is set beside plain PyTorch, whose per-rank states are stage 0's.
+    text = "\n".join(credit_sentences(_two_way_results(), maxbatch[maxbatch.strategy != "z0"]))
+    assert "ZeRO-3 fits 640 per rank on 2 ranks where plain PyTorch (the same unpartitioned states per rank as " \
+           "stage 0) fits 288 (2.22x)" in text
 
 
 # -- end to end ---------------------------------------------------------------------------------------
