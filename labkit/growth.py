@@ -122,7 +122,7 @@ def credit_table(results: pd.DataFrame) -> pd.DataFrame:
 
 
 def _change(ratio: float | None, noun: str) -> str:
-    if ratio is None:
+    if _nan(ratio):
         return f"{noun} not measured at both ends"
     if 1 - SAME <= ratio <= 1 + SAME:
         return f"{noun} stayed within {abs(ratio - 1) * 100:.0f}%"
@@ -153,8 +153,8 @@ def growth_sentences(results: pd.DataFrame) -> list[str]:
                        f"{_change(last.epoch_time_ratio, 'time per epoch')}, "
                        f"{_change(last.time_to_target_ratio, 'time to the target eval loss')}{steps}.")
             answers.append((strategy, last.time_to_target_ratio))
-        base = dict(answers)
-        if "z0" in base and base["z0"] is not None:
+        base = {s: r for s, r in answers if not _nan(r)}
+        if "z0" in base:
             verdict = "yes" if base["z0"] <= 1 + SAME else "no"
             out.insert(len(out) - len(answers), (
                 f"Answer for {words}: {verdict} with plain data parallelism (ZeRO stage 0): time to the same eval "

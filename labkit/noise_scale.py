@@ -120,8 +120,9 @@ def critical_batch_fit(batches: Sequence[float], steps: Sequence[float], *, reso
     was checked, e.g. the eval interval) where given. The interval resamples the relative residuals
     of the fit (wild bootstrap with Rademacher signs: it works with as few as three batch sizes)
     and refits; `b_crit_low`/`b_crit_high` are its `level` percentiles over the physical refits
-    (S_min > 0, B_crit >= 0), and `b_crit_physical_share` says how many were. None when fewer than
-    two batch sizes reached the target or the fit itself is not physical.
+    (S_min > 0, B_crit >= 0), and `b_crit_physical_share` says how many were; with two batch sizes
+    the fit is exact and has no interval. None when fewer than two batch sizes reached the target or
+    the fit itself is not physical.
     """
     import random
 
@@ -135,6 +136,8 @@ def critical_batch_fit(batches: Sequence[float], steps: Sequence[float], *, reso
         return None
     s_min, slope = fit
     out = {"s_min": s_min, "b_crit": slope / s_min, "e_min": slope, "n_batches": len({x for x, _, _ in data})}
+    if out["n_batches"] < 3:
+        return out  # two points fit exactly: no residuals, no interval
     rng = random.Random(seed)
     predicted = [s_min + slope * x for x, _, _ in data]
     relative = [(y - p) / p for (_, y, _), p in zip(data, predicted)]

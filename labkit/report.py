@@ -295,7 +295,9 @@ def _noise_text(results: pd.DataFrame, noise: pd.DataFrame | None, profile: dict
                    "size: below it a bigger batch saves steps almost linearly, above it the saving fades.")
     if fit:
         interval = (f", {0.9:.0%} bootstrap interval {fit['b_crit_low']:.0f}-{fit['b_crit_high']:.0f}"
-                    if "b_crit_low" in fit else ", no bootstrap interval (no physical refit)")
+                    if "b_crit_low" in fit else
+                    ", no interval (two batch sizes fit exactly)" if fit["n_batches"] < 3 else
+                    ", no bootstrap interval (no physical refit)")
         text = (f"Fitting steps-to-target S(B) = S_min (1 + B_crit/B) (weighted least squares, weights 1/S^2) to the "
                 f"best-LR steps at {fit['n_batches']} global batches gives B_crit ~ {fit['b_crit']:.0f}{interval} "
                 f"(S_min ~ {fit['s_min']:.0f} steps)")

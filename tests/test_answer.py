@@ -111,6 +111,7 @@ def test_weighted_critical_batch_fit_with_a_bootstrap_interval():
     assert noisy["b_crit_low"] < noisy["b_crit"] < noisy["b_crit_high"]
     assert noisy["b_crit_low"] < b_crit < noisy["b_crit_high"]
     assert critical_batch_fit([64], [10]) is None
+    assert "b_crit_low" not in critical_batch_fit([64, 128], [100, 60])  # two points: exact, no interval
 
 
 def test_noise_scale_spread_over_the_run():
