@@ -20,9 +20,10 @@ from labkit.config import ConfigError, RunConfig
 
 # RunConfig fields exposed as flags: --micro-batch for micro_batch, and so on.
 _FLAG_FIELDS = ("stage", "precision", "world_size", "micro_batch", "grad_accum", "train_batch", "steps",
-                "optimizer", "lr", "lr_scaling", "base_batch", "warmup_steps", "hidden", "depth",
-                "dataset_size", "seed", "target_loss", "heartbeat_s", "startup_timeout_s",
-                "device_memory_budget_bytes", "census_every", "noise_scale_every", "hostfile")
+                "optimizer", "lr", "lr_scaling", "base_batch", "warmup_steps", "warmup_samples", "hidden", "depth",
+                "dataset_size", "seed", "target_loss", "eval_every", "eval_samples", "threads_per_rank",
+                "heartbeat_s", "startup_timeout_s", "device_memory_budget_bytes", "census_every", "noise_scale_every",
+                "hostfile")
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
 
 
