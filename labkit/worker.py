@@ -36,7 +36,8 @@ from labkit.telemetry import RankTelemetry
 from labkit.trainers import DeepSpeedTrainer, PlainTrainer, count_saved_activations
 
 EVAL_CHUNK = 1024  # eval forward passes take this many samples at a time (at least a micro-batch)
-EVAL_DENSE_MARGIN = 0.1  # evaluate every step once the eval loss is within 10% of the target
+EVAL_DENSE_MARGIN = 0.1  # evaluate every step once the eval loss is within 10% of the target...
+EVAL_LOOKAHEAD = 2.0     # ...or could reach it, falling at twice its recent rate, before the next scheduled eval
 TIMED_FROM_STEP = 3  # steps 1-2 pay for lazy allocations; `timed_s` in the done record starts after them
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -122,7 +123,7 @@ def train() -> None:
     # Held-out eval loss (eval_every > 0): a fixed eval set, every N steps and every step once the
     # loss is near the target, so the first step that meets it is found without a window's lag.
     # It runs outside the step's clock (eval_s is recorded on its own), on every rank.
-    eval_loss, eval_timed_s = None, 0.0
+    eval_loss, eval_timed_s, eval_history = None, 0.0, []  # eval_history: (step, loss) of the last two evals
     if config.eval_every:
         from labkit.data import make_eval_set
 
@@ -171,7 +172,7 @@ def train() -> None:
         samples_seen += config.micro_batch * config.grad_accum
         timed_steps += step >= TIMED_FROM_STEP
         evaluated: dict[str, float] = {}
-        if config.eval_every and _eval_due(step, eval_loss):
+        if config.eval_every and _eval_due(step, eval_history):
             t_eval = time.perf_counter()
             eval_loss = trainer.evaluate(*eval_set, chunk=max(config.micro_batch, EVAL_CHUNK))
             if world_size > 1:  # identical weights give identical losses; the mean keeps ranks in lockstep
@@ -181,6 +182,7 @@ def train() -> None:
             eval_s = time.perf_counter() - t_eval
             eval_timed_s += eval_s * (step >= TIMED_FROM_STEP)
             evaluated = {"eval_loss": eval_loss, "eval_s": eval_s}
+            eval_history = [*eval_history[-1:], (step, eval_loss)]
         t_record = time.perf_counter()
         telemetry.step(
             step=step,
@@ -229,13 +231,24 @@ def train() -> None:
     deepspeed.comm.destroy_process_group()
 
 
-def _eval_due(step: int, last_eval_loss: float | None) -> bool:
-    """Every eval_every steps, the last step, and every step once the eval loss is within
-    EVAL_DENSE_MARGIN of the target (the first step that meets it is then exact)."""
+def _eval_due(step: int, history: list[tuple[int, float]]) -> bool:
+    """Every eval_every steps, the last step, and every step once the target is near: the eval
+    loss within EVAL_DENSE_MARGIN of it, or able to reach it before the next scheduled eval at
+    EVAL_LOOKAHEAD times its recent rate of fall. The first step that meets it is then found to the
+    step (unless the loss suddenly falls faster), at big batches (few steps, a fast fall) as at small
+    ones. Every rank decides from the same values, so the ranks evaluate and stop together."""
     if step % config.eval_every == 0 or step == config.steps:
         return True
-    near = config.target_loss is not None and last_eval_loss is not None
-    return near and last_eval_loss <= config.target_loss * (1 + EVAL_DENSE_MARGIN)
+    if config.target_loss is None or not history:
+        return False
+    last_step, last = history[-1]
+    if last <= config.target_loss * (1 + EVAL_DENSE_MARGIN):
+        return True
+    if len(history) < 2:
+        return False
+    first_step, first = history[0]
+    fall_per_step = max(0.0, (first - last) / (last_step - first_step))
+    return last - EVAL_LOOKAHEAD * fall_per_step * config.eval_every <= config.target_loss
 
 
 def _check_emulated_capacity(census: dict[str, int], activation_bytes: int) -> None:

@@ -206,6 +206,8 @@ def test_answer_smoke_end_to_end(tmp_path):
         evals = [r for r in steps_of(rank_records(row.run_dir, 1)[0]) if r.get("eval_loss") is not None]
         first = next(r["step"] for r in evals if r["eval_loss"] <= row.target_loss)
         assert first == row.steps_to_target == row.steps_completed
+        # Near the target every step is evaluated: the step before it was, and missed it.
+        assert row.steps_to_target - 1 in {r["step"] for r in evals}
         # Eval time is recorded on its own, not inside the step's clock.
         assert all(r["eval_s"] > 0 for r in evals)
     page = report.read_text()
