@@ -113,7 +113,7 @@ PROFILES: dict[str, AnswerProfile] = {
     "smoke": AnswerProfile(
         name="smoke",
         model=dict(hidden=64, depth=1, dataset_size=1024, optimizer="adam", lr=4e-3, base_batch=16,
-                   warmup_samples=64, target_loss=1.9, stop_at_target=True, steps=60, noise_scale_every=4,
+                   warmup_samples=64, target_loss=1.9, stop_at_target=True, steps=120, noise_scale_every=4,
                    eval_every=4, eval_samples=256, heartbeat_s=300.0),
         strategies=("torch", "z0", "z3"),
         global_batches=(16, 32),

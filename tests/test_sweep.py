@@ -115,13 +115,13 @@ def test_sweep_runs_points_into_a_tidy_table(launched):
 
 def test_sweep_resumes_without_new_launches(launched):
     root = launched["root"] / "sweep"
-    again = Sweep(launched["points"], root, parallel=4, progress=False)
+    again = Sweep(launched["points"], root, parallel=4, progress=False, timed=False)
     table = again.run()
     assert again.launched == 0
     assert table.run_id.tolist() == launched["table"].run_id.tolist()
     # Interrupted before the CSV was written: the run directories alone are enough.
     (root / "results.csv").unlink()
-    third = Sweep(launched["points"], root, parallel=4, progress=False)
+    third = Sweep(launched["points"], root, parallel=4, progress=False, timed=False)
     assert third.run().status.tolist() == ["finished"] * 4 and third.launched == 0
     assert {point_key(p) for p in launched["points"]} == set(pd.read_csv(root / "results.csv").key)
 
