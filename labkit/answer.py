@@ -394,7 +394,6 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     from labkit.devices import detect_devices
     from labkit.report import build_report
     from labkit.store import default_root
-
     from labkit.sweep import check_fair, fair_parallel, point_key
 
     profile = PROFILES[profile_name]
@@ -421,9 +420,8 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     # The max-batch searches run after the sweep, on every device. GPU runs must not share devices
     # (labkit.device_lease refuses it, and a neighbour's memory would fake an OOM). CPU ranks share
     # the cores: searches launched beside the sweep would change the contention under the sweep's
-    # step times part-way through, and the report compares those times (fastest strategy, step
-    # time vs batch). On CPU the searches still run side by side with each other (their probes are
-    # not timed), `profile.parallel` at a time.
+    # step times part-way through, and the report compares those times. On CPU the searches still
+    # run side by side with each other (their probes are not timed), `profile.parallel` at a time.
     is_cpu = devices.is_cpu
     say(f"sweep: {len(configs)} timed points, {parallel} at a time")
     results = sweep.run()
