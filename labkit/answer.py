@@ -3,9 +3,12 @@
 Can DeepSpeed keep training time flat while the batch size grows? One command runs, on this
 machine, with real supervised DeepSpeed launches:
 
-1. the batch-size sweep (`labkit.sweep`): strategies x global batches, each point trained to a
-   fixed target loss (or a step cap) with LR scaling and warmup, with gradient-noise probes;
-   plus an LR-scaling study (none / linear / sqrt) on one strategy;
+1. the batch-size sweep (`labkit.sweep`), timed one launch at a time (no two timed runs share a
+   core or a device), growing the batch both ways (`growth` column): more ranks at a fixed
+   per-rank micro-batch ("ranks"), and a bigger micro-batch on fixed ranks ("micro_batch"), each
+   point trained until a fixed held-out eval loss is met (or a step cap), with LR scaling and
+   warmup in samples, with gradient-noise probes; plus an LR-scaling study (none / linear / sqrt)
+   on one strategy at every global batch;
 2. then the max-batch search (`labkit.maxbatch`) per strategy: largest micro-batch that fits the
    device (GPU: real OOM; CPU: an emulated per-rank capacity, `device_memory_budget_bytes`);
 3. the derived tables: memory model vs measured vs DeepSpeed's estimates, activation
@@ -29,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pandas as pd
 
@@ -45,8 +48,13 @@ class AnswerProfile:
     name: str
     model: dict[str, Any]                 # RunConfig fields shared by every point
     strategies: tuple[str, ...]           # the sweep grid
-    global_batches: tuple[int, ...]
+    global_batches: tuple[int, ...]       # growth "micro_batch": these global batches on max(world_sizes) ranks
     world_sizes: tuple[int, ...] | None   # None: every device this machine has (one rank each)
+    # growth "ranks": this per-rank micro-batch on 1, 2, 4, ... up to max(world_sizes) ranks
+    # (None: the middle global batch's micro-batch, so that point is shared by both ways).
+    rank_growth_micro_batch: int | None = None
+    rank_growth_strategies: tuple[str, ...] = ("torch", "z0", "z3")
+    cpu_threads_per_rank: int | None = None  # CPU: threads per rank (None: cores // max ranks, one "device" each)
     memory_only: tuple[str, ...] = ()     # strategies run at the smallest batch only (memory comparison)
     lr_study_strategy: str | None = None  # runs the other LR scalings too
     lr_study_batches: tuple[int, ...] | None = None  # ...at these global batches (None: every batch)
@@ -56,24 +64,28 @@ class AnswerProfile:
     maxbatch_start: int = 1
     maxbatch_tolerance: float = 0.0
     cpu_budget_bytes: int | None = None   # emulated device capacity per rank, CPU only
-    parallel: int = 1                     # runs launched at once
+    parallel: int = 1                     # max-batch searches at once on CPU (untimed); timed runs: one at a time
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
 PROFILES: dict[str, AnswerProfile] = {
-    # Under 10 minutes on 2 CPU cores (data/reference-ci/machine.json has the figure): a 320k-parameter
-    # MLP (its 512x512 layer is big enough for ZeRO-3 to partition), 3 batch sizes, 2 ranks, two at a time.
+    # Meant for <= 10 minutes on 2 CPU cores, timed runs one at a time (data/reference-ci/machine.json
+    # has the figure): a 320k-parameter MLP (its 512x512 layer is big enough for ZeRO-3 to partition);
+    # growth "micro_batch": micro-batch 16, 64, 256 per rank on 2 ranks; growth "ranks": micro-batch 64
+    # on 1 and 2 ranks; every rank one thread (one core: a "device").
     "ci": AnswerProfile(
         name="ci",
         model=dict(hidden=512, depth=2, dataset_size=8192, optimizer="adam", lr=2e-3, base_batch=64,
-                   warmup_steps=5, target_loss=0.8, stop_at_target=True, steps=400, noise_scale_every=4,
-                   heartbeat_s=300.0),
+                   warmup_samples=1024, target_loss=0.8, stop_at_target=True, steps=600, noise_scale_every=4,
+                   eval_every=4, eval_samples=1024, heartbeat_s=300.0),
         strategies=("torch", "z0", "z2", "z3", "z2-offload"),
         global_batches=(32, 128, 512),
         world_sizes=(2,),
         memory_only=("z1",),
-        lr_study_strategy="z3",
-        lr_study_batches=(32, 512),
+        lr_study_strategy="z0",
+        lr_study_batches=None,
+        # Stage 0 is not searched: it holds the same unpartitioned fp32 states per rank as plain PyTorch
+        # (labkit.growth compares ZeRO-3 with plain PyTorch's search instead), which saves ~8 launches.
         maxbatch_strategies=("torch", "z3"),
         maxbatch_start=64,
         maxbatch_tolerance=0.125,
@@ -84,12 +96,12 @@ PROFILES: dict[str, AnswerProfile] = {
     "full": AnswerProfile(
         name="full",
         model=dict(hidden=4096, depth=8, input_size=1024, dataset_size=262144, optimizer="adam", lr=3e-4,
-                   base_batch=256, warmup_steps=20, target_loss=0.8, stop_at_target=True, steps=3000,
-                   noise_scale_every=10, precision="bf16"),
+                   base_batch=256, warmup_samples=16384, target_loss=0.8, stop_at_target=True, steps=3000,
+                   noise_scale_every=10, eval_every=10, eval_samples=8192, precision="bf16"),
         strategies=tuple(STRATEGIES),
         global_batches=(64, 256, 1024, 4096),
         world_sizes=None,
-        lr_study_strategy="z2",
+        lr_study_strategy="z0",
         maxbatch_strategies=tuple(STRATEGIES),
         maxbatch_start=16,
         maxbatch_tolerance=0.0,
@@ -100,28 +112,46 @@ PROFILES: dict[str, AnswerProfile] = {
                "not run); treat this report as the first."),
     ),
     # One node of 16-24 GB GPUs (T4, L4, A10G): a 54.6M-parameter MLP (0.87 GB of model states per rank at
-    # stage 0, 0.22 GB at ZeRO-3 on 4 GPUs), ~36 launches; estimated ~20 min, arithmetic in docs/answer.md.
+    # stage 0, 0.22 GB at ZeRO-3 on 4 GPUs), ~39 launches; estimated ~22 min, arithmetic in docs/answer.md.
     "workshop": AnswerProfile(
         name="workshop",
         model=dict(hidden=4096, depth=4, input_size=1024, dataset_size=262144, optimizer="adam", lr=3e-4,
-                   base_batch=256, warmup_steps=20, target_loss=0.8, stop_at_target=True, steps=600,
-                   noise_scale_every=10, precision="bf16"),
+                   base_batch=256, warmup_samples=16384, target_loss=0.8, stop_at_target=True, steps=600,
+                   noise_scale_every=10, eval_every=10, eval_samples=8192, precision="bf16"),
         strategies=("torch", "z0", "z2", "z3", "z2-offload"),
         global_batches=(256, 1024, 4096),
         world_sizes=None,
         memory_only=("z1",),
-        lr_study_strategy="z2",
-        lr_study_batches=(256, 4096),
+        lr_study_strategy="z0",
+        lr_study_batches=None,
         maxbatch_strategies=("torch", "z3"),
         maxbatch_start=4096,
-        maxbatch_tolerance=0.125,
+        maxbatch_tolerance=0.25,
         cpu_budget_bytes=4_000_000_000,
         parallel=1,
         notes=("For one node of 16-24 GB GPUs (T4, L4, A10G); T4 has no bf16, so it runs fp32.",
-               "Untested: no run of this profile on such a GPU has been checked yet; its ~20 min is an estimate "
+               "Untested: no run of this profile on such a GPU has been checked yet; its ~22 min is an estimate "
                "from the CPU reference timings and the memory model (docs/answer.md), not a measurement."),
     ),
+    # End-to-end check of the command in a couple of minutes (tests, a quick look): a tiny MLP,
+    # both growth ways, the LR study, no max-batch search. Its numbers answer nothing.
+    "smoke": AnswerProfile(
+        name="smoke",
+        model=dict(hidden=64, depth=1, dataset_size=1024, optimizer="adam", lr=4e-3, base_batch=16,
+                   warmup_samples=64, target_loss=1.9, stop_at_target=True, steps=120, noise_scale_every=4,
+                   eval_every=4, eval_samples=256, heartbeat_s=300.0),
+        strategies=("torch", "z0", "z3"),
+        global_batches=(16, 32),
+        world_sizes=(2,),
+        rank_growth_micro_batch=8,
+        rank_growth_strategies=("torch", "z0"),
+        lr_study_strategy="z0",
+        lr_scalings=("none", "sqrt"),
+        parallel=1,
+    ),
 }
+
+GROWTH_WAYS = ("ranks", "micro_batch")  # the `growth` column holds one of these, or both joined by "+"
 
 
 def _world_sizes(profile: AnswerProfile) -> tuple[int, ...]:
@@ -148,18 +178,73 @@ def _model(profile: AnswerProfile) -> dict[str, Any]:
     return model
 
 
+def rank_growth_world_sizes(max_ranks: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to `max_ranks`, and `max_ranks` itself (every GPU of the node)."""
+    sizes, n = [], 1
+    while n < max_ranks:
+        sizes.append(n)
+        n *= 2
+    return (*sizes, max_ranks)
+
+
+def _threads(profile: AnswerProfile, ranks: int) -> int | None:
+    """CPU: threads per rank such that the widest point fills the cores once (one run at a time)."""
+    from labkit.devices import detect_devices
+
+    if not detect_devices().is_cpu:
+        return None
+    return profile.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)
+
+
+def rank_growth_micro_batch(profile: AnswerProfile) -> int:
+    ranks = max(_world_sizes(profile))
+    return profile.rank_growth_micro_batch or profile.global_batches[len(profile.global_batches) // 2] // ranks
+
+
+def growth_of(config: RunConfig, profile: AnswerProfile) -> str:
+    """Which way(s) of growing the batch a point belongs to: "ranks", "micro_batch" or both
+    ("micro_batch+ranks", a point the two ways share). LR-study points belong to "micro_batch"."""
+    ranks = max(_world_sizes(profile))
+    strategy = strategy_of(config)
+    ways = []
+    per_rank = {batch // ranks for batch in profile.global_batches}
+    on_grid = config.world_size == (1 if strategy == "torch" else ranks)
+    if on_grid and config.micro_batch * config.grad_accum in per_rank:
+        ways.append("micro_batch")
+    if (strategy in profile.rank_growth_strategies and config.micro_batch == rank_growth_micro_batch(profile)
+            and config.grad_accum == 1 and config.world_size in rank_growth_world_sizes(ranks)
+            and config.lr_scaling == profile.grid_lr_scaling):
+        ways.append("ranks")
+    return "+".join(sorted(ways))
+
+
 def points(profile: AnswerProfile) -> list[RunConfig]:
-    """Every sweep point of the profile (grid, memory-only points, LR study), without duplicates."""
-    base = {**_model(profile), "device_memory_budget_bytes": _budget(profile)}
-    world_sizes = _world_sizes(profile)
-    configs = plan(profile.strategies, profile.global_batches, world_sizes, base=base,
-                   lr_scalings=(profile.grid_lr_scaling,))
+    """Every sweep point of the profile without duplicates: growth "micro_batch" (the grid's global
+    batches on the profile's ranks; plain PyTorch, one process, at the same per-rank micro-batches),
+    growth "ranks" (one micro-batch on 1, 2, 4, ... ranks), the memory-only points (at the micro-batch
+    both ways share) and the LR study (every scaling at every global batch of one strategy)."""
+    ranks = max(_world_sizes(profile))
+    base = {**_model(profile), "device_memory_budget_bytes": _budget(profile),
+            "threads_per_rank": _threads(profile, ranks)}
+    grid = (profile.grid_lr_scaling,)
+    shared = [rank_growth_micro_batch(profile) * ranks]
+
+    def growth_micro(strategies: Sequence[str], batches: Sequence[int], scalings: Sequence[str]) -> list[RunConfig]:
+        torch = [s for s in strategies if s == "torch"]
+        others = [s for s in strategies if s != "torch"]
+        return (plan(torch, [b // ranks for b in batches if b % ranks == 0], (1,), base=base, lr_scalings=scalings)
+                + plan(others, batches, (ranks,), base=base, lr_scalings=scalings))
+
+    configs = growth_micro(profile.strategies, profile.global_batches, grid)
+    micro = rank_growth_micro_batch(profile)
+    for world_size in rank_growth_world_sizes(ranks):
+        configs += plan([s for s in profile.rank_growth_strategies if s != "torch" or world_size == 1],
+                        [micro * world_size], (world_size,), base=base, lr_scalings=grid)
     if profile.memory_only:
-        configs += plan(profile.memory_only, profile.global_batches[:1], world_sizes, base=base,
-                        lr_scalings=(profile.grid_lr_scaling,))
+        configs += growth_micro(profile.memory_only, shared, grid)
     if profile.lr_study_strategy:
-        configs += plan([profile.lr_study_strategy], profile.lr_study_batches or profile.global_batches, world_sizes,
-                        base=base, lr_scalings=profile.lr_scalings)
+        configs += growth_micro([profile.lr_study_strategy], profile.lr_study_batches or profile.global_batches,
+                                profile.lr_scalings)
     from labkit.sweep import point_key
 
     unique: dict[str, RunConfig] = {}
@@ -170,7 +255,7 @@ def points(profile: AnswerProfile) -> list[RunConfig]:
 
 def maxbatch_templates(profile: AnswerProfile) -> list[RunConfig]:
     base = {k: v for k, v in _model(profile).items() if k not in ("stop_at_target", "target_loss",
-                                                                  "noise_scale_every")}
+                                                                  "noise_scale_every", "eval_every")}
     world_size = max(_world_sizes(profile))
     templates = []
     for strategy in profile.maxbatch_strategies:
@@ -334,11 +419,17 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     from labkit.devices import detect_devices
     from labkit.report import build_report
     from labkit.store import default_root
+    from labkit.sweep import check_fair, fair_parallel, point_key
 
     profile = PROFILES[profile_name]
     out = Path(out) if out is not None else default_root() / f"answer-{profile.name}"
+    devices = detect_devices()
+    configs = points(profile)
+    # Timed points never share a core or a device: refused before anything launches.
+    fair = dict(cores=os.cpu_count() or 1, devices=devices.device_count, is_cpu=devices.is_cpu)
+    parallel = parallel or fair_parallel(configs, **fair)
+    check_fair(configs, parallel, **fair)
     out.mkdir(parents=True, exist_ok=True)
-    parallel = parallel or profile.parallel
     started = time.monotonic()
     load_before = list(os.getloadavg())
 
@@ -347,23 +438,22 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
             print(f"[answer {time.monotonic() - started:6.1f} s] {text}", file=sys.stderr, flush=True)
 
     say(f"profile {profile.name}: results in {out}")
-    configs = points(profile)
-    sweep = Sweep(configs, out, parallel=parallel, progress=progress)
+    growth = {point_key(c): {"growth": growth_of(c, profile)} for c in configs}
+    sweep = Sweep(configs, out, parallel=parallel, progress=progress, point_extra=growth)
     templates = maxbatch_templates(profile)
     cancel = threading.Event()
     # The max-batch searches run after the sweep, on every device. GPU runs must not share devices
     # (labkit.device_lease refuses it, and a neighbour's memory would fake an OOM). CPU ranks share
     # the cores: searches launched beside the sweep would change the contention under the sweep's
-    # step times part-way through, and the report compares those times (fastest strategy, step
-    # time vs batch). On CPU the searches still run side by side with each other (their probes are
-    # not timed), which keeps `answer --profile ci` within ~7 minutes on 2 cores.
-    is_cpu = detect_devices().is_cpu
-    say(f"sweep: {len(configs)} points, {parallel} at a time")
+    # step times part-way through, and the report compares those times. On CPU the searches still
+    # run side by side with each other (their probes are not timed), `profile.parallel` at a time.
+    is_cpu = devices.is_cpu
+    say(f"sweep: {len(configs)} timed points, {parallel} at a time")
     results = sweep.run()
     say(f"sweep done ({sweep.launched} new launches)")
     searches = []
     if templates:
-        side_by_side = len(templates) if is_cpu else 1
+        side_by_side = min(len(templates), max(1, profile.parallel)) if is_cpu else 1
         say(f"max-batch search for {', '.join(profile.maxbatch_strategies)} (doubling, then bisection), "
             f"{side_by_side} search(es) at a time")
         search_kwargs = dict(start=profile.maxbatch_start, tolerance=profile.maxbatch_tolerance, cancel=cancel)
@@ -393,7 +483,9 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     runtime = time.monotonic() - started
     launches = sweep.launched + sum(s.new_launches for s in searches)
     machine = {**machine_info(runtime), "load_average_at_start": load_before, "profile": profile.name,
-               "launches": launches, "parallel": parallel}
+               "launches": launches, "parallel": parallel, "timed_parallel": parallel,
+               "untimed_parallel": profile.parallel if is_cpu else 1,
+               "timed_threads_per_rank": sorted({c.threads_per_rank for c in configs if c.threads_per_rank})}
     previous = read_json(out / "machine.json")
     if launches == 0 and previous:
         # Nothing was measured this time (every point reused): keep when and how the numbers were taken.

@@ -20,9 +20,10 @@ from labkit.config import EXAMPLES, ConfigError, RunConfig
 
 # RunConfig fields exposed as flags: --micro-batch for micro_batch, and so on.
 _FLAG_FIELDS = ("stage", "precision", "world_size", "micro_batch", "grad_accum", "train_batch", "steps",
-                "optimizer", "lr", "lr_scaling", "base_batch", "warmup_steps", "hidden", "depth",
-                "dataset_size", "seed", "target_loss", "heartbeat_s", "startup_timeout_s",
-                "device_memory_budget_bytes", "census_every", "noise_scale_every", "hostfile")
+                "optimizer", "lr", "lr_scaling", "base_batch", "warmup_steps", "warmup_samples", "hidden", "depth",
+                "dataset_size", "seed", "target_loss", "eval_every", "eval_samples", "threads_per_rank",
+                "heartbeat_s", "startup_timeout_s", "device_memory_budget_bytes", "census_every", "noise_scale_every",
+                "hostfile")
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
 
 
@@ -140,10 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     runs.set_defaults(func=cmd_runs)
     answer = sub.add_parser("answer", help="batch-size sweep, max-batch search, time to target, report")
     # labkit.answer.PROFILES' names (not imported here: it pulls in pandas and the sweep).
-    answer.add_argument("--profile", choices=("ci", "workshop", "full"), default=None,
-                        help="default: LABKIT_PROFILE, else by device; workshop: one node of 16-24 GB GPUs")
+    answer.add_argument("--profile", choices=("ci", "workshop", "full", "smoke"), default=None,
+                        help="default: LABKIT_PROFILE, else by device; workshop: one node of 16-24 GB GPUs; "
+                             "smoke: a minutes-long end-to-end check")
     answer.add_argument("--out", default=None, help="results + run directories (default: runs/answer-<profile>)")
-    answer.add_argument("--parallel", type=int, default=None, help="runs at once (default: the profile's)")
+    answer.add_argument("--parallel", type=int, default=None,
+                        help="timed runs at once (default and maximum: as many as share no core or device)")
     answer.add_argument("--reference", default=None, help="also copy the CSVs, machine.json and report here")
     answer.set_defaults(func=cmd_answer)
     return parser

@@ -94,6 +94,7 @@ class RunConfig:
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     base_batch: int = 64                  # global batch that `lr` was tuned for
     warmup_steps: int = 0
+    warmup_samples: int = 0               # warmup in samples (same share of the data at every batch); 0 = off
     input_size: int = 100                 # the seed's SimpleModel: 100 -> 500 -> 10
     hidden: int = 500
     depth: int = 1                        # hidden layers of width `hidden`
@@ -110,6 +111,9 @@ class RunConfig:
     telemetry: bool = True                # per-step records; False writes only start/done (benchmark)
     census_every: int = 10                # recount model-state bytes every N steps (they rarely change)
     noise_scale_every: int = 0            # estimate the gradient noise scale every N steps (0 = off)
+    eval_every: int = 0                   # held-out eval loss every N steps, every step near the target (0 = off)
+    eval_samples: int = 1024              # size of the fixed held-out eval set (labkit.data.make_eval_set)
+    threads_per_rank: int | None = None   # CPU ranks: OpenMP threads each; None = cores // world_size
     ds_overrides: dict[str, Any] = field(default_factory=dict)
     max_world_size: int | None = None     # devices present; filled by `labkit.devices` when None
 
@@ -125,7 +129,7 @@ class RunConfig:
             value = getattr(self, name)
             _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
                      f"must be a positive integer, got {value!r}")
-        for name in ("warmup_steps", "noise_scale_every", "seed"):
+        for name in ("warmup_steps", "warmup_samples", "noise_scale_every", "eval_every", "seed"):
             value = getattr(self, name)
             _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name,
                      f"must be a non-negative integer, got {value!r}")
@@ -133,6 +137,13 @@ class RunConfig:
             value = getattr(self, name)
             _require(isinstance(value, (int, float)) and not isinstance(value, bool)
                      and math.isfinite(value) and value > 0, name, f"must be a positive number, got {value!r}")
+        _require(isinstance(self.eval_samples, int) and not isinstance(self.eval_samples, bool)
+                 and self.eval_samples > 0, "eval_samples", f"must be a positive integer, got {self.eval_samples!r}")
+        _require(self.threads_per_rank is None or (isinstance(self.threads_per_rank, int)
+                 and not isinstance(self.threads_per_rank, bool) and self.threads_per_rank > 0),
+                 "threads_per_rank", f"must be a positive integer or None, got {self.threads_per_rank!r}")
+        _require(not (self.warmup_steps and self.warmup_samples), "warmup_samples",
+                 f"set warmup_steps ({self.warmup_steps}) or warmup_samples ({self.warmup_samples}), not both")
         _require(self.precision in PRECISIONS, "precision", f"must be one of {PRECISIONS}, got {self.precision!r}")
         _require(self.lr_scaling in LR_SCALINGS, "lr_scaling", f"must be one of {LR_SCALINGS}, got {self.lr_scaling!r}")
         _require(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {OPTIMIZERS}, got {self.optimizer!r}")
@@ -219,10 +230,19 @@ class RunConfig:
         factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
         return self.lr * factor
 
+    @property
+    def warmup_steps_effective(self) -> int:
+        """Warmup in optimizer steps: `warmup_steps`, or `warmup_samples` over the global batch
+        (rounded up), so every batch size warms up over the same number of samples."""
+        if self.warmup_samples:
+            return math.ceil(self.warmup_samples / self.global_batch)
+        return self.warmup_steps
+
     def lr_at(self, step: int) -> float:
         """LR for optimizer step `step` (1-based): linear warmup, then constant."""
-        if self.warmup_steps and step <= self.warmup_steps:
-            return self.peak_lr * step / self.warmup_steps
+        warmup = self.warmup_steps_effective
+        if warmup and step <= warmup:
+            return self.peak_lr * step / warmup
         return self.peak_lr
 
     def ds_config(self) -> dict[str, Any]:

@@ -13,15 +13,32 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler, RandomSampler, Sampler, TensorDataset
 
 TEACHER_HIDDEN = 64
+EVAL_SEED_OFFSET = 1_000_003  # the held-out inputs come from a generator of their own
 
 
-def make_dataset(size: int, input_size: int, output_size: int, seed: int) -> TensorDataset:
+def _inputs_and_teacher(size: int, input_size: int, output_size: int, seed: int):
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(size, input_size, generator=generator)
     w1 = torch.randn(input_size, TEACHER_HIDDEN, generator=generator) / input_size**0.5
     w2 = torch.randn(TEACHER_HIDDEN, output_size, generator=generator) / TEACHER_HIDDEN**0.5
-    labels = (torch.tanh(inputs @ w1) @ w2).argmax(dim=1)
-    return TensorDataset(inputs, labels)
+    return inputs, w1, w2
+
+
+def _labels(inputs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return (torch.tanh(inputs @ w1) @ w2).argmax(dim=1)
+
+
+def make_dataset(size: int, input_size: int, output_size: int, seed: int) -> TensorDataset:
+    inputs, w1, w2 = _inputs_and_teacher(size, input_size, output_size, seed)
+    return TensorDataset(inputs, _labels(inputs, w1, w2))
+
+
+def make_eval_set(eval_size: int, size: int, input_size: int, output_size: int, seed: int) -> TensorDataset:
+    """A fixed held-out set labelled by the same teacher as `make_dataset(size, ...)`, on inputs
+    the training set never holds: the same for every run with the same seed, whatever its batch."""
+    _, w1, w2 = _inputs_and_teacher(size, input_size, output_size, seed)
+    inputs = torch.randn(eval_size, input_size, generator=torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET))
+    return TensorDataset(inputs, _labels(inputs, w1, w2))
 
 
 def make_sampler(dataset: Dataset, *, distributed_sampler: bool, world_size: int, rank: int, seed: int,

@@ -97,11 +97,19 @@ def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port:
         env["DS_ACCELERATOR"] = accelerator
     if accelerator == "cpu":
         # Split the cores between ranks: oversubscribed OpenMP threads make CPU ranks crawl.
-        env["OMP_NUM_THREADS"] = str(max(1, (cpu_count or os.cpu_count() or 1) // config.world_size))
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(config, cpu_count))
     # Ranks must import this checkout of labkit even when it is not installed.
     package_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     return argv, env
+
+
+def threads_per_rank(config: RunConfig, cpu_count: int | None = None) -> int:
+    """OpenMP threads of each CPU rank: the config's `threads_per_rank`, else the cores split
+    evenly between the ranks (at least 1)."""
+    if config.threads_per_rank is not None:
+        return config.threads_per_rank
+    return max(1, (cpu_count or os.cpu_count() or 1) // config.world_size)
 
 
 def command_text(argv: list[str], env: Mapping[str, str], base_env: Mapping[str, str] | None = None) -> str:

@@ -98,6 +98,79 @@ def critical_batch_from_steps(batches: Sequence[float], steps: Sequence[float]) 
     return {"s_min": s_min, "b_crit": slope / s_min, "e_min": slope}
 
 
+def _weighted_fit(points: Sequence[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Weighted least squares of y on x: (intercept, slope), or None when x does not vary."""
+    total = sum(w for _, _, w in points)
+    mean_x = sum(w * x for x, _, w in points) / total
+    mean_y = sum(w * y for _, y, w in points) / total
+    sxx = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    if sxx <= 0:
+        return None
+    slope = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / sxx
+    return mean_y - slope * mean_x, slope
+
+
+def critical_batch_fit(batches: Sequence[float], steps: Sequence[float], *, resolution: Sequence[float] | None = None,
+                       n_boot: int = 2000, seed: int = 0, level: float = 0.9) -> dict[str, float] | None:
+    """S(B) = S_min (1 + B_crit / B) fitted by weighted least squares of S on 1/B, with a bootstrap
+    interval for B_crit.
+
+    Steps to a target are counts whose spread grows with their size, so each point is weighted by
+    1 / S^2 (constant relative error), plus the square of `resolution` (how coarsely the target
+    was checked, e.g. the eval interval) where given. The interval resamples the relative residuals
+    of the fit (wild bootstrap with Rademacher signs: it works with as few as three batch sizes)
+    and refits; `b_crit_low`/`b_crit_high` are its `level` percentiles over the physical refits
+    (S_min > 0, B_crit >= 0), and `b_crit_physical_share` says how many were; with two batch sizes
+    the fit is exact and has no interval. None when fewer than two batch sizes reached the target or
+    the fit itself is not physical.
+    """
+    import random
+
+    res = list(resolution) if resolution is not None else [0.0] * len(batches)
+    data = [(1.0 / b, float(s), 1.0 / (float(s) ** 2 + float(r or 0.0) ** 2))
+            for b, s, r in zip(batches, steps, res) if b and s and math.isfinite(s)]
+    if len({x for x, _, _ in data}) < 2:
+        return None
+    fit = _weighted_fit(data)
+    if fit is None or fit[0] <= 0 or fit[1] < 0:
+        return None
+    s_min, slope = fit
+    out = {"s_min": s_min, "b_crit": slope / s_min, "e_min": slope, "n_batches": len({x for x, _, _ in data})}
+    if out["n_batches"] < 3:
+        return out  # two points fit exactly: no residuals, no interval
+    rng = random.Random(seed)
+    predicted = [s_min + slope * x for x, _, _ in data]
+    relative = [(y - p) / p for (_, y, _), p in zip(data, predicted)]
+    estimates = []
+    for _ in range(n_boot):
+        fake = [(x, p * (1 + e * rng.choice((-1.0, 1.0))), w) for (x, _, w), p, e in zip(data, predicted, relative)]
+        refit = _weighted_fit(fake)
+        if refit and refit[0] > 0 and refit[1] >= 0:
+            estimates.append(refit[1] / refit[0])
+    if estimates:
+        estimates.sort()
+        tail = (1 - level) / 2
+        out["b_crit_low"] = estimates[int(tail * (len(estimates) - 1))]
+        out["b_crit_high"] = estimates[int((1 - tail) * (len(estimates) - 1))]
+        out["b_crit_physical_share"] = len(estimates) / n_boot
+    return out
+
+
+def noise_scale_spread(measurements: Sequence[Sequence[float]], parts: int = 4) -> dict[str, Any] | None:
+    """B_simple pooled over the whole run and over `parts` consecutive stretches of it (in the
+    order given: by step or by falling loss): its spread over the run. Keys: `b_simple`,
+    `b_simple_low`, `b_simple_high` (min and max over the stretches), `b_simple_parts` (the list)."""
+    whole = aggregate(measurements)
+    if whole is None or not whole.b_simple:
+        return None
+    measurements = list(measurements)
+    size = max(1, math.ceil(len(measurements) / parts))
+    stretches = [aggregate(measurements[i:i + size]) for i in range(0, len(measurements), size)]
+    values = [p.b_simple for p in stretches if p and p.b_simple]
+    return {"b_simple": whole.b_simple, "b_simple_low": min(values, default=whole.b_simple),
+            "b_simple_high": max(values, default=whole.b_simple), "b_simple_parts": values, "probes": whole.n}
+
+
 # -- the in-run probe (used by labkit.worker) ---------------------------------------------------
 def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, labels, *, device) -> dict[str, float]:
     """Squared gradient norms at two batch sizes, for the current weights, on every rank at once.

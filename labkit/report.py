@@ -19,9 +19,10 @@ from labkit.sweep import STRATEGY_LABELS
 
 COLORS = {"torch": "#636efa", "z0": "#ef553b", "z1": "#ab63fa", "z2": "#00cc96", "z3": "#ffa15a",
           "z2-offload": "#19d3f3", "z3-offload": "#ff6692"}
-TABLE_COLUMNS = ["strategy", "world_size", "micro_batch", "grad_accum", "global_batch", "lr_scaling", "status",
-                 "median_step_time_s", "samples_per_s", "time_per_epoch_s", "steps_to_target",
-                 "compute_time_to_target_s", "train_time_to_target_s", "time_to_target_s", "final_loss", "model_state_bytes", "activation_bytes",
+TABLE_COLUMNS = ["strategy", "growth", "world_size", "threads_per_rank", "concurrent_runs", "micro_batch",
+                 "grad_accum", "global_batch", "lr_scaling", "status", "median_step_time_s", "samples_per_s",
+                 "time_per_epoch_s", "steps_to_target", "compute_time_to_target_s", "train_time_to_target_s",
+                 "time_to_target_s", "final_loss", "eval_loss", "model_state_bytes", "activation_bytes",
                  "device_bytes", "peak_rss_bytes", "noise_scale", "run_id"]
 
 
@@ -127,39 +128,32 @@ def conclusions(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, 
                 activation: pd.DataFrame | None = None, noise: pd.DataFrame | None = None,
                 machine: dict[str, Any] | None = None, profile: dict[str, Any] | None = None) -> list[str]:
     """Plain-text statements, each computed from the tables (skipped when its data is missing)."""
+    from labkit import growth
+
     out: list[str] = []
     table = grid(results, profile)
     finished = table[table.status == "finished"]
 
-    # 1. Per strategy: step time, time per epoch, time to target from the smallest to the largest batch.
-    per_strategy = []
-    for strategy, rows in finished.groupby("strategy", sort=False):
-        rows = rows.sort_values("global_batch")
-        if len(rows) < 2:
-            continue
-        first, last = rows.iloc[0], rows.iloc[-1]
-        per_strategy.append((strategy, first, last))
-        out.append(
-            f"{label(strategy)}: from global batch {int(first.global_batch)} to {int(last.global_batch)}, "
-            f"{change(first.median_step_time_s, last.median_step_time_s, 'step time')}, "
-            f"{change(first.time_per_epoch_s, last.time_per_epoch_s, 'time per epoch')} and "
-            f"{change(first.compute_time_to_target_s, last.compute_time_to_target_s, 'time to target loss')} "
-            f"({_steps_text(first, last)}).")
+    if "growth" in results:
+        # 1-2. The answer per way of growing the batch (read on stage 0 and plain PyTorch), then
+        # what ZeRO did beyond stage 0 at the same per-rank micro-batch and ranks.
+        out.extend(growth.growth_sentences(results))
+        out.extend(growth.credit_sentences(results, maxbatch))
+    else:
+        # Results of an older labkit (no `growth` column): one way, strategy by strategy.
+        out.extend(_legacy_growth_text(finished))
 
-    # 2. The headline: does time to target stay flat (or fall) as the batch grows?
-    reached = finished[finished.compute_time_to_target_s.notna()]
-    if not reached.empty:
-        best = reached.loc[reached.compute_time_to_target_s.idxmin()]
-        out.insert(0, _headline(per_strategy, best))
-
-    # 3. Out of memory: which strategies fit which batch.
+    # 3. Out of memory, compared only at the same per-rank micro-batch and the same ranks.
     ooms = table[table.status == "oom"]
     if not ooms.empty:
         capacity = _capacity_text(table, machine)
-        for batch, rows in ooms.groupby("global_batch"):
-            fit = table[(table.global_batch == batch) & (table.status == "finished")].strategy.tolist()
-            out.append(f"At global batch {int(batch)} {', '.join(label(s) for s in rows.strategy)} ran out of "
-                       f"memory ({capacity})" + (f" while {', '.join(label(s) for s in fit)} fit." if fit else "."))
+        for (ranks, micro), rows in ooms.groupby(["world_size", "micro_batch"]):
+            same = table[(table.world_size == ranks) & (table.micro_batch == micro) & (table.status == "finished")]
+            fit = same.strategy.tolist()
+            out.append(f"At micro-batch {int(micro)} per rank on {int(ranks)} rank(s), "
+                       f"{', '.join(label(s) for s in rows.strategy)} ran out of memory ({capacity})"
+                       + (f" while {', '.join(label(s) for s in fit)} fit at the same micro-batch and ranks."
+                          if fit else "."))
 
     # 4. Max-batch search.
     if maxbatch is not None and not maxbatch.empty:
@@ -186,10 +180,35 @@ def conclusions(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, 
     # 7. How the numbers were taken.
     if machine:
         load = machine.get("load_average_at_start") or machine.get("load_average")
-        out.append(f"Measured on {machine.get('device') or machine.get('cpu_model')} ({machine.get('cpu_cores')} cores"
-                   + (f", load average {load[0]:.1f} at the start" if load else "") + f"), "
-                   f"{machine.get('parallel', 1)} run(s) at a time: step times of concurrent runs share the cores, "
-                   "so compare them within this report, not across machines.")
+        text = (f"Measured on {machine.get('device') or machine.get('cpu_model')} ({machine.get('cpu_cores')} cores"
+                + (f", load average {load[0]:.1f} at the start" if load else "") + "), ")
+        if "concurrent_runs" in results and results.concurrent_runs.notna().any():
+            beside = int(results.concurrent_runs.max())
+            threads = sorted({int(t) for t in results.get("threads_per_rank", pd.Series(dtype=float)).dropna()})
+            text += (("every timed run alone (concurrent_runs 0 for every row)" if beside == 0 else
+                      f"up to {beside} other run(s) beside a timed one: those step times are confounded")
+                     + (f", {', '.join(map(str, threads))} thread(s) per CPU rank" if threads else "")
+                     + "; compare step times within this report, not across machines.")
+        else:
+            text += (f"{machine.get('parallel', 1)} run(s) at a time: step times of concurrent runs share the cores, "
+                     "so compare them within this report, not across machines.")
+        out.append(text)
+    return out
+
+
+def _legacy_growth_text(finished: pd.DataFrame) -> list[str]:
+    out = []
+    for strategy, rows in finished.groupby("strategy", sort=False):
+        rows = rows.sort_values("global_batch")
+        if len(rows) < 2:
+            continue
+        first, last = rows.iloc[0], rows.iloc[-1]
+        out.append(
+            f"{label(strategy)}: from global batch {int(first.global_batch)} to {int(last.global_batch)}, "
+            f"{change(first.median_step_time_s, last.median_step_time_s, 'step time')}, "
+            f"{change(first.time_per_epoch_s, last.time_per_epoch_s, 'time per epoch')} and "
+            f"{change(first.compute_time_to_target_s, last.compute_time_to_target_s, 'time to target loss')} "
+            f"({_steps_text(first, last)}).")
     return out
 
 
@@ -198,26 +217,6 @@ def _steps_text(first: Any, last: Any) -> str:
         return "the target loss was not reached at both batch sizes within the step cap"
     return (f"{int(first.steps_to_target)} -> {int(last.steps_to_target)} steps, "
             f"{first.epochs_to_target:.2f} -> {last.epochs_to_target:.2f} epochs to the target")
-
-
-def _headline(per_strategy: list[tuple[str, Any, Any]], best: Any) -> str:
-    deepspeed = [(s, f, l) for s, f, l in per_strategy if s != "torch"
-                 and not _nan(f.compute_time_to_target_s) and not _nan(l.compute_time_to_target_s)]
-    flat = [s for s, f, l in deepspeed if l.compute_time_to_target_s <= 1.1 * f.compute_time_to_target_s]
-    largest = ", ".join(f"{label(s)} {int(l.global_batch)}" for s, _, l in deepspeed)
-    text = ""
-    if deepspeed:
-        if len(flat) == len(deepspeed):
-            text = ("Answer: yes on this machine: every DeepSpeed strategy reached the target loss in no more "
-                    f"training time (within 10%) at its largest batch that fit ({largest}) than at its smallest. ")
-        elif flat:
-            text = (f"Answer: partly: {', '.join(label(s) for s in flat)} kept time to target flat or falling as the "
-                    f"batch grew; {', '.join(label(s) for s, _, _ in deepspeed if s not in flat)} did not. ")
-        else:
-            text = "Answer: no on this machine: every DeepSpeed strategy took longer to reach the target at its largest batch. "
-    return text + (f"Fastest to the target loss: {label(best.strategy)} at global batch {int(best.global_batch)} "
-                   f"({int(best.steps_to_target)} steps x {best.median_step_time_s * 1e3:.1f} ms median step = "
-                   f"{best.compute_time_to_target_s:.2f} s of training).")
 
 
 def _capacity_text(table: pd.DataFrame, machine: dict[str, Any] | None) -> str:
@@ -288,7 +287,10 @@ def lr_study(results: pd.DataFrame) -> tuple[str | None, pd.DataFrame]:
     strategy = counts.idxmax()
     if counts.max() < 2:
         return None, finished.iloc[0:0]
-    return strategy, finished[finished.strategy == strategy]
+    study = finished[finished.strategy == strategy]
+    if "growth" in study:  # the study runs on the fixed-ranks grid; the rank-growth points are not part of it
+        study = study[study.growth.astype(str).str.contains("micro_batch")]
+    return strategy, study
 
 
 def best_steps(study: pd.DataFrame) -> pd.DataFrame:
@@ -300,20 +302,26 @@ def best_steps(study: pd.DataFrame) -> pd.DataFrame:
 
 
 def _noise_text(results: pd.DataFrame, noise: pd.DataFrame | None, profile: dict[str, Any] | None) -> list[str]:
+    from labkit.growth import critical_batch, noise_spread
+
     out = []
-    pooled = pooled_noise(noise)
+    spread = noise_spread(noise)
     strategy, study = lr_study(results)
-    fit = None
+    fit = critical_batch(results, strategy) if strategy is not None else None
     if strategy is not None:
         best = best_steps(study)
-        fit = critical_batch_from_steps(best.global_batch.tolist(), best.steps_to_target.tolist())
-        largest = study[study.global_batch == study.global_batch.max()]
-        reached = largest[largest.steps_to_target.notna()].sort_values("steps_to_target")
-        if not reached.empty:
-            parts = [f"{r.lr_scaling} {int(r.steps_to_target)}" for r in reached.itertuples()]
-            out.append(f"LR scaling ({label(strategy)}, global batch {int(largest.global_batch.iloc[0])}, warmup "
-                       f"{int(largest.warmup_steps.iloc[0])} steps): steps to target by scaling rule: "
-                       + ", ".join(parts) + f"; {reached.lr_scaling.iloc[0]} scaling needed the fewest.")
+        parts = []
+        for batch, rows in study.sort_values("global_batch").groupby("global_batch"):
+            tried = ", ".join(f"{r.lr_scaling} {'not reached' if _nan(r.steps_to_target) else int(r.steps_to_target)}"
+                              for r in rows.sort_values("lr_scaling").itertuples())
+            winner = best[best.global_batch == batch]
+            best_rule = f" (best {winner.lr_scaling.iloc[0]})" if not winner.empty else ""
+            parts.append(f"{int(batch)}: {tried}{best_rule}")
+        warmup = (f"warmup {int(study.warmup_samples.iloc[0])} samples" if "warmup_samples" in study
+                  and not _nan(study.warmup_samples.iloc[0]) and study.warmup_samples.iloc[0] else
+                  f"warmup {int(study.warmup_steps.iloc[0])} steps")
+        out.append(f"LR study ({label(strategy)}, every global batch, {warmup}): steps to the target by scaling rule "
+                   "at global batch " + "; ".join(parts) + ".")
         if len(best) >= 2:
             first, last = best.iloc[0], best.iloc[-1]
             factor = last.global_batch / first.global_batch
@@ -321,25 +329,26 @@ def _noise_text(results: pd.DataFrame, noise: pd.DataFrame | None, profile: dict
             out.append(f"With the best LR scaling per batch, {int(factor)}x the batch ({int(first.global_batch)} -> "
                        f"{int(last.global_batch)}) cut the steps to target {gain:.1f}x (perfect scaling: {int(factor)}x), "
                        f"i.e. {100 * gain / factor:.0f}% of the ideal step saving.")
-    if pooled is not None and pooled.b_simple:
-        text = (f"Gradient noise scale B_simple = tr(Sigma)/|G|^2 ~ {pooled.b_simple:.0f} samples "
-                f"(McCandlish et al. 2018, unbiased two-batch estimator, pooled over {pooled.n} probes)")
-        late = noise[noise.loss <= noise.loss.median()]
-        early = noise[noise.loss > noise.loss.median()]
-        early_b, late_b = pooled_noise(early), pooled_noise(late)
-        if early_b and late_b and early_b.b_simple and late_b.b_simple:
-            ratio = late_b.b_simple / early_b.b_simple
-            trend = "stays about the same" if 0.9 <= ratio <= 1.1 else ("grows" if ratio > 1 else "shrinks")
-            text += (f"; it {trend} as the loss falls: {early_b.b_simple:.0f} at losses above {noise.loss.median():.2f}, "
-                     f"{late_b.b_simple:.0f} below")
-        out.append(text + ". It estimates the critical batch size: below it a bigger batch saves steps almost "
-                   "linearly, above it the saving fades.")
+    if spread is not None:
+        out.append(f"Gradient noise scale B_simple = tr(Sigma)/|G|^2 ~ {spread['b_simple']:.0f} samples "
+                   f"(McCandlish et al. 2018, unbiased two-batch estimator, pooled over {spread['probes']} probes); "
+                   f"over the run (probes in {len(spread['b_simple_parts'])} stretches of falling training loss) it "
+                   f"ranged {spread['b_simple_low']:.0f}-{spread['b_simple_high']:.0f} ("
+                   + " -> ".join(f"{v:.0f}" for v in spread["b_simple_parts"]) + "). It estimates the critical batch "
+                   "size: below it a bigger batch saves steps almost linearly, above it the saving fades.")
     if fit:
-        out.append(f"Fitting steps-to-target S(B) = S_min (1 + B_crit/B) to the measured steps gives B_crit ~ "
-                   f"{fit['b_crit']:.0f} (S_min ~ {fit['s_min']:.0f} steps)"
-                   + (f", {'consistent with' if 0.33 <= fit['b_crit'] / pooled.b_simple <= 3 else 'unlike'} the "
-                      f"noise-scale estimate ({fit['b_crit'] / pooled.b_simple:.1f}x)" if pooled and pooled.b_simple else "")
-                   + ".")
+        interval = (f", {0.9:.0%} bootstrap interval {fit['b_crit_low']:.0f}-{fit['b_crit_high']:.0f}"
+                    if "b_crit_low" in fit else
+                    ", no interval (two batch sizes fit exactly)" if fit["n_batches"] < 3 else
+                    ", no bootstrap interval (no physical refit)")
+        text = (f"Fitting steps-to-target S(B) = S_min (1 + B_crit/B) (weighted least squares, weights 1/S^2) to the "
+                f"best-LR steps at {fit['n_batches']} global batches gives B_crit ~ {fit['b_crit']:.0f}{interval} "
+                f"(S_min ~ {fit['s_min']:.0f} steps)")
+        if spread is not None:
+            ratio = fit["b_crit"] / spread["b_simple"]
+            text += (f", {'consistent with' if 0.33 <= ratio <= 3 else 'unlike'} the noise-scale estimate "
+                     f"({ratio:.1f}x)")
+        out.append(text + ".")
     return out
 
 
@@ -402,7 +411,56 @@ def figures(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, prob
     figs: list[tuple[str, Any]] = []
     table = grid(results, profile)
     finished = table[table.status == "finished"]
+    if "growth" in results:
+        figs.extend(_growth_figures(results, go, make_subplots))
+    else:
+        figs.extend(_legacy_figures(table, finished, go, make_subplots))
+    figs.extend(_study_figures(results, noise, memory, probes, activation, go))
+    for _, fig in figs:
+        fig.update_layout(height=420, margin={"l": 50, "r": 20, "t": 50, "b": 40}, template="plotly_white")
+    return figs
 
+
+def _growth_figures(results: pd.DataFrame, go: Any, make_subplots: Any) -> list[tuple[str, Any]]:
+    """Per way of growing the batch: time per step, per epoch and to the target vs global batch;
+    then every ZeRO point's step time against stage 0 and plain PyTorch at the same micro-batch and ranks."""
+    from labkit import growth
+
+    figs = []
+    keys = (("median_step_time_s", "time per step (s)"), ("time_per_epoch_s", "time per epoch (s)"),
+            ("compute_time_to_target_s", "time to target eval loss (s)"))
+    for way, words in growth.WAYS.items():
+        table = growth.growth_table(results, way)
+        if table.empty:
+            continue
+        fig = make_subplots(rows=1, cols=3, subplot_titles=[t for _, t in keys])
+        for strategy, rows in table.groupby("strategy", sort=False):
+            text = [f"{int(w)} rank(s) x micro {int(m)}" for w, m in zip(rows.world_size, rows.micro_batch)]
+            for col, (key, _) in enumerate(keys, start=1):
+                fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].astype(float).round(5), text=text,
+                                         mode="lines+markers", name=label(strategy), legendgroup=strategy,
+                                         showlegend=col == 1, line={"color": COLORS.get(strategy)}), row=1, col=col)
+        fig.update_xaxes(type="log", title_text="global batch")
+        figs.append((f"Growing the batch by {words}", fig))
+    credit = growth.credit_table(results)
+    if not credit.empty and "step_time_vs_z0" in credit:
+        fig = go.Figure()
+        for name, key in (("vs ZeRO-0 (same micro-batch, same ranks)", "step_time_vs_z0"),
+                          ("vs plain PyTorch (same micro-batch, 1 process)", "step_time_vs_torch")):
+            if key not in credit:
+                continue
+            rows = credit[credit[key].notna()]
+            fig.add_trace(go.Bar(x=[f"{label(r.strategy)} x{r.world_size} micro {r.micro_batch}"
+                                    for r in rows.itertuples()], y=rows[key].round(3), name=name))
+        fig.add_hline(y=1.0, line_dash="dot")
+        fig.update_yaxes(title_text="step time ratio")
+        figs.append(("Credit: each DeepSpeed point's step time against stage 0 and plain PyTorch", fig))
+    return figs
+
+
+def _legacy_figures(table: pd.DataFrame, finished: pd.DataFrame, go: Any, make_subplots: Any) -> list[tuple[str, Any]]:
+    """The figures of results from an older labkit (one way of growing the batch)."""
+    figs = []
     fig = make_subplots(rows=1, cols=3, subplot_titles=("median step time (s)", "samples / s", "time per epoch (s)"))
     for strategy, rows in finished.groupby("strategy", sort=False):
         for col, key in enumerate(("median_step_time_s", "samples_per_s", "time_per_epoch_s"), start=1):
@@ -422,7 +480,12 @@ def figures(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, prob
                                      line={"color": COLORS.get(strategy)}), row=1, col=col)
     fig.update_xaxes(type="log", title_text="global batch")
     figs.append(("Time to the target loss vs global batch", fig))
+    return figs
 
+
+def _study_figures(results: pd.DataFrame, noise: pd.DataFrame | None, memory: pd.DataFrame | None,
+                   probes: pd.DataFrame | None, activation: pd.DataFrame | None, go: Any) -> list[tuple[str, Any]]:
+    figs = []
     strategy, study = lr_study(results)
     pooled = pooled_noise(noise)
     if strategy is not None:
@@ -432,6 +495,10 @@ def figures(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, prob
                                      name=f"LR scaling {scaling}"))
         best = best_steps(study)
         fit = critical_batch_from_steps(best.global_batch.tolist(), best.steps_to_target.tolist())
+        from labkit.growth import critical_batch
+
+        weighted = critical_batch(results, strategy)
+        fit = {**fit, **weighted} if fit and weighted else fit
         if fit:
             xs = [best.global_batch.min() * (best.global_batch.max() / best.global_batch.min()) ** (i / 40)
                   for i in range(41)]
@@ -504,8 +571,6 @@ def figures(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, prob
         fig.update_xaxes(type="log", title_text="micro-batch per rank")
         fig.update_yaxes(type="log", title_text="activation MB per rank")
         figs.append(("Activation memory: measured vs a one-profile linear estimate", fig))
-    for _, fig in figs:
-        fig.update_layout(height=420, margin={"l": 50, "r": 20, "t": 50, "b": 40}, template="plotly_white")
     return figs
 
 
@@ -607,8 +672,12 @@ def _header(machine: dict[str, Any] | None, profile: dict[str, Any] | None, resu
 def _method_note(results: pd.DataFrame) -> str:
     emulated = results.device_budget_bytes.notna().any() if "device_budget_bytes" in results else False
     return ("Step time: median over rank 0's steps after the first two. Time per epoch: step time x dataset size / "
-            "global batch. Steps to target: the first step whose mean loss over ranks, averaged over a 5-step window, "
-            "reaches the target. Time to target (compute_time_to_target_s, used in the conclusions): steps to target x "
+            "global batch. Steps to target (target_measured_on = eval_loss): the first step at which the loss on a "
+            "fixed held-out eval set (eval_samples, the same for every run) is at or below the target, evaluated every "
+            "eval_every steps and every step once within 10% of it, outside the step's clock (older results: the mean "
+            "training loss over a 5-step window). Warmup in samples (warmup_samples; warmup_steps is what it came to at "
+            "each batch). Every timed run ran alone (concurrent_runs: the other launches computing beside it), its CPU "
+            "ranks with threads_per_rank threads each. Time to target (compute_time_to_target_s, used in the conclusions): steps to target x "
             "median step time; train_time_to_target_s sums rank 0's measured step times instead (stalls caused by "
             "other processes included); time_to_target_s is the wall clock from process start. "
             + ("Out of memory on CPU means the emulated device capacity (device_memory_budget_bytes): the worker counts "

@@ -52,6 +52,19 @@ def time_to_target(records_by_rank: dict[int, list[dict[str, Any]]], target: flo
     return None
 
 
+def eval_time_to_target(records_by_rank: dict[int, list[dict[str, Any]]], target: float) -> tuple[int, float] | None:
+    """(step, seconds) of the first held-out evaluation whose loss is at or below `target`
+    (rank 0's records: every rank evaluates the same set and records the same mean)."""
+    for record in steps_of(records_by_rank.get(0, [])):
+        if record.get("eval_loss") is not None and record["eval_loss"] <= target:
+            return record["step"], record["time_s"]
+    return None
+
+
+def has_eval(records_by_rank: dict[int, list[dict[str, Any]]]) -> bool:
+    return any(r.get("eval_loss") is not None for r in steps_of(records_by_rank.get(0, [])))
+
+
 def summarize(run_dir: str | Path, config: dict[str, Any], *, status: str, cause: str | None,
                 failed_rank: int | None = None) -> dict[str, Any]:
     """`config` is the run's config.json (already validated when the run was created)."""
@@ -82,7 +95,11 @@ def summarize(run_dir: str | Path, config: dict[str, Any], *, status: str, cause
     # The done record holds one device's peak; the run has world_size of them.
     peak_flops = done["peak_flops"] * world_size if done.get("peak_flops") else None
     achieved = train_flops_per_sample(n_params) * samples_per_s if (n_params and samples_per_s) else None
-    target = time_to_target(records_by_rank, config["target_loss"]) if config["target_loss"] else None
+    evaluated = has_eval(records_by_rank)
+    # The target on the held-out eval loss when the run evaluated one, else on the training loss's window.
+    finder = eval_time_to_target if evaluated else time_to_target
+    target = finder(records_by_rank, config["target_loss"]) if config["target_loss"] else None
+    evals = [r for r in rank0_steps if r.get("eval_loss") is not None]
     losses = mean_loss_by_step(records_by_rank)
     return {
         "status": status,
@@ -106,6 +123,10 @@ def summarize(run_dir: str | Path, config: dict[str, Any], *, status: str, cause
         "optimizer_s": _median(timed, "optimizer_s"),
         "final_loss": list(losses.values())[-1] if losses else None,
         "target_loss": config["target_loss"],
+        "target_measured_on": ("eval_loss" if evaluated else "train_loss_window") if config["target_loss"] else None,
+        "eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "eval_count": len(evals),
+        "eval_time_s": sum(r.get("eval_s") or 0.0 for r in evals),
         "steps_to_target": target[0] if target else None,
         "time_to_target_s": target[1] if target else None,
         "wall_time_s": max((r["time_s"] for r in records_by_rank.get(0, [])), default=None),

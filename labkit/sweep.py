@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import pandas as pd
 
-from labkit.config import RunConfig
+from labkit.config import ConfigError, RunConfig
 from labkit.store import read_json, run_dirs, write_json_atomic, write_text_atomic
 
 # Strategy name -> RunConfig fields. "torch" is the plain PyTorch loop (one process).
@@ -61,18 +61,52 @@ _OOM_NEEDS = re.compile(r"needs (\d+) bytes")
 # census or the emulated-capacity accounting changes, so cached points (OOM verdicts included) are
 # measured again. 2: grad partitions that optimizer offload keeps on the host (host_grad_bytes)
 # no longer count as device bytes. Run directories without a point file were measured by 1.
-MEASUREMENT_VERSION = 2
-POINT_FILE = "point.json"  # {"key", "measurement_version"}, written by Sweep into each run it launches
+MEASUREMENT_VERSION = 3  # 3: one timed run at a time (threads x ranks <= cores), held-out eval loss
+POINT_FILE = "point.json"  # {"key", "measurement_version", "concurrent_runs"}, written by Sweep into its runs
 
 COLUMNS = [
-    "key", "strategy", "example", "stage", "offload_optimizer", "precision", "world_size", "micro_batch",
-    "grad_accum", "global_batch", "lr_scaling", "peak_lr", "warmup_steps", "target_loss", "status", "cause",
+    "key", "strategy", "growth", "example", "stage", "offload_optimizer", "precision", "world_size", "micro_batch",
+    "grad_accum", "global_batch", "threads_per_rank", "concurrent_runs", "lr_scaling", "peak_lr", "warmup_steps",
+    "warmup_samples", "target_loss", "target_measured_on", "eval_every", "status", "cause",
     "steps_completed", "median_step_time_s", "samples_per_s", "time_per_epoch_s", "steps_to_target",
-    "epochs_to_target", "time_to_target_s", "train_time_to_target_s", "compute_time_to_target_s", "final_loss", "wall_time_s", "n_params",
+    "epochs_to_target", "time_to_target_s", "train_time_to_target_s", "compute_time_to_target_s", "final_loss",
+    "eval_loss", "eval_time_s", "wall_time_s", "n_params",
     "param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "host_grad_bytes",
     "buffer_bytes", "model_state_bytes", "activation_bytes", "device_bytes", "device_budget_bytes", "peak_rss_bytes",
     "device_peak_bytes", "noise_scale", "noise_g2", "noise_trace", "noise_probes", "run_id", "run_dir",
 ]
+
+
+class UnfairTiming(ConfigError):
+    """A timed sweep whose runs could share cores or devices (their step times would be confounded)."""
+
+
+def fair_parallel(points: Sequence[RunConfig], *, cores: int, devices: int | None = None,
+                  is_cpu: bool = True) -> int:
+    """How many of `points` may run at once with none sharing a core (CPU: threads per rank x ranks
+    x launches <= cores) or a device (GPU: ranks x launches <= devices). At least 1."""
+    from labkit.launcher import threads_per_rank
+
+    if not points:
+        return 1
+    if is_cpu:
+        widest = max(threads_per_rank(p, cores) * p.world_size for p in points)
+        return max(1, cores // widest)
+    return max(1, (devices or 1) // max(p.world_size for p in points))
+
+
+def check_fair(points: Sequence[RunConfig], parallel: int, *, cores: int, devices: int | None = None,
+               is_cpu: bool = True) -> None:
+    """Refuse, before anything launches, a timed sweep that could oversubscribe the machine."""
+    allowed = fair_parallel(points, cores=cores, devices=devices, is_cpu=is_cpu)
+    if parallel > allowed:
+        from labkit.launcher import threads_per_rank
+
+        widest = max(points, key=lambda p: (threads_per_rank(p, cores) if is_cpu else 1) * p.world_size)
+        what = (f"{threads_per_rank(widest, cores)} threads x {widest.world_size} ranks on {cores} cores" if is_cpu
+                else f"{widest.world_size} ranks on {devices} devices")
+        raise UnfairTiming("parallel", f"{parallel} would let timed runs share the machine ({what}): at most "
+                           f"{allowed} at a time; pass timed=False for untimed work (memory probes)")
 
 
 class SweepCancelled(Exception):
@@ -175,12 +209,16 @@ def row_from_run(run_dir: str | os.PathLike) -> dict[str, Any] | None:
         "key": run_key(run_dir, config),
         "strategy": strategy_of(config),
         **{k: config.get(k) for k in ("example", "stage", "offload_optimizer", "precision", "world_size",
-                                       "micro_batch", "grad_accum", "lr_scaling", "warmup_steps", "target_loss")},
+                                       "micro_batch", "grad_accum", "lr_scaling", "warmup_samples", "target_loss",
+                                       "eval_every")},
+        "warmup_steps": RunConfig.from_saved(config).warmup_steps_effective,
+        "threads_per_rank": _threads_of(run_dir),
+        "concurrent_runs": (read_json(run_dir / POINT_FILE) or {}).get("concurrent_runs"),
         "global_batch": global_batch,
         "peak_lr": RunConfig.from_saved(config).peak_lr,
         **{k: summary.get(k) for k in ("status", "cause", "steps_completed", "median_step_time_s", "samples_per_s",
                                         "steps_to_target", "time_to_target_s", "final_loss", "wall_time_s",
-                                        "n_params")},
+                                        "n_params", "target_measured_on", "eval_loss", "eval_time_s")},
         # An epoch is dataset_size samples over all ranks (the distributed sampler shards it).
         # Only for finished points: a run that stopped early has no steady-state step time.
         "time_per_epoch_s": step_time * config["dataset_size"] / global_batch if step_time and finished else None,
@@ -196,6 +234,12 @@ def row_from_run(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     noise = from_records(rank0, skip_first=0)
     row.update(noise.as_dict() if noise else {})
     return row
+
+
+def _threads_of(run_dir: Path) -> int | None:
+    """The OpenMP threads each CPU rank was given (launch.json); None for GPU ranks."""
+    threads = ((read_json(run_dir / "launch.json") or {}).get("env") or {}).get("OMP_NUM_THREADS")
+    return int(threads) if threads else None
 
 
 def _memory_columns(records: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -238,7 +282,13 @@ class Sweep:
     """Runs `points` (RunConfigs), at most `parallel` at a time, keeping results in `out`.
 
     `results_name` names the CSV (None: no CSV, the run directories alone remember the points);
-    `extra` adds constant columns to every row. `progress` shows a tqdm bar (on stderr).
+    `extra` adds constant columns to every row, `point_extra` (key -> columns) columns of one point
+    (the answer's `growth`). `progress` shows a tqdm bar (on stderr).
+
+    `timed` (the default): the points' step times are compared, so no two may share a core or a
+    device; `parallel` beyond `fair_parallel` is refused (`UnfairTiming`) before anything launches.
+    Every row records `concurrent_runs`: the most other launches of this sweep that computed while
+    it did (0 for a fairly timed point).
     """
 
     points: Sequence[RunConfig]
@@ -251,11 +301,19 @@ class Sweep:
     on_row: Callable[[dict[str, Any]], None] | None = None
     cancel: threading.Event | None = None  # set from another thread: stop the runs in flight, return early
     retries: int = 1
+    timed: bool = True
+    point_extra: dict[str, dict[str, Any]] = field(default_factory=dict)
     launched: int = 0
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         self.runs_root = self.out / "runs"
+        if self.timed and self.parallel > 1:
+            from labkit.devices import detect_devices
+
+            devices = detect_devices()
+            check_fair(self.points, self.parallel, cores=os.cpu_count() or 1, devices=devices.device_count,
+                       is_cpu=devices.is_cpu)
 
     @property
     def results_path(self) -> Path | None:
@@ -292,7 +350,8 @@ class Sweep:
         self.out.mkdir(parents=True, exist_ok=True)
         keys = [point_key(p) for p in self.points]
         known = self.known_rows(set(keys))
-        results: dict[str, dict[str, Any]] = {k: {**known[k], **self.extra} for k in keys if k in known}
+        results: dict[str, dict[str, Any]] = {k: {**known[k], **self.extra, **self.point_extra.get(k, {})}
+                                              for k in keys if k in known}
         pending = [(k, p) for k, p in zip(keys, self.points) if k not in results]
         bar = None
         if self.progress:
@@ -302,6 +361,7 @@ class Sweep:
                        desc=Path(self.results_name or "sweep").stem, dynamic_ncols=True)
         running: list[tuple[str, Any, float]] = []
         tries: dict[str, int] = {}
+        beside: dict[str, int] = {}  # key -> most other runs computing at once with it
         try:
             while pending or running:
                 if self.cancel is not None and self.cancel.is_set():
@@ -314,6 +374,9 @@ class Sweep:
                     write_json_atomic(run.run_dir / POINT_FILE, {"key": key, "measurement_version": MEASUREMENT_VERSION})
                     self.launched += 1
                     running.append((key, run, time.monotonic()))
+                computing = [k for k, run, _ in running if _busy(run)]
+                for k in computing:
+                    beside[k] = max(beside.get(k, 0), len(computing) - 1)
                 for item in list(running):
                     key, run, started = item
                     if self.timeout_s and not run.done and time.monotonic() - started > self.timeout_s:
@@ -321,7 +384,12 @@ class Sweep:
                     if run.done:
                         run.wait(timeout=15)
                         running.remove(item)
-                        row = {**(row_from_run(run.run_dir) or {"key": key, "status": run.status}), **self.extra}
+                        # Kept beside the run, so a resumed sweep rebuilding its row still knows it.
+                        write_json_atomic(run.run_dir / POINT_FILE, {
+                            "key": key, "measurement_version": MEASUREMENT_VERSION,
+                            "concurrent_runs": beside.pop(key, 0)})
+                        row = {**(row_from_run(run.run_dir) or {"key": key, "status": run.status}), **self.extra,
+                               **self.point_extra.get(key, {})}
                         tries[key] = tries.get(key, 0) + 1
                         if not settled(row["status"], row.get("cause")) and tries[key] <= self.retries and (
                                 row["status"] in RETRY_STATUSES or row["status"] == "oom"):

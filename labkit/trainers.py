@@ -42,6 +42,16 @@ def count_saved_activations() -> Iterator[list[int]]:
         yield total
 
 
+def _mean_loss(forward, inputs: torch.Tensor, labels: torch.Tensor, chunk: int) -> float:
+    """The mean cross-entropy over a held-out set, without gradients, in chunks of `chunk` samples."""
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(inputs), chunk):
+            part = slice(start, start + chunk)
+            total += float(forward(inputs[part], labels[part])) * len(inputs[part])
+    return total / len(inputs)
+
+
 class PlainTrainer:
     """Example 1: model, loss, optimizer and the loop, with no DeepSpeed engine."""
 
@@ -81,6 +91,9 @@ class PlainTrainer:
     def census(self) -> dict[str, int]:
         return model_state_bytes(self.model, self.optimizer, offload_optimizer=False)
 
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, chunk: int) -> float:
+        return _mean_loss(self.forward, inputs, labels, chunk)
+
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.model.parameters()
 
@@ -117,6 +130,10 @@ class DeepSpeedTrainer:
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, chunk: int) -> float:
+        # Every rank must call it at the same step: ZeRO-3 gathers the parameters in forward.
+        return _mean_loss(self.forward, inputs, labels, chunk)
 
     def census(self) -> dict[str, int]:
         return model_state_bytes(self.engine.module, self.optimizer,

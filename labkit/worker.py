@@ -35,6 +35,9 @@ from labkit.rendezvous import init_distributed
 from labkit.telemetry import RankTelemetry
 from labkit.trainers import DeepSpeedTrainer, PlainTrainer, count_saved_activations
 
+EVAL_CHUNK = 1024  # eval forward passes take this many samples at a time (at least a micro-batch)
+EVAL_DENSE_MARGIN = 0.1  # evaluate every step once the eval loss is within 10% of the target...
+EVAL_LOOKAHEAD = 2.0     # ...or could reach it, falling at twice its recent rate, before the next scheduled eval
 TIMED_FROM_STEP = 3  # steps 1-2 pay for lazy allocations; `timed_s` in the done record starts after them
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -112,6 +115,15 @@ def train() -> None:
     # stop_at_target: ranks must stop at the same step, so they agree on the global mean loss
     # (one all_reduce per step, only when asked) over labkit.summary.time_to_target's window.
     target_window, recent_losses, stopped_at_target = 5, [], False
+    # Held-out eval loss (eval_every > 0): a fixed eval set, every N steps and every step once the
+    # loss is near the target, so the first step that meets it is found without a window's lag.
+    # It runs outside the step's clock (eval_s is recorded on its own), on every rank.
+    eval_loss, eval_timed_s, eval_history = None, 0.0, []  # eval_history: (step, loss) of the last two evals
+    if config.eval_every:
+        from labkit.data import make_eval_set
+
+        eval_set = make_eval_set(config.eval_samples, config.dataset_size, config.input_size, config.output_size,
+                                 config.seed).tensors
     for step in range(1, config.steps + 1):
         faults.at_step(step)
         if step == TIMED_FROM_STEP:
@@ -154,6 +166,18 @@ def train() -> None:
         step_time_s = time.perf_counter() - step_start
         samples_seen += config.micro_batch * config.grad_accum
         timed_steps += step >= TIMED_FROM_STEP
+        evaluated: dict[str, float] = {}
+        if config.eval_every and _eval_due(step, eval_history):
+            t_eval = time.perf_counter()
+            eval_loss = trainer.evaluate(*eval_set, chunk=max(config.micro_batch, EVAL_CHUNK))
+            if world_size > 1:  # identical weights give identical losses; the mean keeps ranks in lockstep
+                agreed = torch.tensor([eval_loss], dtype=torch.float64, device=trainer.device)
+                deepspeed.comm.all_reduce(agreed)
+                eval_loss = agreed.item() / world_size
+            eval_s = time.perf_counter() - t_eval
+            eval_timed_s += eval_s * (step >= TIMED_FROM_STEP)
+            evaluated = {"eval_loss": eval_loss, "eval_s": eval_s}
+            eval_history = [*eval_history[-1:], (step, eval_loss)]
         t_record = time.perf_counter()
         telemetry.step(
             step=step,
@@ -168,18 +192,24 @@ def train() -> None:
             epoch=samples_seen / samples_per_epoch,
             activation_bytes=activation_bytes,
             **noise,
+            **evaluated,
             **census,
             **(telemetry.memory() if instrument else {}),
         )
         telemetry_s += (time.perf_counter() - t_record) * (step >= TIMED_FROM_STEP)
-        if config.stop_at_target:
+        if config.stop_at_target and config.eval_every:
+            if evaluated and eval_loss <= config.target_loss:
+                stopped_at_target = True
+                break
+        elif config.stop_at_target:
             agreed = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64, device=trainer.device)
             deepspeed.comm.all_reduce(agreed)
             recent_losses = (recent_losses + [agreed.item() / world_size])[-target_window:]
             if sum(recent_losses) / len(recent_losses) <= config.target_loss:
                 stopped_at_target = True
                 break
-    timed = ({"timed_steps": timed_steps, "timed_s": time.perf_counter() - timed_start, "telemetry_s": telemetry_s}
+    timed = ({"timed_steps": timed_steps, "timed_s": time.perf_counter() - timed_start - eval_timed_s,
+              "telemetry_s": telemetry_s, "eval_s": eval_timed_s}
              if timed_steps else {})
     peak: dict[str, object] = {}
     if rank == 0:
@@ -194,6 +224,26 @@ def train() -> None:
                     **peak, **timed, **telemetry.memory())
     # Leave the process group now: ranks that skip this linger in teardown.
     deepspeed.comm.destroy_process_group()
+
+
+def _eval_due(step: int, history: list[tuple[int, float]]) -> bool:
+    """Every eval_every steps, the last step, and every step once the target is near: the eval
+    loss within EVAL_DENSE_MARGIN of it, or able to reach it before the next scheduled eval at
+    EVAL_LOOKAHEAD times its recent rate of fall. The first step that meets it is then found to the
+    step (unless the loss suddenly falls faster), at big batches (few steps, a fast fall) as at small
+    ones. Every rank decides from the same values, so the ranks evaluate and stop together."""
+    if step % config.eval_every == 0 or step == config.steps:
+        return True
+    if config.target_loss is None or not history:
+        return False
+    last_step, last = history[-1]
+    if last <= config.target_loss * (1 + EVAL_DENSE_MARGIN):
+        return True
+    if len(history) < 2:
+        return False
+    first_step, first = history[0]
+    fall_per_step = max(0.0, (first - last) / (last_step - first_step))
+    return last - EVAL_LOOKAHEAD * fall_per_step * config.eval_every <= config.target_loss
 
 
 def _check_emulated_capacity(census: dict[str, int], activation_bytes: int) -> None:

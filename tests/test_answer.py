@@ -1,0 +1,216 @@
+"""The answer made trustworthy: fair timing, both ways to grow the batch, credit where it is due,
+time to the same held-out loss. Pure checks first, then one real end-to-end `answer --profile smoke`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pandas as pd
+import pytest
+
+from labkit import RunConfig
+from labkit.config import ConfigError
+from labkit.sweep import Sweep, UnfairTiming, check_fair, fair_parallel, plan
+
+
+# -- fair timing ------------------------------------------------------------------------------------
+def test_fair_parallel_counts_threads_ranks_and_devices():
+    two_ranks = plan(["z0"], [32], [2], base=dict(hidden=32, dataset_size=512))
+    # Default threads: cores // ranks, so one 2-rank run fills the machine.
+    assert fair_parallel(two_ranks, cores=8) == 1
+    one_thread = plan(["z0"], [32], [2], base=dict(hidden=32, dataset_size=512, threads_per_rank=1))
+    assert fair_parallel(one_thread, cores=8) == 4
+    check_fair(one_thread, 4, cores=8)
+    with pytest.raises(UnfairTiming, match="at most 4 at a time"):
+        check_fair(one_thread, 5, cores=8)
+    # GPU: one run per device set.
+    assert fair_parallel(two_ranks, cores=8, devices=8, is_cpu=False) == 4
+    with pytest.raises(UnfairTiming, match="2 ranks on 2 devices"):
+        check_fair(two_ranks, 2, cores=64, devices=2, is_cpu=False)
+
+
+def test_a_timed_sweep_that_would_oversubscribe_is_refused_before_launching(tmp_path):
+    points = plan(["z0", "z3"], [32], [2], base=dict(hidden=32, dataset_size=512))
+    with pytest.raises(UnfairTiming, match="share the machine"):
+        Sweep(points, tmp_path / "sweep", parallel=2, progress=False)
+    assert not (tmp_path / "sweep").exists()
+    Sweep(points, tmp_path / "untimed", parallel=2, progress=False, timed=False)  # memory probes may overlap
+
+
+def test_answer_refuses_unfair_parallel_before_anything_starts(tmp_path):
+    from labkit.answer import answer
+
+    with pytest.raises(UnfairTiming):
+        answer("smoke", tmp_path / "out", parallel=(os.cpu_count() or 1) + 1, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+# -- both ways to grow the batch --------------------------------------------------------------------
+def test_ci_points_grow_the_batch_both_ways_and_share_a_point():
+    from labkit.answer import PROFILES, growth_of, points
+
+    profile = PROFILES["ci"]
+    configs = points(profile)
+    tags = {(c.example, c.stage, bool(c.offload_optimizer), c.world_size, c.micro_batch, c.lr_scaling):
+            growth_of(c, profile) for c in configs}
+    # More ranks at micro-batch 64 per rank: 1 and 2 ranks; the 2-rank point is also on the micro-batch grid.
+    assert tags[("zero3", 0, False, 1, 64, "sqrt")] == "ranks"
+    assert tags[("zero3", 0, False, 2, 64, "sqrt")] == "micro_batch+ranks"
+    assert tags[("zero3", 3, False, 1, 64, "sqrt")] == "ranks"
+    # Plain PyTorch at the same per-rank micro-batches as the 2-rank grid (one process).
+    assert {c.micro_batch for c in configs if c.example == "pytorch"} == {16, 64, 256}
+    # The LR study at every global batch of the grid.
+    study = {(c.global_batch, c.lr_scaling) for c in configs if c.stage == 0 and c.world_size == 2}
+    assert study == {(b, s) for b in (32, 128, 512) for s in ("none", "linear", "sqrt")}
+    # Every timed CPU rank gets cores // 2 threads: one 2-rank run fills a 2-core machine.
+    assert {c.threads_per_rank for c in configs} == {max(1, (os.cpu_count() or 1) // 2)}
+    assert all(c.eval_every and c.warmup_samples and not c.warmup_steps for c in configs)
+
+
+# -- warmup in samples ------------------------------------------------------------------------------
+def test_warmup_in_samples_is_the_same_share_of_data_at_every_batch():
+    base = dict(example="pytorch", dataset_size=4096, lr=1e-3, base_batch=64, warmup_samples=512)
+    small, big = RunConfig(micro_batch=32, **base), RunConfig(micro_batch=256, **base)
+    assert small.warmup_steps_effective == 16 and big.warmup_steps_effective == 2
+    assert small.lr_at(8) == pytest.approx(small.peak_lr / 2) and big.lr_at(1) == pytest.approx(big.peak_lr / 2)
+    assert RunConfig(micro_batch=32, **{**base, "warmup_samples": 0}, warmup_steps=4).warmup_steps_effective == 4
+    with pytest.raises(ConfigError, match="warmup_samples"):
+        RunConfig(micro_batch=32, warmup_steps=4, **base)
+
+
+def test_eval_set_is_held_out_and_labelled_by_the_same_teacher():
+    import torch
+
+    from labkit.data import make_dataset, make_eval_set
+
+    train = make_dataset(256, 100, 10, 0)
+    held = make_eval_set(128, 256, 100, 10, 0)
+    assert torch.equal(held.tensors[0], make_eval_set(128, 256, 100, 10, 0).tensors[0])  # fixed
+    assert not any(torch.equal(x, train.tensors[0][0]) for x in held.tensors[0])
+    # Same teacher: a point of the training set, relabelled through the eval path, gets its label.
+    from labkit.data import _inputs_and_teacher, _labels
+
+    _, w1, w2 = _inputs_and_teacher(256, 100, 10, 0)
+    assert torch.equal(_labels(train.tensors[0], w1, w2), train.tensors[1])
+    assert len(set(held.tensors[1].tolist())) > 1
+
+
+# -- critical batch ---------------------------------------------------------------------------------
+def test_weighted_critical_batch_fit_with_a_bootstrap_interval():
+    from labkit.noise_scale import critical_batch_fit
+
+    s_min, b_crit = 40.0, 256.0
+    batches = [32, 64, 128, 256, 512]
+    exact = critical_batch_fit(batches, [s_min * (1 + b_crit / b) for b in batches])
+    assert exact["b_crit"] == pytest.approx(b_crit) and exact["s_min"] == pytest.approx(s_min)
+    assert exact["b_crit_low"] == pytest.approx(b_crit) == exact["b_crit_high"]  # no residuals, no spread
+    noisy = critical_batch_fit(batches, [s * f for s, f in zip([s_min * (1 + b_crit / b) for b in batches],
+                                                               (1.08, 0.93, 1.05, 0.95, 1.06))])
+    assert noisy["b_crit_low"] < noisy["b_crit"] < noisy["b_crit_high"]
+    assert noisy["b_crit_low"] < b_crit < noisy["b_crit_high"]
+    assert critical_batch_fit([64], [10]) is None
+    assert "b_crit_low" not in critical_batch_fit([64, 128], [100, 60])  # two points: exact, no interval
+
+
+def test_noise_scale_spread_over_the_run():
+    from labkit.noise_scale import noise_scale_spread
+
+    # B_simple = trace / g2; early probes have B ~ 50, late ones B ~ 200.
+    def probe(b_simple):
+        g2, trace = 1.0, b_simple
+        return (g2 + trace / 16, g2 + trace / 32, 16, 32)
+
+    spread = noise_scale_spread([probe(50)] * 4 + [probe(200)] * 4, parts=2)
+    assert spread["b_simple_parts"] == pytest.approx([50, 200])
+    assert spread["b_simple_low"] == pytest.approx(50) and spread["b_simple_high"] == pytest.approx(200)
+    assert spread["b_simple"] == pytest.approx(125)
+
+
+# -- credit where it is due -------------------------------------------------------------------------
+def _two_way_results(z3_factor: float = 1.0) -> pd.DataFrame:
+    """Stage 0 and ZeRO-3 whose time to target falls 4x with the batch, ZeRO-3 a bit slower per step."""
+    rows = []
+
+    def row(strategy, growth, ranks, micro, step, steps):
+        rows.append({"strategy": strategy, "growth": growth, "world_size": ranks, "micro_batch": micro,
+                     "grad_accum": 1, "global_batch": ranks * micro, "lr_scaling": "sqrt", "status": "finished",
+                     "median_step_time_s": step, "time_per_epoch_s": step * 8192 / (ranks * micro),
+                     "steps_to_target": steps, "threads_per_rank": 1, "concurrent_runs": 0})
+
+    for strategy, slow in (("z0", 1.0), ("z3", 1.3)):
+        row(strategy, "micro_batch", 2, 16, 0.010 * slow, 200)
+        row(strategy, "micro_batch+ranks", 2, 64, 0.020 * slow, 60)
+        row(strategy, "micro_batch", 2, 256, 0.040 * slow * (z3_factor if strategy == "z3" else 1), 25)
+        row(strategy, "ranks", 1, 64, 0.020 * slow, 120)
+    row("torch", "micro_batch+ranks", 1, 64, 0.018, 120)
+    return pd.DataFrame(rows)
+
+
+def test_a_saving_stage_0_shows_too_is_not_credited_to_zero():
+    from labkit.growth import credit_sentences, credit_table, growth_sentences, growth_table
+
+    results = _two_way_results()
+    ranks = growth_table(results, "ranks")
+    assert set(ranks.world_size) == {1, 2} and set(ranks.micro_batch) == {64}
+    micro = growth_table(results, "micro_batch")
+    assert set(micro.micro_batch) == {16, 64, 256} and set(micro[micro.strategy != "torch"].world_size) == {2}
+    text = "\n".join(growth_sentences(results) + credit_sentences(results))
+    assert "Answer for a bigger micro-batch on fixed ranks: yes with plain data parallelism (ZeRO stage 0)" in text
+    assert "ZeRO-3 0.50x changed it by the same factor" in text and "not to ZeRO" in text
+    credit = credit_table(results)
+    z3 = credit[(credit.strategy == "z3") & (credit.world_size == 2)]
+    assert z3.step_time_vs_z0.round(3).tolist() == [1.3, 1.3, 1.3]
+    one = credit[(credit.strategy == "z0") & (credit.world_size == 1)]
+    assert one.step_time_vs_torch.round(3).tolist() == [round(0.020 / 0.018, 3)]
+    assert "Cost per step of ZeRO against stage 0" in text and "ZeRO-3 1.30x" in text
+    # ZeRO-3 slower at the big batch than stage 0: said as ZeRO-3 doing worse, not as a saving.
+    worse = "\n".join(credit_sentences(_two_way_results(z3_factor=2.0)))
+    assert "did worse than stage 0" in worse
+
+
+def test_maxbatch_credit_compares_zero_with_stage_0_at_the_same_ranks():
+    from labkit.growth import credit_sentences
+
+    maxbatch = pd.DataFrame([{"strategy": "torch", "world_size": 1, "max_micro_batch": 288},
+                             {"strategy": "z0", "world_size": 2, "max_micro_batch": 290},
+                             {"strategy": "z3", "world_size": 2, "max_micro_batch": 640}])
+    text = "\n".join(credit_sentences(_two_way_results(), maxbatch))
+    assert "ZeRO-3 fits 640 per rank where stage 0 fits 290 on the same 2 ranks (2.21x)" in text
+    assert "without partitioning the per-rank limit is the same" in text
+    # No stage-0 search: ZeRO-3 is set beside plain PyTorch, whose per-rank states are stage 0's.
+    text = "\n".join(credit_sentences(_two_way_results(), maxbatch[maxbatch.strategy != "z0"]))
+    assert "ZeRO-3 fits 640 per rank on 2 ranks where plain PyTorch (the same unpartitioned states per rank as " \
+           "stage 0) fits 288 (2.22x)" in text
+
+
+# -- end to end ---------------------------------------------------------------------------------------
+def test_answer_smoke_end_to_end(tmp_path):
+    """`answer --profile smoke`: real runs, timed one at a time, both growth ways, eval-loss target, report."""
+    from labkit.answer import answer
+    from labkit.summary import rank_records, steps_of
+
+    out = tmp_path / "answer"
+    report = answer("smoke", out, progress=False)
+    results = pd.read_csv(out / "results.csv")
+    assert (results.status == "finished").all(), results[["strategy", "status", "cause"]]
+    assert (results.concurrent_runs == 0).all()
+    assert (results.threads_per_rank == max(1, (os.cpu_count() or 1) // 2)).all()
+    assert {"ranks", "micro_batch", "micro_batch+ranks"} <= set(results.growth)
+    assert (results.target_measured_on == "eval_loss").all()
+    machine = json.loads((out / "machine.json").read_text())
+    assert machine["cpu_cores"] == os.cpu_count() and machine["timed_parallel"] == 1
+    # The target is the first held-out evaluation at or below it, and the run stopped there.
+    for row in results[results.steps_to_target.notna()].itertuples():
+        evals = [r for r in steps_of(rank_records(row.run_dir, 1)[0]) if r.get("eval_loss") is not None]
+        first = next(r["step"] for r in evals if r["eval_loss"] <= row.target_loss)
+        assert first == row.steps_to_target == row.steps_completed
+        # Near the target every step is evaluated: the step before it was, and missed it.
+        assert row.steps_to_target - 1 in {r["step"] for r in evals}
+        # Eval time is recorded on its own, not inside the step's clock.
+        assert all(r["eval_s"] > 0 for r in evals)
+    page = report.read_text()
+    assert "Growing the batch by more ranks at a fixed per-rank micro-batch" in page
+    assert "Growing the batch by a bigger micro-batch on fixed ranks" in page
+    assert "concurrent_runs 0 for every row" in page
