@@ -8,7 +8,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 LAB_PORT ?= 8888
 
-.PHONY: install ops lab test test-fast bench docs clean
+.PHONY: install ops lab test test-fast lint bench docs clean
 
 install: $(STAMP)
 
@@ -28,8 +28,13 @@ lab: ops
 	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --no-browser $(ROOT_FLAG) \
 		--ServerApp.root_dir=$(CURDIR)/notebooks
 
-# Unit tests, real-run tests, fault suite, browser test, and every notebook through nbval.
-test: ops
+# ruff (lint + import order, notebooks too) and mypy on labkit/: both must be clean.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+# Linters, unit tests, real-run tests, fault suite, browser test, and every notebook through nbval.
+test: ops lint
 	LABKIT_PROFILE=ci $(BIN)/python -m pytest -ra tests --nbval-lax notebooks
 
 test-fast: install
