@@ -36,7 +36,7 @@ import numpy as np
 # This checkout's labkit, also where it is not installed (`python benchmarks/bench_dashboard.py`).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from labkit import RunConfig  # noqa: E402
+from labkit import RunConfig
 from labkit.dashboard import STEP_KEYS, Dashboard, RankSeries, run_traces
 from labkit.devices import detect_devices
 from labkit.launcher import build_command, free_port
@@ -56,7 +56,7 @@ def synthetic_records(rank: int, start: int, count: int) -> list[dict]:
              "device_allocated_bytes": (300 + 10 * n) * MIB, "device_peak_bytes": 350 * MIB,
              "grad_bytes": 2 * MIB, "optim_bytes": 4 * MIB, "master_bytes": 2 * MIB, "host_optim_bytes": 0,
              "forward_s": 0.01, "backward_s": 0.02, "optimizer_s": 0.01, "lr": 1e-3}
-            for step, n in zip(range(start, start + count), noise)]
+            for step, n in zip(range(start, start + count), noise, strict=True)]
 
 
 def bench_refresh(ranks: int, points: int, repeats: int = 30) -> None:
@@ -232,7 +232,7 @@ def bench_launch(pairs: int) -> None:
         raise SystemExit("no pair completed")
     totals_b = [b["total"] for b in bare]
     totals_p = [p["total"] for p in panel]
-    diff = statistics.median(p - b for p, b in zip(totals_p, totals_b))
+    diff = statistics.median(p - b for p, b in zip(totals_p, totals_b, strict=True))
     own = statistics.median(p["labkit"] for p in panel)
     print(f"    median: bare {statistics.median(totals_b):.2f} s, panel {statistics.median(totals_p):.2f} s, "
           f"difference {diff:+.2f} s (goal <= +1 s: {'met' if diff <= 1 else 'NOT met'}), "

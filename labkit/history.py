@@ -26,7 +26,7 @@ def runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
             # its summary, instead of being listed as running forever.
             from labkit.run import Run
 
-            Run.load(run_dir).status
+            Run.load(run_dir).status  # noqa: B018 -- reading status recovers a run whose supervisor died
             summary = read_json(run_dir / "summary.json")
         if summary is None:
             summary = {"status": "running" if (run_dir / "status.json").exists() else "created", **config,

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pandas as pd
 
@@ -435,7 +436,7 @@ def _growth_figures(results: pd.DataFrame, go: Any, make_subplots: Any) -> list[
             continue
         fig = make_subplots(rows=1, cols=3, subplot_titles=[t for _, t in keys])
         for strategy, rows in table.groupby("strategy", sort=False):
-            text = [f"{int(w)} rank(s) x micro {int(m)}" for w, m in zip(rows.world_size, rows.micro_batch)]
+            text = [f"{int(w)} rank(s) x micro {int(m)}" for w, m in zip(rows.world_size, rows.micro_batch, strict=True)]
             for col, (key, _) in enumerate(keys, start=1):
                 fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].astype(float).round(5), text=text,
                                          mode="lines+markers", name=label(strategy), legendgroup=strategy,
@@ -538,7 +539,7 @@ def _study_figures(results: pd.DataFrame, noise: pd.DataFrame | None, memory: pd
             values = (memory[f"predicted_{key}"] / 1e6).tolist()
             fig.add_trace(go.Bar(x=names, y=values, base=base, name=f"predicted {title}", offsetgroup="predicted",
                                  marker_pattern_shape="/"))
-            base = [b + v for b, v in zip(base, values)]
+            base = [b + v for b, v in zip(base, values, strict=True)]
         if "deepspeed_estimate_device_bytes" in memory:
             fig.add_trace(go.Scatter(x=names, y=memory.deepspeed_estimate_device_bytes / 1e6, mode="markers",
                                      marker={"symbol": "diamond", "size": 12}, name="DeepSpeed estimate (device)"))

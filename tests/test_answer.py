@@ -107,7 +107,7 @@ def test_weighted_critical_batch_fit_with_a_bootstrap_interval():
     assert exact["b_crit"] == pytest.approx(b_crit) and exact["s_min"] == pytest.approx(s_min)
     assert exact["b_crit_low"] == pytest.approx(b_crit) == exact["b_crit_high"]  # no residuals, no spread
     noisy = critical_batch_fit(batches, [s * f for s, f in zip([s_min * (1 + b_crit / b) for b in batches],
-                                                               (1.08, 0.93, 1.05, 0.95, 1.06))])
+                                                               (1.08, 0.93, 1.05, 0.95, 1.06), strict=True)])
     assert noisy["b_crit_low"] < noisy["b_crit"] < noisy["b_crit_high"]
     assert noisy["b_crit_low"] < b_crit < noisy["b_crit_high"]
     assert critical_batch_fit([64], [10]) is None

@@ -17,11 +17,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from labkit import RunConfig
 import labkit.dashboard
 import labkit.panel
-from labkit.dashboard import (REFRESH_S, Dashboard, RankSeries, decimate, decimation_index, load_series,
-                              memory_kind, run_traces, step_columns)
+from labkit import RunConfig
+from labkit.dashboard import (
+    REFRESH_S,
+    Dashboard,
+    RankSeries,
+    decimate,
+    decimation_index,
+    load_series,
+    memory_kind,
+    run_traces,
+    step_columns,
+)
 from labkit.panel import LabPanel, rank_log, status_line, tail_text
 from labkit.run import Run, run_name
 from labkit.store import new_run_dir, write_json_atomic
@@ -126,7 +135,7 @@ def test_live_traces_per_chart():
     assert glob.y[0] == pytest.approx(640.0 / 0.11)
     assert r0.y[0] == pytest.approx(640.0 / 0.1 / 2)
     assert traces["memory"][0].y[0] == pytest.approx(101)  # MiB
-    params, grads, optim, host = traces["state"]
+    params, _grads, optim, host = traces["state"]
     assert list(params.x) == ["rank 0", "rank 1"] and list(params.y) == [4, 4]
     assert list(optim.y) == [12, 12] and list(host.y) == [0, 0]
     assert traces["loss"][0].y[0] == pytest.approx((2.0 + 3.0) / 2)  # mean over ranks

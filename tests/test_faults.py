@@ -25,10 +25,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import pytest
@@ -153,7 +154,7 @@ class DeathWatch:
                     self.deaths[proc.pid] = time.time()
             time.sleep(0.02)
 
-    def join(self) -> "DeathWatch":
+    def join(self) -> DeathWatch:
         self._thread.join()
         return self
 
@@ -531,7 +532,7 @@ def test_parent_sigkill_ends_every_rank_within_2s(fleet):
 # -- a rank fails ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(FAILURES))
 def test_failing_rank_ends_run_within_5s_and_is_named(fleet, name):
-    kind, rank, step, expected = FAILURES[name]
+    kind, rank, _step, expected = FAILURES[name]
     r = fleet.result(f"fail_{name}")
     summary = r["summary"]
     assert r["status"] == expected and summary["status"] == expected, summary

@@ -253,7 +253,7 @@ def test_stop_at_target_ends_the_run_at_the_target(launched):
     assert run.status == "finished", summary["cause"]
     assert summary["steps_to_target"] is not None
     assert summary["steps_completed"] == summary["steps_to_target"] < 300
-    done = [r for r in run.records()[0] if r["event"] == "done"][0]
+    done = next(r for r in run.records()[0] if r["event"] == "done")
     assert done["stopped_at_target"] is True and done["steps"] == summary["steps_completed"]
     probes = [r for r in run.records()[0] if r.get("grad_norm_big_sq") is not None]
     assert [r["step"] for r in probes] == list(range(3, summary["steps_completed"] + 1, 3))

@@ -60,29 +60,28 @@ def write_notebook(path: Path, update_chart: bool = True) -> None:
 
 def run_smoke(root: Path, update_chart: bool = True, screenshot_name: str = "smoke.png") -> None:
     write_notebook(root / "notebooks" / "smoke.ipynb", update_chart=update_chart)
-    with harness.jupyter_lab(root) as lab:
-        with harness.browser_page(
-            lab, "notebooks/smoke.ipynb", failure_screenshot=ARTIFACTS / f"failure-{screenshot_name}"
-        ) as page:
-            harness.run_all_cells(page, timeout_s=120)
-            # The kernel is the interpreter running the tests (the venv), not some other python3.
-            assert f"kernel: {sys.executable}" in harness.widget_texts(page)
-            harness.wait_for_charts(page, 1)
-            assert harness.plotly_traces(page) == [[
-                {"name": "loss", "type": "scatter", "n_points": 0, "length": 0, "x_len": 0, "y_len": 0}
-            ]]  # fmt: skip
+    with harness.jupyter_lab(root) as lab, harness.browser_page(
+        lab, "notebooks/smoke.ipynb", failure_screenshot=ARTIFACTS / f"failure-{screenshot_name}"
+    ) as page:
+        harness.run_all_cells(page, timeout_s=120)
+        # The kernel is the interpreter running the tests (the venv), not some other python3.
+        assert f"kernel: {sys.executable}" in harness.widget_texts(page)
+        harness.wait_for_charts(page, 1)
+        assert harness.plotly_traces(page) == [[
+            {"name": "loss", "type": "scatter", "n_points": 0, "length": 0, "x_len": 0, "y_len": 0}
+        ]]  # fmt: skip
 
-            harness.click_button(page, "Go")
-            harness.wait_for_text(page, "finished", timeout_s=60, exact=True)
-            # plotly redraws asynchronously after the last update: allow a moment, then check.
-            harness.wait_for_points(page, min_points=5, timeout_s=10)
-            charts = harness.plotly_traces(page, with_values=True)
-            assert len(charts) == 1 and len(charts[0]) == 1, charts
-            trace = charts[0][0]
-            assert trace["name"] == "loss"
-            assert trace["n_points"] >= 5, trace
-            assert trace["x"][:3] == [0, 1, 2], trace
-            harness.screenshot(page, ARTIFACTS / screenshot_name, scroll_to=".js-plotly-plot")
+        harness.click_button(page, "Go")
+        harness.wait_for_text(page, "finished", timeout_s=60, exact=True)
+        # plotly redraws asynchronously after the last update: allow a moment, then check.
+        harness.wait_for_points(page, min_points=5, timeout_s=10)
+        charts = harness.plotly_traces(page, with_values=True)
+        assert len(charts) == 1 and len(charts[0]) == 1, charts
+        trace = charts[0][0]
+        assert trace["name"] == "loss"
+        assert trace["n_points"] >= 5, trace
+        assert trace["x"][:3] == [0, 1, 2], trace
+        harness.screenshot(page, ARTIFACTS / screenshot_name, scroll_to=".js-plotly-plot")
 
 
 @pytest.mark.browser

@@ -83,68 +83,67 @@ def test_panel_launches_plots_stops_and_compares(tmp_path: Path, chromium: str) 
     # PYTHONPATH: the kernel, and the ranks it launches, import this checkout's labkit.
     env = {"PYTHONPATH": str(REPO), "LABKIT_RUNS_DIR": str(runs_root), "LABKIT_PROFILE": "ci"}
     t0 = time.monotonic()
-    with harness.jupyter_lab(REPO, env=env) as lab:
-        with harness.browser_page(lab, NOTEBOOK, viewport=(1400, 1300),
-                                  failure_screenshot=ARTIFACTS / "failure-panel.png") as page:
-            harness.run_all_cells(page, timeout_s=180)
-            assert harness.kernel_output(page, "import labkit; print(labkit.__file__)").strip() == \
+    with harness.jupyter_lab(REPO, env=env) as lab, harness.browser_page(lab, NOTEBOOK, viewport=(1400, 1300),
+                              failure_screenshot=ARTIFACTS / "failure-panel.png") as page:
+        harness.run_all_cells(page, timeout_s=180)
+        assert harness.kernel_output(page, "import labkit; print(labkit.__file__)").strip() == \
                 str(REPO / "labkit" / "__init__.py")
-            assert status_text(page) == "status: idle"
-            harness.wait_for_charts(page, 4)
-            assert [len(chart) for chart in harness.plotly_traces(page)] == [0, 0, 0, 0]  # nothing launched yet
+        assert status_text(page) == "status: idle"
+        harness.wait_for_charts(page, 4)
+        assert [len(chart) for chart in harness.plotly_traces(page)] == [0, 0, 0, 0]  # nothing launched yet
 
-            # -- run 1: Launch, follow it to the end ------------------------------------------
-            harness.click_button(page, "Launch")
-            wait_until(lambda: status_text(page) not in ("", "status: idle"), 60, "the status line to leave idle")
-            harness.wait_kernel_idle(page, timeout_s=30)  # the charts update from a thread: the kernel is free
-            finished = wait_final_status(page, RUN_TIMEOUT_S)
-            run1 = run_dir_of(runs_root, finished)
-            config = json.loads((run1 / "config.json").read_text())
-            steps, world = config["steps"], config["world_size"]
-            assert finished.startswith(f"status: finished {steps}/{steps} steps"), finished
-            assert world >= 1 and (run1 / "summary.json").is_file()
+        # -- run 1: Launch, follow it to the end ------------------------------------------
+        harness.click_button(page, "Launch")
+        wait_until(lambda: status_text(page) not in ("", "status: idle"), 60, "the status line to leave idle")
+        harness.wait_kernel_idle(page, timeout_s=30)  # the charts update from a thread: the kernel is free
+        finished = wait_final_status(page, RUN_TIMEOUT_S)
+        run1 = run_dir_of(runs_root, finished)
+        config = json.loads((run1 / "config.json").read_text())
+        steps, world = config["steps"], config["world_size"]
+        assert finished.startswith(f"status: finished {steps}/{steps} steps"), finished
+        assert world >= 1 and (run1 / "summary.json").is_file()
 
-            # Every rank's throughput and memory, each step plotted (plotly redraws after the last message).
-            wait_until(lambda: not chart_problems(harness.plotly_traces(page), steps, world), 15,
-                       lambda: f"every trace filled: {chart_problems(harness.plotly_traces(page), steps, world)}")
-            throughput, memory, state, loss = harness.plotly_traces(page, with_values=True)
-            for trace in throughput + memory:  # samples/s; MiB per rank (RSS on CPU, allocated + peak on GPU)
-                assert all(math.isfinite(v) and v > 0 for v in trace["y"]), trace
-            assert all(math.isfinite(v) for v in loss[0]["y"]), loss
-            params = next(t for t in state if t["name"] == "params")
-            assert params["x"] == [f"rank {rank}" for rank in range(world)] and min(params["y"]) > 0, params
-            page.locator(".js-plotly-plot").first.scroll_into_view_if_needed(timeout=5000)
-            harness.screenshot(page, ARTIFACTS / "panel.png")
+        # Every rank's throughput and memory, each step plotted (plotly redraws after the last message).
+        wait_until(lambda: not chart_problems(harness.plotly_traces(page), steps, world), 15,
+                   lambda: f"every trace filled: {chart_problems(harness.plotly_traces(page), steps, world)}")
+        throughput, memory, state, loss = harness.plotly_traces(page, with_values=True)
+        for trace in throughput + memory:  # samples/s; MiB per rank (RSS on CPU, allocated + peak on GPU)
+            assert all(math.isfinite(v) and v > 0 for v in trace["y"]), trace
+        assert all(math.isfinite(v) for v in loss[0]["y"]), loss
+        params = next(t for t in state if t["name"] == "params")
+        assert params["x"] == [f"rank {rank}" for rank in range(world)] and min(params["y"]) > 0, params
+        page.locator(".js-plotly-plot").first.scroll_into_view_if_needed(timeout=5000)
+        harness.screenshot(page, ARTIFACTS / "panel.png")
 
-            # -- run 2: a long run, stopped while it trains; no process left -----------------
-            harness.set_text_widget(page, "steps", str(LONG_STEPS))
-            harness.click_button(page, "Launch")
-            # Until the kernel handles the click, the status line still shows run 1's final status.
-            wait_until(lambda: run1.name not in status_text(page) and (
-                status_text(page).startswith("status: running step") or FINAL.match(status_text(page))),
-                RUN_TIMEOUT_S, lambda: f"run 2 to train; status line now: {status_text(page)!r}")
-            running = status_text(page)
-            assert re.match(rf"status: running step \d+/{LONG_STEPS} · ", running), running
-            run2 = run_dir_of(runs_root, running)
-            assert run2 != run1 and any("labkit.worker" in " ".join(p.cmdline()) for p in run_processes(run2))
-            harness.click_button(page, "Stop")
-            stopped = wait_final_status(page, 120)
-            assert stopped.startswith("status: stopped at step") and run2.name in stopped, stopped
-            assert json.loads((run2 / "summary.json").read_text())["status"] == "stopped"
-            # The supervisor is the last to go, right after it writes summary.json.
-            wait_until(lambda: run_processes(run2) == [], 15,
-                       lambda: f"run 2's processes to end: {[p.cmdline() for p in run_processes(run2)]}")
+        # -- run 2: a long run, stopped while it trains; no process left -----------------
+        harness.set_text_widget(page, "steps", str(LONG_STEPS))
+        harness.click_button(page, "Launch")
+        # Until the kernel handles the click, the status line still shows run 1's final status.
+        wait_until(lambda: run1.name not in status_text(page) and (
+            status_text(page).startswith("status: running step") or FINAL.match(status_text(page))),
+            RUN_TIMEOUT_S, lambda: f"run 2 to train; status line now: {status_text(page)!r}")
+        running = status_text(page)
+        assert re.match(rf"status: running step \d+/{LONG_STEPS} · ", running), running
+        run2 = run_dir_of(runs_root, running)
+        assert run2 != run1 and any("labkit.worker" in " ".join(p.cmdline()) for p in run_processes(run2))
+        harness.click_button(page, "Stop")
+        stopped = wait_final_status(page, 120)
+        assert stopped.startswith("status: stopped at step") and run2.name in stopped, stopped
+        assert json.loads((run2 / "summary.json").read_text())["status"] == "stopped"
+        # The supervisor is the last to go, right after it writes summary.json.
+        wait_until(lambda: run_processes(run2) == [], 15,
+                   lambda: f"run 2's processes to end: {[p.cmdline() for p in run_processes(run2)]}")
 
-            # -- compare: overlay run 1 from the run store -----------------------------------
-            page.locator(".widget-select-multiple select").select_option(label=f"{run1.name} (finished)")
-            harness.click_button(page, "Overlay")
-            label = overlay_label(run1.name)
-            wait_until(lambda: any(t["name"] == f"{label} · global" and t["n_points"] == steps
-                                   for t in harness.plotly_traces(page)[0]), 15, "run 1's overlay")
-            history = " ".join(harness.widget_texts(page, ".widget-output"))
-            assert run1.name in history and run2.name in history and "stopped" in history
-            page.locator(".js-plotly-plot").first.scroll_into_view_if_needed(timeout=5000)
-            harness.screenshot(page, ARTIFACTS / "panel-compare.png")
+        # -- compare: overlay run 1 from the run store -----------------------------------
+        page.locator(".widget-select-multiple select").select_option(label=f"{run1.name} (finished)")
+        harness.click_button(page, "Overlay")
+        label = overlay_label(run1.name)
+        wait_until(lambda: any(t["name"] == f"{label} · global" and t["n_points"] == steps
+                               for t in harness.plotly_traces(page)[0]), 15, "run 1's overlay")
+        history = " ".join(harness.widget_texts(page, ".widget-output"))
+        assert run1.name in history and run2.name in history and "stopped" in history
+        page.locator(".js-plotly-plot").first.scroll_into_view_if_needed(timeout=5000)
+        harness.screenshot(page, ARTIFACTS / "panel-compare.png")
     print(f"panel browser test: {time.monotonic() - t0:.1f}s; screenshots {ARTIFACTS / 'panel.png'}, "
           f"{ARTIFACTS / 'panel-compare.png'}")
     assert (ARTIFACTS / "panel.png").stat().st_size > 10_000
