@@ -181,6 +181,46 @@ def test_stop_pattern_matches_only_this_runs_processes(tmp_path):
     assert grep.stdout.splitlines() == ours
 
 
+def _export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "labkit", "export", "--example", "zero3", *args],
+                          cwd=REPO, capture_output=True, text=True)
+
+
+def test_export_on_a_login_node_writes_a_self_contained_job(tmp_path):
+    job = tmp_path / "job"
+    (tmp_path / "hosts").write_text("gpu1 slots=8\ngpu2 slots=8\n")
+    # fp16 on this GPU-less machine: refused for a run here, not for a job for the cluster.
+    done = _export("--world-size", "16", "--precision", "fp16", "--warmup-steps", "5", "--lr-scaling", "linear",
+                   "--micro-batch", "4", "--steps", "200", "--hostfile", str(tmp_path / "hosts"), "--out", str(job))
+    assert done.returncode == 0, done.stderr
+    ds_config = json.loads((job / "ds_config.json").read_text())
+    peak = 1e-3 * (16 * 4) / 64
+    assert ds_config["scheduler"] == {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": peak, "warmup_num_steps": 5, "warmup_type": "linear"}}
+    assert ds_config["steps_per_print"] == 20 and ds_config["fp16"]["enabled"]
+    assert (job / "labkit" / "worker.py").is_file() and (job / "hostfile").read_text().startswith("gpu1 slots=8")
+    assert f"PATH={Path(sys.executable).parent}:" in (job / ".deepspeed_env").read_text()
+    script = (job / "launch.sh").read_text()
+    assert f'export PATH={Path(sys.executable).parent}:"$PATH"' in script
+    launch = json.loads((job / "launch.json").read_text())
+    assert launch["argv"][4:6] == ["--launcher", "pdsh"] and "PATH" not in launch["env"]
+    assert launch["argv"][launch["argv"].index("--hostfile") + 1] == str(job / "hostfile")
+    # Again, with the job's own hostfile (was shutil.SameFileError) and another launcher.
+    again = _export("--world-size", "16", "--hostfile", str(job / "hostfile"), "--launcher", "slurm",
+                    "--out", str(job))
+    assert again.returncode == 0, again.stderr
+    assert json.loads((job / "launch.json").read_text())["argv"][4:6] == ["--launcher", "slurm"]
+    assert "--hostfile" in _export("--world-size", "2", "--out", str(tmp_path / "x")).stderr
+
+
+def test_master_addr_is_the_first_hosts_address_not_its_ssh_alias(cluster: Cluster, tmp_path: Path):
+    from labkit.launcher import build_command
+
+    hostfile = cluster.hostfile(tmp_path / "hostfile", cluster.nodes)
+    argv, _ = build_command(tiny(hostfile), tmp_path, master_port=29500, base_env={})
+    assert argv[argv.index("--master_addr") + 1] == "127.0.0.1"
+
+
 # -- real runs on the loopback cluster ---------------------------------------------------
 def test_run_on_two_nodes_records_every_rank(cluster: Cluster, tmp_path: Path):
     hostfile = cluster.hostfile(tmp_path / "hostfile", cluster.nodes)
