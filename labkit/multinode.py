@@ -20,6 +20,7 @@ the user's ssh configuration (ports, keys, aliases) applies.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shlex
 import subprocess
@@ -173,3 +174,12 @@ def stop_remote(run_dir: str | os.PathLike, hosts: list[str], grace_s: float = R
         elif result.stdout.strip():
             left[host] = "still running: " + "; ".join(result.stdout.strip().splitlines())
     return left
+
+
+_PDSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)", re.MULTILINE)
+
+
+def pdsh_failed_hosts(launcher_log: str) -> dict[str, int]:
+    """Host -> exit code of each node whose remote command pdsh saw fail (`pdsh@me: node2: ssh
+    exited with exit code 255`): 255 is ssh itself (connection lost, node down)."""
+    return {host: int(code) for host, code in _PDSH_EXIT.findall(launcher_log)}

@@ -261,6 +261,11 @@ class Run:
                 except psutil.Error:
                     continue
             psutil.wait_procs(found, timeout=2)
+        if self.config.hostfile:
+            # Multi-node: the ranks on the other nodes are not ours to find here; end them over ssh.
+            from labkit.multinode import stop_remote
+
+            stop_remote(self.run_dir, list(hostfile_slots(self.config.hostfile)))
         if self._supervisor is not None:
             try:
                 self._supervisor.wait(timeout=5)

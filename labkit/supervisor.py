@@ -37,7 +37,7 @@ import socket
 import psutil
 
 from labkit.failures import describe_exit, is_knock_on, is_oom, last_exception_line
-from labkit.multinode import rank_hosts, stop_remote
+from labkit.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
 from labkit.store import read_json, write_json_atomic
 from labkit.telemetry import RecordTail, rank_file
 
@@ -265,7 +265,7 @@ class Supervisor:
             return Outcome(status, f"rank {rank}{where}: {text}", rank)
         if launcher_code is not None:
             return Outcome("failed", f"DeepSpeed launcher exited with code {launcher_code} before every rank "
-                           f"finished (last steps: {self.last_steps()}); see launcher.log")
+                           f"finished (last steps: {self.last_steps()}){self.failed_nodes()}; see launcher.log")
         if launch_py_died:
             return Outcome("failed", f"DeepSpeed's launch.py (pid {self.launch_py.pid}) died before every rank "
                            f"finished (last steps: {self.last_steps()}); see launcher.log")
@@ -281,6 +281,18 @@ class Supervisor:
         if any(exited_at - OOM_WINDOW_S <= t <= exited_at + OOM_WINDOW_S for t in self.oom_kill_times):
             return "oom", "killed by the kernel's OOM killer (SIGKILL, no traceback)"
         return "failed", "killed by SIGKILL (no traceback; the kernel recorded no OOM kill then)"
+
+    def failed_nodes(self) -> str:
+        """Multi-node: the nodes pdsh reported failing (a lost ssh connection, a node gone), as text."""
+        if not self.multi_node:
+            return ""
+        try:
+            failed = pdsh_failed_hosts((self.run_dir / "launcher.log").read_text(errors="replace"))
+        except OSError:
+            return ""
+        return "".join(f"; node {host}: " + ("ssh connection failed (exit 255)" if code == 255 else
+                                              f"its launch exited with code {code}")
+                       for host, code in failed.items())
 
     @staticmethod
     def classify_remote_sigkill() -> tuple[str, str]:

@@ -27,8 +27,8 @@ import pytest
 from labkit.config import ConfigError, RunConfig
 from labkit.dashboard import load_series
 from labkit.launcher import free_port
-from labkit.multinode import (deepspeed_env_text, hostname_from_ssh_config, rank_hosts, remote_stop_script,
-                              run_process_pattern)
+from labkit.multinode import (deepspeed_env_text, hostname_from_ssh_config, pdsh_failed_hosts, rank_hosts,
+                              remote_stop_script, run_process_pattern)
 from labkit.run import Run
 from labkit.summary import rank_records
 from tests.conftest import REPO, run_processes
@@ -156,6 +156,11 @@ def test_ranks_are_numbered_host_by_host(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("a slots=2\n# comment\nb slots=1\n")
     assert rank_hosts(hostfile) == ["a", "a", "b"]
+
+
+def test_nodes_pdsh_saw_fail_are_found_in_the_launcher_log():
+    log = "node1: [INFO] spawned\npdsh@login: node2: ssh exited with exit code 255\nnode1: ssh exited\n"
+    assert pdsh_failed_hosts(log) == {"node2": 255}
 
 
 def test_ssh_alias_resolves_to_its_hostname():
