@@ -144,8 +144,9 @@ class Supervisor:
             raise
         finally:
             log(f"outcome: {outcome}")
-            left = self.terminate()
-            log(f"still running after the stop: {'; '.join(left)}" if left else "every process of the run has ended")
+            still_running = "; ".join(self.terminate())
+            log(f"still running after the stop: {still_running}" if still_running
+                else "every process of the run has ended")
         return outcome
 
     def _on_stop_signal(self, signum: int, _frame: object) -> None:
@@ -377,7 +378,9 @@ class Supervisor:
                 # launch.py does not exit on SIGTERM (0.19.8: it lingers until SIGKILL), so once
                 # no rank is left, what remains gets SIGKILL at once instead of after GRACE_S.
                 deadline = time.monotonic() + GRACE_S
-                while time.monotonic() < deadline and any(p.pid in ranks and _alive(p) for p in procs):
+                # mpirun and srun (multi-node, not pdsh) end their remote ranks on SIGTERM: they get the grace too.
+                waited = {p.pid for p in procs} if self.multi_node and not self.remote_stop else ranks
+                while time.monotonic() < deadline and any(p.pid in waited and _alive(p) for p in procs):
                     time.sleep(POLL_S / 4)
                 procs = [p for p in procs if _alive(p)]
             else:
