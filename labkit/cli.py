@@ -1,7 +1,7 @@
 """Command line: the same runs as the notebooks, for CI, scripts and clusters.
 
     python -m labkit run --example zero3 --world-size 2 --micro-batch 64 --steps 20
-    python -m labkit export --example zero3 --world-size 16 --hostfile hosts --out job/
+    python -m labkit export --example zero3 --world-size 16 --hostfile hosts --launcher pdsh --out job/
     python -m labkit runs
     python -m labkit answer --profile ci      # sweep + max-batch search + report (labkit.answer)
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -91,21 +90,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Write ds_config.json, the launch command and (multi-node) the hostfile for a cluster."""
-    from labkit.launcher import build_command, command_text
+    """Write a self-contained job directory for DeepSpeed's multi-node launcher (labkit.export)."""
+    from labkit.config import without_local_device_checks
+    from labkit.export import write_job
 
-    config = config_from_args(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    (out / "ds_config.json").write_text(json.dumps(config.ds_config(), indent=2) + "\n")
-    if config.hostfile:
-        shutil.copyfile(config.hostfile, out / "hostfile")
-        config = dataclasses.replace(config, hostfile=str(out / "hostfile"))
-    argv, env = build_command(config, out, master_port=args.master_port, base_env={})
-    (out / "command.txt").write_text(command_text(argv, env, {}) + "\n")
-    print(f"wrote {out}/config.json, ds_config.json, command.txt" + (", hostfile" if config.hostfile else ""))
-    print(command_text(argv, env, {}))
+    with without_local_device_checks():  # a login node need not have the cluster's GPUs
+        config = config_from_args(args)
+    if not config.hostfile:
+        raise ConfigError("hostfile", "export writes a multi-node job: pass --hostfile (\"host slots=N\" lines)")
+    names = write_job(config, args.out, launcher=args.launcher, master_port=args.master_port)
+    out = Path(args.out).resolve()
+    print(f"wrote {out}: {', '.join(names)}")
+    print(f"run it with: {out / 'launch.sh'}")
     return 0
 
 
@@ -131,9 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(run)
     run.add_argument("--out", default=None, help="run directory (default: a new one under runs/)")
     run.set_defaults(func=cmd_run)
-    export = sub.add_parser("export", help="write ds_config.json + launch command for a cluster")
+    export = sub.add_parser("export", help="write a multi-node job directory (launch.sh, ds_config.json, ...)")
     _add_config_flags(export)
-    export.add_argument("--out", required=True)
+    export.add_argument("--out", required=True, help="job directory, on a filesystem every node shares")
+    export.add_argument("--launcher", choices=("pdsh", "openmpi", "slurm"), default="pdsh",
+                        help="DeepSpeed's multi-node launcher (its runner's --launcher)")
     export.add_argument("--master-port", type=int, default=29500)
     export.set_defaults(func=cmd_export)
     runs = sub.add_parser("runs", help="list past runs")

@@ -9,6 +9,8 @@ ranks (or never: DeepSpeed accepts offload with stage 0 and unknown keys silentl
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import math
@@ -16,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 EXAMPLES = ("pytorch", "deepspeed", "offload", "zero3")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -63,6 +65,22 @@ def hostfile_slots(path: str | os.PathLike) -> dict[str, int]:
         slots[match.group(1)] = int(match.group(2))
     _require(bool(slots), "hostfile", f"{path} lists no hosts")
     return slots
+
+
+# Off while `labkit export` builds a job for a cluster from a login node without its GPUs.
+_CHECK_LOCAL_DEVICES: contextvars.ContextVar[bool] = contextvars.ContextVar("labkit_check_local_devices",
+                                                                             default=True)
+
+
+@contextlib.contextmanager
+def without_local_device_checks() -> Iterator[None]:
+    """Configs built inside are validated like any other, except against this machine's devices
+    (rank count, fp16/bf16 support): the cluster's nodes check them when the ranks load config.json."""
+    token = _CHECK_LOCAL_DEVICES.set(False)
+    try:
+        yield
+    finally:
+        _CHECK_LOCAL_DEVICES.reset(token)
 
 
 class ConfigError(ValueError):
@@ -164,7 +182,8 @@ class RunConfig:
                      "optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 has no ZeRO optimizer to offload; "
                      "DeepSpeed would start, then CPU Adam would fail at the first step on GPU parameters)")
 
-        self._check_devices()
+        if _CHECK_LOCAL_DEVICES.get():
+            self._check_devices()
         derived = self.micro_batch * self.grad_accum * self.world_size
         if self.train_batch is not None:
             _require(self.train_batch == derived, "train_batch",

@@ -54,8 +54,10 @@ def _ephemeral_range() -> tuple[int, int]:
 def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port: int,
                   base_env: Mapping[str, str] | None = None, cpu_count: int | None = None,
                   accelerator: str | None = None, device_ids: list[str] | None = None,
-                  visible_devices_env: str = "CUDA_VISIBLE_DEVICES") -> tuple[list[str], dict[str, str]]:
-    """(argv, env) that launch `config` writing into `run_dir`. Pure: no process, no I/O.
+                  visible_devices_env: str = "CUDA_VISIBLE_DEVICES",
+                  master_addr: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) that launch `config` writing into `run_dir`. Pure: no process, no I/O, except
+    that a multi-node run without `master_addr` asks `ssh -G` what its first host's name resolves to.
 
     `accelerator` ("cpu", "cuda", ...) pins DeepSpeed's choice in the ranks; None lets
     DeepSpeed detect it. `cpu_count` splits cores between CPU ranks. `device_ids` (GPU runs on
@@ -67,8 +69,12 @@ def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port:
     if config.hostfile:
         # Multi-node: DeepSpeed's launcher reaches the other hosts (pdsh by default) and
         # starts one rank per slot; node 0 is the rendezvous point.
-        first_host = next(iter(hostfile_slots(config.hostfile)))
-        argv += ["--hostfile", str(Path(config.hostfile).resolve()), "--master_addr", first_host]
+        # The hostfile names ssh hosts; the ranks need an address (labkit.multinode.master_addr).
+        if master_addr is None:
+            from labkit.multinode import master_addr as resolve
+
+            master_addr = resolve(next(iter(hostfile_slots(config.hostfile))))
+        argv += ["--hostfile", str(Path(config.hostfile).resolve()), "--master_addr", master_addr]
     elif device_ids is not None:
         # Not --num_gpus: with it DeepSpeed's runner drops CUDA_VISIBLE_DEVICES and takes devices
         # 0..N-1, not the ones leased. Given the visible devices and no count, it includes
@@ -106,10 +112,11 @@ def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port:
 
 def threads_per_rank(config: RunConfig, cpu_count: int | None = None) -> int:
     """OpenMP threads of each CPU rank: the config's `threads_per_rank`, else the cores split
-    evenly between the ranks (at least 1)."""
+    evenly between the ranks of a node (at least 1). Multi-node: the busiest node's ranks share its cores."""
     if config.threads_per_rank is not None:
         return config.threads_per_rank
-    return max(1, (cpu_count or os.cpu_count() or 1) // config.world_size)
+    ranks_here = max(hostfile_slots(config.hostfile).values()) if config.hostfile else config.world_size
+    return max(1, (cpu_count or os.cpu_count() or 1) // ranks_here)
 
 
 def command_text(argv: list[str], env: Mapping[str, str], base_env: Mapping[str, str] | None = None) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 
 from labkit import device_lease
-from labkit.config import RunConfig
+from labkit.config import RunConfig, hostfile_slots
 from labkit.devices import Devices, detect_devices
 from labkit.launcher import build_command, command_text
 from labkit.store import new_run_dir, read_json, write_json_atomic, write_text_atomic
@@ -97,6 +97,14 @@ class Run:
         argv, env = build_command(self.config, self.run_dir, master_port=port, base_env=base_env,
                                   accelerator=devices.accelerator, device_ids=device_ids or None,
                                   visible_devices_env=devices.visible_devices_env)
+        if self.config.hostfile:
+            # Before anything is launched: every node must see the run directory (ConfigError if
+            # not), and gets the environment through DeepSpeed's `.deepspeed_env`, read from the
+            # runner's working directory, which the supervisor makes the run directory.
+            from labkit.multinode import check_shared_run_dir, deepspeed_env_text
+
+            check_shared_run_dir(self.run_dir, list(hostfile_slots(self.config.hostfile)))
+            write_text_atomic(self.run_dir / ".deepspeed_env", deepspeed_env_text(env))
         write_json_atomic(self.run_dir / "config.json", self.config.to_dict())
         write_json_atomic(self.run_dir / "ds_config.json", self.config.ds_config())
         write_text_atomic(self.run_dir / "command.txt", command_text(argv, env, base_env) + "\n")
@@ -202,8 +210,13 @@ class Run:
         return self.status
 
     # -- stopping ----------------------------------------------------------------------
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> str:
+    def stop(self, timeout: float | None = None) -> str:
         """End every process of the run (SIGTERM to the group, grace, SIGKILL); keep its records."""
+        if timeout is None:
+            # Multi-node: the supervisor ends the remote ranks over ssh first; not cut short.
+            from labkit.multinode import REMOTE_STOP_TIMEOUT_S
+
+            timeout = STOP_TIMEOUT_S + (REMOTE_STOP_TIMEOUT_S if self.config.hostfile else 0.0)
         if self.run_dir is None or self.summary:
             return self.status
         self._stop_requested = True
@@ -248,6 +261,11 @@ class Run:
                 except psutil.Error:
                     continue
             psutil.wait_procs(found, timeout=2)
+        if self.config.hostfile:
+            # Multi-node: the ranks on the other nodes are not ours to find here; end them over ssh.
+            from labkit.multinode import stop_remote
+
+            stop_remote(self.run_dir, list(hostfile_slots(self.config.hostfile)))
         if self._supervisor is not None:
             try:
                 self._supervisor.wait(timeout=5)

@@ -37,6 +37,7 @@ import socket
 import psutil
 
 from labkit.failures import describe_exit, is_knock_on, is_oom, last_exception_line
+from labkit.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
 from labkit.store import read_json, write_json_atomic
 from labkit.telemetry import RecordTail, rank_file
 
@@ -95,11 +96,17 @@ class Supervisor:
         self.lease_fds = lease_fds  # GPU and port leases: the launcher holds them too (labkit.device_lease)
         launch = read_json(run_dir / "launch.json")
         self.argv: list[str] = launch["argv"]
-        self.env: dict[str, str] = launch["env"]
+        # An exported job (`labkit export`) runs in the environment of whoever starts it.
+        self.env: dict[str, str] = {**os.environ, **launch["env"]} if launch.get("inherit_env") else launch["env"]
         self.world_size: int = launch["world_size"]
         self.heartbeat_s: float = launch["heartbeat_s"]
         self.startup_timeout_s: float = launch["startup_timeout_s"]
         self.multi_node = "--hostfile" in self.argv
+        # Multi-node: each rank's host as the hostfile names it, to name the node a rank died on.
+        self.hosts = rank_hosts(self.argv[self.argv.index("--hostfile") + 1]) if self.multi_node else []
+        # pdsh jobs: their ranks are ended over ssh (mpirun and srun end their own on SIGTERM).
+        launcher = self.argv[self.argv.index("--launcher") + 1] if "--launcher" in self.argv else "pdsh"
+        self.remote_stop = self.multi_node and launcher == "pdsh"
         self.ranks = [RankState(r, RecordTail(rank_file(run_dir, r))) for r in range(self.world_size)]
         self.stop_reason: str | None = None
         self.oom_kills_seen = _cgroup_oom_kills()
@@ -121,7 +128,10 @@ class Supervisor:
         with open(self.run_dir / "launcher.log", "ab") as launcher_log:
             self.launcher = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=launcher_log,
                                              stderr=subprocess.STDOUT, start_new_session=True,
-                                             pass_fds=self.lease_fds)
+                                             pass_fds=self.lease_fds,
+                                             # Multi-node: the runner reads `.deepspeed_env` from its working
+                                             # directory and pdsh `cd`s every node into it: the shared run dir.
+                                             cwd=self.run_dir if self.multi_node else None)
         self.started = time.monotonic()
         log(f"launcher pid {self.launcher.pid}: {' '.join(argv)}")
         write_json_atomic(self.run_dir / "status.json", {
@@ -134,8 +144,9 @@ class Supervisor:
             raise
         finally:
             log(f"outcome: {outcome}")
-            self.terminate()
-            log("every process of the run has ended")
+            still_running = "; ".join(self.terminate())
+            log(f"still running after the stop: {still_running}" if still_running
+                else "every process of the run has ended")
         return outcome
 
     def _on_stop_signal(self, signum: int, _frame: object) -> None:
@@ -239,7 +250,8 @@ class Supervisor:
                 mtime = (self.run_dir / f"rank{state.rank}.exit").stat().st_mtime
                 if info["returncode"] == -9:
                     # SIGKILL leaves no traceback of its own: an older one in the log is not its cause.
-                    status, text = self.classify_sigkill(mtime)
+                    status, text = (self.classify_remote_sigkill() if self.multi_node
+                                    else self.classify_sigkill(mtime))
                 else:
                     logged = last_exception_line(self.rank_log(state.rank))
                     text = logged or describe_exit(info["returncode"])
@@ -250,10 +262,11 @@ class Supervisor:
                                  "process vanished without an error record or exit status"))
         if evidence:
             _, _, rank, status, text = min(evidence)
-            return Outcome(status, f"rank {rank}: {text}", rank)
+            where = f" on node {self.hosts[rank]}" if rank < len(self.hosts) else ""
+            return Outcome(status, f"rank {rank}{where}: {text}", rank)
         if launcher_code is not None:
             return Outcome("failed", f"DeepSpeed launcher exited with code {launcher_code} before every rank "
-                           f"finished (last steps: {self.last_steps()}); see launcher.log")
+                           f"finished (last steps: {self.last_steps()}){self.failed_nodes()}; see launcher.log")
         if launch_py_died:
             return Outcome("failed", f"DeepSpeed's launch.py (pid {self.launch_py.pid}) died before every rank "
                            f"finished (last steps: {self.last_steps()}); see launcher.log")
@@ -269,6 +282,25 @@ class Supervisor:
         if any(exited_at - OOM_WINDOW_S <= t <= exited_at + OOM_WINDOW_S for t in self.oom_kill_times):
             return "oom", "killed by the kernel's OOM killer (SIGKILL, no traceback)"
         return "failed", "killed by SIGKILL (no traceback; the kernel recorded no OOM kill then)"
+
+    def failed_nodes(self) -> str:
+        """Multi-node: the nodes pdsh reported failing (a lost ssh connection, a node gone), as text."""
+        if not self.multi_node:
+            return ""
+        try:
+            failed = pdsh_failed_hosts((self.run_dir / "launcher.log").read_text(errors="replace"))
+        except OSError:
+            return ""
+        return "".join(f"; node {host}: " + ("ssh connection failed (exit 255)" if code == 255 else
+                                              f"its launch exited with code {code}")
+                       for host, code in failed.items())
+
+    @staticmethod
+    def classify_remote_sigkill() -> tuple[str, str]:
+        """A multi-node rank's SIGKILL: this machine's OOM counter says nothing about that node
+        (its ranks run under the node's sshd, not in this cgroup), so no OOM claim either way."""
+        return "failed", ("killed by SIGKILL (no traceback); if the node's kernel log (dmesg) shows an "
+                          "OOM kill then, it ran out of host memory")
 
     def rank_log(self, rank: int) -> str:
         logs = sorted((self.run_dir / "logs").glob(f"*_rank{rank}.log"))
@@ -294,6 +326,16 @@ class Supervisor:
                 f"startup allowance {self.startup_timeout_s:g} s); last steps: {self.last_steps()}")
 
     # -- ending every process ----------------------------------------------------------
+    def stop_remote_ranks(self) -> dict[str, str]:
+        """End this run's processes on every node (only this run's: labkit.multinode.stop_remote),
+        before anything here is signalled, and check they are gone."""
+        hosts = list(dict.fromkeys(self.hosts))
+        log(f"ending this run's processes on {', '.join(hosts)} over ssh")
+        left = stop_remote(self.run_dir, hosts)
+        for host in hosts:
+            log(f"{host}: {left[host]}" if host in left else f"{host}: none of this run's processes is left")
+        return left
+
     def tree(self) -> list[psutil.Process]:
         found: dict[int, psutil.Process] = {}
         try:
@@ -309,10 +351,19 @@ class Supervisor:
                 continue
         return list(found.values())
 
-    def terminate(self) -> None:
+    def terminate(self) -> list[str]:
+        """End every process of the run; returns what could not be verified gone (empty: all gone)."""
+        left = [f"{host}: {what}" for host, what in self.stop_remote_ranks().items()] if self.remote_stop else []
         procs = self.tree()
         ranks = {p.pid for p in procs if _is_rank(p)}
         for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.remote_stop and sig == signal.SIGTERM:
+                # Not SIGTERM: the runner's handler would `pdsh pkill -f ... deepspeed.launcher.launch`,
+                # ending every DeepSpeed launch of this user on those hosts. Its ranks are gone already.
+                try:
+                    os.kill(self.launcher.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             try:
                 os.killpg(self.launcher.pid, sig)
             except (ProcessLookupError, PermissionError):
@@ -327,9 +378,8 @@ class Supervisor:
                 # launch.py does not exit on SIGTERM (0.19.8: it lingers until SIGKILL), so once
                 # no rank is left, what remains gets SIGKILL at once instead of after GRACE_S.
                 deadline = time.monotonic() + GRACE_S
-                # Multi-node: the ranks are remote and the runner's SIGTERM handler is what stops
-                # them (pdsh kill on each host), so the runner gets the grace instead.
-                waited = ranks | ({self.launcher.pid} if self.multi_node else set())
+                # mpirun and srun (multi-node, not pdsh) end their remote ranks on SIGTERM: they get the grace too.
+                waited = {p.pid for p in procs} if self.multi_node and not self.remote_stop else ranks
                 while time.monotonic() < deadline and any(p.pid in waited and _alive(p) for p in procs):
                     time.sleep(POLL_S / 4)
                 procs = [p for p in procs if _alive(p)]
@@ -342,6 +392,7 @@ class Supervisor:
         _reap_orphans()
         for path in remove_shm_segments(self.argv):
             log(f"removed {path}")
+        return left + [f"pid {p.pid}" for p in self.tree() if _alive(p)]
 
 
 def remove_shm_segments(argv: list[str]) -> list[Path]:
