@@ -19,6 +19,8 @@ from typing import Any
 
 import psutil
 
+from labkit.records import RecordTail, read_records  # noqa: F401  (readers of these files; kept importable here)
+
 BEAT_S = 1.0  # with per-step records off, a heartbeat this often keeps the hang watchdog informed
 
 
@@ -101,46 +103,3 @@ class RankTelemetry:
             os.fsync(self._fd)
         finally:
             os.close(self._fd)
-
-
-def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All complete records of a rank file; a line cut short by a kill is skipped."""
-    records = []
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return records
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
-class RecordTail:
-    """Reads a rank file incrementally: each `poll()` returns only the new complete records."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self._offset = 0
-        self._partial = b""
-
-    def poll(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as handle:
-                handle.seek(self._offset)
-                chunk = handle.read()
-        except FileNotFoundError:
-            return []
-        self._offset += len(chunk)
-        data = self._partial + chunk
-        lines = data.split(b"\n")
-        self._partial = lines.pop()  # an unfinished line waits for the next poll
-        records = []
-        for line in lines:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return records
