@@ -64,7 +64,7 @@ class StepClock:
         step, self._current = self._current, None
         step.marks.append(("", self._now()))
         mean = torch.stack(step.losses).float().mean() if len(step.losses) > 1 else step.losses[0].float()
-        if mean.device.type == "cpu":
+        if not self.device_events:  # synchronized: the value is already there
             step.loss = mean
         else:  # queued behind the step's work; valid on the host once the step's last event has completed
             step.loss = self.accelerator.pin_memory(torch.empty((), dtype=torch.float32))
