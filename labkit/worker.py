@@ -170,6 +170,8 @@ def train() -> None:
     write_ready(wait=True)
     timed = ({"timed_steps": timed_steps, "timed_s": time.perf_counter() - timed_start, "telemetry_s": telemetry_s}
              if timed_steps else {})
+    # Outside the loop's own timing: the fsync thread's CPU time (bench_observer_cpu.py reports it).
+    timed.update(telemetry_thread_cpu_s=round(telemetry.thread_cpu_s(), 6), fsyncs=telemetry.fsyncs)
     peak: dict[str, object] = {}
     if rank == 0:
         # Achieved FLOP/s means little without the device's peak next to it.
