@@ -7,7 +7,9 @@ thread is taken from a rank, and the ranks wait for each other at every all-gath
 is not in the ranks' own `telemetry_s`. CPU seconds are counted by the kernel per process and
 per thread, so these figures hold on a loaded machine, where wall-clock ratios do not.
 Reports, per step: the supervisor's CPU seconds (psutil cpu_times), the fsync threads' CPU
-seconds and fsync calls (the `done` records), and the loop's own instrumentation (`telemetry_s`).
+seconds and fsync calls (the `done` records), the loop's own instrumentation (`telemetry_s`) and
+the ranks' context switches (a woken observer thread or process preempts a rank, and the other
+rank waits for it at the next collective: a cost CPU seconds do not show).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's labkit
 from labkit import Run, RunConfig
-from labkit.records import read_records
+from labkit.records import RecordTail, read_records
 from labkit.telemetry import rank_file
 
 
@@ -30,16 +32,24 @@ def observe(config: RunConfig, root: str) -> dict[str, float]:
     run = Run(config, root=root).start()
     supervisor = psutil.Process(run._supervisor.pid)
     # From the first step seen to the last: the steady state, not the supervisor's start-up.
-    first = last = None  # (step, supervisor CPU seconds)
+    first = last = None  # (step, supervisor CPU seconds, ranks' voluntary and involuntary context switches)
+    ranks: dict[int, psutil.Process] = {}
+    tails = [RecordTail(rank_file(run.run_dir, rank)) for rank in range(config.world_size)]
     while not run.done:
+        for rank, tail in enumerate(tails):
+            for record in tail.poll():
+                if record.get("event") == "start":
+                    ranks[rank] = psutil.Process(record["pid"])
         try:
             times = supervisor.cpu_times()
+            switches = [p.num_ctx_switches() for p in ranks.values()]
         except psutil.Error:
             break
         step = run.progress()
-        if step:
-            first = first or (step, times.user + times.system)
-            last = (step, times.user + times.system)
+        if step and len(switches) == config.world_size:
+            sample = (step, times.user + times.system, sum(s.voluntary for s in switches),
+                      sum(s.involuntary for s in switches))
+            first, last = first or sample, sample
         time.sleep(0.1)
     if run.wait() != "finished":
         raise SystemExit(f"benchmark run {run.run_dir} ended {run.status}: {run.cause}")
@@ -49,6 +59,8 @@ def observe(config: RunConfig, root: str) -> dict[str, float]:
     return {
         "step_s": max(d["timed_s"] / d["timed_steps"] for d in done),
         "supervisor_cpu_s": (last[1] - first[1]) / max(1, last[0] - first[0]),
+        "voluntary_switches": (last[2] - first[2]) / max(1, last[0] - first[0]),
+        "involuntary_switches": (last[3] - first[3]) / max(1, last[0] - first[0]),
         "fsync_thread_cpu_s": sum(d.get("telemetry_thread_cpu_s", 0.0) for d in done) / steps,
         "fsyncs": sum(d.get("fsyncs", 0) for d in done) / steps,
         "loop_telemetry_s": sum(d["telemetry_s"] / d["timed_steps"] for d in done),
@@ -70,7 +82,8 @@ def main() -> None:
         print(f"telemetry {'on ' if telemetry else 'off'}: step {1e3 * f['step_s']:.1f} ms; per step, summed over "
               f"ranks: supervisor {1e3 * f['supervisor_cpu_s']:.2f} ms CPU, fsync threads "
               f"{1e3 * f['fsync_thread_cpu_s']:.2f} ms CPU ({f['fsyncs']:.2f} fsyncs), loop's own instrumentation "
-              f"{1e3 * f['loop_telemetry_s']:.2f} ms; observers' CPU / (ranks x step time) "
+              f"{1e3 * f['loop_telemetry_s']:.2f} ms, ranks' context switches {f['voluntary_switches']:.1f} "
+              f"voluntary + {f['involuntary_switches']:.1f} involuntary; observers' CPU / (ranks x step time) "
               f"{100 * (f['supervisor_cpu_s'] + f['fsync_thread_cpu_s']) / (args.world_size * f['step_s']):.2f}%")
 
 
