@@ -7,6 +7,8 @@ reduced on the device and copied (non_blocking) into pinned host memory, and a s
 read only once its last event has completed (`Event.query()`, which does not block): usually one
 step later. On a synchronized device (DeepSpeed's CPU accelerator has no events) every op has
 finished when it returns, so `time.perf_counter()` is exact and a step is ready at once.
+On a GPU a rank that fails mid-run therefore loses the records of the last step or two, whose
+events had not completed; on CPU nothing is pending.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class StepClock:
         self.accelerator = accelerator
         self.device_events = not accelerator.is_synchronized_device()
         self._pending: deque[_Step] = deque()
+        self._free: list[torch.Tensor] = []  # pinned one-value buffers, reused: pinning costs more than a step
         self._current: _Step | None = None
 
     def _now(self) -> Any:
@@ -62,13 +65,13 @@ class StepClock:
         """The step ends now; `fields` go into its record as they are. Returns the step's mean loss
         as a tensor on the device (reading it would wait for the device: only where asked to)."""
         step, self._current = self._current, None
-        step.marks.append(("", self._now()))
         mean = torch.stack(step.losses).float().mean() if len(step.losses) > 1 else step.losses[0].float()
         if not self.device_events:  # synchronized: the value is already there
             step.loss = mean
-        else:  # queued behind the step's work; valid on the host once the step's last event has completed
-            step.loss = self.accelerator.pin_memory(torch.empty((), dtype=torch.float32))
+        else:  # queued before the step's last event: on the host once that event has completed
+            step.loss = self._free.pop() if self._free else self.accelerator.pin_memory(torch.empty(()))
             step.loss.copy_(mean, non_blocking=True)
+        step.marks.append(("", self._now()))
         step.losses = []
         step.fields = fields
         self._pending.append(step)
@@ -93,7 +96,10 @@ class StepClock:
             if phase in times:
                 times[phase] += self._seconds(start, end)
         step_time_s = self._seconds(step.marks[0][1], step.marks[-1][1])
-        return {"loss": float(step.loss), "step_time_s": step_time_s, **times, **step.fields}
+        loss = float(step.loss)
+        if self.device_events:
+            self._free.append(step.loss)
+        return {"loss": loss, "step_time_s": step_time_s, **times, **step.fields}
 
     def _seconds(self, start: Any, end: Any) -> float:
         return end - start if not self.device_events else start.elapsed_time(end) / 1000.0
