@@ -7,8 +7,8 @@ seed's Example 3 corrected (ZeRO-3, 2 CPU ranks, micro-batch 64, DistributedSamp
 100-1024-1024-10 with Adam), `deepspeed.initialize` on the very `ds_config.json` labkit wrote for
 its own run, started by `deepspeed --num_gpus 2 train.py` with the environment labkit's launcher
 builds (the same OMP threads per rank, accelerator and loopback sockets). Both sides time steps
-3..N with perf_counter on each rank (after one all-reduce-free host clock read; CPU ops are
-synchronous); throughput is samples/s over those steps on rank 0. Runs alternate in pairs
+3..N with perf_counter on rank 0 (exact on CPU: ops are synchronous); throughput is samples/s
+over those steps (labkit's from its `done` record: `timed_steps` / `timed_s`). Runs alternate in pairs
 (labkit first, then plain first, ...) so drift on the machine hits both sides; the ratio printed
 is the median over pairs of labkit / plain, for telemetry on and `--no-telemetry`.
 "large" is the same MLP wider (hidden 4096, ~17M parameters): steps of about 0.5 s on 2 cores.
