@@ -35,7 +35,8 @@ import numpy as np
 
 from labkit.run import FINAL_STATUSES
 from labkit.store import read_json
-from labkit.telemetry import RecordTail, rank_file, read_records
+from labkit.records import RecordTail, read_records
+from labkit.telemetry import rank_file
 
 # Record keys the charts use; each becomes one float64 column per rank (NaN where absent).
 STEP_KEYS = ("step", "time_s", "samples_per_s", "step_time_s", "loss", "rss_bytes", "peak_rss_bytes",

@@ -6,7 +6,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from labkit.telemetry import rank_file, read_records
+from labkit.records import read_records
+from labkit.telemetry import rank_file
 
 STATE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "host_grad_bytes")
 MEMORY_KEYS = ("peak_rss_bytes", "device_peak_bytes", "activation_bytes")

@@ -39,7 +39,8 @@ import psutil
 from labkit.failures import describe_exit, is_knock_on, is_oom, last_exception_line
 from labkit.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
 from labkit.store import read_json, write_json_atomic
-from labkit.telemetry import RecordTail, rank_file
+from labkit.records import RecordTail
+from labkit.telemetry import rank_file
 
 POLL_S = 0.2
 SETTLE_S = 1.0        # after a first failure, wait this long for peers' records to name the root cause

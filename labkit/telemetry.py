@@ -19,7 +19,10 @@ from typing import Any
 
 import psutil
 
+from labkit.records import RecordTail, read_records  # noqa: F401  (readers of these files; kept importable here)
+
 BEAT_S = 1.0  # with per-step records off, a heartbeat this often keeps the hang watchdog informed
+FSYNC_EVERY_S = 1.0  # durable across a machine crash within a second (a killed rank loses nothing written)
 
 
 def rank_file(run_dir: str | os.PathLike, rank: int) -> Path:
@@ -38,18 +41,31 @@ class RankTelemetry:
 
         self._accelerator = get_accelerator()
         self._dirty = threading.Event()
+        self._closing = threading.Event()
         self._closed = False
+        self.fsyncs = 0
         self._syncer = threading.Thread(target=self._sync_loop, name="telemetry-fsync", daemon=True)
         self._syncer.start()
 
     def _sync_loop(self) -> None:
+        # At most one fsync per FSYNC_EVERY_S, not one per record: each fsync is a journal commit
+        # and a thread wake-up, paid on the cores the ranks train on.
         while not self._closed:
-            if self._dirty.wait(timeout=0.5):
+            if self._dirty.wait(timeout=FSYNC_EVERY_S):
                 self._dirty.clear()
                 try:
                     os.fsync(self._fd)
                 except OSError:
                     return
+                self.fsyncs += 1
+                self._closing.wait(FSYNC_EVERY_S)
+
+    def thread_cpu_s(self) -> float:
+        """CPU seconds the fsync thread has used (it runs outside what the loop times)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._syncer.ident))
+        except (OSError, AttributeError):
+            return 0.0
 
     def _write(self, record: dict[str, Any]) -> None:
         record = {"rank": self.rank, "time_s": round(time.time() - self.start_time, 6), **record}
@@ -95,52 +111,10 @@ class RankTelemetry:
 
     def close(self) -> None:
         self._closed = True
+        self._closing.set()
         self._dirty.set()
         self._syncer.join(timeout=2)
         try:
             os.fsync(self._fd)
         finally:
             os.close(self._fd)
-
-
-def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All complete records of a rank file; a line cut short by a kill is skipped."""
-    records = []
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return records
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
-class RecordTail:
-    """Reads a rank file incrementally: each `poll()` returns only the new complete records."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self._offset = 0
-        self._partial = b""
-
-    def poll(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as handle:
-                handle.seek(self._offset)
-                chunk = handle.read()
-        except FileNotFoundError:
-            return []
-        self._offset += len(chunk)
-        data = self._partial + chunk
-        lines = data.split(b"\n")
-        self._partial = lines.pop()  # an unfinished line waits for the next poll
-        records = []
-        for line in lines:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return records

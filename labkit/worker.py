@@ -15,7 +15,6 @@ Example 1 (`pytorch`) trains with a plain PyTorch loop; examples 2 and 3 (`offlo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -32,8 +31,10 @@ from labkit.failures import is_oom
 from labkit.faults import FaultHooks
 from labkit.model import SimpleModel, count_parameters
 from labkit.rendezvous import init_distributed
+from labkit.step_clock import StepClock
+from labkit.step_loop import train_step
 from labkit.telemetry import RankTelemetry
-from labkit.trainers import DeepSpeedTrainer, PlainTrainer, count_saved_activations
+from labkit.trainers import DeepSpeedTrainer, PlainTrainer
 
 EVAL_CHUNK = 1024  # eval forward passes take this many samples at a time (at least a micro-batch)
 EVAL_DENSE_MARGIN = 0.1  # evaluate every step once the eval loss is within 10% of the target...
@@ -96,7 +97,9 @@ def train() -> None:
     # telemetry=False is the benchmark's baseline: the same loop, unobserved.
     instrument = config.telemetry
     count_on = instrument or config.device_memory_budget_bytes is not None
-    sync = accelerator.synchronize if instrument else (lambda: None)  # phase times need a drained queue
+    # No host-device synchronisation per step: phases are timed with device events (perf_counter on
+    # CPU) and each step's record is written once its figures are ready, usually a step later.
+    clock = StepClock(accelerator)
     data = batches()
     timed_start = timed_steps = 0
     census: dict[str, int] = {}
@@ -112,6 +115,12 @@ def train() -> None:
 
         def make_model() -> SimpleModel:
             return SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
+
+    def write_ready(wait: bool = False) -> None:
+        for record in clock.ready(wait=wait):
+            # All ranks step in lockstep, each on micro_batch x grad_accum samples.
+            telemetry.step(**record, samples_per_s=config.global_batch / record["step_time_s"])
+
     # stop_at_target: ranks must stop at the same step, so they agree on the global mean loss
     # (one all_reduce per step, only when asked) over labkit.summary.time_to_target's window.
     target_window, recent_losses, stopped_at_target = 5, [], False
@@ -136,36 +145,26 @@ def train() -> None:
                                          device=trainer.device)
         if instrument:
             telemetry.begin_step()  # device_peak_bytes in this step's record: this step's own peak
-        step_start = time.perf_counter()
-        forward_s = backward_s = 0.0
-        losses = []
-        for micro in range(config.grad_accum):
-            inputs, labels = next(data)
-            boundary = micro == config.grad_accum - 1
-            t0 = time.perf_counter()
-            with count_saved_activations() if measure else contextlib.nullcontext([0]) as saved:
-                loss = trainer.forward(inputs, labels)
-            sync()
-            t1 = time.perf_counter()
-            trainer.backward(loss)
-            sync()
-            t2 = time.perf_counter()
-            forward_s += t1 - t0
-            backward_s += t2 - t1
-            losses.append(loss.item())
-            activation_bytes = max(activation_bytes, saved[0])
-            if boundary and measure:
-                t_census = time.perf_counter()
-                census = trainer.census()  # at the peak: gradients held, before the step
-                telemetry_s += (time.perf_counter() - t_census) * (step >= TIMED_FROM_STEP)
-                _check_emulated_capacity(census, activation_bytes)
-            t3 = time.perf_counter()
-            trainer.step(step, boundary)
-            sync()
-            optimizer_s = time.perf_counter() - t3
-        step_time_s = time.perf_counter() - step_start
+        clock.begin()
+        step_census, step_activation_bytes, census_s = train_step(
+            trainer, data, clock, step=step, grad_accum=config.grad_accum, measure=measure,
+            on_census=lambda states, saved, before=activation_bytes: _check_emulated_capacity(
+                states, max(before, saved)))
+        if measure:
+            census, activation_bytes = step_census, max(activation_bytes, step_activation_bytes)
         samples_seen += config.micro_batch * config.grad_accum
         timed_steps += step >= TIMED_FROM_STEP
+        t_record = time.perf_counter()
+        step_loss = clock.end(
+            step=step,
+            lr=trainer.lr,
+            epoch=samples_seen / samples_per_epoch,
+            activation_bytes=activation_bytes,
+            **noise,
+            **census,
+            **(telemetry.memory() if instrument else {}),
+        )
+        # After the step's clock has stopped: evaluation is never part of the step time.
         evaluated: dict[str, float] = {}
         if config.eval_every and _eval_due(step, eval_history):
             t_eval = time.perf_counter()
@@ -178,39 +177,29 @@ def train() -> None:
             eval_timed_s += eval_s * (step >= TIMED_FROM_STEP)
             evaluated = {"eval_loss": eval_loss, "eval_s": eval_s}
             eval_history = [*eval_history[-1:], (step, eval_loss)]
-        t_record = time.perf_counter()
-        telemetry.step(
-            step=step,
-            loss=sum(losses) / len(losses),
-            lr=trainer.lr,
-            step_time_s=step_time_s,
-            forward_s=forward_s,
-            backward_s=backward_s,
-            optimizer_s=optimizer_s,
-            # All ranks step in lockstep, each on micro_batch x grad_accum samples.
-            samples_per_s=config.global_batch / step_time_s,
-            epoch=samples_seen / samples_per_epoch,
-            activation_bytes=activation_bytes,
-            **noise,
-            **evaluated,
-            **census,
-            **(telemetry.memory() if instrument else {}),
-        )
-        telemetry_s += (time.perf_counter() - t_record) * (step >= TIMED_FROM_STEP)
+        if evaluated:
+            clock.annotate(**evaluated)  # into this step's record, still pending
+        write_ready()
+        record_s = time.perf_counter() - t_record - evaluated.get("eval_s", 0.0)  # the eval is counted apart
+        telemetry_s += (record_s + census_s) * (step >= TIMED_FROM_STEP)
         if config.stop_at_target and config.eval_every:
             if evaluated and eval_loss <= config.target_loss:
                 stopped_at_target = True
                 break
         elif config.stop_at_target:
-            agreed = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64, device=trainer.device)
+            agreed = step_loss.to(torch.float64).reshape(1)
             deepspeed.comm.all_reduce(agreed)
             recent_losses = (recent_losses + [agreed.item() / world_size])[-target_window:]
             if sum(recent_losses) / len(recent_losses) <= config.target_loss:
                 stopped_at_target = True
                 break
+    accelerator.synchronize()  # once, after the loop: timed_s covers the device's queued work
+    write_ready(wait=True)
     timed = ({"timed_steps": timed_steps, "timed_s": time.perf_counter() - timed_start - eval_timed_s,
               "telemetry_s": telemetry_s, "eval_s": eval_timed_s}
              if timed_steps else {})
+    # Outside the loop's own timing: the fsync thread's CPU time (bench_observer_cpu.py reports it).
+    timed.update(telemetry_thread_cpu_s=round(telemetry.thread_cpu_s(), 6), fsyncs=telemetry.fsyncs)
     peak: dict[str, object] = {}
     if rank == 0:
         # Achieved FLOP/s means little without the device's peak next to it.

@@ -1,0 +1,154 @@
+"""The worker's step never makes the host wait for the device when telemetry is on.
+
+The real loop (`labkit.step_loop.train_step` + `labkit.step_clock.StepClock`, as the worker runs
+them) trains a real model with the plain trainer on CPU. The accelerator it is given is DeepSpeed's
+CPU accelerator wrapped to play an asynchronous device: its events complete only once the "device"
+has moved on (LAG events later), reading an incomplete event's time fails as on CUDA, and every
+call that would block the host on a GPU is counted: `accelerator.synchronize()`, `Event.synchronize()`
+and labkit's `.item()`/`float()` of a tensor that is not host (pinned) memory.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from deepspeed.accelerator import get_accelerator
+from torch.utils.data import DataLoader
+
+from labkit.config import RunConfig
+from labkit.data import make_dataset
+from labkit.model import SimpleModel
+from labkit.step_clock import StepClock
+from labkit.step_loop import train_step
+from labkit.trainers import PlainTrainer
+
+LAG = 4  # events recorded after an event before the "device" has completed it (about a step)
+
+
+class CountingAccelerator:
+    """DeepSpeed's accelerator with the behaviour of an asynchronous device, counting blocking calls."""
+
+    def __init__(self, real):
+        self.real = real
+        self.blocking: list[str] = []
+        self.recorded: list[HostEvent] = []
+        self.completed_upto = -1  # index of the last event the host waited for
+        self.host_buffers: set[int] = set()
+        outer = self
+
+        class HostEvent:
+            def __init__(self, enable_timing: bool = False):
+                assert enable_timing
+                self.time_s: float | None = None
+
+            def record(self):
+                import time
+
+                self.time_s = time.perf_counter()
+                outer.recorded.append(self)
+
+            def query(self) -> bool:  # non-blocking, as cudaEventQuery; one stream: in order
+                index = outer.recorded.index(self)
+                return index < len(outer.recorded) - LAG or index <= outer.completed_upto
+
+            def synchronize(self):
+                outer.blocking.append("Event.synchronize")
+                outer.completed_upto = max(outer.completed_upto, outer.recorded.index(self))
+
+            def elapsed_time(self, end) -> float:
+                if not (self.query() and end.query()):
+                    raise RuntimeError("elapsed_time of an event the device has not completed")
+                return (end.time_s - self.time_s) * 1000.0
+
+        self.Event = HostEvent
+
+    def is_synchronized_device(self) -> bool:
+        return False
+
+    def synchronize(self, device_index=None):
+        self.blocking.append("synchronize")
+
+    def pin_memory(self, tensor):
+        self.host_buffers.add(tensor.data_ptr())
+        return tensor
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    accelerator = CountingAccelerator(get_accelerator())
+    for name in ("item", "__float__", "tolist"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(tensor, *args, _real=real, _name=name):
+            # labkit's calls only: PyTorch's Adam reads its CPU step counters with .item(), as it
+            # does in a plain script (on a GPU those counters stay host tensors: no wait).
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("labkit") and tensor.data_ptr() not in accelerator.host_buffers:
+                accelerator.blocking.append(f"Tensor.{_name}")
+            return _real(tensor, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return accelerator
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_steps_make_no_blocking_calls_outside_census_steps(counting, grad_accum):
+    config = RunConfig(example="pytorch", world_size=1, micro_batch=8, grad_accum=grad_accum, hidden=32,
+                       steps=12, census_every=5)
+    torch.manual_seed(0)
+    model = SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
+    trainer = PlainTrainer(model, config, torch.device("cpu"))
+    loader = DataLoader(make_dataset(512, config.input_size, config.output_size, 0), batch_size=8)
+    data = iter(loader)
+    clock = StepClock(counting)
+    assert clock.device_events
+    records, blocking_by_step = [], {}
+    for step in range(1, config.steps + 1):
+        before = len(counting.blocking)
+        measure = step <= 2 or step % config.census_every == 0
+        clock.begin()
+        census, _, _ = train_step(trainer, data, clock, step=step, grad_accum=grad_accum, measure=measure)
+        clock.end(step=step, **census)
+        records += clock.ready()
+        blocking_by_step[step] = counting.blocking[before:]
+    steady = [s for s in blocking_by_step if not (s <= 2 or s % config.census_every == 0)]
+    assert {s: blocking_by_step[s] for s in steady} == dict.fromkeys(steady, [])
+    # The figures arrive late, not never: every step but the last few is recorded during the run ...
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1)) and len(records) >= config.steps - 2
+    assert len(counting.host_buffers) <= 3  # pinned loss buffers are reused, not one per step
+    # ... and the rest after the loop, where waiting once is allowed.
+    records += clock.ready(wait=True)
+    assert [r["step"] for r in records] == list(range(1, config.steps + 1))
+    for record in records:
+        assert record["loss"] > 0 and record["step_time_s"] > 0
+        assert 0 < record["forward_s"] + record["backward_s"] + record["optimizer_s"] <= record["step_time_s"]
+    assert "param_bytes" in records[4] and "param_bytes" not in records[5]  # the census: sampled steps only
+
+
+def test_loss_is_the_mean_over_micro_batches(counting):
+    clock = StepClock(counting)
+    clock.begin()
+    for value in (1.0, 2.0, 4.5):
+        clock.add_loss(torch.tensor(value))
+        clock.mark("forward_s")
+    clock.end(step=1)
+    assert clock.ready() == []  # the device has not got there yet
+    (record,) = clock.ready(wait=True)
+    assert record["loss"] == pytest.approx(2.5) and record["step"] == 1
+    assert counting.blocking == ["Event.synchronize"]  # the one wait, asked for
+
+
+def test_on_a_synchronized_device_records_are_ready_at_once():
+    clock = StepClock(get_accelerator())  # DeepSpeed's CPU accelerator: no events, exact host clock
+    assert not clock.device_events
+    clock.begin()
+    clock.add_loss(torch.tensor(3.0))
+    clock.mark("forward_s")
+    clock.end(step=7)
+    (record,) = clock.ready()
+    assert record["step"] == 7 and record["loss"] == 3.0 and record["forward_s"] <= record["step_time_s"]
