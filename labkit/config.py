@@ -194,6 +194,9 @@ class RunConfig:
             _require(key not in self.ds_overrides, "ds_overrides",
                      f"{key} is derived from micro_batch, grad_accum and world_size; set those instead")
         if self.example != "pytorch":
+            from labkit.ds_import import import_deepspeed
+
+            import_deepspeed()
             from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
             try:

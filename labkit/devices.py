@@ -7,6 +7,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from labkit.ds_import import import_deepspeed
+
 # Dense peak FLOP/s of common training GPUs (vendor datasheets; SXM parts, no sparsity),
 # by the precision the run uses. Unknown devices fall back to a measured matmul peak.
 GPU_PEAK_FLOPS = {
@@ -52,6 +54,7 @@ class Devices:
 
 @functools.lru_cache(maxsize=1)
 def detect_devices() -> Devices:
+    import_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     accel = get_accelerator()

@@ -30,3 +30,43 @@ def test_cpu_ranks_are_capped_at_the_cores():
     devices = detect_devices()
     if devices.is_cpu:
         assert devices.max_ranks == (os.cpu_count() or 1)
+
+
+# Issue 11 item 13: labkit's public API alone, from 8 threads, in a fresh process whose first
+# DeepSpeed import this is. Before labkit.ds_import it deadlocked 4 times out of 4.
+_CONCURRENT_FIRST_IMPORT = """
+import sys, threading, traceback
+assert "deepspeed" not in sys.modules
+from labkit.config import RunConfig
+import labkit.memory
+errors = []
+def make_config():
+    try:
+        RunConfig(example="zero3", stage=3, world_size=2, micro_batch=16, steps=5)
+    except Exception:
+        errors.append(traceback.format_exc())
+def estimate():
+    try:
+        labkit.memory.deepspeed_estimates(10_000_000, world_size=2)
+    except Exception:
+        errors.append(traceback.format_exc())
+threads = [threading.Thread(target=make_config if i % 2 else estimate) for i in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print("".join(errors))
+sys.exit(1 if errors else 0)
+"""
+
+
+def test_first_deepspeed_import_from_eight_threads_does_not_deadlock():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    result = subprocess.run([sys.executable, "-c", _CONCURRENT_FIRST_IMPORT], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
