@@ -51,6 +51,7 @@ class Run:
         self.run_dir: Path | None = None
         self._supervisor: subprocess.Popen | None = None
         self._stop_requested = False
+        self.device_ids: list[str] = []  # the devices (or emulated slots) this run leased
 
     @classmethod
     def load(cls, run_dir: str | os.PathLike) -> "Run":
@@ -67,22 +68,29 @@ class Run:
             raise RuntimeError(f"this run was already started in {self.run_dir}")
         devices = detect_devices()
         base_env = {**os.environ, **self._extra_env}
-        device_ids = self._device_ids(devices, base_env)
-        # Refuses busy GPUs before anything is written.
-        leases = device_lease.take(devices.accelerator, device_ids, f"a run starting in process {os.getpid()}")
+        # Refuses busy GPUs before anything is written; takes free ones, not always the first N.
+        kind, candidates, count = self._lease_plan(devices, base_env)
+        self.device_ids, leases = device_lease.take_free(kind, candidates, count,
+                                                         f"a run starting in process {os.getpid()}")
         try:
             port, port_lease = device_lease.take_port()
             leases += port_lease
-            return self._launch(devices, base_env, leases, device_ids, port)
+            # CPU ranks leasing emulated slots still launch as CPU ranks (--num_gpus).
+            return self._launch(devices, base_env, leases, [] if devices.is_cpu else self.device_ids, port)
         finally:
             device_lease.release(leases)  # the supervisor holds its own copies for the run's lifetime
 
-    def _device_ids(self, devices: Devices, base_env: dict[str, str]) -> list[str]:
-        """The GPUs this run will use (none for CPU ranks and multi-node runs)."""
-        if devices.is_cpu or self.config.hostfile:
-            return []
-        return device_lease.run_devices(self.config.world_size, devices.device_count,
-                                        base_env.get(devices.visible_devices_env))
+    def _lease_plan(self, devices: Devices, base_env: dict[str, str]) -> tuple[str, list[str], int]:
+        """(lease kind, devices the run may lease, how many it needs). Multi-node runs lease nothing
+        (the cluster scheduler's business); CPU ranks share the cores, unless CI emulates devices."""
+        if self.config.hostfile:
+            return devices.accelerator, [], 0
+        if devices.is_cpu:
+            emulated = device_lease.emulated_ids(base_env)
+            return "emulated", emulated, self.config.world_size if emulated else 0
+        return devices.accelerator, device_lease.visible_ids(
+            devices.device_count, base_env.get(devices.visible_devices_env), devices.visible_devices_env), \
+            self.config.world_size
 
     def _launch(self, devices: Devices, base_env: dict[str, str], leases: list[int], device_ids: list[str],
                 port: int) -> "Run":
