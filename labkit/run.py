@@ -143,6 +143,13 @@ class Run:
         return "starting"
 
     @property
+    def holds_devices(self) -> bool:
+        """Whether the run may still hold its device lease: it leased devices and its supervisor (which
+        holds the lease, with DeepSpeed's launcher, until it exits) is alive. A run that reads `done`
+        still holds its GPUs for the seconds its supervisor takes to end."""
+        return bool(self.device_ids) and self.run_dir is not None and self._supervisor_alive()
+
+    @property
     def done(self) -> bool:
         return self.status in FINAL_STATUSES
 

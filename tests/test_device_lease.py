@@ -148,3 +148,17 @@ def test_lease_files_are_not_followed_through_symlinks(tmp_path):
     with pytest.raises(OSError):
         device_lease.take("cuda", ["0"], "run", leases)
     assert victim.read_text() == "precious"
+
+
+def test_sweep_waits_for_the_lease_of_the_run_before(tmp_path, monkeypatch):
+    """Issue 11 item 1: a run whose ranks all recorded `done` still holds its devices until its supervisor
+    exits. The sweep launched the next point at once and `Run.start()` raised DevicesBusy: `labkit answer`
+    stopped after one point on any GPU machine. CPU ranks lease emulated slots here, through the same code."""
+    from labkit.sweep import Sweep
+
+    monkeypatch.setattr(device_lease, "DEFAULT_LEASE_DIR", tmp_path / "leases")
+    monkeypatch.setenv(device_lease.EMULATED_DEVICES_ENV, "2")
+    points = [RunConfig(example="zero3", stage=stage, world_size=2, micro_batch=8, hidden=32, steps=2,
+                        dataset_size=256, census_every=100) for stage in (0, 1, 2)]
+    table = Sweep(points, tmp_path / "sweep", parallel=1, progress=False, retries=0).run()
+    assert list(table["status"]) == ["finished"] * 3, table.to_dict("records")
