@@ -37,6 +37,7 @@ import socket
 import psutil
 
 from labkit.failures import describe_exit, is_knock_on, is_oom, last_exception_line
+from labkit.launcher import is_multi_node
 from labkit.store import read_json, write_json_atomic
 from labkit.telemetry import RecordTail, rank_file
 
@@ -99,7 +100,7 @@ class Supervisor:
         self.world_size: int = launch["world_size"]
         self.heartbeat_s: float = launch["heartbeat_s"]
         self.startup_timeout_s: float = launch["startup_timeout_s"]
-        self.multi_node = "--hostfile" in self.argv
+        self.multi_node = is_multi_node(self.argv)
         self.ranks = [RankState(r, RecordTail(rank_file(run_dir, r))) for r in range(self.world_size)]
         self.stop_reason: str | None = None
         self.oom_kills_seen = _cgroup_oom_kills()
