@@ -70,3 +70,22 @@ def test_first_deepspeed_import_from_eight_threads_does_not_deadlock():
     result = subprocess.run([sys.executable, "-c", _CONCURRENT_FIRST_IMPORT], capture_output=True, text=True,
                             env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def test_ranks_load_the_saved_config_without_probing_devices_again(tmp_path, monkeypatch):
+    """Issue 11 item 2: every rank's RunConfig.load re-ran detect_devices() (on GPUs a child process and a
+    context on GPU 0; refused in exclusive-process mode) and re-opened a relative hostfile path."""
+    import json
+
+    from labkit.config import RunConfig
+    from labkit.store import write_json_atomic
+
+    (tmp_path / "hosts").write_text("node-a slots=1\nnode-b slots=1\n")
+    monkeypatch.chdir(tmp_path)
+    saved = RunConfig(example="zero3", world_size=2, hostfile="hosts").to_dict()
+    write_json_atomic(tmp_path / "config.json", saved)
+    monkeypatch.chdir(tmp_path.parent)  # a rank on another node: the relative path means nothing there
+    detect_devices.cache_clear()
+    loaded = RunConfig.load(tmp_path / "config.json")
+    assert detect_devices.cache_info().currsize == 0  # no probe
+    assert loaded.to_dict() == json.loads((tmp_path / "config.json").read_text())
