@@ -107,10 +107,14 @@ class Run:
                                   visible_devices_env=devices.visible_devices_env)
         write_json_atomic(self.run_dir / "config.json", self.config.to_dict())
         write_json_atomic(self.run_dir / "ds_config.json", self.config.ds_config())
-        write_text_atomic(self.run_dir / "command.txt", command_text(argv, env, base_env) + "\n")
+        # Private: they hold the variables labkit and the caller (`env=`) set, which may be tokens.
+        write_text_atomic(self.run_dir / "command.txt", command_text(argv, env, base_env) + "\n", private=True)
         write_json_atomic(self.run_dir / "launch.json", {
-            "argv": argv, "env": env, "world_size": self.config.world_size,
-            "heartbeat_s": self.config.heartbeat_s, "startup_timeout_s": self.config.startup_timeout_s})
+            # Only what labkit (and `env=`) set, never the whole environment (cloud keys, tokens): the
+            # supervisor inherits the rest from this process.
+            "argv": argv, "env": {k: v for k, v in env.items() if os.environ.get(k) != v},
+            "world_size": self.config.world_size,
+            "heartbeat_s": self.config.heartbeat_s, "startup_timeout_s": self.config.startup_timeout_s}, private=True)
         log = open(self.run_dir / "supervisor.log", "ab")
         self._supervisor = subprocess.Popen(
             [sys.executable, "-m", "labkit.supervisor", str(self.run_dir), "--parent-pid", str(os.getpid()),
@@ -170,6 +174,12 @@ class Run:
         pid = self._supervisor_pid()
         if not pid:
             return False
+        try:  # hidepid hides other users' /proc entries, not their PIDs from kill(0)
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True  # a live process of another user: not ours to declare dead
         try:  # a reused PID is not our supervisor: it must be supervising this run directory
             proc = psutil.Process(pid)
             cmdline = proc.cmdline()
@@ -184,8 +194,14 @@ class Run:
         """The supervisor is gone and left no summary.json: nobody is ending the run's processes."""
         if self.run_dir is None or self.summary or self._supervisor_alive():
             return False
-        if self._supervisor is None and self._supervisor_pid() is None:
-            return False  # a reloaded run whose supervisor has not written status.json yet
+        if self._supervisor is None:
+            status = read_json(self.run_dir / "status.json") or {}
+            if status.get("supervisor_pid") is None:
+                return False  # a reloaded run whose supervisor has not written status.json yet
+            from labkit.supervisor import host_identity
+
+            if status.get("host") != host_identity():
+                return False  # its PID means nothing here: another host, boot or PID namespace
         return not self.summary  # it writes summary.json just before it exits: look again
 
     def records(self) -> dict[int, list[dict[str, Any]]]:

@@ -96,7 +96,7 @@ class Supervisor:
         self.lease_fds = lease_fds  # GPU and port leases: the launcher holds them too (labkit.device_lease)
         launch = read_json(run_dir / "launch.json")
         self.argv: list[str] = launch["argv"]
-        self.env: dict[str, str] = launch["env"]
+        self.env: dict[str, str] = {**os.environ, **launch["env"]}  # launch.json keeps only what labkit set
         self.world_size: int = launch["world_size"]
         self.heartbeat_s: float = launch["heartbeat_s"]
         self.startup_timeout_s: float = launch["startup_timeout_s"]
@@ -127,7 +127,7 @@ class Supervisor:
         log(f"launcher pid {self.launcher.pid}: {' '.join(argv)}")
         write_json_atomic(self.run_dir / "status.json", {
             "status": "running", "supervisor_pid": os.getpid(), "launcher_pid": self.launcher.pid,
-            "pgid": self.launcher.pid, "started_at": time.time()})
+            "pgid": self.launcher.pid, "started_at": time.time(), "host": host_identity()})
         try:
             outcome = self.watch()
         except BaseException as exc:  # a bug here must still end the run's processes
@@ -343,6 +343,20 @@ class Supervisor:
         _reap_orphans()
         for path in remove_shm_segments(self.argv):
             log(f"removed {path}")
+
+
+def host_identity() -> dict[str, str]:
+    """Where a PID means something: this host (and boot) and PID namespace. A run store on a shared
+    filesystem, or one written from a container, holds PIDs of processes this process cannot see;
+    `Run` only declares a supervisor dead when its status.json names the same identity."""
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip() if path.startswith("/proc/sys") else os.readlink(path)
+        except OSError:
+            return ""
+
+    return {"hostname": socket.gethostname(), "boot_id": read("/proc/sys/kernel/random/boot_id"),
+            "pid_namespace": read("/proc/self/ns/pid")}
 
 
 def remove_shm_segments(argv: list[str]) -> list[Path]:
