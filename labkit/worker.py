@@ -189,9 +189,9 @@ def train() -> None:
     peak: dict[str, object] = {}
     if rank == 0:
         # Achieved FLOP/s means little without the device's peak next to it.
-        from labkit.devices import detect_devices, measured_matmul_flops
+        from labkit.devices import datasheet_peak_flops, measured_matmul_flops, rank_device_name
 
-        datasheet = detect_devices().peak_flops(config.precision)
+        datasheet = datasheet_peak_flops(rank_device_name(accelerator._name, args.local_rank), config.precision)
         peak = ({"peak_flops": datasheet, "peak_flops_source": "datasheet"} if datasheet else
                 {"peak_flops": measured_matmul_flops(str(trainer.device), config.precision),
                  "peak_flops_source": "measured 1024x1024 matmul"})

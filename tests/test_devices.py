@@ -89,3 +89,11 @@ def test_ranks_load_the_saved_config_without_probing_devices_again(tmp_path, mon
     loaded = RunConfig.load(tmp_path / "config.json")
     assert detect_devices.cache_info().currsize == 0  # no probe
     assert loaded.to_dict() == json.loads((tmp_path / "config.json").read_text())
+
+
+def test_bf16_counts_only_native_support():
+    """Issue 11 item 5: torch's is_bf16_supported() counts emulation, so the probe said yes on V100 and T4."""
+    from labkit.devices import native_bf16
+
+    assert not native_bf16((7, 0)) and not native_bf16([7, 5])  # V100, T4
+    assert native_bf16((8, 0)) and native_bf16((8, 9)) and native_bf16([9, 0])  # A100, L4, H100
