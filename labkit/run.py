@@ -204,6 +204,20 @@ class Run:
                 return False  # its PID means nothing here: another host, boot or PID namespace
         return not self.summary  # it writes summary.json just before it exits: look again
 
+    @property
+    def waiting_on(self) -> str | None:
+        """What a run that has not reached its first step is waiting for, when it is an op build (or a
+        stale build lock left by an interrupted one, which it would wait on forever); else None."""
+        if self.run_dir is None or self.summary or self.progress() > 0:
+            return None
+        from labkit.build_locks import find_build_locks
+        from labkit.launcher import DEFAULT_EXTENSIONS_DIR
+
+        env = (read_json(self.run_dir / "launch.json") or {}).get("env", {})
+        extensions = env.get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR", DEFAULT_EXTENSIONS_DIR)
+        locks = find_build_locks(extensions)
+        return "; ".join(lock.describe() for lock in locks) or None
+
     def records(self) -> dict[int, list[dict[str, Any]]]:
         """Every rank's records so far (complete lines only)."""
         return rank_records(self.run_dir, self.config.world_size)
