@@ -97,3 +97,41 @@ def test_bf16_counts_only_native_support():
 
     assert not native_bf16((7, 0)) and not native_bf16([7, 5])  # V100, T4
     assert native_bf16((8, 0)) and native_bf16((8, 9)) and native_bf16([9, 0])  # A100, L4, H100
+
+
+def test_gpu_check_writes_its_report_without_a_gpu(tmp_path):
+    """`make gpu-check` on a machine with no GPU still reports device, versions and results, and says so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    report = tmp_path / "report.txt"
+    result = subprocess.run([sys.executable, "-m", "labkit.gpu_check", "--report", str(report), "--runs-root",
+                             str(tmp_path / "runs")], capture_output=True, text=True, timeout=900, cwd=root)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    text = report.read_text()
+    assert "no GPU" in text and "versions: python" in text and "torch" in text and "failures: none" in text
+    assert "gpu tests:" in text and "skipped" in text
+
+
+def test_torch_adam_replaces_deepspeeds_cuda_adam_without_nvcc():
+    """Issue 11 item 3: without an nvcc matching torch's CUDA, FusedAdam cannot be built: torch's Adam runs."""
+    from labkit.ops import choose_optimizer_impl, cuda_ops_buildable, with_optimizer_impl
+    from labkit.config import RunConfig
+
+    def impl(cuda_ops, offload=False, accelerator="cuda", optimizer="adam"):
+        return choose_optimizer_impl(example="zero3", optimizer=optimizer, offload=offload,
+                                     accelerator=accelerator, cuda_ops=cuda_ops)
+
+    assert impl(True) == "fused_adam" and impl(True, offload=True) == "cpu_adam"
+    assert impl(False) == "torch_adam" and impl(False, offload=True) == "torch_adam"
+    assert impl(False, accelerator="cpu") == "fused_adam"  # CPU ops build with the host compiler
+    assert impl(False, optimizer="sgd") == "torch_sgd"
+    offload = RunConfig(example="offload", world_size=1).ds_config()
+    patched = with_optimizer_impl(offload, "torch_adam")
+    assert patched["optimizer"]["params"]["torch_adam"] is True and patched["zero_force_ds_cpu_optimizer"] is False
+    assert "torch_adam" not in offload["optimizer"]["params"]  # a copy
+    assert with_optimizer_impl(offload, "cpu_adam") is offload
+    buildable, why = cuda_ops_buildable()
+    assert isinstance(buildable, bool) and why  # here: no CUDA toolkit, said in words
