@@ -135,3 +135,42 @@ def test_torch_adam_replaces_deepspeeds_cuda_adam_without_nvcc():
     assert with_optimizer_impl(offload, "cpu_adam") is offload
     buildable, why = cuda_ops_buildable()
     assert isinstance(buildable, bool) and why  # here: no CUDA toolkit, said in words
+
+
+def test_telemetry_finishes_a_record_after_a_short_write(tmp_path):
+    """Issue 11 item 11: os.write may write part of a record (here: a signal arrives while a pipe is full);
+    the rest must follow, or the partial line is glued onto the next record."""
+    import json
+    import signal
+    import threading
+    import time
+
+    from labkit.telemetry import RankTelemetry, rank_file
+
+    os.mkfifo(rank_file(tmp_path, 0))
+    received = bytearray()
+
+    def read_slowly():
+        with open(rank_file(tmp_path, 0), "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                received.extend(chunk)
+                time.sleep(0.002)
+
+    reader = threading.Thread(target=read_slowly)
+    reader.start()
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)  # interrupts a blocked pipe write: a short write
+    signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)
+    try:
+        telemetry = RankTelemetry(tmp_path, 0)
+        for step in range(20):
+            telemetry.step(step=step, payload="x" * 300_000)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, previous)
+    try:
+        telemetry.close()
+    except OSError:
+        pass  # fsync of a pipe: EINVAL, nothing to make durable
+    reader.join(timeout=60)
+    lines = bytes(received).decode().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(20))
