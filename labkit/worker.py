@@ -97,6 +97,7 @@ def train() -> None:
     else:
         trainer = DeepSpeedTrainer(model, config, ops.with_optimizer_impl(config.ds_config(), optimizer_impl))
 
+    telemetry.begin_step()  # the ready record's device peak: not deepspeed.initialize's transients
     telemetry.event("ready", n_params=n_params, accelerator=accelerator._name, optimizer_impl=optimizer_impl,
                     backend=accelerator.communication_backend_name(), **telemetry.memory())
 
