@@ -228,7 +228,17 @@ class Run:
         return steps[-1] if steps else 0
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.2) -> str:
-        """Block until the run ends (or `timeout` seconds pass); returns the status."""
+        """Block until the run ends (or `timeout` seconds pass); returns the status.
+
+        Ctrl-C (a kernel interrupt) stops the run before it is passed on: the kernel lives on, and
+        its supervisor would keep the run going unattended."""
+        try:
+            return self._wait(timeout, poll_s)
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+
+    def _wait(self, timeout: float | None = None, poll_s: float = 0.2) -> str:
         deadline = None if timeout is None else time.monotonic() + timeout
         # Not `while not self.done`: `status` reads "failed" as soon as the supervisor is gone,
         # and a supervisor killed without writing summary.json leaves the ranks to us.
@@ -258,7 +268,7 @@ class Run:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        self.wait(timeout=timeout)
+        self._wait(timeout=timeout)
         if not self.summary:
             # The supervisor itself is stuck or gone: end its process group and the run's.
             self._recover_from_dead_supervisor(kill_supervisor=True)

@@ -174,3 +174,26 @@ def test_telemetry_finishes_a_record_after_a_short_write(tmp_path):
     reader.join(timeout=60)
     lines = bytes(received).decode().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(20))
+
+
+def test_noise_probe_matches_a_float64_reference():
+    """Issue 11 item 11: the probe no longer builds float64 gradient vectors; its figures stay those of one."""
+    import torch
+    from torch import nn
+
+    from labkit.model import SimpleModel
+    from labkit.noise_scale import gradient_noise_probe
+
+    torch.manual_seed(0)
+    model = SimpleModel(20, 32, 5, 2)
+    inputs, labels = torch.randn(16, 20), torch.randint(0, 5, (16,))
+    got = gradient_noise_probe(lambda: SimpleModel(20, 32, 5, 2), list(model.parameters()), inputs, labels,
+                               device="cpu")
+    reference = model.double()
+    halves = []
+    for part in (slice(0, 8), slice(8, 16)):
+        loss = nn.CrossEntropyLoss()(reference(inputs[part].double()), labels[part])
+        halves.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(reference.parameters()))]))
+    small = float(sum(h.pow(2).sum() for h in halves) / 2)
+    big = float(((halves[0] + halves[1]) / 2).pow(2).sum())
+    assert abs(got["grad_norm_small_sq"] - small) <= 1e-4 * small and abs(got["grad_norm_big_sq"] - big) <= 1e-4 * big

@@ -188,3 +188,56 @@ def test_launch_record_keeps_only_what_labkit_set_and_is_private(runs_root, monk
     for name in ("launch.json", "command.txt"):
         assert stat.S_IMODE(os.stat(run.run_dir / name).st_mode) == 0o600
         assert "not-for-the-run-store" not in (run.run_dir / name).read_text()
+
+
+_INTERRUPTED_KERNEL = """
+import sys, time
+from labkit import Run, RunConfig
+from labkit.lessons import launch_all
+config = RunConfig(example="zero3", world_size=2, steps=100_000, hidden=64, micro_batch=8, dataset_size=256)
+try:
+    if sys.argv[1] == "wait":
+        run = Run(config).start()
+        print("waiting", run.run_dir, flush=True)
+        run.wait()
+    else:
+        print("waiting", flush=True)
+        launch_all({"a": config, "b": config})
+except KeyboardInterrupt:
+    from labkit import runs
+    print("interrupted", ",".join(runs()["status"]), flush=True)
+time.sleep(120)  # the kernel lives on after Ctrl-C
+"""
+
+
+def _line(process: subprocess.Popen, prefix: str) -> str:
+    """The next line of `process` that starts with `prefix` (DeepSpeed logs to stdout too)."""
+    for line in process.stdout:
+        if line.startswith(prefix):
+            return line
+    return ""
+
+
+@pytest.mark.parametrize("entry", ["wait", "launch_all"])
+def test_ctrl_c_while_waiting_stops_the_runs_it_started(runs_root, entry):
+    """Issue 11 item 12: Ctrl-C in the kernel during Run.wait() or launch_all left the runs going, unattended."""
+    import os
+    import signal
+
+    kernel = subprocess.Popen([sys.executable, "-c", _INTERRUPTED_KERNEL, entry], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert _line(kernel, "waiting")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(
+                any(r.get("event") == "step" for r in read_records(path)) for path in runs_root.glob("*/rank0.jsonl")):
+            time.sleep(0.5)
+        time.sleep(1)  # every run of launch_all started
+        kernel.send_signal(signal.SIGINT)
+        line = _line(kernel, "interrupted").split()
+        assert line[0] == "interrupted" and set(line[1].split(",")) == {"stopped"}, line
+        for run_dir in runs_root.iterdir():
+            assert not run_processes(run_dir)
+    finally:
+        kernel.kill()
+        kernel.wait()
