@@ -8,18 +8,25 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 LAB_PORT ?= 8888
 
-.PHONY: install ops lab test test-fast lint bench docs clean
+# NGC and cloud deep-learning images ship their own CUDA torch: the venv sees it and keeps it, and only the
+# other tested versions in constraints.txt apply. Elsewhere torch comes from PyPI at the tested version.
+SYSTEM_TORCH := $(shell $(PYTHON) -c "import torch" 2>/dev/null && echo yes)
+VENV_FLAGS   := $(if $(SYSTEM_TORCH),--system-site-packages,)
+
+.PHONY: install ops lab test test-fast lint bench docs clean gpu-check
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[lab,test]'
+	$(if $(SYSTEM_TORCH),grep -v '^torch==' constraints.txt,cat constraints.txt) > $(VENV)/constraints.txt
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[lab,test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# DeepSpeed JIT-compiles its ops on first use (30-90 s each); build them once, up front.
+# DeepSpeed JIT-compiles its ops on first use (30-90 s each); build them once, up front. On a GPU without an
+# nvcc matching torch's CUDA it builds none and says so (runs then use torch_adam); it clears stale build locks.
 ops: install
 	$(BIN)/python -m labkit.ops
 
@@ -53,6 +60,10 @@ docs: ops
 			--ExecutePreprocessor.timeout=900 --output-dir ../$(DOCS) "$$nb" || exit 1; \
 	done
 	@echo "HTML with outputs in $(DOCS)/"
+
+# With a GPU, run this first: ops, GPU-marked tests, one 2-rank run per ZeRO stage; report in gpu-check-report.txt.
+gpu-check: install
+	$(BIN)/python -m labkit.gpu_check --report gpu-check-report.txt
 
 clean:
 	rm -rf $(VENV) .cache runs

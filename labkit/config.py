@@ -228,6 +228,9 @@ class RunConfig:
             _require(key not in self.ds_overrides, "ds_overrides",
                      f"{key} is derived from micro_batch, grad_accum and world_size; set those instead")
         if self.example != "pytorch":
+            from labkit.ds_import import import_deepspeed
+
+            import_deepspeed()
             from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
             try:
@@ -315,4 +318,14 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "RunConfig":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """A run directory's config.json, as `Run.start()` validated and saved it: not validated again.
+
+        Ranks load it (labkit.worker): validating there would re-probe the devices in every rank (a child
+        importing torch and DeepSpeed, a context on GPU 0, refused outright in exclusive-process mode) and
+        re-open a hostfile path that may be relative to another machine's directory."""
+        data = json.loads(Path(path).read_text())
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown config key(s) {unknown} in {path}; known: {sorted(names)}")
+        return cls.from_saved(data)

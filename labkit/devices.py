@@ -7,6 +7,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from labkit.ds_import import import_deepspeed
+
 # Dense peak FLOP/s of common training GPUs (vendor datasheets; SXM parts, no sparsity),
 # by the precision the run uses. Unknown devices fall back to a measured matmul peak.
 # Any name containing "H100" maps to the SXM peak: an H100 PCIe peaks lower (about 756 TFLOP/s
@@ -44,16 +46,39 @@ class Devices:
 
     def peak_flops(self, precision: str) -> float | None:
         """Datasheet peak for a known GPU, else None (the caller measures a matmul peak)."""
-        # Whole words only: "L4" must not match an "NVIDIA L40S".
-        words = set(re.split(r"[^A-Za-z0-9]+", self.device_name))
-        for key, table in GPU_PEAK_FLOPS.items():
-            if key in words:
-                return table.get(precision) or None
-        return None
+        return datasheet_peak_flops(self.device_name, precision)
+
+
+def datasheet_peak_flops(device_name: str, precision: str) -> float | None:
+    """Datasheet peak of a known GPU by its name, else None."""
+    # Whole words only: "L4" must not match an "NVIDIA L40S".
+    words = set(re.split(r"[^A-Za-z0-9]+", device_name))
+    for key, table in GPU_PEAK_FLOPS.items():
+        if key in words:
+            return table.get(precision) or None
+    return None
+
+
+def rank_device_name(accelerator: str, local_rank: int) -> str:
+    """The name of a rank's own device, asked in the rank (which already holds its context): ranks never
+    run `detect_devices()`, whose probe would open another context, or be refused in exclusive mode."""
+    if accelerator == "cpu":
+        return _cpu_model()
+    import torch
+
+    module = torch.get_device_module(accelerator)
+    return module.get_device_name(local_rank) if hasattr(module, "get_device_name") else accelerator
+
+
+def native_bf16(compute_capability: tuple[int, int] | list[int]) -> bool:
+    """Whether a CUDA device computes bf16 natively: Ampere (8.0) and later. torch's `is_bf16_supported()`
+    also counts emulation, so it says yes on V100 (7.0) and T4 (7.5), where bf16 runs many times slower."""
+    return tuple(compute_capability) >= (8, 0)
 
 
 @functools.lru_cache(maxsize=1)
 def detect_devices() -> Devices:
+    import_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     accel = get_accelerator()
@@ -87,7 +112,11 @@ module = torch.get_device_module(accel._name)
 print(json.dumps({
     "accelerator": accel._name, "device_count": count, "max_ranks": count,
     "backend": accel.communication_backend_name(),
-    "bf16": bool(accel.is_bf16_supported()), "fp16": bool(accel.is_fp16_supported()),
+    # CUDA: the compute capability, not is_bf16_supported(), which counts emulation and allocates on GPU 0.
+    "compute_capability": list(torch.cuda.get_device_capability(0))
+    if accel._name == "cuda" and count and not torch.version.hip else None,
+    "bf16": bool(accel.is_bf16_supported()) if accel._name != "cuda" or torch.version.hip else False,
+    "fp16": bool(accel.is_fp16_supported()),
     # DeepSpeed's accelerator API has no device-name call; torch's per-backend module does.
     "device_name": module.get_device_name(0) if count and hasattr(module, "get_device_name") else accel._name,
     "total_memory_bytes": int(accel.total_memory(0)) if count else 0,
@@ -104,7 +133,11 @@ def _probe_in_child() -> dict:
     result = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
         raise RuntimeError(f"could not query the accelerator's devices:\n{result.stderr[-2000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    probed = json.loads(result.stdout.strip().splitlines()[-1])
+    capability = probed.pop("compute_capability", None)
+    if capability is not None:
+        probed["bf16"] = native_bf16(capability)
+    return probed
 
 
 def _host_memory() -> int:

@@ -22,6 +22,14 @@ from labkit.config import RunConfig, hostfile_slots
 DEFAULT_EXTENSIONS_DIR = Path(__file__).resolve().parent.parent / ".cache" / "torch_extensions"
 
 
+SINGLE_NODE_HOSTFILE = os.devnull
+
+
+def is_multi_node(argv: list[str]) -> bool:
+    """Whether a launch command (build_command's argv) reaches other hosts through a hostfile."""
+    return "--hostfile" in argv and argv[argv.index("--hostfile") + 1] != SINGLE_NODE_HOSTFILE
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on now, outside the kernel's ephemeral range.
 
@@ -85,6 +93,11 @@ def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port:
         argv += ["--master_addr", "127.0.0.1"]
     else:
         argv += ["--num_gpus", str(config.world_size), "--master_addr", "127.0.0.1"]
+    if not config.hostfile:
+        # An explicit "no hostfile": without --hostfile DeepSpeed reads /job/hostfile, and on clusters
+        # where that exists a single-node run became a pdsh multi-node launch past the device lease.
+        # os.devnull is not a regular file, so the runner takes its local-resources path.
+        argv += ["--hostfile", SINGLE_NODE_HOSTFILE]
     argv += ["--master_port", str(master_port), "--module", "labkit.rank_guard", "--run-dir", str(run_dir)]
 
     env["PYTHONUNBUFFERED"] = "1"

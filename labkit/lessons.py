@@ -61,12 +61,17 @@ def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
         if not run.done:
             run.stop()
 
-    for label, config in configs.items():
-        runs[label] = Run(config).start()
-        if not concurrent:
-            finish(runs[label])
-    for run in runs.values():
-        finish(run)
+    try:
+        for label, config in configs.items():
+            runs[label] = Run(config).start()
+            if not concurrent:
+                finish(runs[label])
+        for run in runs.values():
+            finish(run)
+    except KeyboardInterrupt:  # Ctrl-C in the kernel: no run it started goes on unattended
+        for run in runs.values():
+            run.stop()
+        raise
     statuses = ", ".join(f"{label}: {run.status}" for label, run in runs.items())
     print(f"{len(runs)} run(s) in {time.monotonic() - start:.0f} s ({statuses})")
     return runs

@@ -258,6 +258,9 @@ def deepspeed_estimates(model_or_n_params: nn.Module | int, world_size: int, *,
     needed to build/load the model (x ``additional_buffer_factor``), not model states.
     Without a module, ``largest_layer_params`` defaults to ``n_params`` (worst case).
     """
+    from labkit.ds_import import import_deepspeed
+
+    import_deepspeed()  # not from several threads at once: DeepSpeed's circular imports deadlock
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 

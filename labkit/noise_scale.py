@@ -177,38 +177,52 @@ def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, la
 
     `params` are the live parameters of the trained model in `make_model()`'s order (ZeRO-3
     partitions are gathered first). The gradients are taken on an fp32 copy with no DeepSpeed
-    hooks, so the training step, its optimizer state and its timing are untouched. Every rank
+    hooks, so the training step, its optimizer state and its timing are untouched (the gradients
+    are fp32; their squared norms are summed in float64). Every rank
     must call this at the same step (it all-reduces).
     """
     import torch
     import torch.distributed as dist
     from torch import nn
 
-    with _gathered(params):
-        weights = [p.detach().to(device=device, dtype=torch.float32, copy=True) for p in params]
+    # Memory: one fp32 copy of the model and two fp32 gradient sets at most (12 bytes per parameter),
+    # not a float64 vector per half (it was ~36 bytes per parameter: GBs at 100M+ parameters, enough
+    # to cause the out-of-memory error the run then reports). Sums of squares accumulate in float64.
     clone = make_model().to(device)
-    with torch.no_grad():
-        for mine, weight in zip(clone.parameters(), weights):
-            mine.copy_(weight.view_as(mine))
+    with _gathered(params), torch.no_grad():
+        for mine, live in zip(clone.parameters(), params):
+            mine.copy_(live.detach().view_as(mine))  # converts dtype and device in place
     criterion = nn.CrossEntropyLoss()
     half = inputs.shape[0] // 2
     if half < 1:
         raise ValueError("the noise-scale probe needs a micro-batch of at least 2 samples")
     inputs, labels = inputs.to(device=device, dtype=torch.float32), labels.to(device)
-    halves = []
+
+    def sum_sq(tensors) -> torch.Tensor:
+        return sum(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in tensors)
+
+    mean_grads = None
+    sq_norms = []
     for part in (slice(0, half), slice(half, 2 * half)):
         loss = criterion(clone(inputs[part]), labels[part])
         grads = torch.autograd.grad(loss, list(clone.parameters()))
-        halves.append(torch.cat([g.reshape(-1) for g in grads]).double())
+        sq_norms.append(sum_sq(grads))
+        if mean_grads is None:
+            mean_grads = list(grads)
+        else:
+            for total, grad in zip(mean_grads, grads):
+                total.add_(grad).div_(2)
+        del grads
     world = dist.get_world_size() if dist.is_initialized() else 1
-    small_sq = torch.stack([h.pow(2).sum() for h in halves]).mean().reshape(1)
-    mean_grad = (halves[0] + halves[1]) / 2
+    small_sq = torch.stack(sq_norms).mean().reshape(1).to(device)
     if world > 1:
-        dist.all_reduce(mean_grad)
+        for grad in mean_grads:
+            dist.all_reduce(grad)
+            grad /= world
         dist.all_reduce(small_sq)
-        mean_grad /= world
         small_sq /= world
-    g_small_sq, g_big_sq = float(small_sq.item()), float(mean_grad.pow(2).sum().item())
+    big_sq = sum_sq(mean_grads)
+    g_small_sq, g_big_sq = float(small_sq.item()), float(big_sq.item())
     b_small, b_big = half, 2 * half * world
     return {"grad_norm_small_sq": g_small_sq, "grad_norm_big_sq": g_big_sq, "noise_b_small": b_small,
             "noise_b_big": b_big, "noise_scale": noise_scale(g_small_sq, g_big_sq, b_small, b_big)}

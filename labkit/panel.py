@@ -283,11 +283,14 @@ class LabPanel:
     # -- updates (from the dashboard's thread) ---------------------------------------------
     def _on_tick(self, run: Run, series: list[RankSeries], final: bool, error: str | None) -> None:
         step = series[0].last_step if series else 0  # this thread is the one that extends them
+        # Outside the lock: reading the status may recover a run whose supervisor died (seconds of
+        # killing and summarising), and Stop must not wait on that.
+        status = run.status
         with self._lock:
             if run is not self.run:
                 return  # a thread of an earlier run: never writes over the current one
             if not final:
-                self._show_status(run, step)
+                self._show_status(run, step, status)
                 now = time.monotonic()
                 if now - self._logs_read_at >= LOG_REFRESH_S:
                     self._logs_read_at = now
@@ -300,19 +303,20 @@ class LabPanel:
 
     def _finish(self, run: Run, step: int) -> None:
         """The last status, logs and history of `run`; Launch enabled, Stop only while it still runs."""
+        status = run.status  # outside the lock, as in _on_tick
         with self._lock:
             done = False
             try:
-                done = self._show_status(run, step)
+                done = self._show_status(run, step, status)
                 self._show_logs(run)
             finally:
                 self.launch_button.disabled = False
                 self.stop_button.disabled = done
         self.refresh_history()
 
-    def _show_status(self, run: Run, step: int) -> bool:
-        """Show the run's status line; returns whether the run is done."""
-        status = run.status
+    def _show_status(self, run: Run, step: int, status: str | None = None) -> bool:
+        """Show the run's status line (`status` read beforehand, outside the lock); returns whether it is done."""
+        status = status or run.status
         done = status in FINAL_STATUSES
         if not done and self._stopping is run:
             status = "stopping"

@@ -55,6 +55,7 @@ class Run:
         self._stop_requested = False
         self._progress_tail: RecordTail | None = None  # rank 0's file, read incrementally by progress()
         self._progress = 0
+        self.device_ids: list[str] = []  # the devices (or emulated slots) this run leased
 
     @classmethod
     def load(cls, run_dir: str | os.PathLike) -> "Run":
@@ -71,22 +72,29 @@ class Run:
             raise RuntimeError(f"this run was already started in {self.run_dir}")
         devices = detect_devices()
         base_env = {**os.environ, **self._extra_env}
-        device_ids = self._device_ids(devices, base_env)
-        # Refuses busy GPUs before anything is written.
-        leases = device_lease.take(devices.accelerator, device_ids, f"a run starting in process {os.getpid()}")
+        # Refuses busy GPUs before anything is written; takes free ones, not always the first N.
+        kind, candidates, count = self._lease_plan(devices, base_env)
+        self.device_ids, leases = device_lease.take_free(kind, candidates, count,
+                                                         f"a run starting in process {os.getpid()}")
         try:
             port, port_lease = device_lease.take_port()
             leases += port_lease
-            return self._launch(devices, base_env, leases, device_ids, port)
+            # CPU ranks leasing emulated slots still launch as CPU ranks (--num_gpus).
+            return self._launch(devices, base_env, leases, [] if devices.is_cpu else self.device_ids, port)
         finally:
             device_lease.release(leases)  # the supervisor holds its own copies for the run's lifetime
 
-    def _device_ids(self, devices: Devices, base_env: dict[str, str]) -> list[str]:
-        """The GPUs this run will use (none for CPU ranks and multi-node runs)."""
-        if devices.is_cpu or self.config.hostfile:
-            return []
-        return device_lease.run_devices(self.config.world_size, devices.device_count,
-                                        base_env.get(devices.visible_devices_env))
+    def _lease_plan(self, devices: Devices, base_env: dict[str, str]) -> tuple[str, list[str], int]:
+        """(lease kind, devices the run may lease, how many it needs). Multi-node runs lease nothing
+        (the cluster scheduler's business); CPU ranks share the cores, unless CI emulates devices."""
+        if self.config.hostfile:
+            return devices.accelerator, [], 0
+        if devices.is_cpu:
+            emulated = device_lease.emulated_ids(base_env)
+            return "emulated", emulated, self.config.world_size if emulated else 0
+        return devices.accelerator, device_lease.visible_ids(
+            devices.device_count, base_env.get(devices.visible_devices_env), devices.visible_devices_env), \
+            self.config.world_size
 
     def _launch(self, devices: Devices, base_env: dict[str, str], leases: list[int], device_ids: list[str],
                 port: int) -> "Run":
@@ -111,10 +119,14 @@ class Run:
             write_text_atomic(self.run_dir / ".deepspeed_env", deepspeed_env_text(env))
         write_json_atomic(self.run_dir / "config.json", self.config.to_dict())
         write_json_atomic(self.run_dir / "ds_config.json", self.config.ds_config())
-        write_text_atomic(self.run_dir / "command.txt", command_text(argv, env, base_env) + "\n")
+        # Private: they hold the variables labkit and the caller (`env=`) set, which may be tokens.
+        write_text_atomic(self.run_dir / "command.txt", command_text(argv, env, base_env) + "\n", private=True)
         write_json_atomic(self.run_dir / "launch.json", {
-            "argv": argv, "env": env, "world_size": self.config.world_size,
-            "heartbeat_s": self.config.heartbeat_s, "startup_timeout_s": self.config.startup_timeout_s})
+            # Only what labkit (and `env=`) set, never the whole environment (cloud keys, tokens): the
+            # supervisor inherits the rest from this process.
+            "argv": argv, "env": {k: v for k, v in env.items() if os.environ.get(k) != v},
+            "world_size": self.config.world_size,
+            "heartbeat_s": self.config.heartbeat_s, "startup_timeout_s": self.config.startup_timeout_s}, private=True)
         log = open(self.run_dir / "supervisor.log", "ab")
         self._supervisor = subprocess.Popen(
             [sys.executable, "-m", "labkit.supervisor", str(self.run_dir), "--parent-pid", str(os.getpid()),
@@ -147,6 +159,13 @@ class Run:
         return "starting"
 
     @property
+    def holds_devices(self) -> bool:
+        """Whether the run may still hold its device lease: it leased devices and its supervisor (which
+        holds the lease, with DeepSpeed's launcher, until it exits) is alive. A run that reads `done`
+        still holds its GPUs for the seconds its supervisor takes to end."""
+        return bool(self.device_ids) and self.run_dir is not None and self._supervisor_alive()
+
+    @property
     def done(self) -> bool:
         return self.status in FINAL_STATUSES
 
@@ -167,6 +186,12 @@ class Run:
         pid = self._supervisor_pid()
         if not pid:
             return False
+        try:  # hidepid hides other users' /proc entries, not their PIDs from kill(0)
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True  # a live process of another user: not ours to declare dead
         try:  # a reused PID is not our supervisor: it must be supervising this run directory
             proc = psutil.Process(pid)
             cmdline = proc.cmdline()
@@ -181,9 +206,29 @@ class Run:
         """The supervisor is gone and left no summary.json: nobody is ending the run's processes."""
         if self.run_dir is None or self.summary or self._supervisor_alive():
             return False
-        if self._supervisor is None and self._supervisor_pid() is None:
-            return False  # a reloaded run whose supervisor has not written status.json yet
+        if self._supervisor is None:
+            status = read_json(self.run_dir / "status.json") or {}
+            if status.get("supervisor_pid") is None:
+                return False  # a reloaded run whose supervisor has not written status.json yet
+            from labkit.supervisor import host_identity
+
+            if status.get("host") != host_identity():
+                return False  # its PID means nothing here: another host, boot or PID namespace
         return not self.summary  # it writes summary.json just before it exits: look again
+
+    @property
+    def waiting_on(self) -> str | None:
+        """What a run that has not reached its first step is waiting for, when it is an op build (or a
+        stale build lock left by an interrupted one, which it would wait on forever); else None."""
+        if self.run_dir is None or self.summary or self.progress() > 0:
+            return None
+        from labkit.build_locks import find_build_locks
+        from labkit.launcher import DEFAULT_EXTENSIONS_DIR
+
+        env = (read_json(self.run_dir / "launch.json") or {}).get("env", {})
+        extensions = env.get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR", DEFAULT_EXTENSIONS_DIR)
+        locks = find_build_locks(extensions)
+        return "; ".join(lock.describe() for lock in locks) or None
 
     def records(self) -> dict[int, list[dict[str, Any]]]:
         """Every rank's records so far (complete lines only)."""
@@ -202,7 +247,17 @@ class Run:
         return self._progress
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.2) -> str:
-        """Block until the run ends (or `timeout` seconds pass); returns the status."""
+        """Block until the run ends (or `timeout` seconds pass); returns the status.
+
+        Ctrl-C (a kernel interrupt) stops the run before it is passed on: the kernel lives on, and
+        its supervisor would keep the run going unattended."""
+        try:
+            return self._wait(timeout, poll_s)
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+
+    def _wait(self, timeout: float | None = None, poll_s: float = 0.2) -> str:
         deadline = None if timeout is None else time.monotonic() + timeout
         # Not `while not self.done`: `status` reads "failed" as soon as the supervisor is gone,
         # and a supervisor killed without writing summary.json leaves the ranks to us.
@@ -237,7 +292,7 @@ class Run:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        self.wait(timeout=timeout)
+        self._wait(timeout=timeout)
         if not self.summary:
             # The supervisor itself is stuck or gone: end its process group and the run's.
             self._recover_from_dead_supervisor(kill_supervisor=True)

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write via a temporary file and rename: readers see the old file or the new one, never half."""
+def write_text_atomic(path: str | os.PathLike, text: str, *, private: bool = False) -> None:
+    """Write via a temporary file and rename: readers see the old file or the new one, never half.
+    `private`: 0600, for files that may hold a user's secrets (environment variables)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp makes 0600 files; run files are as readable as any other file the user writes.
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, 0o600 if private else 0o666 & ~_umask())
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
             handle.flush()
@@ -51,8 +52,8 @@ def _umask() -> int:
     return 0o022
 
 
-def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+def write_json_atomic(path: str | os.PathLike, data: Any, *, private: bool = False) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", private=private)
 
 
 def read_json(path: str | os.PathLike) -> Any | None:

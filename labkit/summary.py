@@ -134,6 +134,7 @@ def summarize(run_dir: str | Path, config: dict[str, Any], *, status: str, cause
         "achieved_flops": achieved,
         "peak_flops": peak_flops,
         "peak_flops_source": done.get("peak_flops_source"),
+        "optimizer_impl": done.get("optimizer_impl"),  # which optimizer ran (labkit.ops.OPTIMIZER_IMPLS)
         "flops_utilization": achieved / peak_flops if (achieved and peak_flops) else None,
         "per_rank": per_rank,
     }

@@ -37,6 +37,7 @@ import socket
 import psutil
 
 from labkit.failures import describe_exit, is_knock_on, is_oom, last_exception_line
+from labkit.launcher import is_multi_node
 from labkit.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
 from labkit.store import read_json, write_json_atomic
 from labkit.records import RecordTail
@@ -97,12 +98,13 @@ class Supervisor:
         self.lease_fds = lease_fds  # GPU and port leases: the launcher holds them too (labkit.device_lease)
         launch = read_json(run_dir / "launch.json")
         self.argv: list[str] = launch["argv"]
-        # An exported job (`labkit export`) runs in the environment of whoever starts it.
-        self.env: dict[str, str] = {**os.environ, **launch["env"]} if launch.get("inherit_env") else launch["env"]
+        # launch.json keeps only what labkit set; an exported job (`labkit export`) too runs in the
+        # environment of whoever starts it.
+        self.env: dict[str, str] = {**os.environ, **launch["env"]}
         self.world_size: int = launch["world_size"]
         self.heartbeat_s: float = launch["heartbeat_s"]
         self.startup_timeout_s: float = launch["startup_timeout_s"]
-        self.multi_node = "--hostfile" in self.argv
+        self.multi_node = is_multi_node(self.argv)
         # Multi-node: each rank's host as the hostfile names it, to name the node a rank died on.
         self.hosts = rank_hosts(self.argv[self.argv.index("--hostfile") + 1]) if self.multi_node else []
         # pdsh jobs: their ranks are ended over ssh (mpirun and srun end their own on SIGTERM).
@@ -137,7 +139,7 @@ class Supervisor:
         log(f"launcher pid {self.launcher.pid}: {' '.join(argv)}")
         write_json_atomic(self.run_dir / "status.json", {
             "status": "running", "supervisor_pid": os.getpid(), "launcher_pid": self.launcher.pid,
-            "pgid": self.launcher.pid, "started_at": time.time()})
+            "pgid": self.launcher.pid, "started_at": time.time(), "host": host_identity()})
         try:
             outcome = self.watch()
         except BaseException as exc:  # a bug here must still end the run's processes
@@ -394,6 +396,20 @@ class Supervisor:
         for path in remove_shm_segments(self.argv):
             log(f"removed {path}")
         return left + [f"pid {p.pid}" for p in self.tree() if _alive(p)]
+
+
+def host_identity() -> dict[str, str]:
+    """Where a PID means something: this host (and boot) and PID namespace. A run store on a shared
+    filesystem, or one written from a container, holds PIDs of processes this process cannot see;
+    `Run` only declares a supervisor dead when its status.json names the same identity."""
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip() if path.startswith("/proc/sys") else os.readlink(path)
+        except OSError:
+            return ""
+
+    return {"hostname": socket.gethostname(), "boot_id": read("/proc/sys/kernel/random/boot_id"),
+            "pid_namespace": read("/proc/self/ns/pid")}
 
 
 def remove_shm_segments(argv: list[str]) -> list[Path]:

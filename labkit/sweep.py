@@ -431,8 +431,12 @@ class Sweep:
 
 
 def _busy(run: Any) -> bool:
-    """Whether a run still computes: its ranks have not all recorded `done` (or an error). The
-    supervisor's teardown after that (a few seconds) need not hold back the next launch."""
+    """Whether a run still occupies what the next launch needs: its ranks have not all recorded `done`
+    (or an error), or it leased devices (GPUs, emulated slots) and its supervisor, which holds the lease
+    with DeepSpeed's launcher until it exits, is still there: the next `Run.start()` would be refused.
+    CPU ranks lease nothing, so their supervisor's teardown (a few seconds) does not hold back the next."""
+    if getattr(run, "holds_devices", False):
+        return True
     if run.done:
         return False
     for rank in range(run.config.world_size):

@@ -1,6 +1,6 @@
 """Per-rank telemetry: one JSON record per line in `rank<N>.jsonl`.
 
-Each record is written with a single `os.write` on an O_APPEND descriptor, so it reaches
+Each record is written by `os.write` on an O_APPEND descriptor (again for the rest after a short write), so it reaches
 the kernel before the step ends: a killed rank loses at most the step in progress. The
 fsync that makes it durable across a machine crash runs on a background thread, so
 telemetry never blocks training. Keys carry their units (`step_time_s`, `rss_bytes`).
@@ -42,6 +42,7 @@ class RankTelemetry:
         self._accelerator = get_accelerator()
         self._dirty = threading.Event()
         self._closing = threading.Event()
+        self._write_lock = threading.Lock()
         self._closed = False
         self.fsyncs = 0
         self._syncer = threading.Thread(target=self._sync_loop, name="telemetry-fsync", daemon=True)
@@ -69,7 +70,12 @@ class RankTelemetry:
 
     def _write(self, record: dict[str, Any]) -> None:
         record = {"rank": self.rank, "time_s": round(time.time() - self.start_time, 6), **record}
-        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        data = memoryview((json.dumps(record, separators=(",", ":")) + "\n").encode())
+        with self._write_lock:
+            # os.write may write less than asked (a signal, a full pipe or disk): the rest follows before
+            # any other record, or a partial line would be glued onto the next one.
+            while data:
+                data = data[os.write(self._fd, data):]
         self._dirty.set()
 
     def memory(self) -> dict[str, int]:

@@ -85,12 +85,19 @@ def train() -> None:
     # -- model and trainer -------------------------------------------------------------
     model = SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
     n_params = count_parameters(model)
+    from labkit import ops
+
+    # Without an nvcc matching torch's CUDA, DeepSpeed cannot build FusedAdam: torch's Adam instead.
+    optimizer_impl = ops.choose_optimizer_impl(
+        example=config.example, optimizer=config.optimizer, offload=bool(config.offload_optimizer),
+        accelerator=accelerator._name, cuda_ops=accelerator._name == "cuda" and ops.cuda_ops_buildable()[0])
     if config.example == "pytorch":
         trainer = PlainTrainer(model, config, torch.device(accelerator.device_name(args.local_rank)))
     else:
-        trainer = DeepSpeedTrainer(model, config, config.ds_config())
+        trainer = DeepSpeedTrainer(model, config, ops.with_optimizer_impl(config.ds_config(), optimizer_impl))
 
-    telemetry.event("ready", n_params=n_params, accelerator=accelerator._name,
+    telemetry.begin_step()  # the ready record's device peak: not deepspeed.initialize's transients
+    telemetry.event("ready", n_params=n_params, accelerator=accelerator._name, optimizer_impl=optimizer_impl,
                     backend=accelerator.communication_backend_name(), **telemetry.memory())
 
     # -- the loop ----------------------------------------------------------------------
@@ -203,13 +210,14 @@ def train() -> None:
     peak: dict[str, object] = {}
     if rank == 0:
         # Achieved FLOP/s means little without the device's peak next to it.
-        from labkit.devices import detect_devices, measured_matmul_flops
+        from labkit.devices import datasheet_peak_flops, measured_matmul_flops, rank_device_name
 
-        datasheet = detect_devices().peak_flops(config.precision)
+        datasheet = datasheet_peak_flops(rank_device_name(accelerator._name, args.local_rank), config.precision)
         peak = ({"peak_flops": datasheet, "peak_flops_source": "datasheet"} if datasheet else
                 {"peak_flops": measured_matmul_flops(str(trainer.device), config.precision),
                  "peak_flops_source": "measured 1024x1024 matmul"})
-    telemetry.event("done", steps=step, stopped_at_target=stopped_at_target, n_params=n_params, **census,
+    telemetry.event("done", steps=step, stopped_at_target=stopped_at_target, n_params=n_params,
+                    optimizer_impl=optimizer_impl, **census,
                     **peak, **timed, **telemetry.memory())
     # Leave the process group now: ranks that skip this linger in teardown.
     deepspeed.comm.destroy_process_group()

@@ -1,7 +1,8 @@
 """GPU leases: a second run on GPUs a live run holds is refused before it starts (issue #6).
 
 The locks are real flocks and the hand-off to a supervisor is a real child process; only the
-GPUs are absent here, so `Run._device_ids` is given a CUDA `Devices` description.
+GPUs are absent here, so `Run._lease_plan` is given a CUDA `Devices` description, and CPU runs lease
+emulated slots (`LABKIT_EMULATED_DEVICES`) through the same code.
 """
 
 from __future__ import annotations
@@ -19,10 +20,56 @@ from labkit.launcher import build_command
 from labkit.run import Run
 
 
-def test_run_devices_follow_the_visible_devices():
-    assert device_lease.run_devices(2, 4, None) == ["0", "1"]
-    assert device_lease.run_devices(2, 4, "3, 1,0") == ["3", "1"]
-    assert device_lease.run_devices(1, 8, "") == ["0"]
+def test_candidate_devices_follow_the_visible_devices():
+    assert device_lease.visible_ids(4, None) == ["0", "1", "2", "3"]
+    assert device_lease.visible_ids(4, "3, 1,0") == ["3", "1", "0"]
+    assert device_lease.visible_ids(8, "") == []  # nothing visible means nothing, not everything
+
+
+@pytest.mark.parametrize("visible", ["GPU-8f3a1b2c-0d4e-4f5a-9b6c-7d8e9f0a1b2c",
+                                     "0,MIG-4b2d5f6a-1c3e-5a7b-9d0f-2e4a6c8e0b1d", "MIG-GPU-1/0/0"])
+def test_uuid_and_mig_visible_devices_are_refused_with_a_clear_error_before_launch(visible):
+    """Issue 11 item 4: DeepSpeed's runner does int() on each id and crashes after labkit wrote the run."""
+    with pytest.raises(ConfigError) as refused:
+        device_lease.visible_ids(4, visible, "CUDA_VISIBLE_DEVICES")
+    assert refused.value.field == "CUDA_VISIBLE_DEVICES" and "nvidia-smi -L" in str(refused.value)
+
+
+def test_a_lease_takes_free_devices_not_always_the_first(tmp_path):
+    """Issue 11 item 7: on an 8-GPU node a second 1-GPU run gets another GPU, not a refusal."""
+    candidates = [str(i) for i in range(8)]
+    first_ids, first = device_lease.take_free("cuda", candidates, 1, "run runs/first", tmp_path)
+    try:
+        second_ids, second = device_lease.take_free("cuda", candidates, 1, "run runs/second", tmp_path)
+        assert first_ids == ["0"] and second_ids == ["1"]
+        device_lease.release(second)
+        with pytest.raises(device_lease.DevicesBusy, match="runs/first"):
+            device_lease.take_free("cuda", candidates, 8, "run runs/third", tmp_path)
+        with pytest.raises(ConfigError, match="only 8 are visible"):
+            device_lease.take_free("cuda", candidates, 9, "run runs/fourth", tmp_path)
+    finally:
+        device_lease.release(first)
+
+
+def test_lease_directory_must_be_sticky_and_owned_by_root_or_the_user(tmp_path):
+    """Issue 11 item 10: in a world-writable directory without the sticky bit anyone can delete a live lease."""
+    import os
+
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    os.chmod(loose, 0o777)
+    with pytest.raises(device_lease.DevicesBusy, match="sticky"):
+        device_lease.take("cuda", ["0"], "run", loose)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    os.chmod(foreign, 0o1777)
+    if os.getuid() == 0:
+        os.chown(foreign, 65534, 65534)  # another user's directory
+        with pytest.raises(device_lease.DevicesBusy, match="owned by root or by you"):
+            device_lease.take("cuda", ["0"], "run", foreign)
+    fresh = tmp_path / "fresh"
+    device_lease.release(device_lease.take("cuda", ["0"], "run", fresh))  # created sticky: accepted
+    assert os.stat(fresh).st_mode & 0o1777 == 0o1777
 
 
 def test_second_lease_on_a_held_device_is_refused_naming_the_holder(tmp_path):
@@ -57,24 +104,26 @@ def test_run_leases_the_gpus_it_launches_on_but_not_cpu_ranks(tmp_path, monkeypa
     gpus = Devices(accelerator="cuda", device_count=4, max_ranks=4, backend="nccl", bf16=True, fp16=True,
                    device_name="NVIDIA H100", total_memory_bytes=80 << 30)
     config = RunConfig(example="zero3", world_size=2, max_world_size=4)
-    ids = Run(config)._device_ids(gpus, {"CUDA_VISIBLE_DEVICES": "2,3"})
-    assert ids == ["2", "3"]
+    kind, candidates, count = Run(config)._lease_plan(gpus, {"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert (kind, candidates, count) == ("cuda", ["2", "3"], 2)
+    ids, first = device_lease.take_free(kind, candidates, count, "run runs/first")
     # ... and those are the devices the launch command gives the ranks.
     _, env = build_command(config, tmp_path / "run", master_port=29500, base_env={}, accelerator="cuda",
                            device_ids=ids)
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
-    first = device_lease.take("cuda", ids, "run runs/first")
     try:
         assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda2.lock", "cuda3.lock"]
         with pytest.raises(device_lease.DevicesBusy, match="cuda device 2"):
-            device_lease.take("cuda", Run(config)._device_ids(gpus, {"CUDA_VISIBLE_DEVICES": "2,3"}), "second")
-        other = device_lease.take("cuda", Run(config)._device_ids(gpus, {}), "third")  # GPUs 0, 1: fine
+            device_lease.take_free(*Run(config)._lease_plan(gpus, {"CUDA_VISIBLE_DEVICES": "2,3"}), "second")
+        other_ids, other = device_lease.take_free(*Run(config)._lease_plan(gpus, {}), "third")
+        assert other_ids == ["0", "1"]
         device_lease.release(other)
     finally:
         device_lease.release(first)
     cpu = Devices(accelerator="cpu", device_count=1, max_ranks=2, backend="gloo", bf16=True, fp16=False,
                   device_name="cpu", total_memory_bytes=24 << 30)
-    assert Run(config)._device_ids(cpu, {}) == []  # CPU ranks share cores; runs may overlap
+    assert Run(config)._lease_plan(cpu, {})[2] == 0  # CPU ranks share cores; runs may overlap
+    assert Run(config)._lease_plan(cpu, {device_lease.EMULATED_DEVICES_ENV: "3"}) == ("emulated", ["0", "1", "2"], 2)
 
 
 def test_a_leased_port_is_not_handed_out_again(tmp_path):
@@ -99,3 +148,17 @@ def test_lease_files_are_not_followed_through_symlinks(tmp_path):
     with pytest.raises(OSError):
         device_lease.take("cuda", ["0"], "run", leases)
     assert victim.read_text() == "precious"
+
+
+def test_sweep_waits_for_the_lease_of_the_run_before(tmp_path, monkeypatch):
+    """Issue 11 item 1: a run whose ranks all recorded `done` still holds its devices until its supervisor
+    exits. The sweep launched the next point at once and `Run.start()` raised DevicesBusy: `labkit answer`
+    stopped after one point on any GPU machine. CPU ranks lease emulated slots here, through the same code."""
+    from labkit.sweep import Sweep
+
+    monkeypatch.setattr(device_lease, "DEFAULT_LEASE_DIR", tmp_path / "leases")
+    monkeypatch.setenv(device_lease.EMULATED_DEVICES_ENV, "2")
+    points = [RunConfig(example="zero3", stage=stage, world_size=2, micro_batch=8, hidden=32, steps=2,
+                        dataset_size=256, census_every=100) for stage in (0, 1, 2)]
+    table = Sweep(points, tmp_path / "sweep", parallel=1, progress=False, retries=0).run()
+    assert list(table["status"]) == ["finished"] * 3, table.to_dict("records")

@@ -98,3 +98,25 @@ def test_last_exception_line_reads_only_the_last_traceback():
     log += ("Traceback (most recent call last):\n  File \"w.py\", line 3, in <module>\n"
             "RuntimeError: injected fault\n")
     assert last_exception_line(log) == "RuntimeError: injected fault"
+
+
+@pytest.mark.parametrize("accelerator, device_ids", [("cpu", None), ("cuda", ["0", "1"])])
+def test_single_node_command_never_reads_the_clusters_default_hostfile(tmp_path, accelerator, device_ids):
+    """Issue 11 item 6: without --hostfile DeepSpeed's runner reads /job/hostfile, and where a cluster has
+    one a single-node run became a pdsh multi-node launch that bypassed the device lease."""
+    from deepspeed.launcher import runner
+
+    from labkit.launcher import is_multi_node
+
+    config = RunConfig(example="zero3", world_size=2, max_world_size=8)
+    argv, _ = build_command(config, tmp_path, master_port=29500, base_env={}, accelerator=accelerator,
+                            device_ids=device_ids)
+    args = runner.parse_args(argv[4:])  # what the runner makes of labkit's command line
+    assert args.hostfile != runner.DLTS_HOSTFILE
+    assert runner.fetch_hostfile(args.hostfile) is None  # the runner's local-resources path
+    assert not is_multi_node(argv)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    multi, _ = build_command(RunConfig(example="zero3", world_size=2, hostfile=str(hostfile)), tmp_path,
+                             master_port=29500, base_env={})
+    assert is_multi_node(multi)

@@ -148,3 +148,97 @@ def test_run_store_does_not_list_a_run_with_a_dead_supervisor_as_running(runs_ro
     row = table[table.run_id == run.run_dir.name].iloc[0]
     assert row.status == "failed" and "supervisor died" in row.cause
     assert not run_processes(run.run_dir)
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_run_whose_supervisor_may_live_on_another_host_is_not_recovered(tmp_path):
+    """Issue 11 item 8: on a shared run store (another host, a container, hidepid) a PID this process cannot
+    see says nothing; "recovering" such a run wrote "failed" into a live run's summary."""
+    from labkit.store import write_json_atomic
+    from labkit.supervisor import host_identity
+
+    here = host_identity()
+    for name, host in (("elsewhere", {**here, "boot_id": "another-machine"}), ("legacy", None), ("here", here)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        write_json_atomic(run_dir / "config.json", RunConfig(example="zero3", world_size=2, **SMALL).to_dict())
+        status = {"status": "running", "supervisor_pid": _dead_pid(), "started_at": time.time()}
+        write_json_atomic(run_dir / "status.json", {**status, **({"host": host} if host else {})})
+        run = load_run(run_dir)
+        if name == "here":  # provably this host and the PID is gone: the run is recovered
+            assert run.status == "failed" and "supervisor died" in run.cause
+        else:
+            assert run.status not in ("failed", "finished") and not (run_dir / "summary.json").exists()
+
+
+def test_launch_record_keeps_only_what_labkit_set_and_is_private(runs_root, monkeypatch):
+    """Issue 11 item 9: launch.json stored the whole environment (cloud keys, tokens), world-readable."""
+    import os
+    import stat
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-for-the-run-store")
+    run = Run(RunConfig(example="pytorch", steps=2, **SMALL)).start()
+    assert run.wait(timeout=600) == "finished", run.cause
+    launch = json.loads((run.run_dir / "launch.json").read_text())
+    assert "AWS_SECRET_ACCESS_KEY" not in launch["env"] and "DS_ACCELERATOR" in launch["env"]
+    for name in ("launch.json", "command.txt"):
+        assert stat.S_IMODE(os.stat(run.run_dir / name).st_mode) == 0o600
+        assert "not-for-the-run-store" not in (run.run_dir / name).read_text()
+
+
+_INTERRUPTED_KERNEL = """
+import sys, time
+from labkit import Run, RunConfig
+from labkit.lessons import launch_all
+config = RunConfig(example="zero3", world_size=2, steps=100_000, hidden=64, micro_batch=8, dataset_size=256)
+try:
+    if sys.argv[1] == "wait":
+        run = Run(config).start()
+        print("waiting", run.run_dir, flush=True)
+        run.wait()
+    else:
+        print("waiting", flush=True)
+        launch_all({"a": config, "b": config})
+except KeyboardInterrupt:
+    from labkit import runs
+    print("interrupted", ",".join(runs()["status"]), flush=True)
+time.sleep(120)  # the kernel lives on after Ctrl-C
+"""
+
+
+def _line(process: subprocess.Popen, prefix: str) -> str:
+    """The next line of `process` that starts with `prefix` (DeepSpeed logs to stdout too)."""
+    for line in process.stdout:
+        if line.startswith(prefix):
+            return line
+    return ""
+
+
+@pytest.mark.parametrize("entry", ["wait", "launch_all"])
+def test_ctrl_c_while_waiting_stops_the_runs_it_started(runs_root, entry):
+    """Issue 11 item 12: Ctrl-C in the kernel during Run.wait() or launch_all left the runs going, unattended."""
+    import os
+    import signal
+
+    kernel = subprocess.Popen([sys.executable, "-c", _INTERRUPTED_KERNEL, entry], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert _line(kernel, "waiting")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(
+                any(r.get("event") == "step" for r in read_records(path)) for path in runs_root.glob("*/rank0.jsonl")):
+            time.sleep(0.5)
+        time.sleep(1)  # every run of launch_all started
+        kernel.send_signal(signal.SIGINT)
+        line = _line(kernel, "interrupted").split()
+        assert line[0] == "interrupted" and set(line[1].split(",")) == {"stopped"}, line
+        for run_dir in runs_root.iterdir():
+            assert not run_processes(run_dir)
+    finally:
+        kernel.kill()
+        kernel.wait()

@@ -1,0 +1,80 @@
+"""torch's op-build locks under TORCH_EXTENSIONS_DIR: who holds them, and the stale ones.
+
+torch builds a JIT extension under a `lock` file in the op's folder (`torch.utils.file_baton`): the
+builder creates it with O_EXCL and keeps it open, everyone else polls until it disappears. A build
+interrupted hard (Ctrl-C during `make lab`, a timeout's SIGKILL) leaves the file behind, and every later
+run then waits forever at step 0 with no message. A lock no process has open is stale: nothing will
+ever remove it. `make ops` clears stale locks; a run waiting on a build says so (`Run.waiting_on`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class BuildLock:
+    path: Path
+    op: str                 # the op's folder name (cpu_adam, fused_adam, deepspeed_shm_comm, ...)
+    holder_pids: tuple[int, ...]  # processes that have the lock open (the build)
+    certain: bool           # False when some processes' descriptors could not be read (another user's)
+
+    @property
+    def stale(self) -> bool:
+        return not self.holder_pids and self.certain
+
+    def describe(self) -> str:
+        if self.holder_pids:
+            return f"DeepSpeed is building op {self.op} (process {', '.join(map(str, self.holder_pids))}; {self.path})"
+        if self.stale:
+            return (f"stale build lock {self.path}: no process holds it (a build was interrupted); every run "
+                    f"needing op {self.op} waits on it forever. Remove it (`make ops` does)")
+        return f"build lock {self.path} for op {self.op}: held by a process this user cannot see, or stale"
+
+
+def find_build_locks(extensions_dir: str | os.PathLike) -> list[BuildLock]:
+    """Every build lock under `extensions_dir` (one level of op folders, and torch's per-version subfolders)."""
+    root = Path(extensions_dir)
+    paths = sorted(set(root.glob("*/lock")) | set(root.glob("*/*/lock")))
+    if not paths:
+        return []
+    holders, certain = _open_files({p.resolve() for p in paths})
+    return [BuildLock(p, p.parent.name, tuple(sorted(holders.get(p.resolve(), ()))), certain) for p in paths]
+
+
+def report_stale_locks(extensions_dir: str | os.PathLike, clear: bool = False) -> list[BuildLock]:
+    """Print every build lock found; with `clear`, remove the stale ones (no process holds them)."""
+    locks = find_build_locks(extensions_dir)
+    for lock in locks:
+        if lock.stale and clear:
+            lock.path.unlink(missing_ok=True)
+            print(f"removed a stale build lock (an interrupted build left it; no process held it): {lock.path}")
+        else:
+            print(lock.describe())
+    return locks
+
+
+def _open_files(targets: set[Path]) -> tuple[dict[Path, set[int]], bool]:
+    """Which processes have any of `targets` open, through /proc/<pid>/fd; and whether every process was readable."""
+    found: dict[Path, set[int]] = {}
+    certain = True
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = list((entry / "fd").iterdir())
+        except PermissionError:
+            certain = False
+            continue
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            continue  # exited meanwhile
+        for fd in fds:
+            try:
+                target = Path(os.readlink(fd))
+            except OSError:
+                continue
+            if target in targets:
+                found.setdefault(target, set()).add(int(entry.name))
+    return found, certain
