@@ -10,7 +10,7 @@ See data/README.md.
 from __future__ import annotations
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler, RandomSampler, Sampler, TensorDataset
+from torch.utils.data import DistributedSampler, RandomSampler, Sampler, TensorDataset
 
 TEACHER_HIDDEN = 64
 EVAL_SEED_OFFSET = 1_000_003  # the held-out inputs come from a generator of their own
@@ -41,8 +41,8 @@ def make_eval_set(eval_size: int, size: int, input_size: int, output_size: int, 
     return TensorDataset(inputs, _labels(inputs, w1, w2))
 
 
-def make_sampler(dataset: Dataset, *, distributed_sampler: bool, world_size: int, rank: int, seed: int,
-                 same_seed_every_rank: bool = False) -> tuple[Sampler, int]:
+def make_sampler(dataset: TensorDataset, *, distributed_sampler: bool, world_size: int, rank: int, seed: int,
+                 same_seed_every_rank: bool = False) -> tuple[Sampler[int], int]:
     """The sampler one rank reads with, and how many samples make its epoch.
 
     `distributed_sampler=True`: each rank its own shard (`dataset_size / world_size` samples).
@@ -51,8 +51,8 @@ def make_sampler(dataset: Dataset, *, distributed_sampler: bool, world_size: int
     every rank draws the same order and so the same batches (only the lessons use it).
     """
     if distributed_sampler:
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
-                                     drop_last=True)
+        sampler: DistributedSampler[int] = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                                              shuffle=True, seed=seed, drop_last=True)
         return sampler, len(sampler)
     generator = torch.Generator().manual_seed(seed if same_seed_every_rank else seed + rank)
     return RandomSampler(dataset, generator=generator), len(dataset)

@@ -122,7 +122,7 @@ def credit_table(results: pd.DataFrame) -> pd.DataFrame:
 
 
 def _change(ratio: float | None, noun: str) -> str:
-    if _nan(ratio):
+    if ratio is None or _nan(ratio):
         return f"{noun} not measured at both ends"
     if 1 - SAME <= ratio <= 1 + SAME:
         return f"{noun} stayed within {abs(ratio - 1) * 100:.0f}%"
@@ -175,7 +175,9 @@ def credit_sentences(results: pd.DataFrame, maxbatch: pd.DataFrame | None = None
         z0 = last.time_to_target_ratio.get("z0") if "z0" in last.index else None
         if z0 is None or _nan(z0):
             continue
-        same, worse, better = [], [], []
+        same: list[str] = []
+        worse: list[str] = []
+        better: list[str] = []
         for strategy in [s for s in last.index if s in ZERO]:
             ratio = last.time_to_target_ratio.get(strategy)
             if ratio is None or _nan(ratio):

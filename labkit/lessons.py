@@ -188,8 +188,11 @@ def epoch_progress(runs: Mapping[str, Run]) -> pd.DataFrame:
     for label, run in runs.items():
         records = step_records(run)
         epochs_per_step = records["epoch"].iloc[-1] / len(records)
-        step_time = run.summary["median_step_time_s"]
-        counted = run.summary["samples_per_s"]
+        summary = run.summary
+        if summary is None:
+            raise ValueError(f"{label}: {run.status} without a summary.json, so no step time to read")
+        step_time = summary["median_step_time_s"]
+        counted = summary["samples_per_s"]
         unique = run.config.dataset_size * epochs_per_step / step_time
         rows[label] = {"world_size": run.config.world_size, "distributed_sampler": run.config.distributed_sampler,
                        "global_batch": run.config.global_batch, "steps_per_epoch": 1 / epochs_per_step,
@@ -204,7 +207,7 @@ def sampler_overlap(dataset_size: int, micro_batch: int, world_size: int, steps:
     per data-loading mode and step, how many distinct samples the global batch of
     `world_size` micro-batches holds. Modes: a DistributedSampler; no sampler, each rank its
     own seed (the seed text's loader in labkit); no sampler with the same seed on every rank."""
-    from torch.utils.data import DataLoader
+    from torch.utils.data import BatchSampler
 
     from labkit.data import make_dataset, make_sampler
 
@@ -217,9 +220,10 @@ def sampler_overlap(dataset_size: int, micro_batch: int, world_size: int, steps:
         loaders = []
         for rank in range(world_size):
             sampler, _ = make_sampler(dataset, world_size=world_size, rank=rank, seed=seed, **options)
-            loaders.append(iter(DataLoader(list(sampler), batch_size=micro_batch, drop_last=True)))
+            # How a DataLoader groups its sampler's indices into micro-batches.
+            loaders.append(iter(BatchSampler(sampler, batch_size=micro_batch, drop_last=True)))
         for step in range(1, steps + 1):
-            picked = [next(loader).tolist() for loader in loaders]
+            picked = [next(loader) for loader in loaders]
             distinct = len({i for batch in picked for i in batch})
             rows.append({"mode": mode, "step": step, "samples read": micro_batch * world_size,
                          "distinct samples": distinct, "micro-batches' worth": distinct / micro_batch})
@@ -268,6 +272,8 @@ def maxbatch_result(runs: Mapping[str, Run], capacity_bytes: int, *, emulated: b
 
     probes = []
     for run in sorted(runs.values(), key=lambda r: r.config.micro_batch):
+        if run.run_dir is None:
+            raise ValueError(f"a run at micro-batch {run.config.micro_batch} was never started")
         row = row_from_run(run.run_dir) or {}
         probes.append(Probe(run.config.micro_batch, run.status, int_or_none(row.get("device_bytes")),
                             int_or_none(row.get("activation_bytes")), row.get("run_id"), False))
@@ -327,7 +333,9 @@ _SIZE_UNITS = {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
 
 def rank_log_text(run: Run, rank: int = 0) -> str:
     """Everything rank `rank` printed (DeepSpeed's launcher writes one log per rank)."""
-    logs = sorted((Path(run.run_dir) / "logs").glob(f"*rank{rank}.log"))
+    if run.run_dir is None:
+        raise ValueError("the run was never started: it has no logs")
+    logs = sorted((run.run_dir / "logs").glob(f"*rank{rank}.log"))
     return "\n".join(path.read_text(errors="replace") for path in logs)
 
 
@@ -431,7 +439,9 @@ def zero3_step_pattern(run: Run, tensors: pd.DataFrame, step: int | None = None)
     ranks = run.config.world_size
 
     def close(measured: list[float], expected: list[float]) -> bool:
-        return len(measured) == len(expected) and all(abs(m - e) <= 0.01 * e for m, e in zip(measured, expected))
+        # Lengths compared first, so strict=True only restates what was checked.
+        return len(measured) == len(expected) and all(
+            abs(m - e) <= 0.01 * e for m, e in zip(measured, expected, strict=True))
 
     gathers = one["op"].str.startswith("all_gather")
     scatters = one.index[one["op"].str.startswith("reduce_scatter")]

@@ -110,7 +110,9 @@ class MaxBatchResult:
     def state_bytes(self) -> int | None:
         """Model-state bytes on the device (a fitting probe's count minus its activations)."""
         fit = next((p for p in self.probes if p.fits and p.device_bytes is not None and p.activation_bytes), None)
-        return fit.device_bytes - fit.activation_bytes if fit else None
+        if fit is None or fit.device_bytes is None or fit.activation_bytes is None:
+            return None
+        return fit.device_bytes - fit.activation_bytes
 
     @property
     def predicted_max_micro_batch(self) -> int | None:

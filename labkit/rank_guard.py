@@ -30,8 +30,8 @@ def main() -> int:
             child.send_signal(signum)
 
     # Installed before the worker starts: a stop that lands in between must still reach it.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, forward)
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, forward)
     child = subprocess.Popen([sys.executable, "-u", "-m", "labkit.worker", *argv])
     for signum in pending:
         child.send_signal(signum)

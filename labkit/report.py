@@ -224,7 +224,8 @@ def _capacity_text(table: pd.DataFrame, machine: dict[str, Any] | None) -> str:
     budget = table.device_budget_bytes.dropna()
     if not budget.empty:
         return f"emulated device capacity {mb(budget.iloc[0])} per rank"
-    return f"real device memory{' of ' + mb(machine['device_memory_bytes']) if machine and machine.get('device_memory_bytes') else ''}"
+    memory_bytes = machine.get("device_memory_bytes") if machine else None
+    return f"real device memory{' of ' + mb(memory_bytes) if memory_bytes else ''}"
 
 
 def _maxbatch_text(maxbatch: pd.DataFrame, machine: dict[str, Any] | None) -> list[str]:
@@ -238,7 +239,8 @@ def _maxbatch_text(maxbatch: pd.DataFrame, machine: dict[str, Any] | None) -> li
     out.append(f"Largest micro-batch that fits {capacity} (doubling, then bisection): " + "; ".join(parts) + ".")
     if len(rows) >= 2 and rows.max_micro_batch.iloc[0] > 0:
         low, high = rows.iloc[0], rows.iloc[-1]
-        out.append(f"{label(high.strategy)} fits {times(high.max_micro_batch / low.max_micro_batch)} the micro-batch of "
+        out.append(f"{label(high.strategy)} fits {times(high.max_micro_batch / low.max_micro_batch)} "
+                   "the micro-batch of "
                    f"{label(low.strategy)}; the search took {int(maxbatch.launches.sum())} launches for "
                    f"{len(maxbatch)} strategies ({maxbatch.launches.mean():.1f} each). DeepSpeed's Autotuner needs a "
                    "profiling run plus, per ZeRO stage, a min-batch run, up to 3 runs around its computed maximum, a "
@@ -252,7 +254,8 @@ def _maxbatch_text(maxbatch: pd.DataFrame, machine: dict[str, Any] | None) -> li
         analytic = [f"{label(r.strategy)} {int(r.analytic_max_micro_batch)}" for r in checked.itertuples()
                     if "analytic_max_micro_batch" in checked and not _nan(r.analytic_max_micro_batch)]
         out.append(f"The boundaries agree with the memory numbers for {len(good)} of {len(checked)} strategies "
-                   "(states + activations counted at the largest fit stay within the capacity, the first OOM exceeds it)"
+                   "(states + activations counted at the largest fit stay within the capacity, "
+                   "the first OOM exceeds it)"
                    + (f"; the linear activation fit predicts {', '.join(predicted)}" if predicted else "")
                    + (f"; labkit.memory's analytic states plus one activation profile predict {', '.join(analytic)}"
                       if analytic else "") + ".")
@@ -328,7 +331,8 @@ def _noise_text(results: pd.DataFrame, noise: pd.DataFrame | None, profile: dict
             factor = last.global_batch / first.global_batch
             gain = first.steps_to_target / last.steps_to_target
             out.append(f"With the best LR scaling per batch, {int(factor)}x the batch ({int(first.global_batch)} -> "
-                       f"{int(last.global_batch)}) cut the steps to target {gain:.1f}x (perfect scaling: {int(factor)}x), "
+                       f"{int(last.global_batch)}) cut the steps to target {gain:.1f}x "
+                       f"(perfect scaling: {int(factor)}x), "
                        f"i.e. {100 * gain / factor:.0f}% of the ideal step saving.")
     if spread is not None:
         out.append(f"Gradient noise scale B_simple = tr(Sigma)/|G|^2 ~ {spread['b_simple']:.0f} samples "
@@ -361,7 +365,8 @@ def _memory_text(memory: pd.DataFrame) -> list[str]:
         within = [k.replace("_bytes", "") for k, e in errors.items() if e.max() <= 0.05]
         off = memory[memory.get("error_grad_bytes", pd.Series(0.0, index=memory.index)).abs() > 0.05]
         text = ("Memory model (labkit.memory, ZeRO paper Sec. 3 adapted to DeepSpeed 0.19.8) vs the per-rank census: "
-                + (f"{', '.join(within)} bytes within 5% for every strategy" if within else "no state within 5% everywhere"))
+                + (f"{', '.join(within)} bytes within 5% for every strategy" if within
+                   else "no state within 5% everywhere"))
         worst = {k.replace("_bytes", ""): e.max() for k, e in errors.items() if e.max() > 0.05}
         if worst:
             text += "; largest deviations " + ", ".join(f"{k} {v * 100:.0f}%" for k, v in worst.items())
@@ -436,7 +441,8 @@ def _growth_figures(results: pd.DataFrame, go: Any, make_subplots: Any) -> list[
             continue
         fig = make_subplots(rows=1, cols=3, subplot_titles=[t for _, t in keys])
         for strategy, rows in table.groupby("strategy", sort=False):
-            text = [f"{int(w)} rank(s) x micro {int(m)}" for w, m in zip(rows.world_size, rows.micro_batch, strict=True)]
+            text = [f"{int(w)} rank(s) x micro {int(m)}"
+                    for w, m in zip(rows.world_size, rows.micro_batch, strict=True)]
             for col, (key, _) in enumerate(keys, start=1):
                 fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].astype(float).round(5), text=text,
                                          mode="lines+markers", name=label(strategy), legendgroup=strategy,
@@ -465,7 +471,8 @@ def _legacy_figures(table: pd.DataFrame, finished: pd.DataFrame, go: Any, make_s
     fig = make_subplots(rows=1, cols=3, subplot_titles=("median step time (s)", "samples / s", "time per epoch (s)"))
     for strategy, rows in finished.groupby("strategy", sort=False):
         for col, key in enumerate(("median_step_time_s", "samples_per_s", "time_per_epoch_s"), start=1):
-            fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].round(5), mode="lines+markers", name=label(strategy),
+            fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].round(5), mode="lines+markers",
+                                     name=label(strategy),
                                      legendgroup=strategy, showlegend=col == 1,
                                      line={"color": COLORS.get(strategy)}), row=1, col=col)
     _oom_markers(fig, table, go, cols=3)
@@ -476,7 +483,8 @@ def _legacy_figures(table: pd.DataFrame, finished: pd.DataFrame, go: Any, make_s
                                                         "epochs to target"))
     for strategy, rows in finished.groupby("strategy", sort=False):
         for col, key in enumerate(("compute_time_to_target_s", "steps_to_target", "epochs_to_target"), start=1):
-            fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].round(4), mode="lines+markers", name=label(strategy),
+            fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].round(4), mode="lines+markers",
+                                     name=label(strategy),
                                      legendgroup=strategy, showlegend=col == 1,
                                      line={"color": COLORS.get(strategy)}), row=1, col=col)
     fig.update_xaxes(type="log", title_text="global batch")
@@ -674,18 +682,20 @@ def _method_note(results: pd.DataFrame) -> str:
     emulated = results.device_budget_bytes.notna().any() if "device_budget_bytes" in results else False
     return ("Step time: median over rank 0's steps after the first two. Time per epoch: step time x dataset size / "
             "global batch. Steps to target (target_measured_on = eval_loss): the first step at which the loss on a "
-            "fixed held-out eval set (eval_samples, the same for every run) is at or below the target, evaluated every "
-            "eval_every steps and every step once within 10% of it, outside the step's clock (older results: the mean "
-            "training loss over a 5-step window). Warmup in samples (warmup_samples; warmup_steps is what it came to at "
-            "each batch). Every timed run ran alone (concurrent_runs: the other launches computing beside it), its CPU "
-            "ranks with threads_per_rank threads each. Time to target (compute_time_to_target_s, used in the conclusions): steps to target x "
-            "median step time; train_time_to_target_s sums rank 0's measured step times instead (stalls caused by "
-            "other processes included); time_to_target_s is the wall clock from process start. "
-            + ("Out of memory on CPU means the emulated device capacity (device_memory_budget_bytes): the worker counts "
-               "the model states a GPU would hold (params, grads, optimizer states and fp32 master, less what optimizer "
-               "offload keeps on the host) plus saved activations, and raises torch.OutOfMemoryError past it. It leaves "
-               "out communication buffers (buffer_bytes: ZeRO-3's reduce bucket, offload staging buffers) and the "
-               "parameters ZeRO-3 gathers transiently for forward and backward, so a real GPU needs more. "
+            "fixed held-out eval set (eval_samples, the same for every run) is at or below the target, evaluated "
+            "every eval_every steps and every step once within 10% of it, outside the step's clock (older results: "
+            "the mean training loss over a 5-step window). Warmup in samples (warmup_samples; warmup_steps is what "
+            "it came to at each batch). Every timed run ran alone (concurrent_runs: the other launches computing "
+            "beside it), its CPU ranks with threads_per_rank threads each. Time to target (compute_time_to_target_s, "
+            "used in the conclusions): steps to target x median step time; train_time_to_target_s sums rank 0's "
+            "measured step times instead (stalls caused by other processes included); time_to_target_s is the wall "
+            "clock from process start. "
+            + ("Out of memory on CPU means the emulated device capacity (device_memory_budget_bytes): the worker "
+               "counts the model states a GPU would hold (params, grads, optimizer states and fp32 master, less what "
+               "optimizer offload keeps on the host) plus saved activations, and raises torch.OutOfMemoryError past "
+               "it. It leaves out communication buffers (buffer_bytes: ZeRO-3's reduce bucket, offload staging "
+               "buffers) and the parameters ZeRO-3 gathers transiently for forward and backward, so a real GPU needs "
+               "more. "
                if emulated else "Out of memory is the device's own error. ")
             + "Bytes are per rank, the largest over ranks.")
 

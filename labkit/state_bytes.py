@@ -148,7 +148,7 @@ def model_state_bytes(model: nn.Module, optimizer: Any, *, offload_optimizer: bo
     c = _Counter()
 
     # Params: the stage-3 partition (p.data is empty there, except persistent params).
-    c.add("param_bytes", (p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None))
+    c.add("param_bytes", (t for p in params if (t := getattr(p, "ds_tensor", None)) is not None))
     c.add("param_bytes", (p.data for p in params))
     c.add("param_bytes", _attrs(optimizer, _PARAM_ATTRS))
 
@@ -161,7 +161,7 @@ def model_state_bytes(model: nn.Module, optimizer: Any, *, offload_optimizer: bo
 
     # Grads: model grads (stage 0, or not yet reduced), ZeRO grad partitions, master .grad.
     c.add("grad_bytes", (p.grad for p in params if p.grad is not None))
-    c.add("grad_bytes", (p.grad_accum for p in params if getattr(p, "grad_accum", None) is not None))
+    c.add("grad_bytes", (t for p in params if (t := getattr(p, "grad_accum", None)) is not None))
     c.add("grad_bytes", _attrs(optimizer, _GRAD_ATTRS))
     c.add("grad_bytes", (m.grad for m in master_tensors if m.grad is not None))
 

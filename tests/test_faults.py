@@ -348,7 +348,8 @@ def _slow_start(root: Path) -> dict[str, Any]:
     records = read_records(rank_file(run.run_dir, 1))
     start_s = next(r["time_s"] for r in records if r["event"] == "start")
     ready_s = next((r["time_s"] for r in records if r["event"] == "ready"), float("nan"))
-    return {"run_dir": str(run.run_dir), "status": status, "cause": run.cause, "rank1_start_to_ready_s": ready_s - start_s,
+    return {"run_dir": str(run.run_dir), "status": status, "cause": run.cause,
+            "rank1_start_to_ready_s": ready_s - start_s,
             "leftovers": [describe(p) for p in run_processes(run.run_dir)]}
 
 

@@ -85,5 +85,6 @@ def test_claims_are_checked_in_sight(path: Path):
     """Assertions stay (nbval needs them) but print a "Check:" line: `lessons.check`, not a bare assert."""
     notebook = nbformat.read(path, as_version=4)
     bare = [index for index, cell in enumerate(notebook.cells)
-            if cell.cell_type == "code" and any(line.lstrip().startswith("assert ") for line in cell.source.splitlines())]
+            if cell.cell_type == "code"
+            and any(line.lstrip().startswith("assert ") for line in cell.source.splitlines())]
     assert not bare, f"cells {bare} assert without a visible Check: line (use lessons.check)"

@@ -152,8 +152,8 @@ def test_memory_model_matches_measured_states_within_5_percent(launched):
     n_params = memory.n_params_mlp(*shape)
     for row in launched["table"].to_dict("records"):
         stage = int(row["stage"])
-        predicted = memory.model_state_bytes(n_params, stage, 2, "fp32", False,
-                                             persistent_params=memory.mlp_persistent_params(*shape) if stage == 3 else 0)
+        persistent = memory.mlp_persistent_params(*shape) if stage == 3 else 0
+        predicted = memory.model_state_bytes(n_params, stage, 2, "fp32", False, persistent_params=persistent)
         measured = {k: row[k] for k in ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes")}
         errors = memory.compare(measured, predicted)
         assert set(errors) >= {"param_bytes", "grad_bytes", "optim_bytes"}
@@ -187,8 +187,8 @@ def test_offload_census_matches_the_memory_model_on_device_and_host(launched):
     assert (table.status == "finished").all(), table.status
     for strategy, stage in (("z2-offload", 2), ("z3-offload", 3)):
         row = table.loc[strategy]
-        predicted = memory.model_state_bytes(n_params, stage, 2, "fp32", True,
-                                             persistent_params=memory.mlp_persistent_params(*shape) if stage == 3 else 0)
+        persistent = memory.mlp_persistent_params(*shape) if stage == 3 else 0
+        predicted = memory.model_state_bytes(n_params, stage, 2, "fp32", True, persistent_params=persistent)
         states = row.param_bytes + row.grad_bytes + row.optim_bytes + row.master_bytes
         census = {"param_bytes": row.param_bytes, "grad_bytes": row.grad_bytes,
                   "optim_bytes": row.optim_bytes + row.master_bytes, "host_grad_bytes": row.host_grad_bytes,
@@ -305,7 +305,8 @@ def _results_frame() -> pd.DataFrame:
     rows = []
     for strategy, factor in (("torch", 1.0), ("z3", 1.5)):
         for batch, step, steps in ((32, 0.010, 200), (256, 0.031, 40)):
-            rows.append({"key": f"{strategy}{batch}", "strategy": strategy, "world_size": 1 if strategy == "torch" else 2,
+            rows.append({"key": f"{strategy}{batch}", "strategy": strategy,
+                         "world_size": 1 if strategy == "torch" else 2,
                          "micro_batch": batch if strategy == "torch" else batch // 2, "grad_accum": 1,
                          "global_batch": batch, "lr_scaling": "sqrt",
                          "warmup_steps": 5, "status": "finished", "median_step_time_s": step * factor,
@@ -348,9 +349,10 @@ def test_report_with_every_table(tmp_path):
     from labkit.report import build_report
 
     results = _results_frame()
-    noise = pd.DataFrame([{"strategy": "torch", "global_batch": 32, "lr_scaling": "sqrt", "step": s, "loss": 2.0 - s / 50,
-                           "grad_norm_small_sq": 1.0 + 100 / 16, "grad_norm_big_sq": 1.0 + 100 / 32, "noise_b_small": 16,
-                           "noise_b_big": 32, "noise_scale": 100.0} for s in range(2, 60, 2)])
+    noise = pd.DataFrame([{"strategy": "torch", "global_batch": 32, "lr_scaling": "sqrt", "step": s,
+                           "loss": 2.0 - s / 50, "grad_norm_small_sq": 1.0 + 100 / 16,
+                           "grad_norm_big_sq": 1.0 + 100 / 32, "noise_b_small": 16, "noise_b_big": 32,
+                           "noise_scale": 100.0} for s in range(2, 60, 2)])
     maxbatch = pd.DataFrame([{"strategy": "torch", "world_size": 1, "budget_bytes": 6e6, "emulated_capacity": True,
                               "max_micro_batch": 150, "max_global_batch": 150, "first_oom": 160, "launches": 6,
                               "new_launches": 6, "predicted_max_micro_batch": 155, "consistent": True,
