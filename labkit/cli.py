@@ -19,10 +19,17 @@ from typing import Any
 from labkit.config import ConfigError, RunConfig
 
 # RunConfig fields exposed as flags: --micro-batch for micro_batch, and so on.
-_FLAG_FIELDS = ("stage", "precision", "world_size", "micro_batch", "grad_accum", "train_batch", "steps",
-                "optimizer", "lr", "lr_scaling", "base_batch", "warmup_steps", "hidden", "depth",
+_FLAG_FIELDS = ("model", "data", "loss", "stage", "precision", "world_size", "micro_batch", "grad_accum", "train_batch", "steps",
+                "optimizer", "lr", "lr_scaling", "base_batch", "warmup_steps", "input_size", "hidden", "depth", "output_size",
                 "dataset_size", "seed", "target_loss", "heartbeat_s", "startup_timeout_s",
                 "device_memory_budget_bytes", "census_every", "noise_scale_every", "hostfile")
+_HELP = {
+    "model": "what to train: 'mlp', 'gpt' (byte-level GPT-2 on Python's source, needs [hf]) or "
+             "'package.module:build_model' (build_model(config) -> torch.nn.Module)",
+    "data": "'package.module:build_dataset' (build_dataset(config) -> Dataset of (inputs, labels)); "
+            "default: the built-in model's",
+    "loss": "'package.module:loss_fn' (loss_fn(model, inputs, labels) -> scalar tensor); default: cross-entropy",
+}
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
 
 
@@ -32,7 +39,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for name in _FLAG_FIELDS:
         kind = _TYPES.get(str(fields[name].type), str)
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
-                            help=f"RunConfig.{name} (default: {fields[name].default})")
+                            help=_HELP.get(name, f"RunConfig.{name}") + f" (default: {fields[name].default})")
     parser.add_argument("--offload-optimizer", dest="offload_optimizer", action=argparse.BooleanOptionalAction,
                         default=None, help="optimizer state and step on the CPU (ZeRO stages 1-3)")
     parser.add_argument("--no-distributed-sampler", dest="distributed_sampler", action="store_false", default=None,
@@ -143,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     answer.add_argument("--out", default=None, help="results + run directories (default: runs/answer-<profile>)")
     answer.add_argument("--parallel", type=int, default=None, help="runs at once (default: the profile's)")
     answer.add_argument("--reference", default=None, help="also copy the CSVs, machine.json and report here")
+    for name in ("model", "data", "loss"):
+        answer.add_argument("--" + name, default=None, help=_HELP[name] + " (default: the profile's MLP)")
     answer.set_defaults(func=cmd_answer)
     return parser
 

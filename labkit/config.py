@@ -79,6 +79,11 @@ def _require(condition: bool, field_name: str, message: str) -> None:
 @dataclass(kw_only=True)
 class RunConfig:
     example: Literal["pytorch", "offload", "zero3"] = "zero3"
+    # What is trained (labkit.builders): a built-in name ("mlp", "gpt") or "package.module:build_model";
+    # data/loss: "package.module:callable" import strings (None: the built-in model's dataset / cross-entropy).
+    model: str = "mlp"
+    data: str | None = None
+    loss: str | None = None
     stage: int | None = None              # ZeRO stage 0-3; None = the example's preset
     offload_optimizer: bool | None = None  # optimizer state + step on the CPU; None = preset
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -114,6 +119,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         _require(self.example in EXAMPLES, "example", f"must be one of {EXAMPLES}, got {self.example!r}")
         preset = PRESETS[self.example]
+        self._check_builders()
         if self.stage is None:
             self.stage = preset["stage"]
         if self.offload_optimizer is None:
@@ -171,6 +177,16 @@ class RunConfig:
                      f"{self.world_size} ranks requested but hostfile {self.hostfile} lists "
                      f"{sum(slots.values())} slots; DeepSpeed's launcher starts one rank per slot")
         self._check_overrides()
+
+    def _check_builders(self) -> None:
+        from labkit.builders import MODELS, check_spec_syntax
+
+        for name in ("model", "data", "loss"):
+            problem = check_spec_syntax(name, getattr(self, name), builtin_ok=name == "model")
+            _require(problem is None, name, problem or "")
+        _require(self.model in MODELS or self.data is not None, "data",
+                 f"model {self.model!r} is an import string: name its dataset too, "
+                 "data='package.module:build_dataset'")
 
     def _check_devices(self) -> None:
         from labkit.devices import detect_devices

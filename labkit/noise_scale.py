@@ -99,7 +99,8 @@ def critical_batch_from_steps(batches: Sequence[float], steps: Sequence[float]) 
 
 
 # -- the in-run probe (used by labkit.worker) ---------------------------------------------------
-def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, labels, *, device) -> dict[str, float]:
+def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, labels, *, device,
+                         loss_fn: Callable[..., Any] | None = None) -> dict[str, float]:
     """Squared gradient norms at two batch sizes, for the current weights, on every rank at once.
 
     `params` are the live parameters of the trained model in `make_model()`'s order (ZeRO-3
@@ -109,7 +110,6 @@ def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, la
     """
     import torch
     import torch.distributed as dist
-    from torch import nn
 
     with _gathered(params):
         weights = [p.detach().to(device=device, dtype=torch.float32, copy=True) for p in params]
@@ -117,14 +117,16 @@ def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, la
     with torch.no_grad():
         for mine, weight in zip(clone.parameters(), weights):
             mine.copy_(weight.view_as(mine))
-    criterion = nn.CrossEntropyLoss()
+    if loss_fn is None:
+        from labkit.builders import default_loss as loss_fn
     half = inputs.shape[0] // 2
     if half < 1:
         raise ValueError("the noise-scale probe needs a micro-batch of at least 2 samples")
-    inputs, labels = inputs.to(device=device, dtype=torch.float32), labels.to(device)
+    inputs = inputs.to(device=device, dtype=torch.float32 if inputs.is_floating_point() else inputs.dtype)
+    labels = labels.to(device)
     halves = []
     for part in (slice(0, half), slice(half, 2 * half)):
-        loss = criterion(clone(inputs[part]), labels[part])
+        loss = loss_fn(clone, inputs[part], labels[part])
         grads = torch.autograd.grad(loss, list(clone.parameters()))
         halves.append(torch.cat([g.reshape(-1) for g in grads]).double())
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -24,13 +24,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, default_collate
 
 from labkit.config import RunConfig
-from labkit.data import make_dataset
 from labkit.failures import is_oom
 from labkit.faults import FaultHooks
-from labkit.model import SimpleModel, count_parameters
+from labkit.builders import build_dataset, build_model, loss_function
+from labkit.model import count_parameters
 from labkit.rendezvous import init_distributed
 from labkit.telemetry import RankTelemetry
 from labkit.trainers import DeepSpeedTrainer, PlainTrainer, count_saved_activations
@@ -63,7 +63,7 @@ def train() -> None:
     torch.manual_seed(config.seed)  # every rank builds identical initial weights
 
     # -- data: each rank must read its own shard --------------------------------------
-    dataset = make_dataset(config.dataset_size, config.input_size, config.output_size, config.seed)
+    dataset = build_dataset(config)  # RunConfig.data (labkit.builders): (inputs, labels) items
     if config.distributed_sampler:
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                      seed=config.seed, drop_last=True)
@@ -84,12 +84,13 @@ def train() -> None:
             epoch += 1
 
     # -- model and trainer -------------------------------------------------------------
-    model = SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
+    model = build_model(config)  # RunConfig.model: built-in or the learner's import string
+    loss_fn = loss_function(config)
     n_params = count_parameters(model)
     if config.example == "pytorch":
-        trainer = PlainTrainer(model, config, torch.device(accelerator.device_name(args.local_rank)))
+        trainer = PlainTrainer(model, config, torch.device(accelerator.device_name(args.local_rank)), loss_fn)
     else:
-        trainer = DeepSpeedTrainer(model, config, config.ds_config())
+        trainer = DeepSpeedTrainer(model, config, config.ds_config(), loss_fn)
 
     telemetry.event("ready", n_params=n_params, accelerator=accelerator._name,
                     backend=accelerator.communication_backend_name(), **telemetry.memory())
@@ -112,8 +113,8 @@ def train() -> None:
 
         probe_rng = torch.Generator().manual_seed(config.seed * 1_000_003 + 7919 + rank)
 
-        def make_model() -> SimpleModel:
-            return SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
+        def make_model() -> torch.nn.Module:
+            return build_model(config)
     # stop_at_target: ranks must stop at the same step, so they agree on the global mean loss
     # (one all_reduce per step, only when asked) over labkit.summary.time_to_target's window.
     target_window, recent_losses, stopped_at_target = 5, [], False
@@ -125,8 +126,9 @@ def train() -> None:
         noise: dict[str, float] = {}
         if config.noise_scale_every and step % config.noise_scale_every == 0:
             picks = torch.randint(len(dataset), (config.micro_batch,), generator=probe_rng)
-            noise = gradient_noise_probe(make_model, list(trainer.parameters()), *dataset[picks],
-                                         device=trainer.device)
+            probe_inputs, probe_labels = default_collate([dataset[int(i)] for i in picks])
+            noise = gradient_noise_probe(make_model, list(trainer.parameters()), probe_inputs, probe_labels,
+                                         device=trainer.device, loss_fn=loss_fn)
         if instrument:
             telemetry.begin_step()  # device_peak_bytes in this step's record: this step's own peak
         step_start = time.perf_counter()

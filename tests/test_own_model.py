@@ -1,0 +1,127 @@
+"""The learner's own model (import strings) and the built-in GPT, in real 2-rank DeepSpeed runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from labkit import Run, RunConfig
+from labkit import builders
+from labkit.config import ConfigError
+from labkit.sweep import point_key
+from labkit.telemetry import rank_file, read_records
+from tests.conftest import REPO
+
+OWN = dict(model="tests.own_model:build_model", data="tests.own_model:build_dataset",
+           loss="tests.own_model:loss_fn")
+GPT_CI = dict(model="gpt", hidden=64, depth=2, input_size=64, dataset_size=1024, lr=3e-3)
+
+
+def _steps(run_dir, rank=0):
+    return [r for r in read_records(rank_file(run_dir, rank)) if r["event"] == "step"]
+
+
+@pytest.mark.parametrize("fields,field_name", [
+    (dict(model="not an import string"), "model"),
+    (dict(model="tests.own_model:build_model"), "data"),  # an import string needs its dataset
+    (dict(data="tests.own_model"), "data"),
+    (dict(loss="tests.own_model:loss fn"), "loss"),
+])
+def test_malformed_import_strings_are_refused_by_the_config(fields, field_name):
+    with pytest.raises(ConfigError) as error:
+        RunConfig(**fields)
+    assert error.value.field == field_name
+
+
+@pytest.mark.parametrize("fields,field_name,words", [
+    (dict(OWN, model="tests.no_such_module:build_model"), "model", "No module named 'tests.no_such_module'"),
+    (dict(OWN, data="tests.own_model:no_such_builder"), "data", "no_such_builder"),
+    (dict(OWN, loss="tests.own_model:not_callable"), "loss", "not a callable"),
+])
+def test_unimportable_strings_fail_before_launch(fields, field_name, words, runs_root):
+    run = Run(RunConfig(example="zero3", world_size=2, micro_batch=8, steps=2, **fields))
+    with pytest.raises(ConfigError) as error:
+        run.start()
+    assert error.value.field == field_name and words in str(error.value)
+    assert run.run_dir is None and not runs_root.exists()  # nothing launched, nothing written
+
+
+def test_own_model_data_and_loss_train_under_zero2(tmp_path):
+    out = tmp_path / "own"
+    result = subprocess.run(
+        [sys.executable, "-m", "labkit", "run", "--example", "offload", "--world-size", "2", "--micro-batch", "16",
+         "--steps", "12", "--lr", "0.02", "--input-size", "12", "--hidden", "32", "--dataset-size", "512",
+         "--model", OWN["model"], "--data", OWN["data"], "--loss", OWN["loss"], "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+    steps = _steps(out)
+    assert len(steps) == 12
+    losses = [r["loss"] for r in steps]
+    assert sum(losses[-3:]) < sum(losses[:3])  # the MSE of the regression falls (the default loss would fail)
+    done = read_records(rank_file(out, 0))[-1]
+    assert done["n_params"] == 12 * 32 + 32 + 32 + 1
+
+
+def test_gpt_trains_on_python_source_under_zero3(runs_root):
+    config = RunConfig(example="zero3", world_size=2, micro_batch=8, steps=12, census_every=4, **GPT_CI)
+    run = Run(config).start()
+    assert run.wait(timeout=600) == "finished", run.cause
+    steps = _steps(run.run_dir)
+    assert steps[0]["loss"] == pytest.approx(math.log(256), abs=0.6)  # a uniform guess over 256 bytes
+    assert steps[-1]["loss"] < steps[0]["loss"] - 1.0  # byte statistics learned: real language modelling
+    # ZeRO-3 keeps every parameter of this small model whole (all <= 1e5 elements): the memory model's
+    # persistence threshold on the real shapes predicts the census.
+    numels = builders.param_numels(config)
+    from labkit.memory import model_state_bytes
+
+    predicted = model_state_bytes(sum(numels), 3, 2, "fp32", persistent_params=builders.persistent_params(numels))
+    assert steps[-1]["param_bytes"] == predicted["param_bytes"]
+
+
+def test_gpt_dataset_is_next_byte_prediction_on_the_standard_library():
+    from labkit.models import gpt
+
+    config = RunConfig(**GPT_CI)
+    dataset = builders.build_dataset(config)
+    inputs, labels = dataset[5]
+    assert len(dataset) == 1024 and inputs.shape == labels.shape == (64,)
+    assert inputs.dtype.is_floating_point is False and int(inputs.max()) < 256
+    assert bool((inputs[1:] == labels[:-1]).all())  # labels are the inputs shifted by one byte
+    assert bytes(inputs.tolist()) in gpt.corpus()
+    assert builders.build_dataset(config)[5][0].equal(inputs)  # deterministic
+
+
+def test_param_numels_come_from_the_meta_device_and_match_the_real_model():
+    import torch
+
+    for config in (RunConfig(), RunConfig(**GPT_CI), RunConfig(input_size=12, hidden=32, **OWN)):
+        torch.manual_seed(0)
+        real = [p.numel() for p in builders.build_model(config).parameters()]
+        assert builders.param_numels(config) == real
+    mlp = RunConfig(hidden=512, depth=2)
+    from labkit.memory import mlp_persistent_params
+
+    assert builders.persistent_params(builders.param_numels(mlp)) == mlp_persistent_params(100, 512, 2, 10)
+
+
+def test_default_model_keeps_old_point_keys():
+    config = RunConfig(example="zero3")
+    old_form = {k: v for k, v in config.to_dict().items() if k not in ("model", "data", "loss")}
+    assert point_key(config) == point_key(old_form)
+    assert point_key(RunConfig(example="zero3", **GPT_CI)) != point_key(config)
+
+
+def test_answer_switches_to_gpt_with_one_parameter():
+    from labkit.answer import PROFILES, maxbatch_templates, points, with_model
+
+    profile = with_model(PROFILES["ci"], "gpt")
+    assert profile.name == "ci-gpt"
+    configs = points(profile) + maxbatch_templates(profile)
+    assert configs and all(c.model == "gpt" and c.hidden == 64 for c in configs)
+    own = with_model(PROFILES["ci"], OWN["model"], OWN["data"], OWN["loss"])
+    assert all(c.data == OWN["data"] and c.loss == OWN["loss"] for c in points(own))
