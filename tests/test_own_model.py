@@ -125,3 +125,17 @@ def test_answer_switches_to_gpt_with_one_parameter():
     assert configs and all(c.model == "gpt" and c.hidden == 64 for c in configs)
     own = with_model(PROFILES["ci"], OWN["model"], OWN["data"], OWN["loss"])
     assert all(c.data == OWN["data"] and c.loss == OWN["loss"] for c in points(own))
+
+
+def test_panel_shows_a_bad_import_string_and_launches_nothing(runs_root):
+    from labkit.panel import LabPanel
+
+    panel = LabPanel(example="zero3", world_size=2, micro_batch=8, steps=2)
+    panel.controls["model"].value = "tests.own_model:build_model"
+    assert "data" in panel.message.value  # the config itself names the missing dataset
+    panel.controls["data"].value = "tests.own_model:no_such_builder"
+    assert panel.launch() is None
+    assert "data: cannot import tests.own_model:no_such_builder" in panel.message.value
+    assert panel.run is None and not runs_root.exists()
+    panel.controls["data"].value = "tests.own_model:build_dataset"
+    assert panel.config().data == "tests.own_model:build_dataset"
