@@ -35,7 +35,9 @@ _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | No
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     fields = {f.name: f for f in dataclasses.fields(RunConfig)}
-    parser.add_argument("--example", choices=("pytorch", "offload", "zero3"), required=True)
+    parser.add_argument("--example", choices=("pytorch", "offload", "zero3"), default=None,
+                        help="pytorch: plain PyTorch loop, 1 process; offload: ZeRO-2 + optimizer offload; "
+                             "zero3: ZeRO stage 3 (required unless --script)")
     for name in _FLAG_FIELDS:
         kind = _TYPES.get(str(fields[name].type), str)
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
@@ -52,7 +54,12 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    values: dict[str, Any] = {"example": args.example}
+    script = getattr(args, "script", None)
+    if args.example is None and not script:
+        raise ConfigError("example", "--example is required (pytorch, offload or zero3), or --script")
+    values: dict[str, Any] = {"example": args.example or "zero3"}
+    if script:
+        values.update(script=script, script_args=list(getattr(args, "script_args", None) or []))
     for name in (*_FLAG_FIELDS, "offload_optimizer", "distributed_sampler", "stop_at_target", "telemetry"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
@@ -75,7 +82,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     run = Run(config, out=args.out).start()
     print(f"run directory: {run.run_dir}", file=sys.stderr)
-    bar = tqdm(total=config.steps, unit="step", desc=f"{config.example} x{config.world_size}", file=sys.stderr)
+    name = f"script {Path(config.script).name}" if config.script else config.example
+    bar = tqdm(total=config.steps, unit="step", desc=f"{name} x{config.world_size}", file=sys.stderr)
     try:
         while not run.done:
             bar.update(run.progress() - bar.n)
@@ -136,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="launch one supervised run and wait for it")
     _add_config_flags(run)
     run.add_argument("--out", default=None, help="run directory (default: a new one under runs/)")
+    run.add_argument("--script", default=None, metavar="TRAIN.PY",
+                     help="script mode: run this unmodified DeepSpeed script on every rank (arguments after --)")
     run.set_defaults(func=cmd_run)
     export = sub.add_parser("export", help="write ds_config.json + launch command for a cluster")
     _add_config_flags(export)
@@ -158,7 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Script mode: everything after the first "--" belongs to the script.
+    script_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.script_args = script_args
     try:
         return args.func(args)
     except (ConfigError, FileExistsError) as exc:

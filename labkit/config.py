@@ -84,6 +84,10 @@ class RunConfig:
     model: str = "mlp"
     data: str | None = None
     loss: str | None = None
+    # Script mode (labkit.script): an unmodified DeepSpeed training script run on every rank with these
+    # arguments instead of labkit's worker; `steps` is then only the progress bar's length.
+    script: str | None = None
+    script_args: list[str] = field(default_factory=list)
     stage: int | None = None              # ZeRO stage 0-3; None = the example's preset
     offload_optimizer: bool | None = None  # optimizer state + step on the CPU; None = preset
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -184,6 +188,11 @@ class RunConfig:
         for name in ("model", "data", "loss"):
             problem = check_spec_syntax(name, getattr(self, name), builtin_ok=name == "model")
             _require(problem is None, name, problem or "")
+        if self.script is not None:
+            _require(isinstance(self.script, str) and Path(self.script).is_file(), "script",
+                     f"no such file: {self.script!r}")
+            _require(isinstance(self.script_args, list) and all(isinstance(a, str) for a in self.script_args),
+                     "script_args", f"must be a list of strings, got {self.script_args!r}")
         _require(self.model in MODELS or self.data is not None, "data",
                  f"model {self.model!r} is an import string: name its dataset too, "
                  "data='package.module:build_dataset'")

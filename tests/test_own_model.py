@@ -139,3 +139,44 @@ def test_panel_shows_a_bad_import_string_and_launches_nothing(runs_root):
     assert panel.run is None and not runs_root.exists()
     panel.controls["data"].value = "tests.own_model:build_dataset"
     assert panel.config().data == "tests.own_model:build_dataset"
+
+
+# -- script mode ---------------------------------------------------------------------------------
+SCRIPT = str(REPO / "tests" / "scripts" / "ds_train.py")
+
+
+def _script_run(tmp_path, name, *script_args, steps=6):
+    out = tmp_path / name
+    result = subprocess.run(
+        [sys.executable, "-m", "labkit", "run", "--script", SCRIPT, "--world-size", "2", "--steps", str(steps),
+         "--out", str(out), "--", "--steps", str(steps), *script_args],
+        cwd=REPO, capture_output=True, text=True, timeout=500)
+    return result, out, json.loads((out / "summary.json").read_text())
+
+
+def test_script_with_one_record_line_streams_its_steps(tmp_path):
+    result, out, summary = _script_run(tmp_path, "recorded", "--record")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary["status"] == "finished" and summary["steps_completed"] == 6
+    for rank in (0, 1):
+        steps = _steps(out, rank)
+        assert [r["step"] for r in steps] == list(range(1, 7))
+        assert all(r["loss"] > 0 and r["rss_bytes"] > 0 and r["step_time_s"] > 0 for r in steps)
+    assert summary["final_loss"] is not None and summary["median_step_time_s"] is not None
+
+
+def test_unmodified_script_is_seen_from_outside_and_its_failure_named(tmp_path):
+    result, out, summary = _script_run(tmp_path, "failing", "--fail-rank", "1", "--fail-step", "3")
+    assert result.returncode == 1
+    assert summary["status"] == "failed"
+    assert "rank 1" in summary["cause"] and "ValueError: bad batch at step 3" in summary["cause"]
+    # No labkit line in the script: the guard's samples still show each rank alive, with its memory.
+    for rank in (0, 1):
+        records = read_records(rank_file(out, rank))
+        assert records[0]["event"] == "start" and records[0]["script"] is True
+        samples = [r for r in records if r["event"] == "sample"]
+        assert samples and all(r["rss_bytes"] > 10_000_000 for r in samples)
+        assert not _steps(out, rank)
+    from tests.conftest import run_processes
+
+    assert not run_processes(out)  # no orphans
