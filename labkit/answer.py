@@ -460,4 +460,12 @@ def cli(args: Any) -> int:
     if args.reference:
         for path in publish(out, args.reference):
             print(f"published: {path}")
-    return 0
+    return strict_exit_code(pd.read_csv(out / "results.csv"), strict=getattr(args, "strict", False))
+
+
+def strict_exit_code(results: pd.DataFrame, *, strict: bool) -> int:
+    """`answer --strict`: 1 when a sweep point did not finish (each is named on stderr), else 0."""
+    unfinished = results[results.status != "finished"]
+    for row in unfinished.itertuples():
+        print(f"not finished: {row.strategy} global batch {row.global_batch}: {row.status}", file=sys.stderr)
+    return 1 if strict and len(unfinished) else 0

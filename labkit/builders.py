@@ -150,6 +150,18 @@ def default_loss(model: Any, inputs: "torch.Tensor", labels: "torch.Tensor") -> 
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def monitor_paths(ds_config: dict[str, Any], run_dir: Any) -> dict[str, Any]:
+    """DeepSpeed's file monitors (tensorboard, csv_monitor) write into the run directory's
+    `monitor/` unless the config names an output_path."""
+    from pathlib import Path
+
+    out = dict(ds_config)
+    for key in ("tensorboard", "csv_monitor"):
+        if isinstance(out.get(key), dict) and out[key].get("enabled") and not out[key].get("output_path"):
+            out[key] = {**out[key], "output_path": str(Path(run_dir).resolve() / "monitor") + "/"}
+    return out
+
+
 # -- parameter shapes without memory (memory model, census) -----------------------------------
 def param_numels(config: "RunConfig") -> list[int]:
     """Element counts of the model's parameters in `parameters()` order (shared ones once),

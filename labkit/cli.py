@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from labkit.config import ConfigError, RunConfig
+from labkit.config import LR_SCALINGS, OPTIMIZERS, PRECISIONS, ConfigError, RunConfig
 
 # RunConfig fields exposed as flags: --micro-batch for micro_batch, and so on.
 _FLAG_FIELDS = ("model", "data", "loss", "stage", "precision", "world_size", "micro_batch", "grad_accum", "train_batch", "steps",
@@ -29,7 +29,23 @@ _HELP = {
     "data": "'package.module:build_dataset' (build_dataset(config) -> Dataset of (inputs, labels)); "
             "default: the built-in model's",
     "loss": "'package.module:loss_fn' (loss_fn(model, inputs, labels) -> scalar tensor); default: cross-entropy",
+    "stage": "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters partitioned",
+    "precision": "fp32, bf16 or fp16 (fp16 needs a GPU)",
+    "world_size": "ranks: one per GPU, or CPU processes",
+    "micro_batch": "samples per rank per forward/backward",
+    "grad_accum": "micro-batches per optimizer step",
+    "train_batch": "global batch; must equal micro_batch x grad_accum x world_size",
+    "steps": "optimizer steps (script mode: the progress bar's length)",
+    "optimizer": "adam or sgd",
+    "lr": "learning rate at --base-batch",
+    "lr_scaling": "how the LR follows the global batch: none, linear, sqrt",
+    "input_size": "MLP input features; GPT context length in bytes",
+    "hidden": "MLP width; GPT n_embd",
+    "depth": "MLP hidden layers; GPT n_layer",
+    "target_loss": "record the time this loss is first reached",
+    "hostfile": "multi-node: DeepSpeed hostfile ('host slots=N' lines)",
 }
+_CHOICES = {"stage": (0, 1, 2, 3), "precision": PRECISIONS, "optimizer": OPTIMIZERS, "lr_scaling": LR_SCALINGS}
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
 
 
@@ -41,6 +57,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for name in _FLAG_FIELDS:
         kind = _TYPES.get(str(fields[name].type), str)
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
+                            choices=_CHOICES.get(name),
                             help=_HELP.get(name, f"RunConfig.{name}") + f" (default: {fields[name].default})")
     parser.add_argument("--offload-optimizer", dest="offload_optimizer", action=argparse.BooleanOptionalAction,
                         default=None, help="optimizer state and step on the CPU (ZeRO stages 1-3)")
@@ -127,7 +144,27 @@ def cmd_runs(args: argparse.Namespace) -> int:
     from labkit.history import runs
 
     table = runs(args.root)
-    print(table.to_string(index=False) if len(table) else "no runs yet")
+    if args.format == "csv":
+        sys.stdout.write(table.to_csv(index=False))
+    elif args.format == "json":
+        sys.stdout.write(table.to_json(orient="records", indent=2) + "\n")
+    else:
+        print(table.to_string(index=False) if len(table) else "no runs yet")
+    return 0
+
+
+def cmd_export_metrics(args: argparse.Namespace) -> int:
+    """A finished run's per-step records as TensorBoard event files and/or CSV (labkit.export_metrics)."""
+    from labkit.export_metrics import to_csv, to_tensorboard
+
+    if not (args.tensorboard or args.csv):
+        raise ConfigError("export-metrics", "name at least one of --tensorboard DIR, --csv DIR")
+    if not Path(args.run).is_dir():
+        raise ConfigError("run", f"no such run directory: {args.run}")
+    written = (to_tensorboard(args.run, args.tensorboard) if args.tensorboard else []) + \
+        (to_csv(args.run, args.csv) if args.csv else [])
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 
@@ -138,8 +175,25 @@ def cmd_answer(args: argparse.Namespace) -> int:
     return cli(args)
 
 
+EPILOG = """examples:
+  labkit run --example zero3 --world-size 2 --micro-batch 64 --steps 20
+  labkit run --example zero3 --world-size 2 --model gpt --hidden 64 --depth 2 --input-size 64
+  labkit run --example offload --world-size 2 --model my_pkg.train:build_model --data my_pkg.train:build_dataset
+  labkit run --script train.py --world-size 2 -- --deepspeed_config ds.json
+  labkit export-metrics runs/<run> --tensorboard tb/ --csv csv/
+  labkit answer --profile ci --model gpt --strict
+  labkit runs --format csv
+
+exit codes:
+  0 finished   1 failed (cause printed; answer --strict: a point did not finish)   2 bad arguments or config
+  3 out of memory   4 hung (no progress within the heartbeat)   130 stopped (Ctrl-C)
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m labkit", description="DeepSpeed Batch Lab")
+    parser = argparse.ArgumentParser(prog="labkit", description="DeepSpeed Batch Lab: real DeepSpeed runs, "
+                                     "supervised, with per-rank records", epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="launch one supervised run and wait for it")
     _add_config_flags(run)
@@ -153,13 +207,22 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--master-port", type=int, default=29500)
     export.set_defaults(func=cmd_export)
     runs = sub.add_parser("runs", help="list past runs")
-    runs.add_argument("--root", default=None)
+    runs.add_argument("--root", default=None, help="run store (default: LABKIT_RUNS_DIR, else runs/)")
+    runs.add_argument("--format", choices=("table", "csv", "json"), default="table",
+                      help="table: for people; csv / json: one row / object per run, for scripts")
     runs.set_defaults(func=cmd_runs)
+    metrics = sub.add_parser("export-metrics", help="a run's per-step records as TensorBoard events and/or CSV")
+    metrics.add_argument("run", help="run directory (runs/<name>)")
+    metrics.add_argument("--tensorboard", default=None, metavar="DIR", help="write DIR/rank<N>/ event files")
+    metrics.add_argument("--csv", default=None, metavar="DIR", help="write DIR/rank<N>.csv")
+    metrics.set_defaults(func=cmd_export_metrics)
     answer = sub.add_parser("answer", help="batch-size sweep, max-batch search, time to target, report")
     answer.add_argument("--profile", choices=("ci", "full"), default=None, help="default: LABKIT_PROFILE, else by device")
     answer.add_argument("--out", default=None, help="results + run directories (default: runs/answer-<profile>)")
     answer.add_argument("--parallel", type=int, default=None, help="runs at once (default: the profile's)")
     answer.add_argument("--reference", default=None, help="also copy the CSVs, machine.json and report here")
+    answer.add_argument("--strict", action="store_true",
+                        help="exit 1 when a sweep point did not finish (CI); default: report it and exit 0")
     for name in ("model", "data", "loss"):
         answer.add_argument("--" + name, default=None, help=_HELP[name] + " (default: the profile's MLP)")
     answer.set_defaults(func=cmd_answer)

@@ -42,7 +42,10 @@ KNOWN_DS_KEYS = frozenset({
     "gradient_predivide_factor", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
     "activation_checkpointing", "flops_profiler", "comms_logger", "dump_state", "seq_parallel_communication_data_type",
     "log_level",
+    # DeepSpeed's monitors (deepspeed/monitor/config.py reads them); labkit's per-step fields go there too.
+    "tensorboard", "csv_monitor", "wandb", "comet",
 })
+MONITOR_KEYS = ("tensorboard", "csv_monitor", "wandb", "comet")
 
 
 def hostfile_slots(path: str | os.PathLike) -> dict[str, int]:
@@ -218,6 +221,17 @@ class RunConfig:
         for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
             _require(key not in self.ds_overrides, "ds_overrides",
                      f"{key} is derived from micro_batch, grad_accum and world_size; set those instead")
+        if any(key in self.ds_overrides for key in MONITOR_KEYS):
+            _require(self.example != "pytorch", "ds_overrides",
+                     "DeepSpeed's monitors need a DeepSpeed engine; the plain PyTorch example has none")
+            from deepspeed.monitor.config import get_monitor_config
+
+            try:
+                get_monitor_config(self.ds_overrides)
+            except Exception as exc:
+                errors = getattr(exc, "errors", lambda: [])()
+                detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) or str(exc)
+                raise ConfigError("ds_overrides", f"monitor config: {detail}") from None
         if self.example != "pytorch":
             from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 

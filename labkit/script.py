@@ -57,10 +57,12 @@ def record(*, step: int, loss: float | None = None, **fields: Any) -> None:
         return
     import psutil
 
-    now = time.perf_counter()
-    last = _state.get("last_step_at", _state.setdefault("first_call_at", now))
+    now = time.time()
+    process = psutil.Process()
+    # The first step's time counts from the process start (its setup included; summaries skip warmup steps).
+    last = _state.get("last_step_at", process.create_time())
     _state["last_step_at"] = now
-    memory = {"rss_bytes": psutil.Process().memory_info().rss}
+    memory = {"rss_bytes": process.memory_info().rss}
     try:
         import torch
 

@@ -128,3 +128,10 @@ class DeepSpeedTrainer:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.engine.module.parameters()
+
+    def write_monitor(self, step: int, fields: dict[str, Any]) -> None:
+        """labkit's per-step numbers through DeepSpeed's monitors (TensorBoard, CSV, W&B, Comet) when
+        the config enables one; the monitor writes on rank 0 only."""
+        if self.engine.monitor.enabled:
+            self.engine.monitor.write_events([(f"labkit/{name}", float(value), step) for name, value in fields.items()
+                                              if isinstance(value, (int, float)) and not isinstance(value, bool)])

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, defa
 from labkit.config import RunConfig
 from labkit.failures import is_oom
 from labkit.faults import FaultHooks
-from labkit.builders import build_dataset, build_model, loss_function
+from labkit.builders import build_dataset, build_model, loss_function, monitor_paths
 from labkit.model import count_parameters
 from labkit.rendezvous import init_distributed
 from labkit.telemetry import RankTelemetry
@@ -90,7 +90,7 @@ def train() -> None:
     if config.example == "pytorch":
         trainer = PlainTrainer(model, config, torch.device(accelerator.device_name(args.local_rank)), loss_fn)
     else:
-        trainer = DeepSpeedTrainer(model, config, config.ds_config(), loss_fn)
+        trainer = DeepSpeedTrainer(model, config, monitor_paths(config.ds_config(), args.run_dir), loss_fn)
 
     telemetry.event("ready", n_params=n_params, accelerator=accelerator._name,
                     backend=accelerator.communication_backend_name(), **telemetry.memory())
@@ -179,6 +179,10 @@ def train() -> None:
             **(telemetry.memory() if instrument else {}),
         )
         telemetry_s += (time.perf_counter() - t_record) * (step >= TIMED_FROM_STEP)
+        if hasattr(trainer, "write_monitor"):  # DeepSpeed's monitors, when ds_overrides enable one
+            trainer.write_monitor(step, {"loss": sum(losses) / len(losses), "lr": trainer.lr,
+                                         "step_time_s": step_time_s, "samples_per_s": config.global_batch / step_time_s,
+                                         **census})
         if config.stop_at_target:
             agreed = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64, device=trainer.device)
             deepspeed.comm.all_reduce(agreed)

@@ -180,3 +180,86 @@ def test_unmodified_script_is_seen_from_outside_and_its_failure_named(tmp_path):
     from tests.conftest import run_processes
 
     assert not run_processes(out)  # no orphans
+
+
+# -- DeepSpeed's monitors and export-metrics -------------------------------------------------------
+def _scalars(event_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(event_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_monitor_gets_labkits_fields_and_export_metrics_converts_a_run(tmp_path):
+    out = tmp_path / "monitored"
+    result = subprocess.run(
+        [sys.executable, "-m", "labkit", "run", "--example", "zero3", "--world-size", "2", "--micro-batch", "16",
+         "--steps", "4", "--dataset-size", "256", "--out", str(out),
+         "--ds-override", '{"tensorboard": {"enabled": true, "job_name": "tb"}, '
+                          '"csv_monitor": {"enabled": true, "job_name": "csv"}}'],
+        cwd=REPO, capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    live = _scalars(out / "monitor" / "tb")  # written by DeepSpeed's monitor on rank 0, during the run
+    losses = [r["loss"] for r in _steps(out, 0)]
+    assert [v for _, v in live["labkit/loss"]] == pytest.approx(losses)
+    assert "Train/Samples/lr" in live  # DeepSpeed's own event, next to labkit's
+    assert (out / "monitor" / "csv" / "labkit_step_time_s.csv").is_file()
+
+    exported = tmp_path / "tb"
+    result = subprocess.run([sys.executable, "-m", "labkit", "export-metrics", str(out), "--tensorboard",
+                             str(exported), "--csv", str(tmp_path / "csv")], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        scalars = _scalars(exported / f"rank{rank}")
+        steps = _steps(out, rank)
+        assert scalars["labkit/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in steps]
+        assert "labkit/rss_bytes" in scalars
+        rows = (tmp_path / "csv" / f"rank{rank}.csv").read_text().splitlines()
+        assert rows[0].startswith("step,") and len(rows) == 1 + len(steps)
+
+
+def test_monitor_keys_are_checked_by_deepspeeds_own_model():
+    RunConfig(ds_overrides={"tensorboard": {"enabled": True}, "wandb": {"enabled": False}, "comet": {}})
+    with pytest.raises(ConfigError, match="tensorboard"):
+        RunConfig(ds_overrides={"tensorboard": {"enabled": True, "no_such_option": 1}})
+    with pytest.raises(ConfigError, match="plain PyTorch"):
+        RunConfig(example="pytorch", ds_overrides={"csv_monitor": {"enabled": True}})
+
+
+# -- command line habits -----------------------------------------------------------------------------
+def test_runs_lists_as_csv_and_json(tmp_path):
+    from labkit.history import COLUMNS
+
+    outputs = {}
+    for fmt in ("csv", "json"):
+        result = subprocess.run([sys.executable, "-m", "labkit", "runs", "--format", fmt, "--root", str(tmp_path)],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        outputs[fmt] = result.stdout
+    assert outputs["csv"].splitlines()[0].split(",")[:3] == list(COLUMNS)[:3]  # the header, even with no runs
+    assert json.loads(outputs["json"]) == []
+
+
+def test_answer_strict_exit_code_names_unfinished_points(capsys):
+    import pandas as pd
+
+    from labkit.answer import strict_exit_code
+
+    results = pd.DataFrame([{"strategy": "z3", "global_batch": 32, "status": "finished"},
+                            {"strategy": "z2", "global_batch": 512, "status": "oom"}])
+    assert strict_exit_code(results, strict=True) == 1
+    assert "z2 global batch 512: oom" in capsys.readouterr().err
+    assert strict_exit_code(results, strict=False) == 0
+    assert strict_exit_code(results[results.status == "finished"], strict=True) == 0
+
+
+def test_help_lists_choices_examples_and_exit_codes():
+    from labkit.cli import build_parser
+
+    text = build_parser().format_help()
+    assert "exit codes:" in text and "labkit run --script train.py" in text
+    run_help = subprocess.run([sys.executable, "-m", "labkit", "run", "--help"], cwd=REPO, capture_output=True,
+                              text=True, timeout=120).stdout
+    assert "{fp32,bf16,fp16}" in run_help and "--model" in run_help and "--script" in run_help
