@@ -48,21 +48,40 @@ KNOWN_DS_KEYS = frozenset({
 MONITOR_KEYS = ("tensorboard", "csv_monitor", "wandb", "comet")
 
 
+def deepspeed_checked(ds_config: dict[str, Any], world_size: int) -> Any:
+    """The whole ds_config parsed and sanity-checked by DeepSpeed's own `DeepSpeedConfig`, as rank 0
+    of `world_size` ranks would, before anything launches (no process group, no device).
+
+    `DeepSpeedConfig.__init__` asks torch.distributed for the world size, which does not exist yet
+    here; this runs the rest of its __init__ (deepspeed/runtime/config.py, 0.19.8) with the world
+    size given: removed keys, every sub-config's pydantic model, the batch triplet, precision."""
+    import copy
+
+    from deepspeed.runtime import config as ds
+
+    checked = ds.DeepSpeedConfig.__new__(ds.DeepSpeedConfig)
+    checked._param_dict = ds_config
+    ds._reject_removed_config_keys(ds_config)
+    checked.global_rank, checked.world_size = 0, world_size
+    checked._initialize_params(copy.copy(ds_config))
+    checked._configure_train_batch_size()
+    checked._do_sanity_check()
+    return checked
+
+
 def hostfile_slots(path: str | os.PathLike) -> dict[str, int]:
-    """Parse a DeepSpeed hostfile ("hostname slots=N" per line, # comments)."""
+    """Parse a DeepSpeed hostfile ("hostname slots=N" per line, # comments) with DeepSpeed's own
+    parser (`deepspeed.launcher.runner.fetch_hostfile`): what labkit checks is what the launcher reads."""
     if not Path(path).is_file():
         raise ConfigError("hostfile", f"no such file: {path}")
-    slots: dict[str, int] = {}
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        match = re.fullmatch(r"(\S+)\s+slots=(\d+)", line)
-        _require(match is not None and int(match.group(2)) > 0, "hostfile",
-                 f"{path}:{number}: expected 'hostname slots=N' with N > 0, got {line!r}")
-        _require(match.group(1) not in slots, "hostfile", f"{path}:{number}: host {match.group(1)} listed twice")
-        slots[match.group(1)] = int(match.group(2))
-    _require(bool(slots), "hostfile", f"{path} lists no hosts")
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    try:
+        slots = dict(fetch_hostfile(str(path)) or {})
+    except ValueError as exc:
+        raise ConfigError("hostfile", f"{path}: {exc} (expected 'hostname slots=N' lines)") from None
+    bad = [host for host, count in slots.items() if count <= 0]
+    _require(not bad, "hostfile", f"{path}: hosts {bad} have no slots (expected 'hostname slots=N' with N > 0)")
     return slots
 
 
@@ -232,15 +251,14 @@ class RunConfig:
                 errors = getattr(exc, "errors", lambda: [])()
                 detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) or str(exc)
                 raise ConfigError("ds_overrides", f"monitor config: {detail}") from None
-        if self.example != "pytorch":
-            from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
+        if self.example != "pytorch" and not self.script:
             try:
-                DeepSpeedZeroConfig(**self.ds_config()["zero_optimization"])
+                deepspeed_checked(self.ds_config(), self.world_size)
             except Exception as exc:  # pydantic's ValidationError names the bad field
                 errors = getattr(exc, "errors", lambda: [])()
                 detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) or str(exc)
-                raise ConfigError("ds_overrides.zero_optimization", detail) from None
+                where = "ds_overrides.zero_optimization" if "DeepSpeedZeroConfig" in str(exc) else "ds_overrides"
+                raise ConfigError(where, f"DeepSpeed refuses the config: {detail}") from None
 
     # -- derived values ------------------------------------------------------------------
     @property

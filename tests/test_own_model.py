@@ -263,3 +263,16 @@ def test_help_lists_choices_examples_and_exit_codes():
     run_help = subprocess.run([sys.executable, "-m", "labkit", "run", "--help"], cwd=REPO, capture_output=True,
                               text=True, timeout=120).stdout
     assert "{fp32,bf16,fp16}" in run_help and "--model" in run_help and "--script" in run_help
+
+
+def test_deepspeed_itself_checks_the_whole_config_before_launch():
+    from labkit.config import deepspeed_checked
+
+    config = RunConfig(example="zero3", world_size=2, micro_batch=8)
+    assert deepspeed_checked(config.ds_config(), 2).train_batch_size == 16
+    # Refused by DeepSpeed's own checks (not a list in labkit): both precisions at once, a ZeRO field's type.
+    with pytest.raises(ConfigError, match="bfloat16 and fp16"):
+        RunConfig(example="zero3", ds_overrides={"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    with pytest.raises(ConfigError, match="stage3_max_live_parameters") as error:
+        RunConfig(example="zero3", ds_overrides={"zero_optimization": {"stage3_max_live_parameters": "many"}})
+    assert error.value.field == "ds_overrides.zero_optimization"
