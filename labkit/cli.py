@@ -101,9 +101,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"run directory: {run.run_dir}", file=sys.stderr)
     name = f"script {Path(config.script).name}" if config.script else config.example
     bar = tqdm(total=config.steps, unit="step", desc=f"{name} x{config.world_size}", file=sys.stderr)
+    from labkit.telemetry import RecordTail, rank_file
+
+    rank0, events = RecordTail(rank_file(run.run_dir, 0)), set()
     try:
         while not run.done:
-            bar.update(run.progress() - bar.n)
+            events.update(r.get("event") for r in rank0.poll())
+            progress = run.progress()
+            bar.set_postfix_str(run_phase(events, progress, config.steps, _rank0_log(run.run_dir)), refresh=False)
+            bar.update(progress - bar.n)
             run.wait(timeout=0.5)
     except KeyboardInterrupt:
         print("\nstopping the run ...", file=sys.stderr)
@@ -119,6 +125,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     print(f"{run.status}: {run.cause}\nsee {run.run_dir}", file=sys.stderr)
     return {"oom": 3, "hung": 4, "stopped": 130}.get(run.status, 1)
+
+
+def run_phase(events: set[str], step: int, steps: int, rank0_log: str = "") -> str:
+    """What a run is doing, for the progress bar: starting, initializing, building ops, step k/N."""
+    if step:
+        return f"step {step}/{steps}"
+    if "ready" in events:
+        return "first step"
+    if "start" not in events:
+        return "starting processes"
+    building = rank0_log.rfind("Building extension module")
+    if building >= 0 and rank0_log.rfind("Loading extension module") < building:
+        return "building ops (JIT, once per machine)"
+    return "initializing (process group, DeepSpeed engine)"
+
+
+def _rank0_log(run_dir: Path) -> str:
+    logs = sorted((Path(run_dir) / "logs").glob("*_rank0.log"))
+    try:
+        return logs[-1].read_text(errors="replace")[-20000:] if logs else ""
+    except OSError:
+        return ""
 
 
 def cmd_export(args: argparse.Namespace) -> int:

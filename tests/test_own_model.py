@@ -276,3 +276,15 @@ def test_deepspeed_itself_checks_the_whole_config_before_launch():
     with pytest.raises(ConfigError, match="stage3_max_live_parameters") as error:
         RunConfig(example="zero3", ds_overrides={"zero_optimization": {"stage3_max_live_parameters": "many"}})
     assert error.value.field == "ds_overrides.zero_optimization"
+
+
+def test_progress_bar_names_the_phase():
+    from labkit.cli import run_phase
+
+    assert run_phase(set(), 0, 20) == "starting processes"
+    assert run_phase({"start"}, 0, 20).startswith("initializing")
+    building = "Using envvar\nBuilding extension module cpu_adam...\nninja: ..."
+    assert run_phase({"start"}, 0, 20, building).startswith("building ops")
+    assert run_phase({"start"}, 0, 20, building + "\nLoading extension module cpu_adam...").startswith("initializing")
+    assert run_phase({"start", "ready"}, 0, 20) == "first step"
+    assert run_phase({"start", "ready", "step"}, 7, 20) == "step 7/20"
