@@ -162,6 +162,28 @@ def monitor_paths(ds_config: dict[str, Any], run_dir: Any) -> dict[str, Any]:
     return out
 
 
+def train_flops_per_sample(config: "RunConfig", dataset: Any) -> float:
+    """Training FLOPs per sample of any model, from DeepSpeed's flops profiler: one forward of a
+    2-sample batch on an fp32 CPU copy, times 3 (backward ~ 2 x forward, Kaplan et al. 2020).
+    The RNG is left as it was (every rank must keep drawing the same numbers)."""
+    import torch
+    from deepspeed.profiling.flops_profiler import FlopsProfiler
+    from torch.utils.data import default_collate
+
+    inputs = default_collate([dataset[0], dataset[1]])[0]
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(config).float()
+    profiler = FlopsProfiler(model)
+    profiler.start_profile()
+    try:
+        with torch.no_grad():
+            model(inputs)
+        forward = profiler.get_total_flops()
+    finally:
+        profiler.end_profile()
+    return 3.0 * forward / inputs.shape[0]
+
+
 # -- parameter shapes without memory (memory model, census) -----------------------------------
 def param_numels(config: "RunConfig") -> list[int]:
     """Element counts of the model's parameters in `parameters()` order (shared ones once),

@@ -19,10 +19,10 @@ from typing import Any
 from labkit.config import LR_SCALINGS, OPTIMIZERS, PRECISIONS, ConfigError, RunConfig
 
 # RunConfig fields exposed as flags: --micro-batch for micro_batch, and so on.
-_FLAG_FIELDS = ("model", "data", "loss", "stage", "precision", "world_size", "micro_batch", "grad_accum", "train_batch", "steps",
-                "optimizer", "lr", "lr_scaling", "base_batch", "warmup_steps", "input_size", "hidden", "depth", "output_size",
-                "dataset_size", "seed", "target_loss", "heartbeat_s", "startup_timeout_s",
-                "device_memory_budget_bytes", "census_every", "noise_scale_every", "hostfile")
+_FLAG_FIELDS = ("model", "data", "loss", "stage", "precision", "world_size", "micro_batch", "grad_accum",
+                "train_batch", "steps", "optimizer", "lr", "lr_scaling", "base_batch", "warmup_steps", "input_size",
+                "hidden", "depth", "output_size", "dataset_size", "seed", "target_loss", "heartbeat_s",
+                "startup_timeout_s", "device_memory_budget_bytes", "census_every", "noise_scale_every", "hostfile")
 _HELP = {
     "model": "what to train: 'mlp', 'gpt' (byte-level GPT-2 on Python's source, needs [hf]) or "
              "'package.module:build_model' (build_model(config) -> torch.nn.Module)",

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, defa
 from labkit.config import RunConfig
 from labkit.failures import is_oom
 from labkit.faults import FaultHooks
+from labkit import builders
 from labkit.builders import build_dataset, build_model, loss_function, monitor_paths
 from labkit.model import count_parameters
 from labkit.rendezvous import init_distributed
@@ -92,7 +93,10 @@ def train() -> None:
     else:
         trainer = DeepSpeedTrainer(model, config, monitor_paths(config.ds_config(), args.run_dir), loss_fn)
 
-    telemetry.event("ready", n_params=n_params, accelerator=accelerator._name,
+    # MFU's numerator: ~6 x params per sample is the MLP's; any other model is measured by DeepSpeed's profiler.
+    flops = ({"train_flops_per_sample": builders.train_flops_per_sample(config, dataset)}
+             if rank == 0 and config.model != "mlp" and not config.script else {})
+    telemetry.event("ready", n_params=n_params, accelerator=accelerator._name, **flops,
                     backend=accelerator.communication_backend_name(), **telemetry.memory())
 
     # -- the loop ----------------------------------------------------------------------

@@ -72,6 +72,11 @@ def test_gpt_trains_on_python_source_under_zero3(runs_root):
     run = Run(config).start()
     assert run.wait(timeout=600) == "finished", run.cause
     steps = _steps(run.run_dir)
+    # MFU counts the GPT's FLOPs as DeepSpeed's profiler measured them: ~6 x params per token, not per sample.
+    ready = next(r for r in read_records(rank_file(run.run_dir, 0)) if r["event"] == "ready")
+    assert 6 * ready["n_params"] * 64 < ready["train_flops_per_sample"] < 12 * ready["n_params"] * 64
+    summary = run.summary
+    assert summary["achieved_flops"] == pytest.approx(ready["train_flops_per_sample"] * summary["samples_per_s"])
     assert steps[0]["loss"] == pytest.approx(math.log(256), abs=0.6)  # a uniform guess over 256 bytes
     assert steps[-1]["loss"] < steps[0]["loss"] - 1.0  # byte statistics learned: real language modelling
     # ZeRO-3 keeps every parameter of this small model whole (all <= 1e5 elements): the memory model's
