@@ -85,6 +85,10 @@ def train() -> None:
             epoch += 1
 
     # -- model and trainer -------------------------------------------------------------
+    # MFU's numerator: ~6 x params per sample is the MLP's; any other model is measured by DeepSpeed's
+    # profiler, before deepspeed.initialize (the profiler patches torch functions that ZeRO-3 also wraps).
+    flops = ({"train_flops_per_sample": builders.train_flops_per_sample(config, dataset)}
+             if rank == 0 and config.model != "mlp" else {})
     model = build_model(config)  # RunConfig.model: built-in or the learner's import string
     loss_fn = loss_function(config)
     n_params = count_parameters(model)
@@ -93,9 +97,6 @@ def train() -> None:
     else:
         trainer = DeepSpeedTrainer(model, config, monitor_paths(config.ds_config(), args.run_dir), loss_fn)
 
-    # MFU's numerator: ~6 x params per sample is the MLP's; any other model is measured by DeepSpeed's profiler.
-    flops = ({"train_flops_per_sample": builders.train_flops_per_sample(config, dataset)}
-             if rank == 0 and config.model != "mlp" and not config.script else {})
     telemetry.event("ready", n_params=n_params, accelerator=accelerator._name, **flops,
                     backend=accelerator.communication_backend_name(), **telemetry.memory())
 
