@@ -2,8 +2,9 @@
 
 from labkit.config import ConfigError, RunConfig
 from labkit.run import Run
+from labkit.script import record
 
-__all__ = ["ConfigError", "Run", "RunConfig", "load_run", "runs"]
+__all__ = ["ConfigError", "Run", "RunConfig", "load_run", "record", "runs"]
 
 
 def __getattr__(name: str):

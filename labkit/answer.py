@@ -154,6 +154,30 @@ PROFILES: dict[str, AnswerProfile] = {
 GROWTH_WAYS = ("ranks", "micro_batch")  # the `growth` column holds one of these, or both joined by "+"
 
 
+# `answer(..., model="gpt")`: the byte-level GPT (labkit.models.gpt) in place of the MLP, per profile.
+# Loss in nats per byte; ln 256 = 5.55 at the start, ~2.5 once byte and bigram statistics are learned.
+GPT_MODELS: dict[str, dict[str, Any]] = {
+    "ci": dict(model="gpt", hidden=64, depth=2, input_size=64, dataset_size=4096, lr=3e-3, target_loss=2.6),
+    "full": dict(model="gpt", hidden=768, depth=12, input_size=512, dataset_size=65536, lr=3e-4, target_loss=1.5),
+}
+
+
+def with_model(profile: AnswerProfile, model: str | None = None, data: str | None = None,
+               loss: str | None = None) -> AnswerProfile:
+    """The profile training another model: "gpt" (its sizes from GPT_MODELS) or the learner's import
+    strings (RunConfig.model/data/loss) with the profile's other settings."""
+    if model is None and data is None and loss is None:
+        return profile
+    fields = dict(profile.model)
+    if model == "gpt":
+        fields.update(GPT_MODELS[profile.name])
+    elif model is not None:
+        fields["model"] = model
+    fields.update({k: v for k, v in (("data", data), ("loss", loss)) if v is not None})
+    suffix = fields["model"].split(":")[0].split(".")[-1]
+    return dataclasses.replace(profile, name=f"{profile.name}-{suffix}", model=fields)
+
+
 def _world_sizes(profile: AnswerProfile) -> tuple[int, ...]:
     from labkit.devices import detect_devices
 
@@ -270,13 +294,14 @@ def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
     """Measured per-rank model-state bytes vs labkit.memory's prediction vs DeepSpeed's estimates."""
     from labkit import memory
 
-    fields = {f.name: f.default for f in dataclasses.fields(RunConfig)}
-    shape = [model.get(k, fields[k]) for k in ("input_size", "hidden", "depth", "output_size")]
-    n_params = memory.n_params_mlp(*shape)
-    persistent = memory.mlp_persistent_params(*shape)
-    from labkit.model import SimpleModel
+    from labkit import builders
 
-    module = SimpleModel(shape[0], shape[1], shape[3], shape[2])  # DeepSpeed's estimators want the largest layer
+    # The real parameter shapes, from the model built on the meta device (any model, no memory).
+    template = RunConfig.from_saved(model)
+    numels = builders.param_numels(template)
+    n_params = sum(numels)
+    persistent = builders.persistent_params(numels)
+    module = builders.meta_model(template)  # DeepSpeed's estimators want the largest layer
     finished = results[results.status == "finished"].drop_duplicates(subset=["strategy", "world_size"])
     rows = []
     for r in finished.to_dict("records"):
@@ -306,7 +331,7 @@ def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
         if stage in (1, 2) and not offload and "grad_bytes" in measured:
             # The paper's Psi/N assumes an exact split; DeepSpeed keeps the whole gradient of each
             # parameter that overlaps a rank's slice. The census row is the largest rank's.
-            held = max(memory.zero12_grad_elements([p.numel() for p in module.parameters()], world_size))
+            held = max(memory.zero12_grad_elements(numels, world_size))
             row["predicted_layout_grad_bytes"] = held * (4 if precision == "fp32" else 2)
             row["error_layout_grad_bytes"] = (measured["grad_bytes"] - row["predicted_layout_grad_bytes"]) / \
                 row["predicted_layout_grad_bytes"]
@@ -338,12 +363,14 @@ def analytic_max_micro_batch(result: Any, template: RunConfig) -> int | None:
     profile = next((p for p in result.probes if p.fits and p.activation_bytes), None)
     if budget is None or profile is None:
         return None
-    shape = (template.input_size, template.hidden, template.depth, template.output_size)
+    from labkit import builders
+
+    numels = builders.param_numels(template)
     stage = template.stage or 0
     precision = _state_precision(strategy_of(template), template.precision)
-    states = memory.model_state_bytes(memory.n_params_mlp(*shape), stage, template.world_size, precision,
+    states = memory.model_state_bytes(sum(numels), stage, template.world_size, precision,
                                       bool(template.offload_optimizer),
-                                      persistent_params=memory.mlp_persistent_params(*shape) if stage == 3 else 0)
+                                      persistent_params=builders.persistent_params(numels) if stage == 3 else 0)
     per_sample = memory.activation_bytes_per_sample(profile.activation_bytes, profile.micro_batch)
     return max(0, math.floor((budget - states["device_bytes"]) / per_sample))
 
@@ -413,15 +440,21 @@ def _cpu_model() -> str:
 
 # -- the command -------------------------------------------------------------------------------
 def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, parallel: int | None = None,
-           progress: bool = True) -> Path:
-    """Run everything the profile asks for in `out` and return the report's path."""
+           progress: bool = True, model: str | None = None, data: str | None = None,
+           loss: str | None = None) -> Path:
+    """Run everything the profile asks for in `out` and return the report's path. `model`, `data`,
+    `loss`: train another model (RunConfig fields; model="gpt" is the built-in byte-level GPT)."""
     from labkit import maxbatch
     from labkit.devices import detect_devices
     from labkit.report import build_report
     from labkit.store import default_root
     from labkit.sweep import check_fair, fair_parallel, point_key
 
-    profile = PROFILES[profile_name]
+    profile = with_model(PROFILES[profile_name], model, data, loss)
+    if profile.name != profile_name:
+        from labkit.builders import check_importable
+
+        check_importable(RunConfig(**profile.model))  # a bad import string fails before any launch
     out = Path(out) if out is not None else default_root() / f"answer-{profile.name}"
     devices = detect_devices()
     configs = points(profile)
@@ -482,7 +515,8 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
         write_text_atomic(out / f"{name}.csv", table.to_csv(index=False))
     runtime = time.monotonic() - started
     launches = sweep.launched + sum(s.new_launches for s in searches)
-    machine = {**machine_info(runtime), "load_average_at_start": load_before, "profile": profile.name,
+    machine = {**machine_info(runtime), "load_average_at_start": load_before, "profile": profile_name,
+               "model": profile.model.get("model", "mlp"),
                "launches": launches, "parallel": parallel, "timed_parallel": parallel,
                "untimed_parallel": profile.parallel if is_cpu else 1,
                "timed_threads_per_rank": sorted({c.threads_per_rank for c in configs if c.threads_per_rank})}
@@ -531,9 +565,11 @@ def cli(args: Any) -> int:
     from labkit.store import default_root
 
     profile = args.profile or current_profile()
-    out = Path(args.out) if args.out else default_root() / f"answer-{profile}"
+    model = {k: getattr(args, k, None) for k in ("model", "data", "loss")}
+    name = with_model(PROFILES[profile], **model).name
+    out = Path(args.out) if args.out else default_root() / f"answer-{name}"
     try:
-        report = answer(profile, out, parallel=args.parallel)
+        report = answer(profile, out, parallel=args.parallel, **model)
     except KeyboardInterrupt:
         print(f"\ninterrupted: finished points are kept in {out}; run the same command again to resume",
               file=sys.stderr)
@@ -543,4 +579,12 @@ def cli(args: Any) -> int:
     if args.reference:
         for path in publish(out, args.reference):
             print(f"published: {path}")
-    return 0
+    return strict_exit_code(pd.read_csv(out / "results.csv"), strict=getattr(args, "strict", False))
+
+
+def strict_exit_code(results: pd.DataFrame, *, strict: bool) -> int:
+    """`answer --strict`: 1 when a sweep point did not finish (each is named on stderr), else 0."""
+    unfinished = results[results.status != "finished"]
+    for row in unfinished.itertuples():
+        print(f"not finished: {row.strategy} global batch {row.global_batch}: {row.status}", file=sys.stderr)
+    return 1 if strict and len(unfinished) else 0

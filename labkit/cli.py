@@ -15,24 +15,54 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from labkit.config import EXAMPLES, ConfigError, RunConfig
+from labkit.config import EXAMPLES, LR_SCALINGS, OPTIMIZERS, PRECISIONS, ConfigError, RunConfig
 
 # RunConfig fields exposed as flags: --micro-batch for micro_batch, and so on.
-_FLAG_FIELDS = ("stage", "precision", "world_size", "micro_batch", "grad_accum", "train_batch", "steps",
-                "optimizer", "lr", "lr_scaling", "base_batch", "warmup_steps", "warmup_samples", "hidden", "depth",
-                "dataset_size", "seed", "target_loss", "eval_every", "eval_samples", "threads_per_rank",
-                "heartbeat_s", "startup_timeout_s", "device_memory_budget_bytes", "census_every", "noise_scale_every",
-                "hostfile")
+_FLAG_FIELDS = ("model", "data", "loss", "stage", "precision", "world_size", "micro_batch", "grad_accum",
+                "train_batch", "steps", "optimizer", "lr", "lr_scaling", "base_batch", "warmup_steps", "warmup_samples",
+                "input_size", "hidden", "depth", "output_size", "dataset_size", "seed", "target_loss", "eval_every",
+                "eval_samples", "threads_per_rank", "heartbeat_s", "startup_timeout_s", "device_memory_budget_bytes",
+                "census_every", "noise_scale_every", "hostfile")
+_HELP = {
+    "model": "what to train: 'mlp', 'gpt' (byte-level GPT-2 on Python's source, needs [hf]) or "
+             "'package.module:build_model' (build_model(config) -> torch.nn.Module)",
+    "data": "'package.module:build_dataset' (build_dataset(config) -> Dataset of (inputs, labels)); "
+            "default: the built-in model's",
+    "loss": "'package.module:loss_fn' (loss_fn(model, inputs, labels) -> scalar tensor); default: cross-entropy",
+    "stage": "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters partitioned",
+    "precision": "fp32, bf16 or fp16 (fp16 needs a GPU)",
+    "world_size": "ranks: one per GPU, or CPU processes",
+    "micro_batch": "samples per rank per forward/backward",
+    "grad_accum": "micro-batches per optimizer step",
+    "train_batch": "global batch; must equal micro_batch x grad_accum x world_size",
+    "steps": "optimizer steps (script mode: the progress bar's length)",
+    "optimizer": "adam or sgd",
+    "lr": "learning rate at --base-batch",
+    "lr_scaling": "how the LR follows the global batch: none, linear, sqrt",
+    "input_size": "MLP input features; GPT context length in bytes",
+    "hidden": "MLP width; GPT n_embd",
+    "depth": "MLP hidden layers; GPT n_layer",
+    "warmup_samples": "linear LR warmup over this many samples (the same data at every batch size)",
+    "target_loss": "record the time this loss is first reached (on the held-out eval loss with --eval-every)",
+    "eval_every": "evaluate the held-out loss every N steps (0: off)",
+    "eval_samples": "size of the held-out evaluation set",
+    "threads_per_rank": "CPU ranks: OpenMP threads each (default: cores / ranks)",
+    "hostfile": "multi-node: DeepSpeed hostfile ('host slots=N' lines)",
+}
+_CHOICES = {"stage": (0, 1, 2, 3), "precision": PRECISIONS, "optimizer": OPTIMIZERS, "lr_scaling": LR_SCALINGS}
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     fields = {f.name: f for f in dataclasses.fields(RunConfig)}
-    parser.add_argument("--example", choices=EXAMPLES, required=True)
+    parser.add_argument("--example", choices=EXAMPLES, default=None,
+                        help="pytorch: plain PyTorch loop, 1 process; deepspeed: DeepSpeed's engine, give --stage; "
+                             "offload: ZeRO-2 + optimizer offload; zero3: ZeRO stage 3 (required unless --script)")
     for name in _FLAG_FIELDS:
         kind = _TYPES.get(str(fields[name].type), str)
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
-                            help=f"RunConfig.{name} (default: {fields[name].default})")
+                            choices=_CHOICES.get(name),
+                            help=_HELP.get(name, f"RunConfig.{name}") + f" (default: {fields[name].default})")
     parser.add_argument("--offload-optimizer", dest="offload_optimizer", action=argparse.BooleanOptionalAction,
                         default=None, help="optimizer state and step on the CPU (ZeRO stages 1-3)")
     parser.add_argument("--no-distributed-sampler", dest="distributed_sampler", action="store_false", default=None,
@@ -45,7 +75,12 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    values: dict[str, Any] = {"example": args.example}
+    script = getattr(args, "script", None)
+    if args.example is None and not script:
+        raise ConfigError("example", "--example is required (pytorch, offload or zero3), or --script")
+    values: dict[str, Any] = {"example": args.example or "zero3"}
+    if script:
+        values.update(script=script, script_args=list(getattr(args, "script_args", None) or []))
     for name in (*_FLAG_FIELDS, "offload_optimizer", "distributed_sampler", "stop_at_target", "telemetry"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
@@ -68,10 +103,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     run = Run(config, out=args.out).start()
     print(f"run directory: {run.run_dir}", file=sys.stderr)
-    bar = tqdm(total=config.steps, unit="step", desc=f"{config.example} x{config.world_size}", file=sys.stderr)
+    name = f"script {Path(config.script).name}" if config.script else config.example
+    bar = tqdm(total=config.steps, unit="step", desc=f"{name} x{config.world_size}", file=sys.stderr)
+    from labkit.telemetry import RecordTail, rank_file
+
+    rank0, events = RecordTail(rank_file(run.run_dir, 0)), set()
     try:
         while not run.done:
-            bar.update(run.progress() - bar.n)
+            events.update(r.get("event") for r in rank0.poll())
+            progress = run.progress()
+            bar.set_postfix_str(run_phase(events, progress, config.steps, _rank0_log(run.run_dir)), refresh=False)
+            bar.update(progress - bar.n)
             run.wait(timeout=0.5)
     except KeyboardInterrupt:
         print("\nstopping the run ...", file=sys.stderr)
@@ -87,6 +129,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     print(f"{run.status}: {run.cause}\nsee {run.run_dir}", file=sys.stderr)
     return {"oom": 3, "hung": 4, "stopped": 130}.get(run.status, 1)
+
+
+def run_phase(events: set[str], step: int, steps: int, rank0_log: str = "") -> str:
+    """What a run is doing, for the progress bar: starting, initializing, building ops, step k/N."""
+    if step:
+        return f"step {step}/{steps}"
+    if "ready" in events:
+        return "first step"
+    if "start" not in events:
+        return "starting processes"
+    building = rank0_log.rfind("Building extension module")
+    if building >= 0 and rank0_log.rfind("Loading extension module") < building:
+        return "building ops (JIT, once per machine)"
+    return "initializing (process group, DeepSpeed engine)"
+
+
+def _rank0_log(run_dir: Path) -> str:
+    logs = sorted((Path(run_dir) / "logs").glob("*_rank0.log"))
+    try:
+        return logs[-1].read_text(errors="replace")[-20000:] if logs else ""
+    except OSError:
+        return ""
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -109,7 +173,27 @@ def cmd_runs(args: argparse.Namespace) -> int:
     from labkit.history import runs
 
     table = runs(args.root)
-    print(table.to_string(index=False) if len(table) else "no runs yet")
+    if args.format == "csv":
+        sys.stdout.write(table.to_csv(index=False))
+    elif args.format == "json":
+        sys.stdout.write(table.to_json(orient="records", indent=2) + "\n")
+    else:
+        print(table.to_string(index=False) if len(table) else "no runs yet")
+    return 0
+
+
+def cmd_export_metrics(args: argparse.Namespace) -> int:
+    """A finished run's per-step records as TensorBoard event files and/or CSV (labkit.export_metrics)."""
+    from labkit.export_metrics import to_csv, to_tensorboard
+
+    if not (args.tensorboard or args.csv):
+        raise ConfigError("export-metrics", "name at least one of --tensorboard DIR, --csv DIR")
+    if not Path(args.run).is_dir():
+        raise ConfigError("run", f"no such run directory: {args.run}")
+    written = (to_tensorboard(args.run, args.tensorboard) if args.tensorboard else []) + \
+        (to_csv(args.run, args.csv) if args.csv else [])
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 
@@ -120,12 +204,31 @@ def cmd_answer(args: argparse.Namespace) -> int:
     return cli(args)
 
 
+EPILOG = """examples:
+  labkit run --example zero3 --world-size 2 --micro-batch 64 --steps 20
+  labkit run --example zero3 --world-size 2 --model gpt --hidden 64 --depth 2 --input-size 64
+  labkit run --example offload --world-size 2 --model my_pkg.train:build_model --data my_pkg.train:build_dataset
+  labkit run --script train.py --world-size 2 -- --deepspeed_config ds.json
+  labkit export-metrics runs/<run> --tensorboard tb/ --csv csv/
+  labkit answer --profile ci --model gpt --strict
+  labkit runs --format csv
+
+exit codes:
+  0 finished   1 failed (cause printed; answer --strict: a point did not finish)   2 bad arguments or config
+  3 out of memory   4 hung (no progress within the heartbeat)   130 stopped (Ctrl-C)
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m labkit", description="DeepSpeed Batch Lab")
+    parser = argparse.ArgumentParser(prog="labkit", description="DeepSpeed Batch Lab: real DeepSpeed runs, "
+                                     "supervised, with per-rank records", epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="launch one supervised run and wait for it")
     _add_config_flags(run)
     run.add_argument("--out", default=None, help="run directory (default: a new one under runs/)")
+    run.add_argument("--script", default=None, metavar="TRAIN.PY",
+                     help="script mode: run this unmodified DeepSpeed script on every rank (arguments after --)")
     run.set_defaults(func=cmd_run)
     export = sub.add_parser("export", help="write a multi-node job directory (launch.sh, ds_config.json, ...)")
     _add_config_flags(export)
@@ -135,8 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--master-port", type=int, default=29500)
     export.set_defaults(func=cmd_export)
     runs = sub.add_parser("runs", help="list past runs")
-    runs.add_argument("--root", default=None)
+    runs.add_argument("--root", default=None, help="run store (default: LABKIT_RUNS_DIR, else runs/)")
+    runs.add_argument("--format", choices=("table", "csv", "json"), default="table",
+                      help="table: for people; csv / json: one row / object per run, for scripts")
     runs.set_defaults(func=cmd_runs)
+    metrics = sub.add_parser("export-metrics", help="a run's per-step records as TensorBoard events and/or CSV")
+    metrics.add_argument("run", help="run directory (runs/<name>)")
+    metrics.add_argument("--tensorboard", default=None, metavar="DIR", help="write DIR/rank<N>/ event files")
+    metrics.add_argument("--csv", default=None, metavar="DIR", help="write DIR/rank<N>.csv")
+    metrics.set_defaults(func=cmd_export_metrics)
     answer = sub.add_parser("answer", help="batch-size sweep, max-batch search, time to target, report")
     # labkit.answer.PROFILES' names (not imported here: it pulls in pandas and the sweep).
     answer.add_argument("--profile", choices=("ci", "workshop", "full", "smoke"), default=None,
@@ -146,13 +256,21 @@ def build_parser() -> argparse.ArgumentParser:
     answer.add_argument("--parallel", type=int, default=None,
                         help="timed runs at once (default and maximum: as many as share no core or device)")
     answer.add_argument("--reference", default=None, help="also copy the CSVs, machine.json and report here")
+    answer.add_argument("--strict", action="store_true",
+                        help="exit 1 when a sweep point did not finish (CI); default: report it and exit 0")
+    for name in ("model", "data", "loss"):
+        answer.add_argument("--" + name, default=None, help=_HELP[name] + " (default: the profile's MLP)")
     answer.set_defaults(func=cmd_answer)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Script mode: everything after the first "--" belongs to the script.
+    script_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.script_args = script_args
     try:
         return args.func(args)
     except (ConfigError, FileExistsError) as exc:

@@ -46,24 +46,46 @@ KNOWN_DS_KEYS = frozenset({
     "gradient_predivide_factor", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
     "activation_checkpointing", "flops_profiler", "comms_logger", "dump_state", "seq_parallel_communication_data_type",
     "log_level",
+    # DeepSpeed's monitors (deepspeed/monitor/config.py reads them); labkit's per-step fields go there too.
+    "tensorboard", "csv_monitor", "wandb", "comet",
 })
+MONITOR_KEYS = ("tensorboard", "csv_monitor", "wandb", "comet")
+
+
+def deepspeed_checked(ds_config: dict[str, Any], world_size: int) -> Any:
+    """The whole ds_config parsed and sanity-checked by DeepSpeed's own `DeepSpeedConfig`, as rank 0
+    of `world_size` ranks would, before anything launches (no process group, no device).
+
+    `DeepSpeedConfig.__init__` asks torch.distributed for the world size, which does not exist yet
+    here; this runs the rest of its __init__ (deepspeed/runtime/config.py, 0.19.8) with the world
+    size given: removed keys, every sub-config's pydantic model, the batch triplet, precision."""
+    import copy
+
+    from deepspeed.runtime import config as ds
+
+    checked = ds.DeepSpeedConfig.__new__(ds.DeepSpeedConfig)
+    checked._param_dict = ds_config
+    ds._reject_removed_config_keys(ds_config)
+    checked.global_rank, checked.world_size = 0, world_size
+    checked._initialize_params(copy.copy(ds_config))
+    checked._configure_train_batch_size()
+    checked._do_sanity_check()
+    return checked
 
 
 def hostfile_slots(path: str | os.PathLike) -> dict[str, int]:
-    """Parse a DeepSpeed hostfile ("hostname slots=N" per line, # comments)."""
+    """Parse a DeepSpeed hostfile ("hostname slots=N" per line, # comments) with DeepSpeed's own
+    parser (`deepspeed.launcher.runner.fetch_hostfile`): what labkit checks is what the launcher reads."""
     if not Path(path).is_file():
         raise ConfigError("hostfile", f"no such file: {path}")
-    slots: dict[str, int] = {}
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        match = re.fullmatch(r"(\S+)\s+slots=(\d+)", line)
-        _require(match is not None and int(match.group(2)) > 0, "hostfile",
-                 f"{path}:{number}: expected 'hostname slots=N' with N > 0, got {line!r}")
-        _require(match.group(1) not in slots, "hostfile", f"{path}:{number}: host {match.group(1)} listed twice")
-        slots[match.group(1)] = int(match.group(2))
-    _require(bool(slots), "hostfile", f"{path} lists no hosts")
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    try:
+        slots = dict(fetch_hostfile(str(path)) or {})
+    except ValueError as exc:
+        raise ConfigError("hostfile", f"{path}: {exc} (expected 'hostname slots=N' lines)") from None
+    bad = [host for host, count in slots.items() if count <= 0]
+    _require(not bad, "hostfile", f"{path}: hosts {bad} have no slots (expected 'hostname slots=N' with N > 0)")
     return slots
 
 
@@ -99,6 +121,15 @@ def _require(condition: bool, field_name: str, message: str) -> None:
 @dataclass(kw_only=True)
 class RunConfig:
     example: Literal["pytorch", "deepspeed", "offload", "zero3"] = "zero3"
+    # What is trained (labkit.builders): a built-in name ("mlp", "gpt") or "package.module:build_model";
+    # data/loss: "package.module:callable" import strings (None: the built-in model's dataset / cross-entropy).
+    model: str = "mlp"
+    data: str | None = None
+    loss: str | None = None
+    # Script mode (labkit.script): an unmodified DeepSpeed training script run on every rank with these
+    # arguments instead of labkit's worker; `steps` is then only the progress bar's length.
+    script: str | None = None
+    script_args: list[str] = field(default_factory=list)
     stage: int | None = None              # ZeRO stage 0-3; None = the example's preset
     offload_optimizer: bool | None = None  # optimizer state + step on the CPU; None = preset
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -138,6 +169,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         _require(self.example in EXAMPLES, "example", f"must be one of {EXAMPLES}, got {self.example!r}")
         preset = PRESETS[self.example]
+        self._check_builders()
         if self.stage is None:
             self.stage = preset["stage"]
         if self.offload_optimizer is None:
@@ -206,6 +238,21 @@ class RunConfig:
                      f"{sum(slots.values())} slots; DeepSpeed's launcher starts one rank per slot")
         self._check_overrides()
 
+    def _check_builders(self) -> None:
+        from labkit.builders import MODELS, check_spec_syntax
+
+        for name in ("model", "data", "loss"):
+            problem = check_spec_syntax(name, getattr(self, name), builtin_ok=name == "model")
+            _require(problem is None, name, problem or "")
+        if self.script is not None:
+            _require(isinstance(self.script, str) and Path(self.script).is_file(), "script",
+                     f"no such file: {self.script!r}")
+            _require(isinstance(self.script_args, list) and all(isinstance(a, str) for a in self.script_args),
+                     "script_args", f"must be a list of strings, got {self.script_args!r}")
+        _require(self.model in MODELS or self.data is not None, "data",
+                 f"model {self.model!r} is an import string: name its dataset too, "
+                 "data='package.module:build_dataset'")
+
     def _check_devices(self) -> None:
         from labkit.devices import detect_devices
 
@@ -227,18 +274,29 @@ class RunConfig:
         for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
             _require(key not in self.ds_overrides, "ds_overrides",
                      f"{key} is derived from micro_batch, grad_accum and world_size; set those instead")
-        if self.example != "pytorch":
+        if self.example != "pytorch" or any(key in self.ds_overrides for key in MONITOR_KEYS):
             from labkit.ds_import import import_deepspeed
 
-            import_deepspeed()
-            from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+            import_deepspeed()  # DeepSpeed's first import under one lock: threads importing it at once deadlock
+        if any(key in self.ds_overrides for key in MONITOR_KEYS):
+            _require(self.example != "pytorch", "ds_overrides",
+                     "DeepSpeed's monitors need a DeepSpeed engine; the plain PyTorch example has none")
+            from deepspeed.monitor.config import get_monitor_config
 
             try:
-                DeepSpeedZeroConfig(**self.ds_config()["zero_optimization"])
+                get_monitor_config(self.ds_overrides)
+            except Exception as exc:
+                errors = getattr(exc, "errors", lambda: [])()
+                detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) or str(exc)
+                raise ConfigError("ds_overrides", f"monitor config: {detail}") from None
+        if self.example != "pytorch" and not self.script:
+            try:
+                deepspeed_checked(self.ds_config(), self.world_size)
             except Exception as exc:  # pydantic's ValidationError names the bad field
                 errors = getattr(exc, "errors", lambda: [])()
                 detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) or str(exc)
-                raise ConfigError("ds_overrides.zero_optimization", detail) from None
+                where = "ds_overrides.zero_optimization" if "DeepSpeedZeroConfig" in str(exc) else "ds_overrides"
+                raise ConfigError(where, f"DeepSpeed refuses the config: {detail}") from None
 
     # -- derived values ------------------------------------------------------------------
     @property

@@ -24,6 +24,8 @@ KNOCK_ON_PATTERNS = (
     "communicator was aborted",
     "remote process exited",
     "remote peer",
+    # DeepSpeed's launcher SIGTERMs the other ranks once one exits with an error: a peer's cause.
+    "killed by sigterm",
 )
 
 
@@ -51,7 +53,8 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-_TRACEBACK_LAST = re.compile(r"^(\w[\w.]*(Error|Exception|Interrupt|Exit)\b.*)$", re.MULTILINE)
+# torch prefixes an uncaught exception's lines with "[rankN]: " once a process group exists (scripts).
+_TRACEBACK_LAST = re.compile(r"^(?:\[rank\d+\]: )?(\w[\w.]*(Error|Exception|Interrupt|Exit)\b.*)$", re.MULTILINE)
 
 
 def last_exception_line(log_text: str) -> str | None:

@@ -99,6 +99,8 @@ def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port:
         # os.devnull is not a regular file, so the runner takes its local-resources path.
         argv += ["--hostfile", SINGLE_NODE_HOSTFILE]
     argv += ["--master_port", str(master_port), "--module", "labkit.rank_guard", "--run-dir", str(run_dir)]
+    if config.script:  # script mode (labkit.script): the guard runs the learner's script
+        argv += ["--script", str(Path(config.script).resolve()), *config.script_args]
 
     env["PYTHONUNBUFFERED"] = "1"
     # This interpreter's scripts first: DeepSpeed's JIT builds call `ninja` from PATH, and a

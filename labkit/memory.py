@@ -234,7 +234,8 @@ def zero12_grad_elements(param_numels: Sequence[int], world_size: int) -> list[i
 def _counts(model_or_n_params: nn.Module | int, largest_layer_params: int | None) -> tuple[int, int]:
     if isinstance(model_or_n_params, nn.Module):
         # Same counting as DeepSpeed's model_to_params: shared params once, largest module.
-        total = sum({p.data_ptr(): p.numel() for p in model_or_n_params.parameters()}.values())
+        # parameters() yields a shared parameter once; by identity, so meta-device models count too.
+        total = sum(p.numel() for p in model_or_n_params.parameters())
         largest = max((sum(p.numel() for p in m.parameters(recurse=False))
                        for m in model_or_n_params.modules()), default=0)
         return total, largest if largest_layer_params is None else largest_layer_params

@@ -172,7 +172,8 @@ def noise_scale_spread(measurements: Sequence[Sequence[float]], parts: int = 4) 
 
 
 # -- the in-run probe (used by labkit.worker) ---------------------------------------------------
-def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, labels, *, device) -> dict[str, float]:
+def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, labels, *, device,
+                         loss_fn: Callable[..., Any] | None = None) -> dict[str, float]:
     """Squared gradient norms at two batch sizes, for the current weights, on every rank at once.
 
     `params` are the live parameters of the trained model in `make_model()`'s order (ZeRO-3
@@ -183,20 +184,22 @@ def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, la
     """
     import torch
     import torch.distributed as dist
-    from torch import nn
 
     # Memory: one fp32 copy of the model and two fp32 gradient sets at most (12 bytes per parameter),
     # not a float64 vector per half (it was ~36 bytes per parameter: GBs at 100M+ parameters, enough
     # to cause the out-of-memory error the run then reports). Sums of squares accumulate in float64.
     clone = make_model().to(device)
     with _gathered(params), torch.no_grad():
-        for mine, live in zip(clone.parameters(), params):
+        for mine, live in zip(clone.parameters(), params, strict=True):
             mine.copy_(live.detach().view_as(mine))  # converts dtype and device in place
-    criterion = nn.CrossEntropyLoss()
+    if loss_fn is None:
+        from labkit.builders import default_loss as loss_fn
     half = inputs.shape[0] // 2
     if half < 1:
         raise ValueError("the noise-scale probe needs a micro-batch of at least 2 samples")
-    inputs, labels = inputs.to(device=device, dtype=torch.float32), labels.to(device)
+    # Token ids (the GPT) stay integers; features become fp32 like the clone.
+    inputs = inputs.to(device=device, dtype=torch.float32 if inputs.is_floating_point() else inputs.dtype)
+    labels = labels.to(device)
 
     def sum_sq(tensors) -> torch.Tensor:
         return sum(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in tensors)
@@ -204,7 +207,7 @@ def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, la
     mean_grads = None
     sq_norms = []
     for part in (slice(0, half), slice(half, 2 * half)):
-        loss = criterion(clone(inputs[part]), labels[part])
+        loss = loss_fn(clone, inputs[part], labels[part])
         grads = torch.autograd.grad(loss, list(clone.parameters()))
         sq_norms.append(sum_sq(grads))
         if mean_grads is None:

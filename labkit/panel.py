@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from labkit.builders import MODELS
 from labkit.config import EXAMPLES, LR_SCALINGS, PRECISIONS, ConfigError, RunConfig
 from labkit.dashboard import REFRESH_S, Dashboard, RankSeries
 from labkit.history import COLUMNS, runs
@@ -149,6 +150,17 @@ class LabPanel:
             "lr_scaling": W.Dropdown(options=LR_SCALINGS, value=values["lr_scaling"], description="LR scaling",
                                      style=wide),
             "base_batch": intbox("base_batch", "LR tuned at batch"),
+            # What is trained (labkit.builders): a built-in name or the learner's import strings. Launch
+            # imports them in a child process first: a bad one is shown here and nothing starts.
+            "model": W.Combobox(options=list(MODELS), value=values["model"], ensure_option=False,
+                                description="model", placeholder="mlp, gpt or package.module:build_model",
+                                style=wide, layout=W.Layout(width="520px")),
+            "data": W.Text(value=values["data"] or "", description="dataset", style=wide,
+                           placeholder="package.module:build_dataset (default: the model's)",
+                           layout=W.Layout(width="520px")),
+            "loss": W.Text(value=values["loss"] or "", description="loss", style=wide,
+                           placeholder="package.module:loss_fn (default: cross-entropy)",
+                           layout=W.Layout(width="520px")),
         }
         self._extra = {k: v for k, v in defaults.items() if k not in self.controls}
 
@@ -187,6 +199,7 @@ class LabPanel:
             W.HBox([column("example", "stage", "offload_optimizer", "precision"),
                     column("world_size", "micro_batch", "grad_accum", "steps"),
                     column("hidden", "depth", "lr", "lr_scaling", "base_batch")]),
+            W.HBox([column("model", "data", "loss")]),
             self.derived, self.message,
             W.HBox([self.launch_button, self.stop_button]),
             self.status,
@@ -207,6 +220,9 @@ class LabPanel:
         """The RunConfig the controls describe; raises ConfigError if it must not be launched."""
         values = {name: None if control.value == PRESET else control.value
                   for name, control in self.controls.items()}
+        for name in ("data", "loss"):
+            values[name] = values[name].strip() or None  # an empty text field: the default
+        values["model"] = values["model"].strip()
         return RunConfig(**self._extra, **values)
 
     def _on_change(self, _change: Any = None) -> None:

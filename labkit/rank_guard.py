@@ -32,10 +32,19 @@ def main() -> int:
     # Installed before the worker starts: a stop that lands in between must still reach it.
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, forward)
-    child = subprocess.Popen([sys.executable, "-u", "-m", "labkit.worker", *argv])
+    script = None
+    if "--script" in argv:  # script mode (labkit.script): the learner's script instead of labkit's worker
+        at = argv.index("--script")
+        script, argv = argv[at + 1], argv[:at] + argv[at + 2:]
+        at = argv.index("--run-dir")
+        argv = argv[:at] + argv[at + 2:]  # the script gets DeepSpeed's --local_rank and its own args only
+        os.environ["LABKIT_RUN_DIR"] = str(run_dir)
+        child = subprocess.Popen([sys.executable, "-u", script, *argv])
+    else:
+        child = subprocess.Popen([sys.executable, "-u", "-m", "labkit.worker", *argv])
     for signum in pending:
         child.send_signal(signum)
-    returncode = child.wait()
+    returncode = _watch_script(child, run_dir, rank) if script else child.wait()
     write_json_atomic(run_dir / f"rank{rank}.exit", {"rank": rank, "pid": child.pid, "returncode": returncode})
     # Exit like the child did, so DeepSpeed's launcher reacts as it would without us.
     if returncode < 0:
@@ -43,6 +52,31 @@ def main() -> int:
             signal.signal(-returncode, signal.SIG_DFL)
         os.kill(os.getpid(), -returncode)
     return returncode
+
+
+def _watch_script(child: subprocess.Popen, run_dir: Path, rank: int) -> int:
+    """Records what a script does not: its start, its memory (RSS of its process tree) as
+    liveness every SAMPLE_S, and a done record when it exits 0."""
+    import psutil
+
+    from labkit.script import SAMPLE_S, guard_events
+
+    start, sample, done = guard_events(run_dir, rank)
+    start(child.pid)
+    process = psutil.Process(child.pid)
+    while True:
+        try:
+            return_code = child.wait(timeout=SAMPLE_S)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            tree = [process, *process.children(recursive=True)]
+            sample(sum(p.memory_info().rss for p in tree))
+        except psutil.Error:
+            continue  # exiting: the next wait returns
+    done(return_code)
+    return return_code
 
 
 if __name__ == "__main__":

@@ -39,7 +39,10 @@ STOP_TIMEOUT_S = 6.0
 def run_name(config: RunConfig) -> str:
     stage = "torch" if config.stage is None else f"z{config.stage}"
     offload = "-off" if config.offload_optimizer else ""
-    return f"{config.example}-{stage}{offload}-w{config.world_size}-b{config.global_batch}"
+    if config.script:
+        return f"script-{Path(config.script).stem}-w{config.world_size}"
+    model = "" if config.model == "mlp" else "-" + config.model.split(":")[0].split(".")[-1]
+    return f"{config.example}{model}-{stage}{offload}-w{config.world_size}-b{config.global_batch}"
 
 
 class Run:
@@ -70,6 +73,10 @@ class Run:
     def start(self) -> "Run":
         if self.run_dir is not None:
             raise RuntimeError(f"this run was already started in {self.run_dir}")
+        if not self.config.script and (self.config.model != "mlp" or self.config.data or self.config.loss):
+            from labkit.builders import check_importable
+
+            check_importable(self.config)  # a bad import string fails here, before anything is launched
         devices = detect_devices()
         base_env = {**os.environ, **self._extra_env}
         # Refuses busy GPUs before anything is written; takes free ones, not always the first N.

@@ -95,7 +95,11 @@ def summarize(run_dir: str | Path, config: dict[str, Any], *, status: str, cause
     done = next((r for r in records_by_rank.get(0, []) if r.get("event") == "done"), {})
     # The done record holds one device's peak; the run has world_size of them.
     peak_flops = done["peak_flops"] * world_size if done.get("peak_flops") else None
-    achieved = train_flops_per_sample(n_params) * samples_per_s if (n_params and samples_per_s) else None
+    # Measured by DeepSpeed's flops profiler for models other than the MLP (labkit.builders), else 6 x params.
+    measured = next((r["train_flops_per_sample"] for r in records_by_rank.get(0, [])
+                     if r.get("train_flops_per_sample")), None)
+    per_sample = measured or (train_flops_per_sample(n_params) if n_params else None)
+    achieved = per_sample * samples_per_s if (per_sample and samples_per_s) else None
     evaluated = has_eval(records_by_rank)
     # The target on the held-out eval loss when the run evaluated one, else on the training loss's window.
     finder = eval_time_to_target if evaluated else time_to_target

@@ -132,6 +132,10 @@ def point_key(config: RunConfig | dict[str, Any], measurement_version: int = MEA
     data = config.to_dict() if isinstance(config, RunConfig) else dict(config)
     data = json.loads(json.dumps(data, default=str))  # the form config.json holds
     data.pop("max_world_size", None)
+    # The default model leaves the key as it was before models were selectable: old points stay reusable.
+    for name, default in (("model", "mlp"), ("data", None), ("loss", None), ("script", None), ("script_args", [])):
+        if data.get(name, default) == default:
+            data.pop(name, None)
     data["measurement_version"] = measurement_version
     return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 

@@ -7,11 +7,12 @@ loop reads the same for every example, and each phase can be timed on its own.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from labkit.builders import default_loss
 from labkit.config import RunConfig
 from labkit.state_bytes import model_state_bytes
 
@@ -55,8 +56,10 @@ def _mean_loss(forward, inputs: torch.Tensor, labels: torch.Tensor, chunk: int) 
 class PlainTrainer:
     """Example 1: model, loss, optimizer and the loop, with no DeepSpeed engine."""
 
-    def __init__(self, model: nn.Module, config: RunConfig, device: torch.device):
+    def __init__(self, model: nn.Module, config: RunConfig, device: torch.device,
+                 loss_fn: Callable[..., torch.Tensor] | None = None):
         self.config = config
+        self.loss_fn = loss_fn or default_loss
         self.device = device
         self.model = model.to(device)
         params = self.model.parameters()
@@ -64,14 +67,13 @@ class PlainTrainer:
             self.optimizer: torch.optim.Optimizer = torch.optim.Adam(params, lr=config.lr_at(1))
         else:
             self.optimizer = torch.optim.SGD(params, lr=config.lr_at(1), momentum=0.9)
-        self.criterion = nn.CrossEntropyLoss()
         # bf16 as mixed precision: fp32 weights, bf16 compute under autocast.
         self._autocast = config.precision == "bf16"
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         inputs, labels = inputs.to(self.device), labels.to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
-            return self.criterion(self.model(inputs).float(), labels)
+            return self.loss_fn(self.model, inputs, labels)
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self.config.grad_accum).backward()
@@ -101,20 +103,22 @@ class PlainTrainer:
 class DeepSpeedTrainer:
     """Examples 2 and 3: the same model wrapped by `deepspeed.initialize`."""
 
-    def __init__(self, model: nn.Module, config: RunConfig, ds_config: dict[str, Any]):
+    def __init__(self, model: nn.Module, config: RunConfig, ds_config: dict[str, Any],
+                 loss_fn: Callable[..., torch.Tensor] | None = None):
         import deepspeed
 
         self.config = config
+        self.loss_fn = loss_fn or default_loss
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config)
         self.device = self.engine.device
         self.dtype = _DTYPES[config.precision]
-        self.criterion = nn.CrossEntropyLoss()
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        inputs = inputs.to(self.device, dtype=self.dtype)
+        # Floating inputs in the engine's precision; token ids and other integers as they are.
+        inputs = inputs.to(self.device, dtype=self.dtype if inputs.is_floating_point() else inputs.dtype)
         labels = labels.to(self.device)
-        return self.criterion(self.engine(inputs).float(), labels)
+        return self.loss_fn(self.engine, inputs, labels)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps itself
@@ -141,3 +145,10 @@ class DeepSpeedTrainer:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.engine.module.parameters()
+
+    def write_monitor(self, step: int, fields: dict[str, Any]) -> None:
+        """labkit's per-step numbers through DeepSpeed's monitors (TensorBoard, CSV, W&B, Comet) when
+        the config enables one; the monitor writes on rank 0 only."""
+        if self.engine.monitor.enabled:
+            self.engine.monitor.write_events([(f"labkit/{name}", float(value), step) for name, value in fields.items()
+                                              if isinstance(value, (int, float)) and not isinstance(value, bool)])

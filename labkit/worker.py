@@ -23,13 +23,15 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset, default_collate
 
 from labkit.config import RunConfig
-from labkit.data import make_dataset, make_sampler
+from labkit.data import make_sampler
 from labkit.failures import is_oom
 from labkit.faults import FaultHooks
-from labkit.model import SimpleModel, count_parameters
+from labkit import builders
+from labkit.builders import build_dataset, build_model, loss_function, monitor_paths
+from labkit.model import count_parameters
 from labkit.rendezvous import init_distributed
 from labkit.step_clock import StepClock
 from labkit.step_loop import train_step
@@ -67,7 +69,13 @@ def train() -> None:
     torch.manual_seed(config.seed)  # every rank builds identical initial weights
 
     # -- data: each rank must read its own shard --------------------------------------
-    dataset = make_dataset(config.dataset_size, config.input_size, config.output_size, config.seed)
+    dataset = build_dataset(config)  # RunConfig.data (labkit.builders): (inputs, labels) items
+    held_out = None
+    if config.eval_every and not builtin_mlp_data(config):
+        # A model's own dataset: its last eval_samples items are held out, never trained on.
+        _require_eval_room(len(dataset))
+        held_out = Subset(dataset, range(len(dataset) - config.eval_samples, len(dataset)))
+        dataset = Subset(dataset, range(len(dataset) - config.eval_samples))
     # Each rank must read its own shard; distributed_sampler=False keeps the seed text's bug
     # switchable to measure it (every rank reads the whole dataset: an epoch never shrinks).
     sampler, samples_per_epoch = make_sampler(dataset, distributed_sampler=config.distributed_sampler,
@@ -83,7 +91,12 @@ def train() -> None:
             epoch += 1
 
     # -- model and trainer -------------------------------------------------------------
-    model = SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
+    # MFU's numerator: ~6 x params per sample is the MLP's; any other model is measured by DeepSpeed's
+    # profiler, before deepspeed.initialize (the profiler patches torch functions that ZeRO-3 also wraps).
+    flops = ({"train_flops_per_sample": builders.train_flops_per_sample(config, dataset)}
+             if rank == 0 and config.model != "mlp" else {})
+    model = build_model(config)  # RunConfig.model: built-in or the learner's import string
+    loss_fn = loss_function(config)
     n_params = count_parameters(model)
     from labkit import ops
 
@@ -92,12 +105,13 @@ def train() -> None:
         example=config.example, optimizer=config.optimizer, offload=bool(config.offload_optimizer),
         accelerator=accelerator._name, cuda_ops=accelerator._name == "cuda" and ops.cuda_ops_buildable()[0])
     if config.example == "pytorch":
-        trainer = PlainTrainer(model, config, torch.device(accelerator.device_name(args.local_rank)))
+        trainer = PlainTrainer(model, config, torch.device(accelerator.device_name(args.local_rank)), loss_fn)
     else:
-        trainer = DeepSpeedTrainer(model, config, ops.with_optimizer_impl(config.ds_config(), optimizer_impl))
+        trainer = DeepSpeedTrainer(model, config, ops.with_optimizer_impl(
+            monitor_paths(config.ds_config(), args.run_dir), optimizer_impl), loss_fn)
 
     telemetry.begin_step()  # the ready record's device peak: not deepspeed.initialize's transients
-    telemetry.event("ready", n_params=n_params, accelerator=accelerator._name, optimizer_impl=optimizer_impl,
+    telemetry.event("ready", n_params=n_params, accelerator=accelerator._name, optimizer_impl=optimizer_impl, **flops,
                     backend=accelerator.communication_backend_name(), **telemetry.memory())
 
     # -- the loop ----------------------------------------------------------------------
@@ -120,13 +134,16 @@ def train() -> None:
 
         probe_rng = torch.Generator().manual_seed(config.seed * 1_000_003 + 7919 + rank)
 
-        def make_model() -> SimpleModel:
-            return SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
+        def make_model() -> torch.nn.Module:
+            return build_model(config)
 
     def write_ready(wait: bool = False) -> None:
         for record in clock.ready(wait=wait):
             # All ranks step in lockstep, each on micro_batch x grad_accum samples.
-            telemetry.step(**record, samples_per_s=config.global_batch / record["step_time_s"])
+            samples_per_s = config.global_batch / record["step_time_s"]
+            telemetry.step(**record, samples_per_s=samples_per_s)
+            if hasattr(trainer, "write_monitor"):  # DeepSpeed's monitors, when ds_overrides enable one
+                trainer.write_monitor(record["step"], {**record, "samples_per_s": samples_per_s})
 
     # stop_at_target: ranks must stop at the same step, so they agree on the global mean loss
     # (one all_reduce per step, only when asked) over labkit.summary.time_to_target's window.
@@ -135,7 +152,9 @@ def train() -> None:
     # loss is near the target, so the first step that meets it is found without a window's lag.
     # It runs outside the step's clock (eval_s is recorded on its own), on every rank.
     eval_loss, eval_timed_s, eval_history = None, 0.0, []  # eval_history: (step, loss) of the last two evals
-    if config.eval_every:
+    if held_out is not None:
+        eval_set = default_collate([held_out[i] for i in range(len(held_out))])
+    elif config.eval_every:
         from labkit.data import make_eval_set
 
         eval_set = make_eval_set(config.eval_samples, config.dataset_size, config.input_size, config.output_size,
@@ -148,8 +167,9 @@ def train() -> None:
         noise: dict[str, float] = {}
         if config.noise_scale_every and step % config.noise_scale_every == 0:
             picks = torch.randint(len(dataset), (config.micro_batch,), generator=probe_rng)
-            noise = gradient_noise_probe(make_model, list(trainer.parameters()), *dataset[picks],
-                                         device=trainer.device)
+            probe_inputs, probe_labels = default_collate([dataset[int(i)] for i in picks])
+            noise = gradient_noise_probe(make_model, list(trainer.parameters()), probe_inputs, probe_labels,
+                                         device=trainer.device, loss_fn=loss_fn)
         if instrument:
             telemetry.begin_step()  # device_peak_bytes in this step's record: this step's own peak
         clock.begin()
@@ -221,6 +241,17 @@ def train() -> None:
                     **peak, **timed, **telemetry.memory())
     # Leave the process group now: ranks that skip this linger in teardown.
     deepspeed.comm.destroy_process_group()
+
+
+def builtin_mlp_data(config: RunConfig) -> bool:
+    """The lab's MLP on its generated data: its held-out set is generated apart (labkit.data.make_eval_set)."""
+    return config.model == "mlp" and config.data is None
+
+
+def _require_eval_room(dataset_size: int) -> None:
+    if config.eval_samples >= dataset_size // 2:
+        raise ValueError(f"eval_samples ({config.eval_samples}) would hold out half or more of the model's "
+                         f"{dataset_size}-item dataset; lower eval_samples or set eval_every=0")
 
 
 def _eval_due(step: int, history: list[tuple[int, float]]) -> bool:

@@ -1,0 +1,41 @@
+"""A plain DeepSpeed training script, as a learner writes it (run by tests/test_own_model.py).
+
+    deepspeed ds_train.py --steps 6 [--record] [--fail-rank 1 --fail-step 3]
+
+With --record it adds labkit's one line per step; without it, it knows nothing of labkit.
+"""
+
+import argparse
+
+import deepspeed
+import torch
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int, default=0)
+parser.add_argument("--steps", type=int, default=6)
+parser.add_argument("--record", action="store_true")
+parser.add_argument("--fail-rank", type=int, default=None)
+parser.add_argument("--fail-step", type=int, default=None)
+args = parser.parse_args()
+
+deepspeed.init_distributed()
+rank = torch.distributed.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+config = {"train_batch_size": 16 * torch.distributed.get_world_size(), "train_micro_batch_size_per_gpu": 16,
+          "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 1},
+          "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+inputs = torch.randn(16, 16, generator=torch.Generator().manual_seed(rank))
+labels = (inputs[:, :4]).argmax(dim=1)
+for step in range(1, args.steps + 1):
+    if args.fail_rank == rank and args.fail_step == step:
+        raise ValueError(f"bad batch at step {step}")
+    loss = torch.nn.functional.cross_entropy(engine(inputs), labels)
+    engine.backward(loss)
+    engine.step()
+    if args.record:
+        import labkit
+
+        labkit.record(step=step, loss=loss.item())
+deepspeed.comm.destroy_process_group()

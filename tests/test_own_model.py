@@ -1,0 +1,298 @@
+"""The learner's own model (import strings) and the built-in GPT, in real 2-rank DeepSpeed runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from labkit import Run, RunConfig
+from labkit import builders
+from labkit.config import ConfigError
+from labkit.sweep import point_key
+from labkit.telemetry import rank_file, read_records
+from tests.conftest import REPO
+
+OWN = dict(model="tests.own_model:build_model", data="tests.own_model:build_dataset",
+           loss="tests.own_model:loss_fn")
+GPT_CI = dict(model="gpt", hidden=64, depth=2, input_size=64, dataset_size=1024, lr=3e-3)
+
+
+def _steps(run_dir, rank=0):
+    return [r for r in read_records(rank_file(run_dir, rank)) if r["event"] == "step"]
+
+
+@pytest.mark.parametrize("fields,field_name", [
+    (dict(model="not an import string"), "model"),
+    (dict(model="tests.own_model:build_model"), "data"),  # an import string needs its dataset
+    (dict(data="tests.own_model"), "data"),
+    (dict(loss="tests.own_model:loss fn"), "loss"),
+])
+def test_malformed_import_strings_are_refused_by_the_config(fields, field_name):
+    with pytest.raises(ConfigError) as error:
+        RunConfig(**fields)
+    assert error.value.field == field_name
+
+
+@pytest.mark.parametrize("fields,field_name,words", [
+    (dict(OWN, model="tests.no_such_module:build_model"), "model", "No module named 'tests.no_such_module'"),
+    (dict(OWN, data="tests.own_model:no_such_builder"), "data", "no_such_builder"),
+    (dict(OWN, loss="tests.own_model:not_callable"), "loss", "not a callable"),
+])
+def test_unimportable_strings_fail_before_launch(fields, field_name, words, runs_root):
+    run = Run(RunConfig(example="zero3", world_size=2, micro_batch=8, steps=2, **fields))
+    with pytest.raises(ConfigError) as error:
+        run.start()
+    assert error.value.field == field_name and words in str(error.value)
+    assert run.run_dir is None and not runs_root.exists()  # nothing launched, nothing written
+
+
+def test_own_model_data_and_loss_train_under_zero2(tmp_path):
+    out = tmp_path / "own"
+    result = subprocess.run(
+        [sys.executable, "-m", "labkit", "run", "--example", "offload", "--world-size", "2", "--micro-batch", "16",
+         "--steps", "12", "--lr", "0.02", "--input-size", "12", "--hidden", "32", "--dataset-size", "512",
+         "--model", OWN["model"], "--data", OWN["data"], "--loss", OWN["loss"], "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+    steps = _steps(out)
+    assert len(steps) == 12
+    losses = [r["loss"] for r in steps]
+    assert sum(losses[-3:]) < sum(losses[:3])  # the MSE of the regression falls (the default loss would fail)
+    done = read_records(rank_file(out, 0))[-1]
+    assert done["n_params"] == 12 * 32 + 32 + 32 + 1
+
+
+def test_gpt_trains_on_python_source_under_zero3(runs_root):
+    # Warmup as in the answer's profile: without it Adam at 3e-3 may spike (seen at step 12).
+    config = RunConfig(example="zero3", world_size=2, micro_batch=8, steps=12, census_every=4, warmup_steps=3,
+                       **GPT_CI)
+    run = Run(config).start()
+    assert run.wait(timeout=600) == "finished", run.cause
+    steps = _steps(run.run_dir)
+    # MFU counts the GPT's FLOPs as DeepSpeed's profiler measured them: ~6 x params per token, not per sample.
+    ready = next(r for r in read_records(rank_file(run.run_dir, 0)) if r["event"] == "ready")
+    assert 6 * ready["n_params"] * 64 < ready["train_flops_per_sample"] < 12 * ready["n_params"] * 64
+    summary = run.summary
+    assert summary["achieved_flops"] == pytest.approx(ready["train_flops_per_sample"] * summary["samples_per_s"])
+    assert steps[0]["loss"] == pytest.approx(math.log(256), abs=0.6)  # a uniform guess over 256 bytes
+    losses = [r["loss"] for r in steps]
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0  # byte statistics learned: real language modelling
+    # ZeRO-3 keeps every parameter of this small model whole (all <= 1e5 elements): the memory model's
+    # persistence threshold on the real shapes predicts the census.
+    numels = builders.param_numels(config)
+    from labkit.memory import model_state_bytes
+
+    predicted = model_state_bytes(sum(numels), 3, 2, "fp32", persistent_params=builders.persistent_params(numels))
+    assert steps[-1]["param_bytes"] == predicted["param_bytes"]
+
+
+def test_gpt_dataset_is_next_byte_prediction_on_the_standard_library():
+    from labkit.models import gpt
+
+    config = RunConfig(**GPT_CI)
+    dataset = builders.build_dataset(config)
+    inputs, labels = dataset[5]
+    assert len(dataset) == 1024 and inputs.shape == labels.shape == (64,)
+    assert inputs.dtype.is_floating_point is False and int(inputs.max()) < 256
+    assert bool((inputs[1:] == labels[:-1]).all())  # labels are the inputs shifted by one byte
+    assert bytes(inputs.tolist()) in gpt.corpus()
+    assert builders.build_dataset(config)[5][0].equal(inputs)  # deterministic
+
+
+def test_param_numels_come_from_the_meta_device_and_match_the_real_model():
+    import torch
+
+    for config in (RunConfig(), RunConfig(**GPT_CI), RunConfig(input_size=12, hidden=32, **OWN)):
+        torch.manual_seed(0)
+        real = [p.numel() for p in builders.build_model(config).parameters()]
+        assert builders.param_numels(config) == real
+    mlp = RunConfig(hidden=512, depth=2)
+    from labkit.memory import mlp_persistent_params
+
+    assert builders.persistent_params(builders.param_numels(mlp)) == mlp_persistent_params(100, 512, 2, 10)
+
+
+def test_default_model_keeps_old_point_keys():
+    config = RunConfig(example="zero3")
+    old_form = {k: v for k, v in config.to_dict().items() if k not in ("model", "data", "loss")}
+    assert point_key(config) == point_key(old_form)
+    assert point_key(RunConfig(example="zero3", **GPT_CI)) != point_key(config)
+
+
+def test_answer_switches_to_gpt_with_one_parameter():
+    from labkit.answer import PROFILES, maxbatch_templates, points, with_model
+
+    profile = with_model(PROFILES["ci"], "gpt")
+    assert profile.name == "ci-gpt"
+    configs = points(profile) + maxbatch_templates(profile)
+    assert configs and all(c.model == "gpt" and c.hidden == 64 for c in configs)
+    own = with_model(PROFILES["ci"], OWN["model"], OWN["data"], OWN["loss"])
+    assert all(c.data == OWN["data"] and c.loss == OWN["loss"] for c in points(own))
+
+
+def test_panel_shows_a_bad_import_string_and_launches_nothing(runs_root):
+    from labkit.panel import LabPanel
+
+    panel = LabPanel(example="zero3", world_size=2, micro_batch=8, steps=2)
+    panel.controls["model"].value = "tests.own_model:build_model"
+    assert "data" in panel.message.value  # the config itself names the missing dataset
+    panel.controls["data"].value = "tests.own_model:no_such_builder"
+    assert panel.launch() is None
+    assert "data: cannot import tests.own_model:no_such_builder" in panel.message.value
+    assert panel.run is None and not runs_root.exists()
+    panel.controls["data"].value = "tests.own_model:build_dataset"
+    assert panel.config().data == "tests.own_model:build_dataset"
+
+
+# -- script mode ---------------------------------------------------------------------------------
+SCRIPT = str(REPO / "tests" / "scripts" / "ds_train.py")
+
+
+def _script_run(tmp_path, name, *script_args, steps=6):
+    out = tmp_path / name
+    result = subprocess.run(
+        [sys.executable, "-m", "labkit", "run", "--script", SCRIPT, "--world-size", "2", "--steps", str(steps),
+         "--out", str(out), "--", "--steps", str(steps), *script_args],
+        cwd=REPO, capture_output=True, text=True, timeout=500)
+    return result, out, json.loads((out / "summary.json").read_text())
+
+
+def test_script_with_one_record_line_streams_its_steps(tmp_path):
+    result, out, summary = _script_run(tmp_path, "recorded", "--record")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary["status"] == "finished" and summary["steps_completed"] == 6
+    for rank in (0, 1):
+        steps = _steps(out, rank)
+        assert [r["step"] for r in steps] == list(range(1, 7))
+        assert all(r["loss"] > 0 and r["rss_bytes"] > 0 and r["step_time_s"] > 0 for r in steps)
+    assert summary["final_loss"] is not None and summary["median_step_time_s"] is not None
+
+
+def test_unmodified_script_is_seen_from_outside_and_its_failure_named(tmp_path):
+    result, out, summary = _script_run(tmp_path, "failing", "--fail-rank", "1", "--fail-step", "3")
+    assert result.returncode == 1
+    assert summary["status"] == "failed"
+    assert "rank 1" in summary["cause"] and "ValueError: bad batch at step 3" in summary["cause"]
+    # No labkit line in the script: the guard's samples still show each rank alive, with its memory.
+    for rank in (0, 1):
+        records = read_records(rank_file(out, rank))
+        assert records[0]["event"] == "start" and records[0]["script"] is True
+        samples = [r for r in records if r["event"] == "sample"]
+        assert samples and all(r["rss_bytes"] > 10_000_000 for r in samples)
+        assert not _steps(out, rank)
+    from tests.conftest import run_processes
+
+    assert not run_processes(out)  # no orphans
+
+
+# -- DeepSpeed's monitors and export-metrics -------------------------------------------------------
+def _scalars(event_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(event_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_monitor_gets_labkits_fields_and_export_metrics_converts_a_run(tmp_path):
+    out = tmp_path / "monitored"
+    result = subprocess.run(
+        [sys.executable, "-m", "labkit", "run", "--example", "zero3", "--world-size", "2", "--micro-batch", "16",
+         "--steps", "4", "--dataset-size", "256", "--out", str(out),
+         "--ds-override", '{"tensorboard": {"enabled": true, "job_name": "tb"}, '
+                          '"csv_monitor": {"enabled": true, "job_name": "csv"}}'],
+        cwd=REPO, capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    live = _scalars(out / "monitor" / "tb")  # written by DeepSpeed's monitor on rank 0, during the run
+    losses = [r["loss"] for r in _steps(out, 0)]
+    assert [v for _, v in live["labkit/loss"]] == pytest.approx(losses)
+    assert "Train/Samples/lr" in live  # DeepSpeed's own event, next to labkit's
+    assert (out / "monitor" / "csv" / "labkit_step_time_s.csv").is_file()
+
+    exported = tmp_path / "tb"
+    result = subprocess.run([sys.executable, "-m", "labkit", "export-metrics", str(out), "--tensorboard",
+                             str(exported), "--csv", str(tmp_path / "csv")], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        scalars = _scalars(exported / f"rank{rank}")
+        steps = _steps(out, rank)
+        assert scalars["labkit/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in steps]
+        assert "labkit/rss_bytes" in scalars
+        rows = (tmp_path / "csv" / f"rank{rank}.csv").read_text().splitlines()
+        assert rows[0].startswith("step,") and len(rows) == 1 + len(steps)
+
+
+def test_monitor_keys_are_checked_by_deepspeeds_own_model():
+    RunConfig(ds_overrides={"tensorboard": {"enabled": True}, "wandb": {"enabled": False}, "comet": {}})
+    with pytest.raises(ConfigError, match="tensorboard"):
+        RunConfig(ds_overrides={"tensorboard": {"enabled": True, "no_such_option": 1}})
+    with pytest.raises(ConfigError, match="plain PyTorch"):
+        RunConfig(example="pytorch", ds_overrides={"csv_monitor": {"enabled": True}})
+
+
+# -- command line habits -----------------------------------------------------------------------------
+def test_runs_lists_as_csv_and_json(tmp_path):
+    from labkit.history import COLUMNS
+
+    outputs = {}
+    for fmt in ("csv", "json"):
+        result = subprocess.run([sys.executable, "-m", "labkit", "runs", "--format", fmt, "--root", str(tmp_path)],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        outputs[fmt] = result.stdout
+    assert outputs["csv"].splitlines()[0].split(",")[:3] == list(COLUMNS)[:3]  # the header, even with no runs
+    assert json.loads(outputs["json"]) == []
+
+
+def test_answer_strict_exit_code_names_unfinished_points(capsys):
+    import pandas as pd
+
+    from labkit.answer import strict_exit_code
+
+    results = pd.DataFrame([{"strategy": "z3", "global_batch": 32, "status": "finished"},
+                            {"strategy": "z2", "global_batch": 512, "status": "oom"}])
+    assert strict_exit_code(results, strict=True) == 1
+    assert "z2 global batch 512: oom" in capsys.readouterr().err
+    assert strict_exit_code(results, strict=False) == 0
+    assert strict_exit_code(results[results.status == "finished"], strict=True) == 0
+
+
+def test_help_lists_choices_examples_and_exit_codes():
+    from labkit.cli import build_parser
+
+    text = build_parser().format_help()
+    assert "exit codes:" in text and "labkit run --script train.py" in text
+    run_help = subprocess.run([sys.executable, "-m", "labkit", "run", "--help"], cwd=REPO, capture_output=True,
+                              text=True, timeout=120).stdout
+    assert "{fp32,bf16,fp16}" in run_help and "--model" in run_help and "--script" in run_help
+
+
+def test_deepspeed_itself_checks_the_whole_config_before_launch():
+    from labkit.config import deepspeed_checked
+
+    config = RunConfig(example="zero3", world_size=2, micro_batch=8)
+    assert deepspeed_checked(config.ds_config(), 2).train_batch_size == 16
+    # Refused by DeepSpeed's own checks (not a list in labkit): both precisions at once, a ZeRO field's type.
+    with pytest.raises(ConfigError, match="bfloat16 and fp16"):
+        RunConfig(example="zero3", ds_overrides={"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    with pytest.raises(ConfigError, match="stage3_max_live_parameters") as error:
+        RunConfig(example="zero3", ds_overrides={"zero_optimization": {"stage3_max_live_parameters": "many"}})
+    assert error.value.field == "ds_overrides.zero_optimization"
+
+
+def test_progress_bar_names_the_phase():
+    from labkit.cli import run_phase
+
+    assert run_phase(set(), 0, 20) == "starting processes"
+    assert run_phase({"start"}, 0, 20).startswith("initializing")
+    building = "Using envvar\nBuilding extension module cpu_adam...\nninja: ..."
+    assert run_phase({"start"}, 0, 20, building).startswith("building ops")
+    assert run_phase({"start"}, 0, 20, building + "\nLoading extension module cpu_adam...").startswith("initializing")
+    assert run_phase({"start", "ready"}, 0, 20) == "first step"
+    assert run_phase({"start", "ready", "step"}, 7, 20) == "step 7/20"
