@@ -29,10 +29,11 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pandas as pd
 
@@ -292,9 +293,7 @@ def maxbatch_templates(profile: AnswerProfile) -> list[RunConfig]:
 # -- derived tables ----------------------------------------------------------------------------
 def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
     """Measured per-rank model-state bytes vs labkit.memory's prediction vs DeepSpeed's estimates."""
-    from labkit import memory
-
-    from labkit import builders
+    from labkit import builders, memory
 
     # The real parameter shapes, from the model built on the meta device (any model, no memory).
     template = RunConfig.from_saved(model)
@@ -388,8 +387,8 @@ def activation_table(results: pd.DataFrame) -> pd.DataFrame:
         per_sample = memory.activation_bytes_per_sample(int(profile.activation_bytes), int(profile.micro_batch))
         for r in group.itertuples():
             predicted = memory.activation_bytes(per_sample, int(r.micro_batch))
-            rows.append({"strategy": strategy, "world_size": world_size, "profile_micro_batch": int(profile.micro_batch),
-                         "per_sample_bytes": per_sample, "micro_batch": int(r.micro_batch),
+            rows.append({"strategy": strategy, "world_size": world_size,
+                         "profile_micro_batch": int(profile.micro_batch), "per_sample_bytes": per_sample, "micro_batch": int(r.micro_batch),
                          "measured_activation_bytes": int(r.activation_bytes), "predicted_activation_bytes": predicted,
                          "error": (r.activation_bytes - predicted) / predicted if predicted else None})
     return pd.DataFrame(rows)
@@ -414,10 +413,10 @@ def noise_table(results: pd.DataFrame) -> pd.DataFrame:
 
 
 def machine_info(runtime_s: float | None = None) -> dict[str, Any]:
+    import deepspeed
     import psutil
     import torch
 
-    import deepspeed
     from labkit.devices import detect_devices
 
     devices = detect_devices()
@@ -501,7 +500,7 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
                 raise
     if searches:
         summary, _ = maxbatch.write_results(searches, out)
-        summary["analytic_max_micro_batch"] = [analytic_max_micro_batch(s, t) for s, t in zip(searches, templates)]
+        summary["analytic_max_micro_batch"] = [analytic_max_micro_batch(s, t) for s, t in zip(searches, templates, strict=True)]
         write_text_atomic(out / "maxbatch.csv", summary.to_csv(index=False))
         for s in searches:
             say(f"  max-batch {s.strategy} x{s.world_size}: {s.max_micro_batch} per rank (first OOM {s.first_oom}) "

@@ -29,7 +29,8 @@ import json
 import re
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +60,7 @@ def check_spec_syntax(field_name: str, spec: str | None, *, builtin_ok: bool) ->
     return None
 
 
-def specs(config: "RunConfig") -> dict[str, str]:
+def specs(config: RunConfig) -> dict[str, str]:
     """The import strings a rank will use, by RunConfig field (built-in names resolved)."""
     model, data = MODELS.get(config.model, (config.model, None))
     out = {"model": model, "data": config.data or data}
@@ -94,7 +95,7 @@ print(json.dumps(bad))
 _checked: set[tuple[tuple[str, str], ...]] = set()
 
 
-def check_importable(config: "RunConfig", *, timeout_s: float = 300.0) -> None:
+def check_importable(config: RunConfig, *, timeout_s: float = 300.0) -> None:
     """Import every model/data/loss string in a child process, as a rank will; raise a
     ConfigError naming the field when one fails. A child, so a broken module can neither
     crash nor pollute this (notebook) process. Each set of strings is checked once per process."""
@@ -124,7 +125,7 @@ def check_importable(config: "RunConfig", *, timeout_s: float = 300.0) -> None:
 
 
 # -- what the worker calls -------------------------------------------------------------------
-def build_model(config: "RunConfig") -> "nn.Module":
+def build_model(config: RunConfig) -> nn.Module:
     model = resolve(specs(config)["model"])(config)
     from torch import nn
 
@@ -133,15 +134,15 @@ def build_model(config: "RunConfig") -> "nn.Module":
     return model
 
 
-def build_dataset(config: "RunConfig") -> Any:
+def build_dataset(config: RunConfig) -> Any:
     return resolve(specs(config)["data"])(config)
 
 
-def loss_function(config: "RunConfig") -> Callable[..., "torch.Tensor"]:
+def loss_function(config: RunConfig) -> Callable[..., torch.Tensor]:
     return resolve(config.loss) if config.loss else default_loss
 
 
-def default_loss(model: Any, inputs: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
+def default_loss(model: Any, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over every position: (..., classes) logits against (...) labels."""
     import torch.nn.functional as F
 
@@ -162,7 +163,7 @@ def monitor_paths(ds_config: dict[str, Any], run_dir: Any) -> dict[str, Any]:
     return out
 
 
-def train_flops_per_sample(config: "RunConfig", dataset: Any) -> float:
+def train_flops_per_sample(config: RunConfig, dataset: Any) -> float:
     """Training FLOPs per sample of any model, from DeepSpeed's flops profiler: one forward of a
     2-sample batch on an fp32 CPU copy, times 3 (backward ~ 2 x forward, Kaplan et al. 2020).
     The RNG is left as it was (every rank must keep drawing the same numbers)."""
@@ -185,7 +186,7 @@ def train_flops_per_sample(config: "RunConfig", dataset: Any) -> float:
 
 
 # -- parameter shapes without memory (memory model, census) -----------------------------------
-def param_numels(config: "RunConfig") -> list[int]:
+def param_numels(config: RunConfig) -> list[int]:
     """Element counts of the model's parameters in `parameters()` order (shared ones once),
     from the model built on the meta device: real shapes, no memory, no initialisation."""
     import torch
@@ -201,7 +202,7 @@ def persistent_params(numels: list[int], threshold: int = 100_000) -> int:
     return sum(n for n in numels if n <= threshold)
 
 
-def meta_model(config: "RunConfig") -> "nn.Module":
+def meta_model(config: RunConfig) -> nn.Module:
     """The model on the meta device, for DeepSpeed's estimators (largest layer)."""
     import torch
 
@@ -210,19 +211,19 @@ def meta_model(config: "RunConfig") -> "nn.Module":
 
 
 # -- the built-in MLP -------------------------------------------------------------------------
-def build_mlp(config: "RunConfig") -> "nn.Module":
+def build_mlp(config: RunConfig) -> nn.Module:
     """The seed text's SimpleModel, sized by input_size, hidden, depth, output_size."""
     from labkit.model import SimpleModel
 
     return SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
 
 
-def build_mlp_dataset(config: "RunConfig") -> Any:
+def build_mlp_dataset(config: RunConfig) -> Any:
     """Generated inputs with teacher-MLP labels (labkit.data, data/README.md)."""
     from labkit.data import make_dataset
 
     return make_dataset(config.dataset_size, config.input_size, config.output_size, config.seed)
 
 
-def describe(config: "RunConfig") -> str:
+def describe(config: RunConfig) -> str:
     return json.dumps(specs(config))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         while not run.done:
             events.update(r.get("event") for r in rank0.poll())
             progress = run.progress()
-            bar.set_postfix_str(run_phase(events, progress, config.steps, _rank0_log(run.run_dir)), refresh=False)
+            waiting = run.waiting_on if progress == 0 else None
+            bar.set_postfix_str(run_phase(events, progress, config.steps, _rank0_log(run.run_dir), waiting),
+                                refresh=False)
             bar.update(progress - bar.n)
             run.wait(timeout=0.5)
     except KeyboardInterrupt:
@@ -131,10 +134,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     return {"oom": 3, "hung": 4, "stopped": 130}.get(run.status, 1)
 
 
-def run_phase(events: set[str], step: int, steps: int, rank0_log: str = "") -> str:
-    """What a run is doing, for the progress bar: starting, initializing, building ops, step k/N."""
+def run_phase(events: set[str], step: int, steps: int, rank0_log: str = "", waiting_on: str | None = None) -> str:
+    """What a run is doing, for the progress bar: starting, initializing, building ops, step k/N.
+    `waiting_on` (`Run.waiting_on`): an op build or a stale build lock the run is stuck behind."""
     if step:
         return f"step {step}/{steps}"
+    if waiting_on:
+        return f"waiting: {waiting_on}"
     if "ready" in events:
         return "first step"
     if "start" not in events:
@@ -145,10 +151,15 @@ def run_phase(events: set[str], step: int, steps: int, rank0_log: str = "") -> s
     return "initializing (process group, DeepSpeed engine)"
 
 
-def _rank0_log(run_dir: Path) -> str:
+def _rank0_log(run_dir: Path, tail_bytes: int = 20000) -> str:
+    """The end of rank 0's log: a bounded read, whatever the log's length (polled twice a second)."""
     logs = sorted((Path(run_dir) / "logs").glob("*_rank0.log"))
+    if not logs:
+        return ""
     try:
-        return logs[-1].read_text(errors="replace")[-20000:] if logs else ""
+        with open(logs[-1], "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - tail_bytes))
+            return log.read().decode(errors="replace")
     except OSError:
         return ""
 

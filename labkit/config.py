@@ -15,10 +15,10 @@ import dataclasses
 import json
 import math
 import os
-import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 EXAMPLES = ("pytorch", "deepspeed", "offload", "zero3")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -201,9 +201,12 @@ class RunConfig:
         if self.example == "pytorch":
             _require(self.stage is None, "stage",
                      "the plain PyTorch example has no ZeRO stage; use example='deepspeed', 'offload' or 'zero3'")
-            _require(not self.offload_optimizer, "offload_optimizer", "the plain PyTorch example has no DeepSpeed optimizer to offload")
-            _require(self.world_size == 1, "world_size", "the plain PyTorch example is a single-process loop; use a DeepSpeed example for several ranks")
-            _require(self.precision != "fp16", "precision", "fp16 needs a loss scaler; the plain PyTorch example supports fp32 and bf16")
+            _require(not self.offload_optimizer, "offload_optimizer",
+                     "the plain PyTorch example has no DeepSpeed optimizer to offload")
+            _require(self.world_size == 1, "world_size",
+                     "the plain PyTorch example is a single-process loop; use a DeepSpeed example for several ranks")
+            _require(self.precision != "fp16", "precision",
+                     "fp16 needs a loss scaler; the plain PyTorch example supports fp32 and bf16")
         else:
             _require(isinstance(self.stage, int) and not isinstance(self.stage, bool) and 0 <= self.stage <= 3,
                      "stage", f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}")
@@ -230,7 +233,8 @@ class RunConfig:
         _require(not self.stop_at_target or self.target_loss is not None, "stop_at_target", "needs target_loss")
         if self.device_memory_budget_bytes is not None:
             _require(isinstance(self.device_memory_budget_bytes, int) and self.device_memory_budget_bytes > 0,
-                     "device_memory_budget_bytes", f"must be a positive integer, got {self.device_memory_budget_bytes!r}")
+                     "device_memory_budget_bytes",
+                     f"must be a positive integer, got {self.device_memory_budget_bytes!r}")
         if self.hostfile is not None:
             slots = hostfile_slots(self.hostfile)
             _require(self.world_size == sum(slots.values()), "world_size",
@@ -264,13 +268,15 @@ class RunConfig:
                      f"{self.world_size} ranks requested but this machine has {self.max_world_size} "
                      f"{devices.kind_plural} for ranks")
         if self.precision == "fp16":
-            _require(devices.fp16, "precision", f"fp16 is not supported by the {devices.accelerator} accelerator; use bf16 or fp32")
+            _require(devices.fp16, "precision",
+                     f"fp16 is not supported by the {devices.accelerator} accelerator; use bf16 or fp32")
         if self.precision == "bf16":
             _require(devices.bf16, "precision", f"bf16 is not supported by the {devices.accelerator} accelerator")
 
     def _check_overrides(self) -> None:
         unknown = sorted(set(self.ds_overrides) - KNOWN_DS_KEYS)
-        _require(not unknown, "ds_overrides", f"unknown DeepSpeed config keys {unknown} (DeepSpeed would ignore them silently)")
+        _require(not unknown, "ds_overrides",
+                 f"unknown DeepSpeed config keys {unknown} (DeepSpeed would ignore them silently)")
         for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
             _require(key not in self.ds_overrides, "ds_overrides",
                      f"{key} is derived from micro_batch, grad_accum and world_size; set those instead")
@@ -358,7 +364,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
@@ -366,7 +372,7 @@ class RunConfig:
         return cls(**data)
 
     @classmethod
-    def from_saved(cls, data: dict[str, Any]) -> "RunConfig":
+    def from_saved(cls, data: dict[str, Any]) -> RunConfig:
         """A past run's config as recorded, not re-validated against this machine's devices."""
         config = cls.__new__(cls)
         defaults = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
@@ -375,7 +381,7 @@ class RunConfig:
         return config
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "RunConfig":
+    def load(cls, path: str | os.PathLike) -> RunConfig:
         """A run directory's config.json, as `Run.start()` validated and saved it: not validated again.
 
         Ranks load it (labkit.worker): validating there would re-probe the devices in every rank (a child

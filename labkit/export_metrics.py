@@ -46,7 +46,7 @@ def to_csv(run_dir: str | os.PathLike, out: str | os.PathLike) -> list[Path]:
     Path(out).mkdir(parents=True, exist_ok=True)
     written = []
     for rank, steps in _steps_by_rank(Path(run_dir)).items():
-        columns = ["step"] + sorted({k for r in steps for k in _numeric(r)})
+        columns = ["step", *sorted({k for r in steps for k in _numeric(r)})]
         path = Path(out) / f"rank{rank}.csv"
         with path.open("w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")

@@ -26,8 +26,9 @@ Their ratio is biased, so the paper averages both over many steps before dividin
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 
 def unbiased_estimates(g_small_sq: float, g_big_sq: float, b_small: float, b_big: float) -> tuple[float, float]:
@@ -84,7 +85,7 @@ def critical_batch_from_steps(batches: Sequence[float], steps: Sequence[float]) 
     Least squares of S on 1/B: intercept S_min, slope S_min * B_crit. Returns None when fewer
     than two batch sizes reached the target or the fit is not physical (S_min <= 0 or slope < 0).
     """
-    points = [(1.0 / b, s) for b, s in zip(batches, steps) if b and s and math.isfinite(s)]
+    points = [(1.0 / b, s) for b, s in zip(batches, steps, strict=True) if b and s and math.isfinite(s)]
     if len({x for x, _ in points}) < 2:
         return None
     n = len(points)
@@ -128,7 +129,7 @@ def critical_batch_fit(batches: Sequence[float], steps: Sequence[float], *, reso
 
     res = list(resolution) if resolution is not None else [0.0] * len(batches)
     data = [(1.0 / b, float(s), 1.0 / (float(s) ** 2 + float(r or 0.0) ** 2))
-            for b, s, r in zip(batches, steps, res) if b and s and math.isfinite(s)]
+            for b, s, r in zip(batches, steps, res, strict=True) if b and s and math.isfinite(s)]
     if len({x for x, _, _ in data}) < 2:
         return None
     fit = _weighted_fit(data)
@@ -140,10 +141,10 @@ def critical_batch_fit(batches: Sequence[float], steps: Sequence[float], *, reso
         return out  # two points fit exactly: no residuals, no interval
     rng = random.Random(seed)
     predicted = [s_min + slope * x for x, _, _ in data]
-    relative = [(y - p) / p for (_, y, _), p in zip(data, predicted)]
+    relative = [(y - p) / p for (_, y, _), p in zip(data, predicted, strict=True)]
     estimates = []
     for _ in range(n_boot):
-        fake = [(x, p * (1 + e * rng.choice((-1.0, 1.0))), w) for (x, _, w), p, e in zip(data, predicted, relative)]
+        fake = [(x, p * (1 + e * rng.choice((-1.0, 1.0))), w) for (x, _, w), p, e in zip(data, predicted, relative, strict=True)]
         refit = _weighted_fit(fake)
         if refit and refit[0] > 0 and refit[1] >= 0:
             estimates.append(refit[1] / refit[0])
@@ -213,7 +214,7 @@ def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, la
         if mean_grads is None:
             mean_grads = list(grads)
         else:
-            for total, grad in zip(mean_grads, grads):
+            for total, grad in zip(mean_grads, grads, strict=True):
                 total.add_(grad).div_(2)
         del grads
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -43,8 +43,9 @@ def _preset(value: Any) -> Any:
 
 # -- pure helpers (unit-tested) ------------------------------------------------------------
 def status_line(status: str, *, step: int = 0, steps: int = 0, run_id: str = "",
-                summary: dict[str, Any] | None = None) -> str:
-    """The panel's one-line status. Every line starts with "status: <state>"."""
+                summary: dict[str, Any] | None = None, waiting_on: str | None = None) -> str:
+    """The panel's one-line status. Every line starts with "status: <state>". `waiting_on`: what a run
+    at step 0 waits for when it is an op build or a stale build lock (`Run.waiting_on`)."""
     where = f" · {run_id}" if run_id else ""
     summary = summary or {}
     if status == "created":
@@ -52,6 +53,8 @@ def status_line(status: str, *, step: int = 0, steps: int = 0, run_id: str = "",
     if status == "stopping":
         return f"status: stopping{where}"
     if status in ("starting", "running"):
+        if step == 0 and waiting_on:
+            return f"status: starting{where} · waiting: {waiting_on}"
         if step == 0:
             return f"status: starting{where} (process start, distributed init, op builds)"
         return f"status: running step {step}/{steps}{where}"
@@ -337,7 +340,9 @@ class LabPanel:
         if not done and self._stopping is run:
             status = "stopping"
         summary = run.summary if done else None
-        text = status_line(status, step=step, steps=run.config.steps, run_id=run.run_dir.name, summary=summary)
+        waiting = run.waiting_on if not done and step == 0 else None
+        text = status_line(status, step=step, steps=run.config.steps, run_id=run.run_dir.name, summary=summary,
+                           waiting_on=waiting)
         color = {"finished": "#1b5e20", "stopped": "#6d4c41"}.get(status, "#b00020" if done else "#0d47a1")
         self.status.value = f"<span style='color:{color}'>{html.escape(text)}</span>"
         return done

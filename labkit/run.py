@@ -61,7 +61,7 @@ class Run:
         self.device_ids: list[str] = []  # the devices (or emulated slots) this run leased
 
     @classmethod
-    def load(cls, run_dir: str | os.PathLike) -> "Run":
+    def load(cls, run_dir: str | os.PathLike) -> Run:
         """Reopen a past run (after a kernel restart, or from another process)."""
         run_dir = Path(run_dir)
         config = RunConfig.from_saved(json.loads((run_dir / "config.json").read_text()))
@@ -70,7 +70,7 @@ class Run:
         return run
 
     # -- starting ----------------------------------------------------------------------
-    def start(self) -> "Run":
+    def start(self) -> Run:
         if self.run_dir is not None:
             raise RuntimeError(f"this run was already started in {self.run_dir}")
         if not self.config.script and (self.config.model != "mlp" or self.config.data or self.config.loss):
@@ -104,7 +104,7 @@ class Run:
             self.config.world_size
 
     def _launch(self, devices: Devices, base_env: dict[str, str], leases: list[int], device_ids: list[str],
-                port: int) -> "Run":
+                port: int) -> Run:
         if self._out is not None:
             self._out.mkdir(parents=True, exist_ok=True)
             if any(self._out.iterdir()):
@@ -134,13 +134,12 @@ class Run:
             "argv": argv, "env": {k: v for k, v in env.items() if os.environ.get(k) != v},
             "world_size": self.config.world_size,
             "heartbeat_s": self.config.heartbeat_s, "startup_timeout_s": self.config.startup_timeout_s}, private=True)
-        log = open(self.run_dir / "supervisor.log", "ab")
-        self._supervisor = subprocess.Popen(
-            [sys.executable, "-m", "labkit.supervisor", str(self.run_dir), "--parent-pid", str(os.getpid()),
-             "--lease-fds", ",".join(map(str, leases))],
-            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            pass_fds=leases)
-        log.close()
+        with open(self.run_dir / "supervisor.log", "ab") as log:  # the supervisor keeps its own copy
+            self._supervisor = subprocess.Popen(
+                [sys.executable, "-m", "labkit.supervisor", str(self.run_dir), "--parent-pid", str(os.getpid()),
+                 "--lease-fds", ",".join(map(str, leases))],
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                pass_fds=leases)
         return self
 
     # -- watching ----------------------------------------------------------------------

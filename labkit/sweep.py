@@ -29,9 +29,10 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import pandas as pd
 
@@ -356,7 +357,7 @@ class Sweep:
         known = self.known_rows(set(keys))
         results: dict[str, dict[str, Any]] = {k: {**known[k], **self.extra, **self.point_extra.get(k, {})}
                                               for k in keys if k in known}
-        pending = [(k, p) for k, p in zip(keys, self.points) if k not in results]
+        pending = [(k, p) for k, p in zip(keys, self.points, strict=True) if k not in results]
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -375,7 +376,8 @@ class Sweep:
                     busy += 1
                     key, config = pending.pop(0)
                     run = Run(config, root=self.runs_root).start()
-                    write_json_atomic(run.run_dir / POINT_FILE, {"key": key, "measurement_version": MEASUREMENT_VERSION})
+                    write_json_atomic(run.run_dir / POINT_FILE,
+                                      {"key": key, "measurement_version": MEASUREMENT_VERSION})
                     self.launched += 1
                     running.append((key, run, time.monotonic()))
                 computing = [k for k, run, _ in running if _busy(run)]
@@ -420,7 +422,8 @@ class Sweep:
         self._write(keys, results)
         return self.table(keys, results)
 
-    def table(self, keys: Sequence[str] | None = None, results: dict[str, dict[str, Any]] | None = None) -> pd.DataFrame:
+    def table(self, keys: Sequence[str] | None = None,
+              results: dict[str, dict[str, Any]] | None = None) -> pd.DataFrame:
         if results is None:
             path = self.results_path
             return pd.read_csv(path) if path is not None and path.is_file() else pd.DataFrame(columns=COLUMNS)

@@ -7,7 +7,8 @@ loop reads the same for every example, and each phase can be timed on its own.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn

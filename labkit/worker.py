@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset, default_collate
 
+from labkit import builders
+from labkit.builders import build_dataset, build_model, loss_function, monitor_paths
 from labkit.config import RunConfig
 from labkit.data import make_sampler
 from labkit.failures import is_oom
 from labkit.faults import FaultHooks
-from labkit import builders
-from labkit.builders import build_dataset, build_model, loss_function, monitor_paths
 from labkit.model import count_parameters
 from labkit.rendezvous import init_distributed
 from labkit.step_clock import StepClock
@@ -216,7 +216,7 @@ def train() -> None:
         elif config.stop_at_target:
             agreed = step_loss.to(torch.float64).reshape(1)
             deepspeed.comm.all_reduce(agreed)
-            recent_losses = (recent_losses + [agreed.item() / world_size])[-target_window:]
+            recent_losses = [*recent_losses, agreed.item() / world_size][-target_window:]
             if sum(recent_losses) / len(recent_losses) <= config.target_loss:
                 stopped_at_target = True
                 break

@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from labkit import Run, RunConfig
-from labkit import builders
+from labkit import Run, RunConfig, builders
 from labkit.config import ConfigError
 from labkit.sweep import point_key
 from labkit.telemetry import rank_file, read_records
