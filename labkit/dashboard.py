@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from labkit.records import RecordTail, read_records
 from labkit.run import FINAL_STATUSES
 from labkit.store import read_json
-from labkit.records import RecordTail, read_records
 from labkit.telemetry import rank_file
 
 # Record keys the charts use; each becomes one float64 column per rank (NaN where absent).
@@ -83,7 +83,7 @@ class RankSeries:
         self._cols = {k: np.empty(256, dtype=np.float64) for k in self.keys}
 
     @classmethod
-    def from_records(cls, records: Iterable[dict[str, Any]], keys: Sequence[str] = STEP_KEYS) -> "RankSeries":
+    def from_records(cls, records: Iterable[dict[str, Any]], keys: Sequence[str] = STEP_KEYS) -> RankSeries:
         series = cls(keys)
         series.extend(records)
         return series
@@ -201,12 +201,12 @@ def run_traces(series: Sequence[RankSeries], *, memory: str = "host", label: str
     # Per-rank traces: decimate first, then scale (a long run's full columns are 100k+ long).
     rank_idx = [decimation_index(s.n, max_points) for s in series]
     if not overlay:
-        for rank, (s, i) in enumerate(zip(series, rank_idx)):
+        for rank, (s, i) in enumerate(zip(series, rank_idx, strict=True)):
             y = s.column("samples_per_s")[i] / world
             out["throughput"].append(TraceData(f"rank {rank}", s.column("step")[i], y, style=line(rank)))
 
     # -- memory per rank -------------------------------------------------------------------
-    for rank, (s, i) in enumerate(zip(series, rank_idx)):
+    for rank, (s, i) in enumerate(zip(series, rank_idx, strict=True)):
         for key, suffix, dash in MEMORY_SERIES[memory]:
             out["memory"].append(TraceData(f"{prefix}rank {rank} {suffix}", s.column("step")[i],
                                            s.column(key)[i] / MIB, style=line(rank, dash)))
@@ -414,7 +414,7 @@ class Dashboard:
                 with self._lock:
                     if series is not self.series:
                         return  # the dashboard moved on (watch, show_series): not ours to plot
-                    added = sum(s.extend_columns(c) for s, c in zip(series, columns))
+                    added = sum(s.extend_columns(c) for s, c in zip(series, columns, strict=True))  # one per rank
                     if added or done or self.refreshes == 0:
                         self.refresh()
                     self.ticks += 1
@@ -454,8 +454,9 @@ class Dashboard:
             traces = run_traces(self.series, memory=self.memory, max_points=self.max_points)
             for chart, fig in self.figures.items():
                 with fig.batch_update():
-                    # Live traces come first in fig.data; overlays follow and never change.
-                    for trace, data in zip(traces[chart], fig.data[:self._live_counts[chart]]):
+                    # Live traces come first in fig.data; overlays follow and never change. Same count:
+                    # _rebuild counted them from the same series and memory kind, under this lock.
+                    for trace, data in zip(traces[chart], fig.data[:self._live_counts[chart]], strict=True):
                         # Each assignment costs plotly's validation (~0.2 ms): skip unchanged data.
                         if not _same(data.x, trace.x):
                             data.x = trace.x
@@ -527,7 +528,8 @@ class Dashboard:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        """(Under the lock.) Replace every figure's traces: the live run's (empty until refreshed), then the overlays'."""
+        """(Under the lock.) Replace every figure's traces: the live run's (empty until refreshed), then the
+        overlays'."""
         live = run_traces(self.series, memory=self.memory, max_points=self.max_points)
         for chart, fig in self.figures.items():
             traces = live[chart] + [t for overlay in self.overlays.values() for t in overlay[chart]]

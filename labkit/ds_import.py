@@ -22,11 +22,13 @@ def import_deepspeed() -> None:
     with _LOCK:
         if _imported:
             return
-        import deepspeed  # noqa: F401  (imports deepspeed.runtime.engine and, through it, runtime.zero)
-        import deepspeed.accelerator  # noqa: F401
-        import deepspeed.runtime.zero.config  # noqa: F401
-        import deepspeed.runtime.zero.stage3  # noqa: F401
-        import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
+        # Imported for the side effect: each module lands in sys.modules. All five bind the one name
+        # `deepspeed`, so only the last counts as unused.
+        import deepspeed  # (imports deepspeed.runtime.engine and, through it, runtime.zero)
+        import deepspeed.accelerator
+        import deepspeed.runtime.zero.config
+        import deepspeed.runtime.zero.stage3
+        import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401 -- imported for the side effect (above)
         _imported.append(True)
 
 

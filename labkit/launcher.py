@@ -12,8 +12,8 @@ import random
 import shlex
 import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from labkit.config import RunConfig, hostfile_slots
 

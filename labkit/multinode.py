@@ -24,9 +24,9 @@ import re
 import secrets
 import shlex
 import subprocess
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Mapping
 
 from labkit.config import ConfigError, hostfile_slots
 
@@ -133,7 +133,7 @@ def _on_hosts(hosts: list[str], script_for: Callable[[str], str],
         except OSError as exc:
             return f"cannot run ssh: {exc}"
     with ThreadPoolExecutor(max_workers=min(32, max(1, len(hosts)))) as pool:
-        return dict(zip(hosts, pool.map(one, hosts)))
+        return dict(zip(hosts, pool.map(one, hosts), strict=True))
 
 
 def check_shared_run_dir(run_dir: str | os.PathLike, hosts: list[str], timeout: float = 30.0) -> None:

@@ -13,6 +13,7 @@ events had not completed; on CPU nothing is pending.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,11 +26,20 @@ SKIP = "skip"  # an interval that belongs to no phase (the census), still inside
 
 
 @dataclass(kw_only=True)
-class _Step:
+class _OpenStep:
+    """A step between begin() and end()."""
+
     marks: list[tuple[str, Any]] = field(default_factory=list)  # (phase that ended here, clock reading)
-    losses: list[torch.Tensor] = field(default_factory=list)
-    loss: torch.Tensor | None = None  # the mean, on the host (pinned) or a CPU tensor
-    fields: dict[str, Any] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)  # one per micro-step, on the device
+
+
+@dataclass(kw_only=True)
+class _Step:
+    """A step that end() closed, waiting for its device work to complete."""
+
+    marks: list[tuple[str, Any]]
+    loss: torch.Tensor  # the mean, on the host (pinned) or a CPU tensor
+    fields: dict[str, Any]
 
 
 class StepClock:
@@ -41,7 +51,7 @@ class StepClock:
         self.device_events = not accelerator.is_synchronized_device()
         self._pending: deque[_Step] = deque()
         self._free: list[torch.Tensor] = []  # pinned one-value buffers, reused: pinning costs more than a step
-        self._current: _Step | None = None
+        self._current: _OpenStep | None = None
 
     def _now(self) -> Any:
         if not self.device_events:
@@ -50,31 +60,35 @@ class StepClock:
         event.record()
         return event
 
+    def _open(self) -> _OpenStep:
+        if self._current is None:
+            raise RuntimeError("StepClock: begin() a step before marking it, adding its loss or ending it")
+        return self._current
+
     def begin(self) -> None:
-        self._current = _Step()
+        self._current = _OpenStep()
         self._current.marks.append(("", self._now()))
 
     def mark(self, phase: str) -> None:
         """The phase named (one of PHASES, or SKIP) ends now."""
-        self._current.marks.append((phase, self._now()))
+        self._open().marks.append((phase, self._now()))
 
     def add_loss(self, loss: torch.Tensor) -> None:
-        self._current.losses.append(loss.detach())
+        self._open().losses.append(loss.detach())
 
     def end(self, **fields: Any) -> torch.Tensor:
         """The step ends now; `fields` go into its record as they are. Returns the step's mean loss
         as a tensor on the device (reading it would wait for the device: only where asked to)."""
-        step, self._current = self._current, None
+        step, self._current = self._open(), None
         mean = torch.stack(step.losses).float().mean() if len(step.losses) > 1 else step.losses[0].float()
         if not self.device_events:  # synchronized: the value is already there
-            step.loss = mean
+            loss = mean
         else:  # queued before the step's last event: on the host once that event has completed
-            step.loss = self._free.pop() if self._free else self.accelerator.pin_memory(torch.empty(()))
-            step.loss.copy_(mean, non_blocking=True)
+            loss = self._free.pop() if self._free else self.accelerator.pin_memory(torch.empty(()))
+            loss.copy_(mean, non_blocking=True)
         step.marks.append(("", self._now()))
-        step.losses = []
-        step.fields = fields
-        self._pending.append(step)
+        # The micro-steps' losses are dropped with the open step: only the mean is kept.
+        self._pending.append(_Step(marks=step.marks, loss=loss, fields=fields))
         return mean
 
     def annotate(self, **fields: Any) -> None:
@@ -97,7 +111,7 @@ class StepClock:
 
     def _read(self, step: _Step) -> dict[str, Any]:
         times = dict.fromkeys(PHASES, 0.0)
-        for (_, start), (phase, end) in zip(step.marks, step.marks[1:]):
+        for (_, start), (phase, end) in itertools.pairwise(step.marks):
             if phase in times:
                 times[phase] += self._seconds(start, end)
         step_time_s = self._seconds(step.marks[0][1], step.marks[-1][1])

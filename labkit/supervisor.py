@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,15 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import socket
-
 import psutil
 
 from labkit.failures import describe_exit, is_knock_on, is_oom, last_exception_line
 from labkit.launcher import is_multi_node
 from labkit.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
-from labkit.store import read_json, write_json_atomic
 from labkit.records import RecordTail
+from labkit.store import read_json, write_json_atomic
 from labkit.telemetry import rank_file
 
 POLL_S = 0.2
@@ -96,7 +96,7 @@ class Supervisor:
         self.run_dir = run_dir
         self.parent_pid = parent_pid
         self.lease_fds = lease_fds  # GPU and port leases: the launcher holds them too (labkit.device_lease)
-        launch = read_json(run_dir / "launch.json")
+        launch = _read_run_file(run_dir / "launch.json")
         self.argv: list[str] = launch["argv"]
         # launch.json keeps only what labkit set; an exported job (`labkit export`) too runs in the
         # environment of whoever starts it.
@@ -271,7 +271,8 @@ class Supervisor:
             return Outcome("failed", f"DeepSpeed launcher exited with code {launcher_code} before every rank "
                            f"finished (last steps: {self.last_steps()}){self.failed_nodes()}; see launcher.log")
         if launch_py_died:
-            return Outcome("failed", f"DeepSpeed's launch.py (pid {self.launch_py.pid}) died before every rank "
+            pid = f" (pid {self.launch_py.pid})" if self.launch_py is not None else ""
+            return Outcome("failed", f"DeepSpeed's launch.py{pid} died before every rank "
                            f"finished (last steps: {self.last_steps()}); see launcher.log")
         return Outcome("failed", "run ended without a cause on record")
 
@@ -435,13 +436,21 @@ def remove_shm_segments(argv: list[str]) -> list[Path]:
     return removed
 
 
+def _read_run_file(path: Path) -> dict[str, Any]:
+    """A JSON file the run cannot go on without (Run wrote it before starting the supervisor)."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise RuntimeError(f"{path} is missing or not a JSON object: the run directory changed under its supervisor")
+    return data
+
+
 def _is_rank(proc: psutil.Process) -> bool:
     try:
         cmdline = proc.cmdline()
     except psutil.Error:
         return False
     # The module run (`-m labkit.worker`), not an argument: the launchers carry `--module labkit.rank_guard`.
-    return any(a == "-m" and b in ("labkit.rank_guard", "labkit.worker") for a, b in zip(cmdline, cmdline[1:]))
+    return any(a == "-m" and b in ("labkit.rank_guard", "labkit.worker") for a, b in itertools.pairwise(cmdline))
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -509,7 +518,7 @@ def main() -> int:
     finally:
         from labkit.summary import summarize
 
-        config = read_json(args.run_dir / "config.json")
+        config = _read_run_file(args.run_dir / "config.json")
         summary = summarize(args.run_dir, config, status=outcome.status, cause=outcome.cause,
                             failed_rank=outcome.rank)
         write_json_atomic(args.run_dir / "summary.json", summary)

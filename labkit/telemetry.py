@@ -63,8 +63,11 @@ class RankTelemetry:
 
     def thread_cpu_s(self) -> float:
         """CPU seconds the fsync thread has used (it runs outside what the loop times)."""
+        ident = self._syncer.ident
+        if ident is None:  # never started (it is, in __init__): it has used no CPU
+            return 0.0
         try:
-            return time.clock_gettime(time.pthread_getcpuclockid(self._syncer.ident))
+            return time.clock_gettime(time.pthread_getcpuclockid(ident))
         except (OSError, AttributeError):
             return 0.0
 

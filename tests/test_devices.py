@@ -117,8 +117,8 @@ def test_gpu_check_writes_its_report_without_a_gpu(tmp_path):
 
 def test_torch_adam_replaces_deepspeeds_cuda_adam_without_nvcc():
     """Issue 11 item 3: without an nvcc matching torch's CUDA, FusedAdam cannot be built: torch's Adam runs."""
-    from labkit.ops import choose_optimizer_impl, cuda_ops_buildable, with_optimizer_impl
     from labkit.config import RunConfig
+    from labkit.ops import choose_optimizer_impl, cuda_ops_buildable, with_optimizer_impl
 
     def impl(cuda_ops, offload=False, accelerator="cuda", optimizer="adam"):
         return choose_optimizer_impl(example="zero3", optimizer=optimizer, offload=offload,

@@ -14,21 +14,25 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 
 from labkit.config import ConfigError, RunConfig
 from labkit.dashboard import load_series
 from labkit.launcher import free_port
-from labkit.multinode import (deepspeed_env_text, hostname_from_ssh_config, pdsh_failed_hosts, rank_hosts,
-                              remote_stop_script, run_process_pattern)
+from labkit.multinode import (
+    deepspeed_env_text,
+    hostname_from_ssh_config,
+    pdsh_failed_hosts,
+    rank_hosts,
+    remote_stop_script,
+    run_process_pattern,
+)
 from labkit.run import Run
 from labkit.summary import rank_records
 from tests.conftest import REPO, run_processes
@@ -97,9 +101,8 @@ LogLevel VERBOSE
             # Its own mount namespace, where `hidden` is an empty tmpfs: a node without that directory.
             command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
                        f'mount -t tmpfs none "{hidden}" && exec "$@"', "sh", *command]
-        log = open(home / f"sshd_{name}.log", "ab")
-        sshds.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        log.close()
+        with open(home / f"sshd_{name}.log", "ab") as log:  # the sshd keeps its own copy of the descriptor
+            sshds.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     (home / "ssh_config").write_text("".join(f"""\
 Host {alias}
     HostName {address}
@@ -110,7 +113,7 @@ Host {alias}
     UserKnownHostsFile {home / 'known_hosts'}
     StrictHostKeyChecking yes
     BatchMode yes
-""" for alias, address in zip(aliases, addresses)))
+""" for alias, address in zip(aliases, addresses, strict=True)))
     user_config = Path.home() / ".ssh" / "config"
     user_config.parent.mkdir(mode=0o700, exist_ok=True)
     include = f"Include {home / 'ssh_config'}\n"

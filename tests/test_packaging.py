@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+
 import tomllib
 
 from tests.conftest import REPO
@@ -21,7 +22,7 @@ def test_environment_yml_matches_pyproject():
     listed = {}
     for line in (REPO / "environment.yml").read_text().splitlines():
         match = re.match(r"\s+- ([A-Za-z0-9_.\-\[\]]+\s*[<>=!~]=?.*)$", line)
-        if match and not line.strip().startswith("- python") and "pip" != line.strip()[2:]:
+        if match and not line.strip().startswith("- python") and line.strip()[2:] != "pip":
             listed[_name(match.group(1))] = match.group(1).replace(" ", "")
     assert listed == pinned
 
