@@ -35,13 +35,12 @@ def test_stale_lock_is_named_and_cleared_but_a_held_one_is_left(tmp_path, capsys
 
 
 def test_a_run_stuck_behind_a_stale_build_lock_says_so(tmp_path, runs_root, monkeypatch):
+    import os
     import shutil
     import time
 
     from labkit import Run, RunConfig
     from tests.conftest import REPO
-
-    import os
 
     source = os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     extensions = tmp_path / "torch_extensions"
