@@ -388,7 +388,8 @@ def activation_table(results: pd.DataFrame) -> pd.DataFrame:
         for r in group.itertuples():
             predicted = memory.activation_bytes(per_sample, int(r.micro_batch))
             rows.append({"strategy": strategy, "world_size": world_size,
-                         "profile_micro_batch": int(profile.micro_batch), "per_sample_bytes": per_sample, "micro_batch": int(r.micro_batch),
+                         "profile_micro_batch": int(profile.micro_batch), "per_sample_bytes": per_sample,
+                         "micro_batch": int(r.micro_batch),
                          "measured_activation_bytes": int(r.activation_bytes), "predicted_activation_bytes": predicted,
                          "error": (r.activation_bytes - predicted) / predicted if predicted else None})
     return pd.DataFrame(rows)
@@ -458,9 +459,9 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     devices = detect_devices()
     configs = points(profile)
     # Timed points never share a core or a device: refused before anything launches.
-    fair = dict(cores=os.cpu_count() or 1, devices=devices.device_count, is_cpu=devices.is_cpu)
-    parallel = parallel or fair_parallel(configs, **fair)
-    check_fair(configs, parallel, **fair)
+    cores = os.cpu_count() or 1
+    parallel = parallel or fair_parallel(configs, cores=cores, devices=devices.device_count, is_cpu=devices.is_cpu)
+    check_fair(configs, parallel, cores=cores, devices=devices.device_count, is_cpu=devices.is_cpu)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     load_before = list(os.getloadavg())
@@ -500,7 +501,8 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
                 raise
     if searches:
         summary, _ = maxbatch.write_results(searches, out)
-        summary["analytic_max_micro_batch"] = [analytic_max_micro_batch(s, t) for s, t in zip(searches, templates, strict=True)]
+        summary["analytic_max_micro_batch"] = [analytic_max_micro_batch(s, t)
+                                               for s, t in zip(searches, templates, strict=True)]
         write_text_atomic(out / "maxbatch.csv", summary.to_csv(index=False))
         for s in searches:
             say(f"  max-batch {s.strategy} x{s.world_size}: {s.max_micro_batch} per rank (first OOM {s.first_oom}) "
@@ -564,11 +566,11 @@ def cli(args: Any) -> int:
     from labkit.store import default_root
 
     profile = args.profile or current_profile()
-    model = {k: getattr(args, k, None) for k in ("model", "data", "loss")}
-    name = with_model(PROFILES[profile], **model).name
+    model, data, loss = (getattr(args, k, None) for k in ("model", "data", "loss"))
+    name = with_model(PROFILES[profile], model, data, loss).name
     out = Path(args.out) if args.out else default_root() / f"answer-{name}"
     try:
-        report = answer(profile, out, parallel=args.parallel, **model)
+        report = answer(profile, out, parallel=args.parallel, model=model, data=data, loss=loss)
     except KeyboardInterrupt:
         print(f"\ninterrupted: finished points are kept in {out}; run the same command again to resume",
               file=sys.stderr)

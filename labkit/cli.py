@@ -103,18 +103,20 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     run = Run(config, out=args.out).start()
-    print(f"run directory: {run.run_dir}", file=sys.stderr)
+    run_dir = run.run_dir
+    assert run_dir is not None  # start() made it
+    print(f"run directory: {run_dir}", file=sys.stderr)
     name = f"script {Path(config.script).name}" if config.script else config.example
     bar = tqdm(total=config.steps, unit="step", desc=f"{name} x{config.world_size}", file=sys.stderr)
     from labkit.telemetry import RecordTail, rank_file
 
-    rank0, events = RecordTail(rank_file(run.run_dir, 0)), set()
+    rank0, events = RecordTail(rank_file(run_dir, 0)), set[str]()
     try:
         while not run.done:
-            events.update(r.get("event") for r in rank0.poll())
+            events.update(r["event"] for r in rank0.poll() if r.get("event"))
             progress = run.progress()
             waiting = run.waiting_on if progress == 0 else None
-            bar.set_postfix_str(run_phase(events, progress, config.steps, _rank0_log(run.run_dir), waiting),
+            bar.set_postfix_str(run_phase(events, progress, config.steps, _rank0_log(run_dir), waiting),
                                 refresh=False)
             bar.update(progress - bar.n)
             run.wait(timeout=0.5)

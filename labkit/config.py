@@ -118,6 +118,12 @@ def _require(condition: bool, field_name: str, message: str) -> None:
         raise ConfigError(field_name, message)
 
 
+def _validation_detail(exc: Exception) -> str:
+    """A pydantic ValidationError as "field.path: message; ..." (it names the bad field); else the error's text."""
+    errors: list[dict[str, Any]] = getattr(exc, "errors", lambda: [])()
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) or str(exc)
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     example: Literal["pytorch", "deepspeed", "offload", "zero3"] = "zero3"
@@ -292,15 +298,12 @@ class RunConfig:
             try:
                 get_monitor_config(self.ds_overrides)
             except Exception as exc:
-                errors = getattr(exc, "errors", lambda: [])()
-                detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) or str(exc)
-                raise ConfigError("ds_overrides", f"monitor config: {detail}") from None
+                raise ConfigError("ds_overrides", f"monitor config: {_validation_detail(exc)}") from None
         if self.example != "pytorch" and not self.script:
             try:
                 deepspeed_checked(self.ds_config(), self.world_size)
             except Exception as exc:  # pydantic's ValidationError names the bad field
-                errors = getattr(exc, "errors", lambda: [])()
-                detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) or str(exc)
+                detail = _validation_detail(exc)
                 where = "ds_overrides.zero_optimization" if "DeepSpeedZeroConfig" in str(exc) else "ds_overrides"
                 raise ConfigError(where, f"DeepSpeed refuses the config: {detail}") from None
 

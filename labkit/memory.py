@@ -45,7 +45,7 @@ backward at an accumulation boundary, before ``step``) differs in places:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -281,7 +281,7 @@ def deepspeed_estimates(model_or_n_params: nn.Module | int, world_size: int, *,
     return out
 
 
-def compare(measured: dict[str, float], predicted: dict[str, float]) -> dict[str, float]:
+def compare(measured: Mapping[str, float], predicted: Mapping[str, float]) -> dict[str, float]:
     """Signed relative error (measured - predicted) / predicted for each shared key.
 
     A census from ``labkit.state_bytes`` reports the fp32 master separately: when

@@ -144,7 +144,8 @@ def critical_batch_fit(batches: Sequence[float], steps: Sequence[float], *, reso
     relative = [(y - p) / p for (_, y, _), p in zip(data, predicted, strict=True)]
     estimates = []
     for _ in range(n_boot):
-        fake = [(x, p * (1 + e * rng.choice((-1.0, 1.0))), w) for (x, _, w), p, e in zip(data, predicted, relative, strict=True)]
+        fake = [(x, p * (1 + e * rng.choice((-1.0, 1.0))), w)
+                for (x, _, w), p, e in zip(data, predicted, relative, strict=True)]
         refit = _weighted_fit(fake)
         if refit and refit[0] > 0 and refit[1] >= 0:
             estimates.append(refit[1] / refit[0])
@@ -194,7 +195,9 @@ def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, la
         for mine, live in zip(clone.parameters(), params, strict=True):
             mine.copy_(live.detach().view_as(mine))  # converts dtype and device in place
     if loss_fn is None:
-        from labkit.builders import default_loss as loss_fn
+        from labkit.builders import default_loss
+
+        loss_fn = default_loss
     half = inputs.shape[0] // 2
     if half < 1:
         raise ValueError("the noise-scale probe needs a micro-batch of at least 2 samples")
@@ -205,7 +208,7 @@ def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, la
     def sum_sq(tensors) -> torch.Tensor:
         return sum(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in tensors)
 
-    mean_grads = None
+    mean_grads: list[torch.Tensor] | None = None
     sq_norms = []
     for part in (slice(0, half), slice(half, 2 * half)):
         loss = loss_fn(clone, inputs[part], labels[part])
@@ -217,6 +220,7 @@ def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, la
             for total, grad in zip(mean_grads, grads, strict=True):
                 total.add_(grad).div_(2)
         del grads
+    assert mean_grads is not None  # the loop above ran over both halves
     world = dist.get_world_size() if dist.is_initialized() else 1
     small_sq = torch.stack(sq_norms).mean().reshape(1).to(device)
     if world > 1:

@@ -95,6 +95,11 @@ def rank_log(run_dir: str | os.PathLike, rank: int) -> Path | None:
     return logs[-1] if logs else None
 
 
+def _run_id(run: Run) -> str:
+    """The run directory's name, which the status line and messages call the run by."""
+    return run.run_dir.name if run.run_dir is not None else "(not started)"
+
+
 # -- the panel -----------------------------------------------------------------------------
 class LabPanel:
     """ipywidgets control panel bound to `RunConfig` and `Run`; see the module docstring.
@@ -221,8 +226,8 @@ class LabPanel:
     # -- binding ---------------------------------------------------------------------------
     def config(self) -> RunConfig:
         """The RunConfig the controls describe; raises ConfigError if it must not be launched."""
-        values = {name: None if control.value == PRESET else control.value
-                  for name, control in self.controls.items()}
+        values: dict[str, Any] = {name: None if control.value == PRESET else control.value
+                                  for name, control in self.controls.items()}
         for name in ("data", "loss"):
             values[name] = values[name].strip() or None  # an empty text field: the default
         values["model"] = values["model"].strip()
@@ -251,7 +256,7 @@ class LabPanel:
     def launch(self) -> Run | None:
         """Start a run with the current choice; None (and the reason shown) if nothing was launched."""
         if self.run is not None and not self.run.done:
-            self._show_error(f"run {self.run.run_dir.name} is still going; stop it first")
+            self._show_error(f"run {_run_id(self.run)} is still going; stop it first")
             return None
         # The last run's update thread goes first, so nothing of it can touch the new run.
         if not self.dashboard.close():
@@ -341,7 +346,7 @@ class LabPanel:
             status = "stopping"
         summary = run.summary if done else None
         waiting = run.waiting_on if not done and step == 0 else None
-        text = status_line(status, step=step, steps=run.config.steps, run_id=run.run_dir.name, summary=summary,
+        text = status_line(status, step=step, steps=run.config.steps, run_id=_run_id(run), summary=summary,
                            waiting_on=waiting)
         color = {"finished": "#1b5e20", "stopped": "#6d4c41"}.get(status, "#b00020" if done else "#0d47a1")
         self.status.value = f"<span style='color:{color}'>{html.escape(text)}</span>"
@@ -354,6 +359,8 @@ class LabPanel:
         return W.HTML(value="<pre>(no output yet)</pre>")
 
     def _show_logs(self, run: Run) -> None:
+        if run.run_dir is None:
+            return  # not started: no logs yet
         for rank, view in enumerate(self.logs.children):
             path = rank_log(run.run_dir, rank)
             text = tail_text(path) if path else ""

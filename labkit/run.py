@@ -69,6 +69,13 @@ class Run:
         run.run_dir = run_dir
         return run
 
+    @property
+    def _dir(self) -> Path:
+        """The run directory, for code that only runs once the run was started (or loaded)."""
+        if self.run_dir is None:
+            raise RuntimeError("this run has not been started: it has no run directory yet")
+        return self.run_dir
+
     # -- starting ----------------------------------------------------------------------
     def start(self) -> Run:
         if self.run_dir is not None:
@@ -202,7 +209,7 @@ class Run:
             proc = psutil.Process(pid)
             cmdline = proc.cmdline()
             return (proc.status() != psutil.STATUS_ZOMBIE and "labkit.supervisor" in cmdline
-                    and any(Path(proc.cwd(), arg).resolve() == self.run_dir.resolve() for arg in cmdline[1:]))
+                    and any(Path(proc.cwd(), arg).resolve() == self._dir.resolve() for arg in cmdline[1:]))
         except psutil.AccessDenied:
             return True  # not ours to inspect, so not ours to declare dead
         except (psutil.Error, OSError):
@@ -238,7 +245,7 @@ class Run:
 
     def records(self) -> dict[int, list[dict[str, Any]]]:
         """Every rank's records so far (complete lines only)."""
-        return rank_records(self.run_dir, self.config.world_size)
+        return rank_records(self._dir, self.config.world_size)
 
     def progress(self) -> int:
         """Steps completed by rank 0 so far. Polled twice a second by the CLI: it reads only the
@@ -306,7 +313,7 @@ class Run:
 
     def _recover_from_dead_supervisor(self, kill_supervisor: bool = False) -> None:
         """End what the supervisor left running and write the summary it could not write."""
-        status = read_json(self.run_dir / "status.json") or {}
+        status = read_json(self._dir / "status.json") or {}
         groups = []
         # The launcher's group id comes from a file that may be days old: its number may belong
         # to someone else's processes by now. Only a group one of this run's processes is in.
@@ -324,7 +331,7 @@ class Run:
         # Scan until a pass finds none: a process forked during a scan can escape it.
         for _ in range(5):
             found = [proc for proc in psutil.process_iter(["cmdline"])
-                     if _is_run_process(proc.info["cmdline"] or [], self.run_dir)]
+                     if _is_run_process(proc.info["cmdline"] or [], self._dir)]
             if not found:
                 break
             for proc in found:
@@ -337,7 +344,7 @@ class Run:
             # Multi-node: the ranks on the other nodes are not ours to find here; end them over ssh.
             from labkit.multinode import stop_remote
 
-            stop_remote(self.run_dir, list(hostfile_slots(self.config.hostfile)))
+            stop_remote(self._dir, list(hostfile_slots(self.config.hostfile)))
         if self._supervisor is not None:
             try:
                 self._supervisor.wait(timeout=5)
@@ -345,7 +352,7 @@ class Run:
                 pass
         from labkit.supervisor import remove_shm_segments
 
-        remove_shm_segments((read_json(self.run_dir / "launch.json") or {}).get("argv", []))
+        remove_shm_segments((read_json(self._dir / "launch.json") or {}).get("argv", []))
         if not self.summary:
             records = self.records()
             if records and all(any(r.get("event") == "done" for r in rank) for rank in records.values()):
@@ -357,15 +364,15 @@ class Run:
                                       "so its processes were killed")
             else:
                 outcome = ("failed", "the run's supervisor died; its processes were killed")
-            summary = summarize(self.run_dir, self.config.to_dict(), status=outcome[0], cause=outcome[1])
-            write_json_atomic(self.run_dir / "summary.json", summary)
-            write_json_atomic(self.run_dir / "status.json", {"status": outcome[0], "cause": outcome[1],
-                                                             "finished_at": time.time()})
+            summary = summarize(self._dir, self.config.to_dict(), status=outcome[0], cause=outcome[1])
+            write_json_atomic(self._dir / "summary.json", summary)
+            write_json_atomic(self._dir / "status.json", {"status": outcome[0], "cause": outcome[1],
+                                                          "finished_at": time.time()})
 
     def _group_is_this_run(self, pgid: int) -> bool:
         for proc in psutil.process_iter(["cmdline"]):
             try:
-                if os.getpgid(proc.pid) == pgid and _is_run_process(proc.info["cmdline"] or [], self.run_dir):
+                if os.getpgid(proc.pid) == pgid and _is_run_process(proc.info["cmdline"] or [], self._dir):
                     return True
             except (ProcessLookupError, PermissionError, psutil.Error):
                 continue

@@ -24,7 +24,7 @@ from typing import Any
 RUN_DIR_ENV = "LABKIT_RUN_DIR"
 SAMPLE_S = 1.0  # the guard's memory / liveness sampling period
 
-_state: dict[str, Any] = {}
+_state: dict[str | tuple[str | int, ...], Any] = {}  # "last_step_at", ("fd", run_dir, rank), ("start", run_dir)
 
 
 def _append(run_dir: Path, rank: int, record: dict[str, Any]) -> None:

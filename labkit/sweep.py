@@ -252,7 +252,7 @@ def _memory_columns(records: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
     keys = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "host_grad_bytes",
             "buffer_bytes")
     out: dict[str, Any] = {}
-    per_rank = []
+    per_rank: list[dict[str, Any]] = []
     for rank_records in records.values():
         last = next((r for r in reversed(rank_records) if "param_bytes" in r), None)
         activation = max((r.get("activation_bytes") or 0 for r in rank_records), default=0) or None
@@ -297,7 +297,7 @@ class Sweep:
     """
 
     points: Sequence[RunConfig]
-    out: str | os.PathLike
+    out: Path  # a str or any os.PathLike is accepted too: __post_init__ makes it a Path
     parallel: int = 1
     results_name: str | None = "results.csv"
     progress: bool = True
@@ -344,8 +344,9 @@ class Sweep:
             summary = read_json(run_dir / "summary.json")
             if config and summary and settled(summary.get("status"), summary.get("cause")):
                 key = run_key(run_dir, config)
-                if key not in rows and (wanted is None or key in wanted):
-                    rows[key] = row_from_run(run_dir)
+                # None only when its files vanished since they were read above.
+                if key not in rows and (wanted is None or key in wanted) and (row := row_from_run(run_dir)):
+                    rows[key] = row
         return rows
 
     # -- running --------------------------------------------------------------------------
@@ -376,6 +377,7 @@ class Sweep:
                     busy += 1
                     key, config = pending.pop(0)
                     run = Run(config, root=self.runs_root).start()
+                    assert run.run_dir is not None  # start() made it
                     write_json_atomic(run.run_dir / POINT_FILE,
                                       {"key": key, "measurement_version": MEASUREMENT_VERSION})
                     self.launched += 1
@@ -470,7 +472,7 @@ def load_results(path: str | os.PathLike) -> pd.DataFrame:
 
 def configs_for(rows: Iterable[dict[str, Any]]) -> list[RunConfig]:
     """The RunConfigs behind result rows (from their run directories)."""
-    return [RunConfig.from_saved(read_json(Path(r["run_dir"]) / "config.json")) for r in rows]
+    return [RunConfig.from_saved(json.loads((Path(r["run_dir"]) / "config.json").read_text())) for r in rows]
 
 
 def replace(config: RunConfig, **changes: Any) -> RunConfig:

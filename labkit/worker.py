@@ -104,6 +104,7 @@ def train() -> None:
     optimizer_impl = ops.choose_optimizer_impl(
         example=config.example, optimizer=config.optimizer, offload=bool(config.offload_optimizer),
         accelerator=accelerator._name, cuda_ops=accelerator._name == "cuda" and ops.cuda_ops_buildable()[0])
+    trainer: PlainTrainer | DeepSpeedTrainer
     if config.example == "pytorch":
         trainer = PlainTrainer(model, config, torch.device(accelerator.device_name(args.local_rank)), loss_fn)
     else:
@@ -122,7 +123,7 @@ def train() -> None:
     # CPU) and each step's record is written once its figures are ready, usually a step later.
     clock = StepClock(accelerator)
     data = batches()
-    timed_start = timed_steps = 0
+    timed_start, timed_steps = 0.0, 0
     census: dict[str, int] = {}
     telemetry_s = 0.0  # timed steps' census, memory readings and records: the instrumentation's own cost
     activation_bytes = 0
@@ -147,18 +148,22 @@ def train() -> None:
 
     # stop_at_target: ranks must stop at the same step, so they agree on the global mean loss
     # (one all_reduce per step, only when asked) over labkit.summary.time_to_target's window.
-    target_window, recent_losses, stopped_at_target = 5, [], False
+    # RunConfig checked that stop_at_target comes with a target_loss.
+    stop_below = config.target_loss if config.stop_at_target else None
+    target_window, stopped_at_target = 5, False
+    recent_losses: list[float] = []
     # Held-out eval loss (eval_every > 0): a fixed eval set, every N steps and every step once the
     # loss is near the target, so the first step that meets it is found without a window's lag.
     # It runs outside the step's clock (eval_s is recorded on its own), on every rank.
-    eval_loss, eval_timed_s, eval_history = None, 0.0, []  # eval_history: (step, loss) of the last two evals
+    eval_timed_s = 0.0
+    eval_history: list[tuple[int, float]] = []  # (step, loss) of the last two evals
     if held_out is not None:
-        eval_set = default_collate([held_out[i] for i in range(len(held_out))])
+        eval_inputs, eval_labels = default_collate([held_out[i] for i in range(len(held_out))])
     elif config.eval_every:
         from labkit.data import make_eval_set
 
-        eval_set = make_eval_set(config.eval_samples, config.dataset_size, config.input_size, config.output_size,
-                                 config.seed).tensors
+        eval_inputs, eval_labels = make_eval_set(config.eval_samples, config.dataset_size, config.input_size,
+                                                 config.output_size, config.seed).tensors
     for step in range(1, config.steps + 1):
         faults.at_step(step)
         if step == TIMED_FROM_STEP:
@@ -172,11 +177,13 @@ def train() -> None:
                                          device=trainer.device, loss_fn=loss_fn)
         if instrument:
             telemetry.begin_step()  # device_peak_bytes in this step's record: this step's own peak
+
+        def on_census(states: dict[str, int], saved: int, before: int = activation_bytes) -> None:
+            _check_emulated_capacity(states, max(before, saved))  # the activation peak so far, or this step's
+
         clock.begin()
         step_census, step_activation_bytes, census_s = train_step(
-            trainer, data, clock, step=step, grad_accum=config.grad_accum, measure=measure,
-            on_census=lambda states, saved, before=activation_bytes: _check_emulated_capacity(
-                states, max(before, saved)))
+            trainer, data, clock, step=step, grad_accum=config.grad_accum, measure=measure, on_census=on_census)
         if measure:
             census, activation_bytes = step_census, max(activation_bytes, step_activation_bytes)
         samples_seen += config.micro_batch * config.grad_accum
@@ -195,7 +202,7 @@ def train() -> None:
         evaluated: dict[str, float] = {}
         if config.eval_every and _eval_due(step, eval_history):
             t_eval = time.perf_counter()
-            eval_loss = trainer.evaluate(*eval_set, chunk=max(config.micro_batch, EVAL_CHUNK))
+            eval_loss = trainer.evaluate(eval_inputs, eval_labels, chunk=max(config.micro_batch, EVAL_CHUNK))
             if world_size > 1:  # identical weights give identical losses; the mean keeps ranks in lockstep
                 agreed = torch.tensor([eval_loss], dtype=torch.float64, device=trainer.device)
                 deepspeed.comm.all_reduce(agreed)
@@ -209,15 +216,15 @@ def train() -> None:
         write_ready()
         record_s = time.perf_counter() - t_record - evaluated.get("eval_s", 0.0)  # the eval is counted apart
         telemetry_s += (record_s + census_s) * (step >= TIMED_FROM_STEP)
-        if config.stop_at_target and config.eval_every:
-            if evaluated and eval_loss <= config.target_loss:
+        if stop_below is not None and config.eval_every:
+            if evaluated and evaluated["eval_loss"] <= stop_below:
                 stopped_at_target = True
                 break
-        elif config.stop_at_target:
+        elif stop_below is not None:
             agreed = step_loss.to(torch.float64).reshape(1)
             deepspeed.comm.all_reduce(agreed)
             recent_losses = [*recent_losses, agreed.item() / world_size][-target_window:]
-            if sum(recent_losses) / len(recent_losses) <= config.target_loss:
+            if sum(recent_losses) / len(recent_losses) <= stop_below:
                 stopped_at_target = True
                 break
     accelerator.synchronize()  # once, after the loop: timed_s covers the device's queued work
