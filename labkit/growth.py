@@ -175,21 +175,34 @@ def credit_sentences(results: pd.DataFrame, maxbatch: pd.DataFrame | None = None
         z0 = last.time_to_target_ratio.get("z0") if "z0" in last.index else None
         if z0 is None or _nan(z0):
             continue
+        # A ratio compares like with like only over the same batches as stage 0's: a strategy measured
+        # at one batch (its ratio is 1 by definition) or over another range says nothing here.
+        reached = table[table.time_to_target_ratio.notna()]
+        span = reached.groupby("strategy").global_batch.agg(["min", "max", "size"])
         same: list[str] = []
         worse: list[str] = []
         better: list[str] = []
         for strategy in [s for s in last.index if s in ZERO]:
             ratio = last.time_to_target_ratio.get(strategy)
-            if ratio is None or _nan(ratio):
+            if ratio is None or _nan(ratio) or strategy not in span.index or span.loc[strategy, "size"] < 2:
+                continue
+            if tuple(span.loc[strategy, ["min", "max"]]) != tuple(span.loc["z0", ["min", "max"]]):
                 continue
             bucket = same if abs(ratio / z0 - 1) <= SAME else (better if ratio < z0 else worse)
-            bucket.append(f"{label(strategy)} {ratio:.2f}x")
+            text = f"{label(strategy)} {ratio:.2f}x"
+            if bucket is better:
+                # A smaller ratio can come from a slower start (a fixed per-step cost that a bigger batch
+                # amortizes): say where it ends against stage 0, not only how far it fell.
+                versus = _ratio(last.compute_time_to_target_s.get(strategy), last.compute_time_to_target_s.get("z0"))
+                if versus is not None and not _nan(versus):
+                    text += f" (at the largest batch still {versus:.2f}x stage 0's time to target)"
+            bucket.append(text)
         if same or worse or better:
             text = (f"Credit ({words}): stage 0 alone changed the time to target {z0:.2f}x; "
                     + (f"{', '.join(same)} changed it by the same factor (within {SAME:.0%}): that change belongs "
                        "to the bigger batch and data parallelism, not to ZeRO" if same else "")
                     + ("; " if same and (better or worse) else "")
-                    + (f"{', '.join(better)} did better than stage 0" if better else "")
+                    + (f"{', '.join(better)} fell further than stage 0" if better else "")
                     + ("; " if better and worse else "")
                     + (f"{', '.join(worse)} did worse than stage 0 (its per-step cost grew with the batch)"
                        if worse else ""))

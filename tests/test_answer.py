@@ -170,6 +170,23 @@ def test_a_saving_stage_0_shows_too_is_not_credited_to_zero():
     assert "did worse than stage 0" in worse
 
 
+def test_credit_needs_the_same_batches_as_stage_0_and_a_lower_ratio_says_where_it_ends():
+    from labkit.growth import credit_sentences
+
+    results = _two_way_results()
+    # ZeRO-1 measured at one batch only (the memory-only point): its ratio is 1 by definition, no growth.
+    one = results[(results.strategy == "z0") & (results.micro_batch == 64) & (results.world_size == 2)]
+    results = pd.concat([results, one.assign(strategy="z1")], ignore_index=True)
+    text = "\n".join(credit_sentences(results))
+    assert "ZeRO-1" not in text.split("Cost per step")[0], text
+    # ZeRO-3 slow at the small batch only: its ratio falls further than stage 0's, yet it ends slower.
+    slow_start = results.copy()
+    first = (slow_start.strategy == "z3") & (slow_start.micro_batch == 16)
+    slow_start.loc[first, "median_step_time_s"] *= 4
+    text = "\n".join(credit_sentences(slow_start))
+    assert "fell further than stage 0" in text and "at the largest batch still 1.30x stage 0's time" in text
+
+
 def test_maxbatch_credit_compares_zero_with_stage_0_at_the_same_ranks():
     from labkit.growth import credit_sentences
 
