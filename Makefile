@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(if $(SYSTEM_TORCH),grep -v '^torch==' constraints.txt,cat constraints.txt) > $(VENV)/constraints.txt
-	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[lab,test]'
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[lab,test,hf,monitor]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 
