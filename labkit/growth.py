@@ -15,25 +15,16 @@ changes is the largest micro-batch that fits per rank (maxbatch.csv) and what it
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pandas as pd
 
-from labkit.sweep import STRATEGY_LABELS
+from labkit.report import _nan, label  # the report imports this module only inside its functions
 
 WAYS = {"ranks": "more ranks at a fixed per-rank micro-batch",
         "micro_batch": "a bigger micro-batch on fixed ranks"}
 ZERO = ("z1", "z2", "z3", "z2-offload", "z3-offload")  # the strategies that partition or offload something
 SAME = 0.1  # ratios within 10% of each other are "the same"
-
-
-def label(strategy: str) -> str:
-    return STRATEGY_LABELS.get(strategy, strategy)
-
-
-def _nan(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _ways(value: Any) -> set[str]:
