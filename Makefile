@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 # DeepSpeed JIT-compiles its ops on first use (30-90 s each); build them once, up front. On a GPU without an
 # nvcc matching torch's CUDA it builds none and says so (runs then use torch_adam); it clears stale build locks.
 ops: install
-	$(BIN)/python -m labkit.ops
+	$(BIN)/python -m labkit.runtime.ops
 
 # JupyterLab on 127.0.0.1 only, token auth on (the URL with the token is printed).
 lab: ops
@@ -63,7 +63,7 @@ docs: ops
 
 # With a GPU, run this first: ops, GPU-marked tests, one 2-rank run per ZeRO stage; report in gpu-check-report.txt.
 gpu-check: install
-	$(BIN)/python -m labkit.gpu_check --report gpu-check-report.txt
+	$(BIN)/python -m labkit.runtime.gpu_check --report gpu-check-report.txt
 
 clean:
 	rm -rf $(VENV) .cache runs

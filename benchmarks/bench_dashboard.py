@@ -13,7 +13,7 @@
     buffers) but not sent over ZeroMQ, which in a kernel adds a small header encoding.
 (b) Launch to first plotted point: the same RunConfig started by `LabPanel.launch()` (Run +
     supervisor + update thread) and by the bare DeepSpeed launcher
-    (`python -m deepspeed.launcher.runner ...` from labkit.launcher.build_command), each
+    (`python -m deepspeed.launcher.runner ...` from labkit.launch.launcher.build_command), each
     timed to rank 0's first step record (for the panel: to the refresh that plots it).
     Runs alternate (bare, panel, bare, panel, ...) so drift on a shared machine hits both.
     Goal: panel <= bare + 1 s. Every run is stopped right after its first step.
@@ -37,11 +37,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from labkit import RunConfig
-from labkit.dashboard import STEP_KEYS, Dashboard, RankSeries, run_traces
-from labkit.devices import detect_devices
-from labkit.launcher import build_command, free_port
-from labkit.store import read_json, write_json_atomic
-from labkit.telemetry import RecordTail, rank_file, read_records
+from labkit.launch.launcher import build_command, free_port
+from labkit.launch.store import read_json, write_json_atomic
+from labkit.live.dashboard import STEP_KEYS, Dashboard, RankSeries, run_traces
+from labkit.live.telemetry import RecordTail, rank_file, read_records
+from labkit.runtime.devices import detect_devices
 
 MIB = 2**20
 
@@ -181,7 +181,7 @@ def first_step_bare(config: RunConfig, root: Path) -> dict[str, float]:
 
 def first_point_panel(config: RunConfig, root: Path) -> dict[str, float]:
     """Seconds from LabPanel.launch() to the dashboard refresh that plots the first step, with phases."""
-    from labkit.panel import LabPanel
+    from labkit.live.panel import LabPanel
 
     fields = ("example", "world_size", "micro_batch", "steps", "hidden", "depth", "dataset_size")
     panel = LabPanel(root=root, **{name: getattr(config, name) for name in fields})

@@ -24,8 +24,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's labkit
 from labkit import Run, RunConfig
-from labkit.records import RecordTail, read_records
-from labkit.telemetry import rank_file
+from labkit.live.records import RecordTail, read_records
+from labkit.live.telemetry import rank_file
 
 
 def observe(config: RunConfig, root: str) -> dict[str, float]:

@@ -21,7 +21,7 @@ import statistics
 import tempfile
 
 from labkit import Run, RunConfig
-from labkit.telemetry import rank_file, read_records
+from labkit.live.telemetry import rank_file, read_records
 
 
 def done_record(run: Run, rank: int = 0) -> dict:

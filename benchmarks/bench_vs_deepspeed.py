@@ -29,12 +29,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's labkit
 
 from labkit import Run, RunConfig
-from labkit.launcher import build_command, free_port
-from labkit.records import read_records
-from labkit.telemetry import rank_file
+from labkit.launch.launcher import build_command, free_port
+from labkit.live.records import read_records
+from labkit.live.telemetry import rank_file
 
 MODELS = {"example3": {"hidden": 1024, "depth": 2}, "large": {"hidden": 4096, "depth": 2}}
-TIMED_FROM_STEP = 3  # as labkit.worker: steps 1-2 pay for lazy allocations
+TIMED_FROM_STEP = 3  # as labkit.launch.worker: steps 1-2 pay for lazy allocations
 
 PLAIN_SCRIPT = '''\
 """The seed's Example 3, corrected: what a user runs with `deepspeed --num_gpus 2 train.py`."""

@@ -1,8 +1,8 @@
 """DeepSpeed Batch Lab: launch real DeepSpeed runs, watch every rank, keep what they recorded."""
 
-from labkit.config import ConfigError, RunConfig
-from labkit.run import Run
-from labkit.script import record
+from labkit.launch.config import ConfigError, RunConfig
+from labkit.launch.run import Run
+from labkit.launch.script import record
 
 __all__ = ["ConfigError", "Run", "RunConfig", "load_run", "record", "runs"]
 
@@ -11,7 +11,7 @@ def __getattr__(name: str):
     # pandas is imported on first use only: every rank, guard and supervisor imports labkit,
     # and none of them needs the run history.
     if name in ("runs", "load_run"):
-        from labkit import history
+        from labkit.launch import history
 
         return getattr(history, name)
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")

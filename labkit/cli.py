@@ -3,7 +3,7 @@
     python -m labkit run --example zero3 --world-size 2 --micro-batch 64 --steps 20
     python -m labkit export --example zero3 --world-size 16 --hostfile hosts --launcher pdsh --out job/
     python -m labkit runs
-    python -m labkit answer --profile ci      # sweep + max-batch search + report (labkit.answer)
+    python -m labkit answer --profile ci      # sweep + max-batch search + report (labkit.study.answer)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from labkit.config import EXAMPLES, LR_SCALINGS, OPTIMIZERS, PRECISIONS, ConfigError, RunConfig
+from labkit.launch.config import EXAMPLES, LR_SCALINGS, OPTIMIZERS, PRECISIONS, ConfigError, RunConfig
 
 # RunConfig fields exposed as flags: --micro-batch for micro_batch, and so on.
 _FLAG_FIELDS = ("model", "data", "loss", "stage", "precision", "world_size", "micro_batch", "grad_accum",
@@ -99,7 +99,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from labkit.run import Run
+    from labkit.launch.run import Run
 
     config = config_from_args(args)
     run = Run(config, out=args.out).start()
@@ -108,7 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"run directory: {run_dir}", file=sys.stderr)
     name = f"script {Path(config.script).name}" if config.script else config.example
     bar = tqdm(total=config.steps, unit="step", desc=f"{name} x{config.world_size}", file=sys.stderr)
-    from labkit.telemetry import RecordTail, rank_file
+    from labkit.live.telemetry import RecordTail, rank_file
 
     rank0, events = RecordTail(rank_file(run_dir, 0)), set[str]()
     try:
@@ -167,9 +167,9 @@ def _rank0_log(run_dir: Path, tail_bytes: int = 20000) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Write a self-contained job directory for DeepSpeed's multi-node launcher (labkit.export)."""
-    from labkit.config import without_local_device_checks
-    from labkit.export import write_job
+    """Write a self-contained job directory for DeepSpeed's multi-node launcher (labkit.launch.export)."""
+    from labkit.launch.config import without_local_device_checks
+    from labkit.launch.export import write_job
 
     with without_local_device_checks():  # a login node need not have the cluster's GPUs
         config = config_from_args(args)
@@ -183,7 +183,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from labkit.history import runs
+    from labkit.launch.history import runs
 
     table = runs(args.root)
     if args.format == "csv":
@@ -196,8 +196,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_export_metrics(args: argparse.Namespace) -> int:
-    """A finished run's per-step records as TensorBoard event files and/or CSV (labkit.export_metrics)."""
-    from labkit.export_metrics import to_csv, to_tensorboard
+    """A finished run's per-step records as TensorBoard event files and/or CSV (labkit.live.export_metrics)."""
+    from labkit.live.export_metrics import to_csv, to_tensorboard
 
     if not (args.tensorboard or args.csv):
         raise ConfigError("export-metrics", "name at least one of --tensorboard DIR, --csv DIR")
@@ -211,8 +211,8 @@ def cmd_export_metrics(args: argparse.Namespace) -> int:
 
 
 def cmd_answer(args: argparse.Namespace) -> int:
-    """Max-batch search + batch-size sweep + report (labkit.answer)."""
-    from labkit.answer import cli
+    """Max-batch search + batch-size sweep + report (labkit.study.answer)."""
+    from labkit.study.answer import cli
 
     return cli(args)
 
@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     metrics.add_argument("--csv", default=None, metavar="DIR", help="write DIR/rank<N>.csv")
     metrics.set_defaults(func=cmd_export_metrics)
     answer = sub.add_parser("answer", help="batch-size sweep, max-batch search, time to target, report")
-    # labkit.answer.PROFILES' names (not imported here: it pulls in pandas and the sweep).
+    # labkit.study.answer.PROFILES' names (not imported here: it pulls in pandas and the sweep).
     answer.add_argument("--profile", choices=("ci", "workshop", "full", "smoke"), default=None,
                         help="default: LABKIT_PROFILE, else by device; workshop: one node of 16-24 GB GPUs; "
                              "smoke: a minutes-long end-to-end check")

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from labkit import RunConfig
-from labkit.config import ConfigError
-from labkit.sweep import Sweep, UnfairTiming, check_fair, fair_parallel, plan
+from labkit.launch.config import ConfigError
+from labkit.study.sweep import Sweep, UnfairTiming, check_fair, fair_parallel, plan
 
 
 # -- fair timing ------------------------------------------------------------------------------------
@@ -40,7 +40,7 @@ def test_a_timed_sweep_that_would_oversubscribe_is_refused_before_launching(tmp_
 
 
 def test_answer_refuses_unfair_parallel_before_anything_starts(tmp_path):
-    from labkit.answer import answer
+    from labkit.study.answer import answer
 
     with pytest.raises(UnfairTiming):
         answer("smoke", tmp_path / "out", parallel=(os.cpu_count() or 1) + 1, progress=False)
@@ -49,7 +49,7 @@ def test_answer_refuses_unfair_parallel_before_anything_starts(tmp_path):
 
 # -- both ways to grow the batch --------------------------------------------------------------------
 def test_ci_points_grow_the_batch_both_ways_and_share_a_point():
-    from labkit.answer import PROFILES, growth_of, points
+    from labkit.study.answer import PROFILES, growth_of, points
 
     profile = PROFILES["ci"]
     configs = points(profile)
@@ -83,14 +83,14 @@ def test_warmup_in_samples_is_the_same_share_of_data_at_every_batch():
 def test_eval_set_is_held_out_and_labelled_by_the_same_teacher():
     import torch
 
-    from labkit.data import make_dataset, make_eval_set
+    from labkit.models.data import make_dataset, make_eval_set
 
     train = make_dataset(256, 100, 10, 0)
     held = make_eval_set(128, 256, 100, 10, 0)
     assert torch.equal(held.tensors[0], make_eval_set(128, 256, 100, 10, 0).tensors[0])  # fixed
     assert not any(torch.equal(x, train.tensors[0][0]) for x in held.tensors[0])
     # Same teacher: a point of the training set, relabelled through the eval path, gets its label.
-    from labkit.data import _inputs_and_teacher, _labels
+    from labkit.models.data import _inputs_and_teacher, _labels
 
     _, w1, w2 = _inputs_and_teacher(256, 100, 10, 0)
     assert torch.equal(_labels(train.tensors[0], w1, w2), train.tensors[1])
@@ -99,7 +99,7 @@ def test_eval_set_is_held_out_and_labelled_by_the_same_teacher():
 
 # -- critical batch ---------------------------------------------------------------------------------
 def test_weighted_critical_batch_fit_with_a_bootstrap_interval():
-    from labkit.noise_scale import critical_batch_fit
+    from labkit.study.noise_scale import critical_batch_fit
 
     s_min, b_crit = 40.0, 256.0
     batches = [32, 64, 128, 256, 512]
@@ -115,7 +115,7 @@ def test_weighted_critical_batch_fit_with_a_bootstrap_interval():
 
 
 def test_noise_scale_spread_over_the_run():
-    from labkit.noise_scale import noise_scale_spread
+    from labkit.study.noise_scale import noise_scale_spread
 
     # B_simple = trace / g2; early probes have B ~ 50, late ones B ~ 200.
     def probe(b_simple):
@@ -149,7 +149,7 @@ def _two_way_results(z3_factor: float = 1.0) -> pd.DataFrame:
 
 
 def test_a_saving_stage_0_shows_too_is_not_credited_to_zero():
-    from labkit.growth import credit_sentences, credit_table, growth_sentences, growth_table
+    from labkit.study.growth import credit_sentences, credit_table, growth_sentences, growth_table
 
     results = _two_way_results()
     ranks = growth_table(results, "ranks")
@@ -171,7 +171,7 @@ def test_a_saving_stage_0_shows_too_is_not_credited_to_zero():
 
 
 def test_credit_needs_the_same_batches_as_stage_0_and_a_lower_ratio_says_where_it_ends():
-    from labkit.growth import credit_sentences
+    from labkit.study.growth import credit_sentences
 
     results = _two_way_results()
     # ZeRO-1 measured at one batch only (the memory-only point): its ratio is 1 by definition, no growth.
@@ -188,7 +188,7 @@ def test_credit_needs_the_same_batches_as_stage_0_and_a_lower_ratio_says_where_i
 
 
 def test_maxbatch_credit_compares_zero_with_stage_0_at_the_same_ranks():
-    from labkit.growth import credit_sentences
+    from labkit.study.growth import credit_sentences
 
     maxbatch = pd.DataFrame([{"strategy": "torch", "world_size": 1, "max_micro_batch": 288},
                              {"strategy": "z0", "world_size": 2, "max_micro_batch": 290},
@@ -205,8 +205,8 @@ def test_maxbatch_credit_compares_zero_with_stage_0_at_the_same_ranks():
 # -- end to end ---------------------------------------------------------------------------------------
 def test_answer_smoke_end_to_end(tmp_path):
     """`answer --profile smoke`: real runs, timed one at a time, both growth ways, eval-loss target, report."""
-    from labkit.answer import answer
-    from labkit.summary import rank_records, steps_of
+    from labkit.launch.summary import rank_records, steps_of
+    from labkit.study.answer import answer
 
     out = tmp_path / "answer"
     report = answer("smoke", out, progress=False)

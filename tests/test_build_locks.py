@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from labkit.build_locks import find_build_locks, report_stale_locks
+from labkit.runtime.build_locks import find_build_locks, report_stale_locks
 
 
 def test_stale_lock_is_named_and_cleared_but_a_held_one_is_left(tmp_path, capsys):
@@ -56,7 +56,7 @@ def test_a_run_stuck_behind_a_stale_build_lock_says_so(tmp_path, runs_root, monk
         assert run.waiting_on and "stale build lock" in run.waiting_on and "deepspeed_shm_comm" in run.waiting_on
         # What the CLI's progress bar and the panel's status line show for it.
         from labkit.cli import run_phase
-        from labkit.panel import status_line
+        from labkit.live.panel import status_line
 
         assert run_phase({"start"}, 0, 2, "", run.waiting_on).startswith("waiting: stale build lock")
         assert "waiting: stale build lock" in status_line("running", step=0, steps=2, waiting_on=run.waiting_on)

@@ -17,10 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import labkit.dashboard
-import labkit.panel
+import labkit.live.dashboard
+import labkit.live.panel
 from labkit import RunConfig
-from labkit.dashboard import (
+from labkit.launch.run import Run, run_name
+from labkit.launch.store import new_run_dir, write_json_atomic
+from labkit.launch.summary import summarize
+from labkit.live.dashboard import (
     REFRESH_S,
     Dashboard,
     RankSeries,
@@ -31,10 +34,7 @@ from labkit.dashboard import (
     run_traces,
     step_columns,
 )
-from labkit.panel import LabPanel, rank_log, status_line, tail_text
-from labkit.run import Run, run_name
-from labkit.store import new_run_dir, write_json_atomic
-from labkit.summary import summarize
+from labkit.live.panel import LabPanel, rank_log, status_line, tail_text
 
 MIB = 2**20
 
@@ -249,12 +249,12 @@ def test_refresh_is_at_least_twice_a_second():
 def test_no_labkit_module_calls_hold_sync():
     """hold_sync() silently drops FigureWidget updates: batch_update() only."""
     calls = []
-    for path in sorted(Path(labkit.__file__).parent.glob("*.py")):
+    for path in sorted(Path(labkit.__file__).parent.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Attribute) and node.attr == "hold_sync":
                 calls.append(f"{path.name}:{node.lineno}")
     assert calls == []
-    assert len(list(Path(labkit.__file__).parent.glob("*.py"))) > 10  # the right directory
+    assert len(list(Path(labkit.__file__).parent.rglob("*.py"))) > 10  # the right directory
 
 
 def dashboard_threads() -> list[threading.Thread]:
@@ -276,7 +276,7 @@ def test_a_thread_never_touches_series_it_was_not_started_for(tmp_path):
 
 
 def test_close_keeps_a_thread_that_did_not_stop_and_watch_refuses_a_second(tmp_path, monkeypatch):
-    monkeypatch.setattr(labkit.dashboard, "JOIN_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(labkit.live.dashboard, "JOIN_TIMEOUT_S", 0.2)
     first = Run.load(write_run(tmp_path / "a", config(), steps=3, status=None))
     second = Run.load(write_run(tmp_path / "b", config(), steps=5, status=None))
     release = threading.Event()
@@ -346,7 +346,7 @@ def test_widgets_build_the_config_and_the_global_batch(runs_root):
 
 
 def test_a_world_size_above_the_machine_shows_the_config_error(runs_root):
-    from labkit.devices import detect_devices
+    from labkit.runtime.devices import detect_devices
 
     too_many = detect_devices().max_ranks + 1
     panel = LabPanel(world_size=too_many, micro_batch=4)
@@ -381,7 +381,7 @@ class SyntheticRun(Run):
 
 
 def test_launch_runs_the_config_and_reports_the_outcome(runs_root, monkeypatch):
-    monkeypatch.setattr(labkit.panel, "Run", SyntheticRun)
+    monkeypatch.setattr(labkit.live.panel, "Run", SyntheticRun)
     panel = LabPanel(world_size=2, micro_batch=32, steps=7, hidden=64, refresh_s=0.05)
     run = panel.launch()
     assert run is panel.run and run.config == panel.config()
@@ -447,7 +447,7 @@ class LiveRun(Run):
 
 
 def test_launching_twice_leaves_one_update_thread_and_none_after(runs_root, monkeypatch):
-    monkeypatch.setattr(labkit.panel, "Run", LiveRun)
+    monkeypatch.setattr(labkit.live.panel, "Run", LiveRun)
     panel = LabPanel(world_size=2, micro_batch=32, steps=9, refresh_s=0.05)
     assert dashboard_threads() == []
     first = panel.launch()
@@ -472,7 +472,7 @@ def test_launching_twice_leaves_one_update_thread_and_none_after(runs_root, monk
 
 
 def test_stop_shows_stopping_until_the_run_is_done(runs_root, monkeypatch):
-    monkeypatch.setattr(labkit.panel, "Run", LiveRun)
+    monkeypatch.setattr(labkit.live.panel, "Run", LiveRun)
     monkeypatch.setattr(LiveRun, "stop_gate", threading.Event())
     panel = LabPanel(world_size=2, micro_batch=32, steps=9, refresh_s=0.05)
     run = panel.launch()
@@ -492,15 +492,15 @@ def test_stop_shows_stopping_until_the_run_is_done(runs_root, monkeypatch):
 
 
 def test_an_error_in_the_update_thread_is_shown_and_frees_the_controls(runs_root, monkeypatch):
-    monkeypatch.setattr(labkit.panel, "Run", LiveRun)
-    real = labkit.dashboard.run_traces
+    monkeypatch.setattr(labkit.live.panel, "Run", LiveRun)
+    real = labkit.live.dashboard.run_traces
 
     def failing(*args, **kwargs):  # fails in the update thread only: launch() itself draws empty traces
         if threading.current_thread().name == "labkit-dashboard":
             raise RuntimeError("boom")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(labkit.dashboard, "run_traces", failing)
+    monkeypatch.setattr(labkit.live.dashboard, "run_traces", failing)
     panel = LabPanel(world_size=2, micro_batch=32, steps=9, refresh_s=0.05)
     run = panel.launch()
     assert panel.dashboard.join(timeout=20)
@@ -520,7 +520,7 @@ class FailingRun(Run):
 
 
 def test_a_launch_error_is_shown_in_the_panel(runs_root, monkeypatch):
-    monkeypatch.setattr(labkit.panel, "Run", FailingRun)
+    monkeypatch.setattr(labkit.live.panel, "Run", FailingRun)
     panel = LabPanel(world_size=2, micro_batch=32)
     assert panel.launch() is None and panel.run is None
     assert plain(panel.message) == "⚠ launch failed: OSError: [Errno 28] No space left on device"
@@ -529,10 +529,10 @@ def test_a_launch_error_is_shown_in_the_panel(runs_root, monkeypatch):
 
 def test_launch_waits_for_the_last_runs_thread(runs_root, monkeypatch):
     """A thread still busy with the last run's final tick: Launch refuses instead of starting a second one."""
-    monkeypatch.setattr(labkit.panel, "Run", LiveRun)
-    monkeypatch.setattr(labkit.dashboard, "JOIN_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(labkit.live.panel, "Run", LiveRun)
+    monkeypatch.setattr(labkit.live.dashboard, "JOIN_TIMEOUT_S", 0.2)
     entered, release = threading.Event(), threading.Event()
-    real = labkit.panel.tail_text
+    real = labkit.live.panel.tail_text
 
     def slow_tail(path, *args, **kwargs):  # the final tick's log read hangs (a slow disk)
         if (Path(path).parent.parent / "summary.json").exists():
@@ -540,7 +540,7 @@ def test_launch_waits_for_the_last_runs_thread(runs_root, monkeypatch):
             release.wait(20)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(labkit.panel, "tail_text", slow_tail)
+    monkeypatch.setattr(labkit.live.panel, "tail_text", slow_tail)
     panel = LabPanel(world_size=2, micro_batch=32, steps=9, refresh_s=0.05)
     first = panel.launch()
     first.finish()
@@ -595,7 +595,7 @@ def test_a_browser_message_cannot_swallow_the_update_threads_new_trace():
     addTraces as `msg` then `None`, so only None reached the browser and the chart stayed empty."""
     import plotly.graph_objects as go
 
-    from labkit.dashboard import _new_figure
+    from labkit.live.dashboard import _new_figure
 
     payloads = _swallowed_add_traces(lambda lock: _new_figure("loss", lock))
     assert any(p is not None for p in payloads), payloads

@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from labkit import device_lease
-from labkit.config import ConfigError, RunConfig
-from labkit.devices import Devices
-from labkit.launcher import build_command
-from labkit.run import Run
+from labkit.launch.config import ConfigError, RunConfig
+from labkit.launch.launcher import build_command
+from labkit.launch.run import Run
+from labkit.runtime import device_lease
+from labkit.runtime.devices import Devices
 
 
 def test_candidate_devices_follow_the_visible_devices():
@@ -154,7 +154,7 @@ def test_sweep_waits_for_the_lease_of_the_run_before(tmp_path, monkeypatch):
     """Issue 11 item 1: a run whose ranks all recorded `done` still holds its devices until its supervisor
     exits. The sweep launched the next point at once and `Run.start()` raised DevicesBusy: `labkit answer`
     stopped after one point on any GPU machine. CPU ranks lease emulated slots here, through the same code."""
-    from labkit.sweep import Sweep
+    from labkit.study.sweep import Sweep
 
     monkeypatch.setattr(device_lease, "DEFAULT_LEASE_DIR", tmp_path / "leases")
     monkeypatch.setenv(device_lease.EMULATED_DEVICES_ENV, "2")

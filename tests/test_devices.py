@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from labkit.devices import Devices, _probe_in_child, detect_devices
+from labkit.runtime.devices import Devices, _probe_in_child, detect_devices
 
 
 def test_gpu_probe_runs_in_a_child_and_fills_every_field():
@@ -33,12 +33,12 @@ def test_cpu_ranks_are_capped_at_the_cores():
 
 
 # Issue 11 item 13: labkit's public API alone, from 8 threads, in a fresh process whose first
-# DeepSpeed import this is. Before labkit.ds_import it deadlocked 4 times out of 4.
+# DeepSpeed import this is. Before labkit.runtime.ds_import it deadlocked 4 times out of 4.
 _CONCURRENT_FIRST_IMPORT = """
 import sys, threading, traceback
 assert "deepspeed" not in sys.modules
-from labkit.config import RunConfig
-import labkit.memory
+from labkit.launch.config import RunConfig
+import labkit.study.memory
 errors = []
 def make_config():
     try:
@@ -47,7 +47,7 @@ def make_config():
         errors.append(traceback.format_exc())
 def estimate():
     try:
-        labkit.memory.deepspeed_estimates(10_000_000, world_size=2)
+        labkit.study.memory.deepspeed_estimates(10_000_000, world_size=2)
     except Exception:
         errors.append(traceback.format_exc())
 threads = [threading.Thread(target=make_config if i % 2 else estimate) for i in range(8)]
@@ -77,8 +77,8 @@ def test_ranks_load_the_saved_config_without_probing_devices_again(tmp_path, mon
     context on GPU 0; refused in exclusive-process mode) and re-opened a relative hostfile path."""
     import json
 
-    from labkit.config import RunConfig
-    from labkit.store import write_json_atomic
+    from labkit.launch.config import RunConfig
+    from labkit.launch.store import write_json_atomic
 
     (tmp_path / "hosts").write_text("node-a slots=1\nnode-b slots=1\n")
     monkeypatch.chdir(tmp_path)
@@ -93,7 +93,7 @@ def test_ranks_load_the_saved_config_without_probing_devices_again(tmp_path, mon
 
 def test_bf16_counts_only_native_support():
     """Issue 11 item 5: torch's is_bf16_supported() counts emulation, so the probe said yes on V100 and T4."""
-    from labkit.devices import native_bf16
+    from labkit.runtime.devices import native_bf16
 
     assert not native_bf16((7, 0)) and not native_bf16([7, 5])  # V100, T4
     assert native_bf16((8, 0)) and native_bf16((8, 9)) and native_bf16([9, 0])  # A100, L4, H100
@@ -107,7 +107,7 @@ def test_gpu_check_writes_its_report_without_a_gpu(tmp_path):
 
     root = str(Path(__file__).resolve().parent.parent)
     report = tmp_path / "report.txt"
-    result = subprocess.run([sys.executable, "-m", "labkit.gpu_check", "--report", str(report), "--runs-root",
+    result = subprocess.run([sys.executable, "-m", "labkit.runtime.gpu_check", "--report", str(report), "--runs-root",
                              str(tmp_path / "runs")], capture_output=True, text=True, timeout=900, cwd=root)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     text = report.read_text()
@@ -117,8 +117,8 @@ def test_gpu_check_writes_its_report_without_a_gpu(tmp_path):
 
 def test_torch_adam_replaces_deepspeeds_cuda_adam_without_nvcc():
     """Issue 11 item 3: without an nvcc matching torch's CUDA, FusedAdam cannot be built: torch's Adam runs."""
-    from labkit.config import RunConfig
-    from labkit.ops import choose_optimizer_impl, cuda_ops_buildable, with_optimizer_impl
+    from labkit.launch.config import RunConfig
+    from labkit.runtime.ops import choose_optimizer_impl, cuda_ops_buildable, with_optimizer_impl
 
     def impl(cuda_ops, offload=False, accelerator="cuda", optimizer="adam"):
         return choose_optimizer_impl(example="zero3", optimizer=optimizer, offload=offload,
@@ -145,7 +145,7 @@ def test_telemetry_finishes_a_record_after_a_short_write(tmp_path):
     import threading
     import time
 
-    from labkit.telemetry import RankTelemetry, rank_file
+    from labkit.live.telemetry import RankTelemetry, rank_file
 
     os.mkfifo(rank_file(tmp_path, 0))
     received = bytearray()
@@ -181,8 +181,8 @@ def test_noise_probe_matches_a_float64_reference():
     import torch
     from torch import nn
 
-    from labkit.model import SimpleModel
-    from labkit.noise_scale import gradient_noise_probe
+    from labkit.models.mlp import SimpleModel
+    from labkit.study.noise_scale import gradient_noise_probe
 
     torch.manual_seed(0)
     model = SimpleModel(20, 32, 5, 2)

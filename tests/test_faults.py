@@ -35,7 +35,7 @@ import psutil
 import pytest
 
 from labkit import Run, RunConfig, runs
-from labkit.telemetry import rank_file, read_records
+from labkit.live.telemetry import rank_file, read_records
 from tests.conftest import REPO, run_processes
 
 pytestmark = pytest.mark.faults
@@ -125,7 +125,7 @@ def describe(proc: psutil.Process) -> str:
 
 
 def is_rank(proc: psutil.Process) -> bool:
-    return describe(proc).split(" ", 1)[-1] in ("labkit.rank_guard", "labkit.worker")
+    return describe(proc).split(" ", 1)[-1] in ("labkit.launch.rank_guard", "labkit.launch.worker")
 
 
 def gone(proc: psutil.Process) -> bool:
@@ -429,8 +429,8 @@ def _chaos(index: int, root: Path) -> dict[str, Any]:
     victims = {
         "supervisor": [sup],
         "everything": tree,
-        "supervisor+workers": [sup] + [p for p in tree if describe(p).endswith("labkit.worker")],
-        "worker": [p for p in tree if describe(p).endswith("labkit.worker")][:1],
+        "supervisor+workers": [sup] + [p for p in tree if describe(p).endswith("labkit.launch.worker")],
+        "worker": [p for p in tree if describe(p).endswith("labkit.launch.worker")][:1],
     }[target]
     moment = time.time()
     killed = []
@@ -572,7 +572,7 @@ test_crash_at_step_k_keeps_exactly_k_minus_1_steps.scenarios = tuple(f"fail_{n}"
 
 
 def _supervisor_for(tmp_path: Path, returncode: int) -> Any:
-    from labkit import supervisor
+    from labkit.launch import supervisor
 
     (tmp_path / "logs").mkdir()
     (tmp_path / "launch.json").write_text(json.dumps({"argv": [], "env": {}, "world_size": 2, "heartbeat_s": 5,
@@ -603,7 +603,7 @@ def test_oom_kill_long_before_the_sigkill_does_not_make_it_oom(tmp_path, monkeyp
 
 def test_oom_kill_counter_is_readable_here():
     """The counter the -9 classification needs: cgroup v2 memory.events or v1 memory.oom_control."""
-    from labkit.supervisor import _cgroup_oom_kills
+    from labkit.launch.supervisor import _cgroup_oom_kills
 
     if not any(Path(p).exists() for p in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory")):
         pytest.skip("no memory cgroup on this machine")
@@ -685,7 +685,7 @@ test_store_stays_readable_after_kill_at_random_moment.scenarios = tuple(f"chaos_
 
 # -- security -------------------------------------------------------------------------------------
 # torch's TCPStore (rank 0's rendezvous server) listens on `::` whatever MASTER_ADDR says;
-# labkit.rendezvous binds it to 127.0.0.1 itself and labkit.launcher pins gloo to `lo`.
+# labkit.runtime.rendezvous binds it to 127.0.0.1 itself and labkit.launch.launcher pins gloo to `lo`.
 @uses("stop")
 def test_nothing_listens_beyond_loopback(fleet):
     listening = fleet.result("stop")["listening"]
@@ -832,7 +832,7 @@ def test_out_directory_in_use_is_refused(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
 
 
-# Widget values: the control panel (labkit.panel) builds its RunConfig from the controls, so a
+# Widget values: the control panel (labkit.live.panel) builds its RunConfig from the controls, so a
 # bad combination is refused by Launch with the field named, and nothing starts.
 BAD_WIDGETS = [
     ({"example": "pytorch"}, "world_size"),             # the plain loop is one process; the panel asks 2 ranks
@@ -843,7 +843,7 @@ BAD_WIDGETS = [
 
 @pytest.mark.parametrize("values,field", BAD_WIDGETS, ids=[f for _, f in BAD_WIDGETS])
 def test_bad_widget_values_are_refused_naming_the_field(values, field, tmp_path):
-    panel_module = pytest.importorskip("labkit.panel")
+    panel_module = pytest.importorskip("labkit.live.panel")
     panel = panel_module.LabPanel(root=tmp_path / "runs", **{**SMALL, "steps": 5})
     try:
         for name, value in values.items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.devices import detect_devices
+from labkit.runtime.devices import detect_devices
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(detect_devices().accelerator != "cuda", reason="no CUDA GPU")]
@@ -21,7 +21,7 @@ def test_probe_reports_bf16_only_where_native():
 
 def test_one_gpu_run_leases_its_device_and_records_its_optimizer(tmp_path):
     from labkit import Run, RunConfig
-    from labkit.ops import cuda_ops_buildable
+    from labkit.runtime.ops import cuda_ops_buildable
 
     run = Run(RunConfig(example="zero3", stage=2, world_size=1, micro_batch=8, steps=3, hidden=128,
                         dataset_size=256), root=tmp_path).start()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from labkit.config import RunConfig
-from labkit.launcher import build_command, command_text, free_port
+from labkit.launch.config import RunConfig
+from labkit.launch.launcher import build_command, command_text, free_port
 
 
 def test_single_node_command_uses_deepspeed_launcher_on_loopback(tmp_path):
@@ -19,7 +19,7 @@ def test_single_node_command_uses_deepspeed_launcher_on_loopback(tmp_path):
     assert argv[argv.index("--num_gpus") + 1] == "2"
     assert argv[argv.index("--master_addr") + 1] == "127.0.0.1"  # nothing listens beyond loopback
     assert argv[argv.index("--master_port") + 1] == "29517"
-    assert argv[argv.index("--module") + 1] == "labkit.rank_guard"
+    assert argv[argv.index("--module") + 1] == "labkit.launch.rank_guard"
     assert argv[-2:] == ["--run-dir", str(tmp_path.resolve())]
     assert env["OMP_NUM_THREADS"] == "4"  # 8 cores split between 2 CPU ranks
     assert env["DS_ACCELERATOR"] == "cpu"
@@ -79,7 +79,7 @@ def test_single_node_sockets_stay_on_loopback_whatever_the_caller_set(tmp_path):
 def test_free_port_is_outside_the_ephemeral_range_and_bindable():
     import socket
 
-    from labkit.launcher import _ephemeral_range
+    from labkit.launch.launcher import _ephemeral_range
 
     low, high = _ephemeral_range()
     for _ in range(20):
@@ -90,7 +90,7 @@ def test_free_port_is_outside_the_ephemeral_range_and_bindable():
 
 
 def test_last_exception_line_reads_only_the_last_traceback():
-    from labkit.failures import last_exception_line
+    from labkit.launch.failures import last_exception_line
 
     log = ("ValueError: a warning printed and caught long ago\n"
            "step 7 ...\n")
@@ -106,7 +106,7 @@ def test_single_node_command_never_reads_the_clusters_default_hostfile(tmp_path,
     one a single-node run became a pdsh multi-node launch that bypassed the device lease."""
     from deepspeed.launcher import runner
 
-    from labkit.launcher import is_multi_node
+    from labkit.launch.launcher import is_multi_node
 
     config = RunConfig(example="zero3", world_size=2, max_world_size=8)
     argv, _ = build_command(config, tmp_path, master_port=29500, base_env={}, accelerator=accelerator,

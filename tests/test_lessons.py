@@ -6,8 +6,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from labkit import RunConfig, figures, lessons
-from labkit.data import make_dataset, make_sampler
+from labkit import RunConfig
+from labkit.models.data import make_dataset, make_sampler
+from labkit.study import figures, lessons
 
 
 def test_deepspeed_example_takes_the_stage_given_and_turns_nothing_on():
@@ -76,7 +77,7 @@ def test_holdings_figure_splits_host_parts():
 
 
 def test_capacity_figure_draws_the_fit_through_the_probes():
-    from labkit.maxbatch import MaxBatchResult, Probe
+    from labkit.study.maxbatch import MaxBatchResult, Probe
 
     mib = 2**20
     # 10 MiB of model states, 1 MiB per step plus 0.5 MiB per sample of activations.

@@ -1,11 +1,11 @@
-"""The max-batch search's logic (labkit.maxbatch.find_boundary) with a fake `fits` predicate: no launches.
+"""The max-batch search's logic (labkit.study.maxbatch.find_boundary) with a fake `fits` predicate: no launches.
 The real path (probes that launch DeepSpeed runs against the emulated budget) is tests/test_sweep.py's."""
 
 from __future__ import annotations
 
 import pytest
 
-from labkit.maxbatch import DEVICE_EVIDENCE, EMULATED_EVIDENCE, MaxBatchResult, Probe, find_boundary
+from labkit.study.maxbatch import DEVICE_EVIDENCE, EMULATED_EVIDENCE, MaxBatchResult, Probe, find_boundary
 
 
 def boundary_at(capacity: int):

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from labkit.config import ConfigError, RunConfig
-from labkit.dashboard import load_series
-from labkit.launcher import free_port
-from labkit.multinode import (
+from labkit.launch.config import ConfigError, RunConfig
+from labkit.launch.launcher import free_port
+from labkit.launch.multinode import (
     deepspeed_env_text,
     hostname_from_ssh_config,
     pdsh_failed_hosts,
@@ -33,8 +32,9 @@ from labkit.multinode import (
     remote_stop_script,
     run_process_pattern,
 )
-from labkit.run import Run
-from labkit.summary import rank_records
+from labkit.launch.run import Run
+from labkit.launch.summary import rank_records
+from labkit.live.dashboard import load_series
 from tests.conftest import REPO, run_processes
 
 pytestmark = pytest.mark.multinode
@@ -175,14 +175,15 @@ def test_stop_pattern_matches_only_this_runs_processes(tmp_path):
     run_dir = tmp_path / "run.1"
     pattern = run_process_pattern(run_dir)
     ours = [f"/v/bin/python -u -m deepspeed.launcher.launch --world_info=x --enable_each_rank_log={run_dir}/logs "
-            f"labkit.rank_guard --run-dir {run_dir}",
-            f"/v/bin/python -u -m labkit.rank_guard --local_rank=0 --run-dir {run_dir}",
-            f"/v/bin/python -u -m labkit.worker --local_rank=0 --run-dir {run_dir}"]
-    not_ours = [f"/v/bin/python -u -m deepspeed.launcher.runner --hostfile h --module labkit.rank_guard "
+            f"labkit.launch.rank_guard --run-dir {run_dir}",
+            f"/v/bin/python -u -m labkit.launch.rank_guard --local_rank=0 --run-dir {run_dir}",
+            f"/v/bin/python -u -m labkit.launch.worker --local_rank=0 --run-dir {run_dir}"]
+    not_ours = [f"/v/bin/python -u -m deepspeed.launcher.runner --hostfile h --module labkit.launch.rank_guard "
                 f"--run-dir {run_dir}",
-                f"/v/bin/python -m labkit.supervisor {run_dir} --parent-pid 1",
-                "/v/bin/python -u -m deepspeed.launcher.launch --world_info=y labkit.rank_guard --run-dir /other",
-                f"/v/bin/python -u -m labkit.worker --run-dir {tmp_path / 'run01'}",  # `.` is not a wildcard
+                f"/v/bin/python -m labkit.launch.supervisor {run_dir} --parent-pid 1",
+                "/v/bin/python -u -m deepspeed.launcher.launch --world_info=y labkit.launch.rank_guard "
+                "--run-dir /other",
+                f"/v/bin/python -u -m labkit.launch.worker --run-dir {tmp_path / 'run01'}",  # `.` is not a wildcard
                 f"bash -c {remote_stop_script(run_dir)}"]  # the shell that runs pkill
     grep = subprocess.run(["grep", "-E", "-e", pattern], input="\n".join(ours + not_ours) + "\n",
                           capture_output=True, text=True)
@@ -222,7 +223,7 @@ def test_export_on_a_login_node_writes_a_self_contained_job(tmp_path):
 
 
 def test_master_addr_is_the_first_hosts_address_not_its_ssh_alias(cluster: Cluster, tmp_path: Path):
-    from labkit.launcher import build_command
+    from labkit.launch.launcher import build_command
 
     hostfile = cluster.hostfile(tmp_path / "hostfile", cluster.nodes)
     argv, _ = build_command(tiny(hostfile), tmp_path, master_port=29500, base_env={})

@@ -9,10 +9,11 @@ import sys
 
 import pytest
 
-from labkit import Run, RunConfig, builders
-from labkit.config import ConfigError
-from labkit.sweep import point_key
-from labkit.telemetry import rank_file, read_records
+from labkit import Run, RunConfig
+from labkit.launch.config import ConfigError
+from labkit.live.telemetry import rank_file, read_records
+from labkit.models import builders
+from labkit.study.sweep import point_key
 from tests.conftest import REPO
 
 OWN = dict(model="tests.own_model:build_model", data="tests.own_model:build_dataset",
@@ -84,7 +85,7 @@ def test_gpt_trains_on_python_source_under_zero3(runs_root):
     # ZeRO-3 keeps every parameter of this small model whole (all <= 1e5 elements): the memory model's
     # persistence threshold on the real shapes predicts the census.
     numels = builders.param_numels(config)
-    from labkit.memory import model_state_bytes
+    from labkit.study.memory import model_state_bytes
 
     predicted = model_state_bytes(sum(numels), 3, 2, "fp32", persistent_params=builders.persistent_params(numels))
     assert steps[-1]["param_bytes"] == predicted["param_bytes"]
@@ -111,7 +112,7 @@ def test_param_numels_come_from_the_meta_device_and_match_the_real_model():
         real = [p.numel() for p in builders.build_model(config).parameters()]
         assert builders.param_numels(config) == real
     mlp = RunConfig(hidden=512, depth=2)
-    from labkit.memory import mlp_persistent_params
+    from labkit.study.memory import mlp_persistent_params
 
     assert builders.persistent_params(builders.param_numels(mlp)) == mlp_persistent_params(100, 512, 2, 10)
 
@@ -124,7 +125,7 @@ def test_default_model_keeps_old_point_keys():
 
 
 def test_answer_switches_to_gpt_with_one_parameter():
-    from labkit.answer import PROFILES, maxbatch_templates, points, with_model
+    from labkit.study.answer import PROFILES, maxbatch_templates, points, with_model
 
     profile = with_model(PROFILES["ci"], "gpt")
     assert profile.name == "ci-gpt"
@@ -135,7 +136,7 @@ def test_answer_switches_to_gpt_with_one_parameter():
 
 
 def test_panel_shows_a_bad_import_string_and_launches_nothing(runs_root):
-    from labkit.panel import LabPanel
+    from labkit.live.panel import LabPanel
 
     panel = LabPanel(example="zero3", world_size=2, micro_batch=8, steps=2)
     panel.controls["model"].value = "tests.own_model:build_model"
@@ -237,7 +238,7 @@ def test_monitor_keys_are_checked_by_deepspeeds_own_model():
 
 # -- command line habits -----------------------------------------------------------------------------
 def test_runs_lists_as_csv_and_json(tmp_path):
-    from labkit.history import COLUMNS
+    from labkit.launch.history import COLUMNS
 
     outputs = {}
     for fmt in ("csv", "json"):
@@ -252,7 +253,7 @@ def test_runs_lists_as_csv_and_json(tmp_path):
 def test_answer_strict_exit_code_names_unfinished_points(capsys):
     import pandas as pd
 
-    from labkit.answer import strict_exit_code
+    from labkit.study.answer import strict_exit_code
 
     results = pd.DataFrame([{"strategy": "z3", "global_batch": 32, "status": "finished"},
                             {"strategy": "z2", "global_batch": 512, "status": "oom"}])
@@ -273,7 +274,7 @@ def test_help_lists_choices_examples_and_exit_codes():
 
 
 def test_deepspeed_itself_checks_the_whole_config_before_launch():
-    from labkit.config import deepspeed_checked
+    from labkit.launch.config import deepspeed_checked
 
     config = RunConfig(example="zero3", world_size=2, micro_batch=8)
     assert deepspeed_checked(config.ds_config(), 2).train_batch_size == 16

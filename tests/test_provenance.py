@@ -9,11 +9,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from labkit import memory
-from labkit.answer import PROFILES, points
 from labkit.cli import build_parser
-from labkit.devices import Devices
-from labkit.report import build_report, provenance_banner
+from labkit.runtime.devices import Devices
+from labkit.study import memory
+from labkit.study.answer import PROFILES, points
+from labkit.study.report import build_report, provenance_banner
 
 REFERENCE = Path(__file__).resolve().parents[1] / "data" / "reference-ci"
 CPU_MACHINE = json.loads((REFERENCE / "machine.json").read_text())

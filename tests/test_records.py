@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from labkit.config import RunConfig
-from labkit.records import RecordTail, read_records
-from labkit.run import Run
-from labkit.telemetry import rank_file
+from labkit.launch.config import RunConfig
+from labkit.launch.run import Run
+from labkit.live.records import RecordTail, read_records
+from labkit.live.telemetry import rank_file
 
 
 def _append(path, *records, tail: bytes = b"") -> None:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from labkit import Run, RunConfig, load_run, runs
-from labkit.telemetry import rank_file, read_records
+from labkit.live.telemetry import rank_file, read_records
 from tests.conftest import REPO, run_processes
 
 SMALL = dict(hidden=512, depth=2, micro_batch=32, dataset_size=2048)
@@ -159,8 +159,8 @@ def _dead_pid() -> int:
 def test_a_run_whose_supervisor_may_live_on_another_host_is_not_recovered(tmp_path):
     """Issue 11 item 8: on a shared run store (another host, a container, hidepid) a PID this process cannot
     see says nothing; "recovering" such a run wrote "failed" into a live run's summary."""
-    from labkit.store import write_json_atomic
-    from labkit.supervisor import host_identity
+    from labkit.launch.store import write_json_atomic
+    from labkit.launch.supervisor import host_identity
 
     here = host_identity()
     for name, host in (("elsewhere", {**here, "boot_id": "another-machine"}), ("legacy", None), ("here", here)):
@@ -194,7 +194,7 @@ def test_launch_record_keeps_only_what_labkit_set_and_is_private(runs_root, monk
 _INTERRUPTED_KERNEL = """
 import sys, time
 from labkit import Run, RunConfig
-from labkit.lessons import launch_all
+from labkit.study.lessons import launch_all
 config = RunConfig(example="zero3", world_size=2, steps=100_000, hidden=64, micro_batch=8, dataset_size=256)
 try:
     if sys.argv[1] == "wait":

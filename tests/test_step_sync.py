@@ -1,6 +1,6 @@
 """The worker's step never makes the host wait for the device when telemetry is on.
 
-The real loop (`labkit.step_loop.train_step` + `labkit.step_clock.StepClock`, as the worker runs
+The real loop (`labkit.launch.step_loop.train_step` + `labkit.live.step_clock.StepClock`, as the worker runs
 them) trains a real model with the plain trainer on CPU. The accelerator it is given is DeepSpeed's
 CPU accelerator wrapped to play an asynchronous device: its events complete only once the "device"
 has moved on (LAG events later), reading an incomplete event's time fails as on CUDA, and every
@@ -17,12 +17,12 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader
 
-from labkit.config import RunConfig
-from labkit.data import make_dataset
-from labkit.model import SimpleModel
-from labkit.step_clock import StepClock
-from labkit.step_loop import train_step
-from labkit.trainers import PlainTrainer
+from labkit.launch.config import RunConfig
+from labkit.launch.step_loop import train_step
+from labkit.launch.trainers import PlainTrainer
+from labkit.live.step_clock import StepClock
+from labkit.models.data import make_dataset
+from labkit.models.mlp import SimpleModel
 
 LAG = 4  # events recorded after an event before the "device" has completed it (about a step)
 

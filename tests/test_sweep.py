@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from labkit import Run, RunConfig
-from labkit.maxbatch import search
-from labkit.noise_scale import aggregate, critical_batch_from_steps, noise_scale, unbiased_estimates
-from labkit.sweep import Sweep, plan, point_key, split_batch
+from labkit.study.maxbatch import search
+from labkit.study.noise_scale import aggregate, critical_batch_from_steps, noise_scale, unbiased_estimates
+from labkit.study.sweep import Sweep, plan, point_key, split_batch
 
 # A model whose flat parameter vector splits exactly at a tensor boundary into two halves
 # (129*64+64 = 64*64+64 + 64*64+64 = 8320), so ZeRO-1/2 hold exactly Psi/2 of the gradients:
 # DeepSpeed keeps the whole gradient of a tensor that straddles the partition boundary, which
-# the ZeRO paper's (and labkit.memory's) Psi/N does not model.
+# the ZeRO paper's (and labkit.study.memory's) Psi/N does not model.
 ALIGNED = dict(input_size=129, hidden=64, depth=2, output_size=64, dataset_size=512, micro_batch=16)
 # The CI profile's model: its flat vector does NOT split at a tensor boundary (the 512x512 weight
 # straddles it), so ZeRO-1/2 keep far more than Psi/2 of the gradients.
@@ -32,10 +32,10 @@ BOUNDARY = 5  # the emulated capacity below is set so that micro-batch 5 fits an
 
 
 def _budget_for(boundary: int) -> int:
-    """States (labkit.memory) + activations (counted in-process like the worker) at boundary + 0.5."""
-    from labkit import memory
-    from labkit.model import SimpleModel
-    from labkit.trainers import PlainTrainer, count_saved_activations
+    """States (labkit.study.memory) + activations (counted in-process like the worker) at boundary + 0.5."""
+    from labkit.launch.trainers import PlainTrainer, count_saved_activations
+    from labkit.models.mlp import SimpleModel
+    from labkit.study import memory
 
     config = RunConfig(example="pytorch", micro_batch=1, **MAXBATCH_MODEL)
     trainer = PlainTrainer(SimpleModel(config.input_size, config.hidden, config.output_size, config.depth), config,
@@ -129,8 +129,8 @@ def test_sweep_resumes_without_new_launches(launched):
 def test_points_measured_by_an_older_labkit_are_not_reused(launched, tmp_path):
     import shutil
 
-    from labkit.store import read_json
-    from labkit.sweep import MEASUREMENT_VERSION, POINT_FILE
+    from labkit.launch.store import read_json
+    from labkit.study.sweep import MEASUREMENT_VERSION, POINT_FILE
 
     point = launched["points"][0]
     key = point_key(point)
@@ -146,7 +146,7 @@ def test_points_measured_by_an_older_labkit_are_not_reused(launched, tmp_path):
 
 
 def test_memory_model_matches_measured_states_within_5_percent(launched):
-    from labkit import memory
+    from labkit.study import memory
 
     shape = [ALIGNED[k] for k in ("input_size", "hidden", "depth", "output_size")]
     n_params = memory.n_params_mlp(*shape)
@@ -161,7 +161,7 @@ def test_memory_model_matches_measured_states_within_5_percent(launched):
 
 
 def test_memory_table_predicts_stage_1_2_grads_from_deepspeeds_layout(launched):
-    from labkit.answer import memory_table
+    from labkit.study.answer import memory_table
 
     model = {k: v for k, v in ALIGNED.items() if k != "micro_batch"}
     table = memory_table(launched["table"], model).set_index("strategy")
@@ -179,7 +179,7 @@ def test_memory_table_predicts_stage_1_2_grads_from_deepspeeds_layout(launched):
 def test_offload_census_matches_the_memory_model_on_device_and_host(launched):
     """Optimizer offload keeps the optimizer states, the fp32 master and the grad partitions (at
     ZeRO-3 the low-precision one too) on the host: only the params count as device bytes."""
-    from labkit import memory
+    from labkit.study import memory
 
     shape = [CI_MODEL[k] for k in ("input_size", "hidden", "depth", "output_size")]
     n_params = memory.n_params_mlp(*shape)
@@ -207,7 +207,7 @@ def test_offload_census_matches_the_memory_model_on_device_and_host(launched):
 
 # -- max-batch search -------------------------------------------------------------------------------
 def test_maxbatch_finds_the_emulated_boundary(launched):
-    from labkit import memory
+    from labkit.study import memory
 
     result = launched["maxbatch"]
     assert result.emulated and result.budget_bytes == launched["template"].device_memory_budget_bytes
@@ -216,7 +216,7 @@ def test_maxbatch_finds_the_emulated_boundary(launched):
     assert [p.micro_batch for p in result.probes] == [2, 4, 8, 6, 5] and result.launches == 5
     assert [p.fits for p in result.probes] == [True, True, False, False, True]
     # Consistent with the memory numbers: the counted bytes straddle the budget at the boundary, the
-    # measured states equal labkit.memory's prediction, and the linear activation model predicts it.
+    # measured states equal labkit.study.memory's prediction, and the linear activation model predicts it.
     assert result.consistent()
     at_max = next(p for p in result.probes if p.micro_batch == BOUNDARY)
     at_oom = next(p for p in result.probes if p.micro_batch == BOUNDARY + 1)
@@ -230,7 +230,7 @@ def test_maxbatch_finds_the_emulated_boundary(launched):
 
 
 def test_points_that_did_not_finish_have_no_throughput(launched):
-    from labkit.sweep import row_from_run
+    from labkit.study.sweep import row_from_run
 
     rows = [row_from_run(d) for d in (launched["root"] / "maxbatch" / "runs").iterdir()]
     ooms = [r for r in rows if r["status"] == "oom"]
@@ -321,7 +321,7 @@ def _results_frame() -> pd.DataFrame:
 
 
 def test_report_conclusions_are_computed_from_the_numbers(tmp_path):
-    from labkit.report import build_report, conclusions
+    from labkit.study.report import build_report, conclusions
 
     results = _results_frame()
     text = "\n".join(conclusions(results))
@@ -346,7 +346,7 @@ def test_report_conclusions_are_computed_from_the_numbers(tmp_path):
 
 
 def test_report_with_every_table(tmp_path):
-    from labkit.report import build_report
+    from labkit.study.report import build_report
 
     results = _results_frame()
     noise = pd.DataFrame([{"strategy": "torch", "global_batch": 32, "lr_scaling": "sqrt", "step": s,
@@ -368,7 +368,7 @@ def test_report_with_every_table(tmp_path):
 
 
 def test_report_memory_and_maxbatch_text_follow_the_numbers():
-    from labkit.report import _maxbatch_text, _memory_text
+    from labkit.study.report import _maxbatch_text, _memory_text
 
     def memory_row(strategy, stage, grad_error, layout_error=None, persistent=0):
         return {"strategy": strategy, "world_size": 2, "stage": stage, "offload_optimizer": False,

@@ -1,1 +1,2 @@
-"""Built-in models beyond the seed's MLP (labkit.builders names them): `gpt`, a small causal LM."""
+"""What a rank trains: the seed's MLP (`mlp`), a small causal LM (`gpt`), the generated data, and `builders`,
+which resolves a run's model/data/loss import strings."""

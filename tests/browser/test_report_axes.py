@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from labkit.report import build_report
+from labkit.study.report import build_report
 
 pytestmark = pytest.mark.browser
 

@@ -1,0 +1,185 @@
+"""What multi-node runs need beyond DeepSpeed's launcher: environment, master address, checks, stop.
+
+DeepSpeed's runner reaches the other hosts with pdsh over ssh (or OpenMPI, Slurm). Measured
+with 0.19.8, on its own it:
+
+- forwards only PYTHON*, MLFLOW*, MV2*, UCX* (and NCCL* when the launching host has CUDA), so
+  remote ranks miss the venv's PATH (DeepSpeed runs `ninja` at every op load),
+  TORCH_EXTENSIONS_DIR, DS_ACCELERATOR and labkit's own variables. It also reads a
+  `.deepspeed_env` file from its working directory: `deepspeed_env_text` writes one;
+- stops remote ranks with `pdsh ... pkill -f "<python> -u -m deepspeed.launcher.launch"`,
+  which ends every DeepSpeed launch of the user on those hosts. `stop_remote` ends only the
+  processes of one run directory, waits for them, and reports what is left;
+- notices a run directory that is not shared only when node 0 times out at the rendezvous.
+  `check_shared_run_dir` refuses it before launch.
+
+Every host is reached with plain `ssh <host>`, as DeepSpeed's own pre-flight check does, so
+the user's ssh configuration (ports, keys, aliases) applies.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shlex
+import subprocess
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from labkit.launch.config import ConfigError, hostfile_slots
+
+# Variables the remote ranks need, by name and by prefix (PYTHON* DeepSpeed forwards itself).
+FORWARDED_VARS = ("PATH", "LD_LIBRARY_PATH", "TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR", "OMP_NUM_THREADS",
+                  "CUDA_HOME", "TRITON_CACHE_DIR")
+FORWARDED_PREFIXES = ("LABKIT_", "NCCL_", "GLOO_", "TORCH_")
+SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
+REMOTE_STOP_GRACE_S = 3.0   # SIGTERM -> SIGKILL on each host
+REMOTE_STOP_TIMEOUT_S = 25.0  # the whole remote stop, ssh connection included
+# The modules a run starts on every host; the runner and the supervisor stay on the launching host.
+RUN_MODULES = ("deepspeed.launcher.launch", "labkit.launch.rank_guard", "labkit.launch.worker")
+
+
+def deepspeed_env_text(env: Mapping[str, str]) -> str:
+    """The `.deepspeed_env` lines (KEY=VALUE) that carry `env`'s relevant variables to remote ranks.
+
+    Values are literal: DeepSpeed puts them into `export K="V"` (pdsh), `-x K=V` (OpenMPI) or
+    `--export=K=V` (Slurm), and only the first would expand a `$PATH`. PATH is the launching
+    environment's, labkit's entries first: the same paths on every node is a multi-node
+    requirement anyway. A value with a newline or a double quote cannot be carried, so is left out.
+    """
+    lines = []
+    for key in sorted(env):
+        if key in FORWARDED_VARS or key.startswith(FORWARDED_PREFIXES):
+            value = env[key]
+            if "\n" not in value and '"' not in value:
+                lines.append(f"{key}={value}")
+    return "\n".join(lines) + "\n"
+
+
+def rank_hosts(hostfile: str | os.PathLike) -> list[str]:
+    """The host of each global rank: DeepSpeed numbers ranks host by host, in hostfile order."""
+    return [host for host, slots in hostfile_slots(hostfile).items() for _ in range(slots)]
+
+
+def hostname_from_ssh_config(text: str) -> str | None:
+    """The `hostname` that `ssh -G <host>` resolved (an alias's real name), or None."""
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key.lower() == "hostname" and value.strip():
+            return value.strip()
+    return None
+
+
+def master_addr(first_host: str) -> str:
+    """The address the other nodes reach node 0 at: the hostfile names ssh hosts, which may be
+    aliases (`Host gpu1` with `HostName 10.0.0.5` in ~/.ssh/config) that only ssh understands.
+    `ssh -G` prints the resolved configuration without connecting."""
+    try:
+        result = subprocess.run(["ssh", "-G", first_host], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return first_host
+    return hostname_from_ssh_config(result.stdout) or first_host
+
+
+def _ere_literal(text: str) -> str:
+    """`text` as a POSIX extended regex matching itself. Specials go in brackets, so the pattern
+    does not match its own text either (a shell running `pkill -f PATTERN` must not match)."""
+    out = []
+    for char in text:
+        if char in "\\^]":
+            out.append("\\" + char)
+        elif char in ".[$()|*+?{}":
+            out.append(f"[{char}]")
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+def run_process_pattern(run_dir: str | os.PathLike) -> str:
+    """`pkill -f` pattern for the processes one run starts on a host (launch.py, guards, workers).
+
+    Each names the run directory (`--run-dir`, `--enable_each_rank_log`). The runner
+    (`--module labkit.launch.rank_guard`, no `-m `), the supervisor and an unrelated DeepSpeed launch
+    do not match; neither does the pattern's own text in the shell that runs pkill.
+    """
+    modules = "|".join(_ere_literal(m) for m in RUN_MODULES)
+    return f"-m ({modules}) .*{_ere_literal(str(Path(run_dir).resolve()))}"
+
+
+def remote_stop_script(run_dir: str | os.PathLike, grace_s: float = REMOTE_STOP_GRACE_S) -> str:
+    """Shell for one host: SIGTERM the run's processes, wait up to `grace_s`, SIGKILL what is
+    left, then list survivors (`pgrep -a`: no output means nothing of the run is left)."""
+    pattern = shlex.quote(run_process_pattern(run_dir))
+    polls = max(1, int(grace_s / 0.2))
+    return (f"pkill -TERM -f -- {pattern}; i=0; while pgrep -f -- {pattern} >/dev/null && [ $i -lt {polls} ]; "
+            f"do sleep 0.2; i=$((i+1)); done; pkill -KILL -f -- {pattern}; sleep 0.3; pgrep -a -f -- {pattern}; true")
+
+
+def ssh_command(host: str, script: str) -> list[str]:
+    return ["ssh", *SSH_OPTIONS, host, script]
+
+
+def _on_hosts(hosts: list[str], script_for: Callable[[str], str],
+              timeout: float) -> dict[str, subprocess.CompletedProcess | str]:
+    """Run a script on every host at once over ssh: host -> result, or the error text."""
+    def one(host: str) -> subprocess.CompletedProcess | str:
+        try:
+            return subprocess.run(ssh_command(host, script_for(host)), capture_output=True, text=True,
+                                  timeout=timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return f"ssh {host} did not answer within {timeout:g} s"
+        except OSError as exc:
+            return f"cannot run ssh: {exc}"
+    with ThreadPoolExecutor(max_workers=min(32, max(1, len(hosts)))) as pool:
+        return dict(zip(hosts, pool.map(one, hosts), strict=True))
+
+
+def check_shared_run_dir(run_dir: str | os.PathLike, hosts: list[str], timeout: float = 30.0) -> None:
+    """Refuse (ConfigError) unless every host sees `run_dir`: remote ranks read config.json from
+    it and write their records into it. Writes a nonce file here and asks each host for it."""
+    run_dir = Path(run_dir).resolve()
+    nonce = run_dir / f".labkit-shared-check-{secrets.token_hex(8)}"
+    nonce.write_text("labkit multi-node check: every node must see this file\n")
+    try:
+        results = _on_hosts(hosts, lambda _host: f"test -f {shlex.quote(str(nonce))}", timeout)
+    finally:
+        nonce.unlink(missing_ok=True)
+    problems = []
+    for host, result in results.items():
+        if isinstance(result, str):
+            problems.append(f"{host}: {result}")
+        elif result.returncode == 255:
+            problems.append(f"{host}: ssh failed: {result.stderr.strip() or 'exit 255'}")
+        elif result.returncode != 0:
+            problems.append(f"{host}: does not see {nonce.name} written there (not a shared filesystem)")
+    if problems:
+        raise ConfigError("hostfile", f"the run directory {run_dir} is not visible on every node; multi-node "
+                          f"runs need it on a filesystem all nodes share, at the same path (pass --out / "
+                          f"LABKIT_RUNS_DIR on a shared mount): " + "; ".join(problems))
+
+
+def stop_remote(run_dir: str | os.PathLike, hosts: list[str], grace_s: float = REMOTE_STOP_GRACE_S,
+                timeout: float = REMOTE_STOP_TIMEOUT_S) -> dict[str, str]:
+    """End this run's processes on every host; host -> what is still running or why it could not
+    be checked (empty: verified gone)."""
+    results = _on_hosts(hosts, lambda _host: remote_stop_script(run_dir, grace_s), timeout)
+    left = {}
+    for host, result in results.items():
+        if isinstance(result, str):
+            left[host] = result
+        elif result.returncode == 255:
+            left[host] = f"ssh failed: {result.stderr.strip() or 'exit 255'}"
+        elif result.stdout.strip():
+            left[host] = "still running: " + "; ".join(result.stdout.strip().splitlines())
+    return left
+
+
+_PDSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)", re.MULTILINE)
+
+
+def pdsh_failed_hosts(launcher_log: str) -> dict[str, int]:
+    """Host -> exit code of each node whose remote command pdsh saw fail (`pdsh@me: node2: ssh
+    exited with exit code 255`): 255 is ssh itself (connection lost, node down)."""
+    return {host: int(code) for host, code in _PDSH_EXIT.findall(launcher_log)}

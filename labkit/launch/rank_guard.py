@@ -1,0 +1,83 @@
+"""Runs one rank's worker as a child and records how it ended in `rank<N>.exit`.
+
+DeepSpeed's launch.py knows each rank's exit code but only logs it next to the wrong
+command line. A rank killed by SIGKILL (the OOM killer) leaves no traceback, so this
+small guard is the only reliable witness of *which* rank died and how.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from labkit.launch.store import write_json_atomic
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    run_dir = Path(argv[argv.index("--run-dir") + 1])
+    rank = int(os.environ.get("RANK", "0"))
+    child: subprocess.Popen | None = None
+    pending: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        if child is None:
+            pending.append(signum)  # arrived before the worker existed: passed on once it does
+        else:
+            child.send_signal(signum)
+
+    # Installed before the worker starts: a stop that lands in between must still reach it.
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, forward)
+    script = None
+    if "--script" in argv:  # script mode (labkit.launch.script): the learner's script instead of labkit's worker
+        at = argv.index("--script")
+        script, argv = argv[at + 1], argv[:at] + argv[at + 2:]
+        at = argv.index("--run-dir")
+        argv = argv[:at] + argv[at + 2:]  # the script gets DeepSpeed's --local_rank and its own args only
+        os.environ["LABKIT_RUN_DIR"] = str(run_dir)
+        child = subprocess.Popen([sys.executable, "-u", script, *argv])
+    else:
+        child = subprocess.Popen([sys.executable, "-u", "-m", "labkit.launch.worker", *argv])
+    for signum in pending:
+        child.send_signal(signum)
+    returncode = _watch_script(child, run_dir, rank) if script else child.wait()
+    write_json_atomic(run_dir / f"rank{rank}.exit", {"rank": rank, "pid": child.pid, "returncode": returncode})
+    # Exit like the child did, so DeepSpeed's launcher reacts as it would without us.
+    if returncode < 0:
+        if returncode != -signal.SIGKILL:  # SIGKILL's handler cannot be set (and is the default)
+            signal.signal(-returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -returncode)
+    return returncode
+
+
+def _watch_script(child: subprocess.Popen, run_dir: Path, rank: int) -> int:
+    """Records what a script does not: its start, its memory (RSS of its process tree) as
+    liveness every SAMPLE_S, and a done record when it exits 0."""
+    import psutil
+
+    from labkit.launch.script import SAMPLE_S, guard_events
+
+    start, sample, done = guard_events(run_dir, rank)
+    start(child.pid)
+    process = psutil.Process(child.pid)
+    while True:
+        try:
+            return_code = child.wait(timeout=SAMPLE_S)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            tree = [process, *process.children(recursive=True)]
+            sample(sum(p.memory_info().rss for p in tree))
+        except psutil.Error:
+            continue  # exiting: the next wait returns
+    done(return_code)
+    return return_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,398 @@
+"""`Run`: the handle notebooks, widgets and the CLI hold on one launched run.
+
+    run = Run(RunConfig(example="zero3", world_size=2, steps=20)).start()
+    run.wait()            # or run.stop()
+    run.status            # running / finished / failed / oom / hung / stopped
+    run.summary           # summary.json as a dict
+
+`start()` writes the run directory, then starts `labkit.launch.supervisor`, which owns every
+process of the run and outlives nothing: if this Python process dies, the supervisor
+notices and ends the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from labkit.launch.config import RunConfig, hostfile_slots
+from labkit.launch.launcher import build_command, command_text
+from labkit.launch.store import new_run_dir, read_json, write_json_atomic, write_text_atomic
+from labkit.launch.summary import rank_records, summarize
+from labkit.live.records import RecordTail
+from labkit.live.telemetry import rank_file
+from labkit.runtime import device_lease
+from labkit.runtime.devices import Devices, detect_devices
+
+FINAL_STATUSES = ("finished", "failed", "oom", "hung", "stopped")
+STOP_TIMEOUT_S = 6.0
+
+
+def run_name(config: RunConfig) -> str:
+    stage = "torch" if config.stage is None else f"z{config.stage}"
+    offload = "-off" if config.offload_optimizer else ""
+    if config.script:
+        return f"script-{Path(config.script).stem}-w{config.world_size}"
+    model = "" if config.model == "mlp" else "-" + config.model.split(":")[0].split(".")[-1]
+    return f"{config.example}{model}-{stage}{offload}-w{config.world_size}-b{config.global_batch}"
+
+
+class Run:
+    def __init__(self, config: RunConfig, *, out: str | os.PathLike | None = None,
+                 root: str | os.PathLike | None = None, env: dict[str, str] | None = None):
+        """`out`: the run directory to use (must be empty or absent); else a new one under `root`."""
+        self.config = config
+        self._out = Path(out) if out is not None else None
+        self._root = root
+        self._extra_env = env or {}
+        self.run_dir: Path | None = None
+        self._supervisor: subprocess.Popen | None = None
+        self._stop_requested = False
+        self._progress_tail: RecordTail | None = None  # rank 0's file, read incrementally by progress()
+        self._progress = 0
+        self.device_ids: list[str] = []  # the devices (or emulated slots) this run leased
+
+    @classmethod
+    def load(cls, run_dir: str | os.PathLike) -> Run:
+        """Reopen a past run (after a kernel restart, or from another process)."""
+        run_dir = Path(run_dir)
+        config = RunConfig.from_saved(json.loads((run_dir / "config.json").read_text()))
+        run = cls(config)
+        run.run_dir = run_dir
+        return run
+
+    @property
+    def _dir(self) -> Path:
+        """The run directory, for code that only runs once the run was started (or loaded)."""
+        if self.run_dir is None:
+            raise RuntimeError("this run has not been started: it has no run directory yet")
+        return self.run_dir
+
+    # -- starting ----------------------------------------------------------------------
+    def start(self) -> Run:
+        if self.run_dir is not None:
+            raise RuntimeError(f"this run was already started in {self.run_dir}")
+        if not self.config.script and (self.config.model != "mlp" or self.config.data or self.config.loss):
+            from labkit.models.builders import check_importable
+
+            check_importable(self.config)  # a bad import string fails here, before anything is launched
+        devices = detect_devices()
+        base_env = {**os.environ, **self._extra_env}
+        # Refuses busy GPUs before anything is written; takes free ones, not always the first N.
+        kind, candidates, count = self._lease_plan(devices, base_env)
+        self.device_ids, leases = device_lease.take_free(kind, candidates, count,
+                                                         f"a run starting in process {os.getpid()}")
+        try:
+            port, port_lease = device_lease.take_port()
+            leases += port_lease
+            # CPU ranks leasing emulated slots still launch as CPU ranks (--num_gpus).
+            return self._launch(devices, base_env, leases, [] if devices.is_cpu else self.device_ids, port)
+        finally:
+            device_lease.release(leases)  # the supervisor holds its own copies for the run's lifetime
+
+    def _lease_plan(self, devices: Devices, base_env: dict[str, str]) -> tuple[str, list[str], int]:
+        """(lease kind, devices the run may lease, how many it needs). Multi-node runs lease nothing
+        (the cluster scheduler's business); CPU ranks share the cores, unless CI emulates devices."""
+        if self.config.hostfile:
+            return devices.accelerator, [], 0
+        if devices.is_cpu:
+            emulated = device_lease.emulated_ids(base_env)
+            return "emulated", emulated, self.config.world_size if emulated else 0
+        return devices.accelerator, device_lease.visible_ids(
+            devices.device_count, base_env.get(devices.visible_devices_env), devices.visible_devices_env), \
+            self.config.world_size
+
+    def _launch(self, devices: Devices, base_env: dict[str, str], leases: list[int], device_ids: list[str],
+                port: int) -> Run:
+        if self._out is not None:
+            self._out.mkdir(parents=True, exist_ok=True)
+            if any(self._out.iterdir()):
+                raise FileExistsError(f"--out directory {self._out} is not empty")
+            self.run_dir = self._out
+        else:
+            self.run_dir = new_run_dir(run_name(self.config), self._root)
+        device_lease.describe(leases, f"run {self.run_dir}")
+        argv, env = build_command(self.config, self.run_dir, master_port=port, base_env=base_env,
+                                  accelerator=devices.accelerator, device_ids=device_ids or None,
+                                  visible_devices_env=devices.visible_devices_env)
+        if self.config.hostfile:
+            # Before anything is launched: every node must see the run directory (ConfigError if
+            # not), and gets the environment through DeepSpeed's `.deepspeed_env`, read from the
+            # runner's working directory, which the supervisor makes the run directory.
+            from labkit.launch.multinode import check_shared_run_dir, deepspeed_env_text
+
+            check_shared_run_dir(self.run_dir, list(hostfile_slots(self.config.hostfile)))
+            write_text_atomic(self.run_dir / ".deepspeed_env", deepspeed_env_text(env))
+        write_json_atomic(self.run_dir / "config.json", self.config.to_dict())
+        write_json_atomic(self.run_dir / "ds_config.json", self.config.ds_config())
+        # Private: they hold the variables labkit and the caller (`env=`) set, which may be tokens.
+        write_text_atomic(self.run_dir / "command.txt", command_text(argv, env, base_env) + "\n", private=True)
+        write_json_atomic(self.run_dir / "launch.json", {
+            # Only what labkit (and `env=`) set, never the whole environment (cloud keys, tokens): the
+            # supervisor inherits the rest from this process.
+            "argv": argv, "env": {k: v for k, v in env.items() if os.environ.get(k) != v},
+            "world_size": self.config.world_size,
+            "heartbeat_s": self.config.heartbeat_s, "startup_timeout_s": self.config.startup_timeout_s}, private=True)
+        with open(self.run_dir / "supervisor.log", "ab") as log:  # the supervisor keeps its own copy
+            self._supervisor = subprocess.Popen(
+                [sys.executable, "-m", "labkit.launch.supervisor", str(self.run_dir), "--parent-pid", str(os.getpid()),
+                 "--lease-fds", ",".join(map(str, leases))],
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                pass_fds=leases)
+        return self
+
+    # -- watching ----------------------------------------------------------------------
+    @property
+    def summary(self) -> dict[str, Any] | None:
+        return read_json(self.run_dir / "summary.json") if self.run_dir else None
+
+    @property
+    def status(self) -> str:
+        if self.run_dir is None:
+            return "created"
+        summary = self.summary
+        if summary:
+            return summary["status"]
+        if self._supervisor_alive():
+            return "running"
+        if self._supervisor_lost():
+            # Gone without a summary (SIGKILLed, OOM-killed): whoever looks ends what it left
+            # running and writes the summary, so a widget or CLI polling `done` never walks
+            # away from orphaned ranks.
+            self._recover_from_dead_supervisor()
+            return (self.summary or {}).get("status", "failed")
+        return "starting"
+
+    @property
+    def holds_devices(self) -> bool:
+        """Whether the run may still hold its device lease: it leased devices and its supervisor (which
+        holds the lease, with DeepSpeed's launcher, until it exits) is alive. A run that reads `done`
+        still holds its GPUs for the seconds its supervisor takes to end."""
+        return bool(self.device_ids) and self.run_dir is not None and self._supervisor_alive()
+
+    @property
+    def done(self) -> bool:
+        return self.status in FINAL_STATUSES
+
+    @property
+    def cause(self) -> str | None:
+        summary = self.summary
+        return summary.get("cause") if summary else None
+
+    def _supervisor_pid(self) -> int | None:
+        if self._supervisor is not None:
+            return self._supervisor.pid
+        status = read_json(self.run_dir / "status.json") if self.run_dir else None
+        return status.get("supervisor_pid") if status else None
+
+    def _supervisor_alive(self) -> bool:
+        if self._supervisor is not None:
+            return self._supervisor.poll() is None
+        pid = self._supervisor_pid()
+        if not pid:
+            return False
+        try:  # hidepid hides other users' /proc entries, not their PIDs from kill(0)
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True  # a live process of another user: not ours to declare dead
+        try:  # a reused PID is not our supervisor: it must be supervising this run directory
+            proc = psutil.Process(pid)
+            cmdline = proc.cmdline()
+            return (proc.status() != psutil.STATUS_ZOMBIE and "labkit.launch.supervisor" in cmdline
+                    and any(Path(proc.cwd(), arg).resolve() == self._dir.resolve() for arg in cmdline[1:]))
+        except psutil.AccessDenied:
+            return True  # not ours to inspect, so not ours to declare dead
+        except (psutil.Error, OSError):
+            return False
+
+    def _supervisor_lost(self) -> bool:
+        """The supervisor is gone and left no summary.json: nobody is ending the run's processes."""
+        if self.run_dir is None or self.summary or self._supervisor_alive():
+            return False
+        if self._supervisor is None:
+            status = read_json(self.run_dir / "status.json") or {}
+            if status.get("supervisor_pid") is None:
+                return False  # a reloaded run whose supervisor has not written status.json yet
+            from labkit.launch.supervisor import host_identity
+
+            if status.get("host") != host_identity():
+                return False  # its PID means nothing here: another host, boot or PID namespace
+        return not self.summary  # it writes summary.json just before it exits: look again
+
+    @property
+    def waiting_on(self) -> str | None:
+        """What a run that has not reached its first step is waiting for, when it is an op build (or a
+        stale build lock left by an interrupted one, which it would wait on forever); else None."""
+        if self.run_dir is None or self.summary or self.progress() > 0:
+            return None
+        from labkit.launch.launcher import DEFAULT_EXTENSIONS_DIR
+        from labkit.runtime.build_locks import find_build_locks
+
+        env = (read_json(self.run_dir / "launch.json") or {}).get("env", {})
+        extensions = env.get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR", DEFAULT_EXTENSIONS_DIR)
+        locks = find_build_locks(extensions)
+        return "; ".join(lock.describe() for lock in locks) or None
+
+    def records(self) -> dict[int, list[dict[str, Any]]]:
+        """Every rank's records so far (complete lines only)."""
+        return rank_records(self._dir, self.config.world_size)
+
+    def progress(self) -> int:
+        """Steps completed by rank 0 so far. Polled twice a second by the CLI: it reads only the
+        bytes rank 0 wrote since the last call, so a poll costs the same at step 10 and 10,000."""
+        if self.run_dir is None:
+            return 0
+        if self._progress_tail is None:
+            self._progress_tail = RecordTail(rank_file(self.run_dir, 0))
+        for record in self._progress_tail.poll():
+            if record.get("event") in ("step", "beat"):  # "beat": per-step telemetry off
+                self._progress = record["step"]
+        return self._progress
+
+    def wait(self, timeout: float | None = None, poll_s: float = 0.2) -> str:
+        """Block until the run ends (or `timeout` seconds pass); returns the status.
+
+        Ctrl-C (a kernel interrupt) stops the run before it is passed on: the kernel lives on, and
+        its supervisor would keep the run going unattended."""
+        try:
+            return self._wait(timeout, poll_s)
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+
+    def _wait(self, timeout: float | None = None, poll_s: float = 0.2) -> str:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # Not `while not self.done`: `status` reads "failed" as soon as the supervisor is gone,
+        # and a supervisor killed without writing summary.json leaves the ranks to us.
+        while self.run_dir is not None and not self.summary:
+            if self._supervisor_lost():
+                self._recover_from_dead_supervisor()
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(poll_s)
+        if self._supervisor is not None and self.done:
+            try:
+                self._supervisor.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        return self.status
+
+    # -- stopping ----------------------------------------------------------------------
+    def stop(self, timeout: float | None = None) -> str:
+        """End every process of the run (SIGTERM to the group, grace, SIGKILL); keep its records."""
+        if timeout is None:
+            # Multi-node: the supervisor ends the remote ranks over ssh first; not cut short.
+            from labkit.launch.multinode import REMOTE_STOP_TIMEOUT_S
+
+            timeout = STOP_TIMEOUT_S + (REMOTE_STOP_TIMEOUT_S if self.config.hostfile else 0.0)
+        if self.run_dir is None or self.summary:
+            return self.status
+        self._stop_requested = True
+        pid = self._supervisor_pid()
+        if pid and self._supervisor_alive():
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        self._wait(timeout=timeout)
+        if not self.summary:
+            # The supervisor itself is stuck or gone: end its process group and the run's.
+            self._recover_from_dead_supervisor(kill_supervisor=True)
+        return self.status
+
+    def _recover_from_dead_supervisor(self, kill_supervisor: bool = False) -> None:
+        """End what the supervisor left running and write the summary it could not write."""
+        status = read_json(self._dir / "status.json") or {}
+        groups = []
+        # The launcher's group id comes from a file that may be days old: its number may belong
+        # to someone else's processes by now. Only a group one of this run's processes is in.
+        if status.get("pgid") and self._group_is_this_run(status["pgid"]):
+            groups.append(status["pgid"])
+        if kill_supervisor and self._supervisor_alive():
+            groups.append(self._supervisor_pid())  # its own session: start_new_session=True
+        for pgid in groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        # Killed before it wrote status.json, it never told us the launcher's group: the
+        # launcher, launch.py and every rank name the run directory on their command lines.
+        # Scan until a pass finds none: a process forked during a scan can escape it.
+        for _ in range(5):
+            found = [proc for proc in psutil.process_iter(["cmdline"])
+                     if _is_run_process(proc.info["cmdline"] or [], self._dir)]
+            if not found:
+                break
+            for proc in found:
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    continue
+            psutil.wait_procs(found, timeout=2)
+        if self.config.hostfile:
+            # Multi-node: the ranks on the other nodes are not ours to find here; end them over ssh.
+            from labkit.launch.multinode import stop_remote
+
+            stop_remote(self._dir, list(hostfile_slots(self.config.hostfile)))
+        if self._supervisor is not None:
+            try:
+                self._supervisor.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        from labkit.launch.supervisor import remove_shm_segments
+
+        remove_shm_segments((read_json(self._dir / "launch.json") or {}).get("argv", []))
+        if not self.summary:
+            records = self.records()
+            if records and all(any(r.get("event") == "done" for r in rank) for rank in records.values()):
+                # Every rank recorded done: the training is complete, only its ending was lost.
+                outcome = ("finished", "every rank finished; the supervisor died before it ended the run, "
+                                       "so its leftover processes were killed")
+            elif self._stop_requested:
+                outcome = ("stopped", "stopped by request; the run's supervisor did not answer, "
+                                      "so its processes were killed")
+            else:
+                outcome = ("failed", "the run's supervisor died; its processes were killed")
+            summary = summarize(self._dir, self.config.to_dict(), status=outcome[0], cause=outcome[1])
+            write_json_atomic(self._dir / "summary.json", summary)
+            write_json_atomic(self._dir / "status.json", {"status": outcome[0], "cause": outcome[1],
+                                                          "finished_at": time.time()})
+
+    def _group_is_this_run(self, pgid: int) -> bool:
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if os.getpgid(proc.pid) == pgid and _is_run_process(proc.info["cmdline"] or [], self._dir):
+                    return True
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                continue
+        return False
+
+    def __repr__(self) -> str:
+        return f"Run({self.run_dir}, status={self.status})"
+
+
+_RUN_MODULES = ("deepspeed.launcher.runner", "deepspeed.launcher.launch",
+                "labkit.launch.rank_guard", "labkit.launch.worker")
+
+
+def _is_run_process(cmdline: list[str], run_dir: Path) -> bool:
+    """A launcher or rank process of this run (not, say, a CLI that waits on it with --out)."""
+    if not any(module in cmdline for module in _RUN_MODULES):
+        return False
+    roots = {str(run_dir), str(run_dir.resolve())}
+    for arg in cmdline:
+        value = arg.split("=", 1)[-1]
+        if any(value == root or value.startswith(root + os.sep) for root in roots):
+            return True
+    return False

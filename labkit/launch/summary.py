@@ -1,0 +1,157 @@
+"""Headline numbers of a run, computed from its rank files (also for failed runs)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from labkit.live.records import read_records
+from labkit.live.telemetry import rank_file
+
+STATE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "host_grad_bytes")
+MEMORY_KEYS = ("peak_rss_bytes", "device_peak_bytes", "activation_bytes")
+WARMUP_STEPS = 2  # the first steps include lazy allocations and op builds; leave them out of medians
+
+
+def train_flops_per_sample(n_params: int) -> float:
+    """~6 FLOPs per parameter per sample for an MLP: 2 forward + 4 backward (Kaplan et al. 2020)."""
+    return 6.0 * n_params
+
+
+def rank_records(run_dir: str | Path, world_size: int) -> dict[int, list[dict[str, Any]]]:
+    return {rank: read_records(rank_file(run_dir, rank)) for rank in range(world_size)}
+
+
+def steps_of(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("event") == "step"]
+
+
+def mean_loss_by_step(records_by_rank: dict[int, list[dict[str, Any]]]) -> dict[int, float]:
+    """The global training loss of each step: the mean over ranks that recorded it."""
+    by_step: dict[int, list[float]] = {}
+    for records in records_by_rank.values():
+        for record in steps_of(records):
+            by_step.setdefault(record["step"], []).append(record["loss"])
+    return {step: sum(losses) / len(losses) for step, losses in sorted(by_step.items())}
+
+
+def time_to_target(records_by_rank: dict[int, list[dict[str, Any]]], target: float,
+                   window: int = 5) -> tuple[int, float] | None:
+    """(step, seconds) when the mean loss over the last `window` steps first falls to `target`.
+
+    Seconds are rank 0's clock from its start record, so process start and op builds count:
+    that is what a user waits for.
+    """
+    losses = mean_loss_by_step(records_by_rank)
+    times = {r["step"]: r["time_s"] for r in steps_of(records_by_rank.get(0, []))}
+    steps = list(losses)
+    for i in range(len(steps)):
+        recent = [losses[s] for s in steps[max(0, i - window + 1): i + 1]]
+        if len(recent) == min(window, i + 1) and sum(recent) / len(recent) <= target and steps[i] in times:
+            return steps[i], times[steps[i]]
+    return None
+
+
+def eval_time_to_target(records_by_rank: dict[int, list[dict[str, Any]]], target: float) -> tuple[int, float] | None:
+    """(step, seconds) of the first held-out evaluation whose loss is at or below `target`
+    (rank 0's records: every rank evaluates the same set and records the same mean)."""
+    for record in steps_of(records_by_rank.get(0, [])):
+        if record.get("eval_loss") is not None and record["eval_loss"] <= target:
+            return record["step"], record["time_s"]
+    return None
+
+
+def has_eval(records_by_rank: dict[int, list[dict[str, Any]]]) -> bool:
+    return any(r.get("eval_loss") is not None for r in steps_of(records_by_rank.get(0, [])))
+
+
+def summarize(run_dir: str | Path, config: dict[str, Any], *, status: str, cause: str | None,
+                failed_rank: int | None = None) -> dict[str, Any]:
+    """`config` is the run's config.json (already validated when the run was created)."""
+    world_size = config["world_size"]
+    global_batch = config["micro_batch"] * config["grad_accum"] * world_size
+    records_by_rank = rank_records(run_dir, world_size)
+    per_rank: dict[str, dict[str, Any]] = {}
+    for rank, records in records_by_rank.items():
+        steps = steps_of(records)
+        last_state: dict[str, Any] = {}
+        for record in records:
+            if any(k in record for k in STATE_KEYS):
+                last_state = record
+        per_rank[str(rank)] = {
+            "steps": len(steps) or _unrecorded_steps(records),
+            **{k: last_state.get(k) for k in STATE_KEYS},
+            **{k: max((r.get(k, 0) or 0 for r in records), default=None) or None for k in MEMORY_KEYS},
+        }
+    rank0_steps = steps_of(records_by_rank.get(0, []))
+    finished = status == "finished"
+    # A short finished run (a max-batch probe) falls back to its warm-up steps; a run that did not
+    # finish does not: an OOM at step 2 has one step of lazy allocations, not a throughput.
+    timed = rank0_steps[WARMUP_STEPS:] or (rank0_steps if finished else [])
+    step_time = statistics.median(r["step_time_s"] for r in timed) if timed else None
+    samples_per_s = global_batch / step_time if step_time and finished else None
+    n_params = next((r.get("n_params") for r in records_by_rank.get(0, []) if r.get("n_params")), None)
+    done = next((r for r in records_by_rank.get(0, []) if r.get("event") == "done"), {})
+    # The done record holds one device's peak; the run has world_size of them.
+    peak_flops = done["peak_flops"] * world_size if done.get("peak_flops") else None
+    # Measured by DeepSpeed's flops profiler for models other than the MLP (labkit.models.builders), else 6 x params.
+    measured = next((r["train_flops_per_sample"] for r in records_by_rank.get(0, [])
+                     if r.get("train_flops_per_sample")), None)
+    per_sample = measured or (train_flops_per_sample(n_params) if n_params else None)
+    achieved = per_sample * samples_per_s if (per_sample and samples_per_s) else None
+    evaluated = has_eval(records_by_rank)
+    # The target on the held-out eval loss when the run evaluated one, else on the training loss's window.
+    finder = eval_time_to_target if evaluated else time_to_target
+    target = finder(records_by_rank, config["target_loss"]) if config["target_loss"] else None
+    evals = [r for r in rank0_steps if r.get("eval_loss") is not None]
+    losses = mean_loss_by_step(records_by_rank)
+    return {
+        "status": status,
+        "cause": cause,
+        "failed_rank": failed_rank,
+        "example": config["example"],
+        "stage": config["stage"],
+        "offload_optimizer": config["offload_optimizer"],
+        "precision": config["precision"],
+        "world_size": config["world_size"],
+        "micro_batch": config["micro_batch"],
+        "grad_accum": config["grad_accum"],
+        "global_batch": global_batch,
+        "steps_requested": config["steps"],
+        "steps_completed": min((p["steps"] for p in per_rank.values()), default=0),
+        "n_params": n_params,
+        "median_step_time_s": step_time,
+        "samples_per_s": samples_per_s,
+        "forward_s": _median(timed, "forward_s"),
+        "backward_s": _median(timed, "backward_s"),
+        "optimizer_s": _median(timed, "optimizer_s"),
+        "final_loss": list(losses.values())[-1] if losses else None,
+        "target_loss": config["target_loss"],
+        "target_measured_on": ("eval_loss" if evaluated else "train_loss_window") if config["target_loss"] else None,
+        "eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "eval_count": len(evals),
+        "eval_time_s": sum(r.get("eval_s") or 0.0 for r in evals),
+        "steps_to_target": target[0] if target else None,
+        "time_to_target_s": target[1] if target else None,
+        "wall_time_s": max((r["time_s"] for r in records_by_rank.get(0, [])), default=None),
+        "achieved_flops": achieved,
+        "peak_flops": peak_flops,
+        "peak_flops_source": done.get("peak_flops_source"),
+        "optimizer_impl": done.get("optimizer_impl"),  # which optimizer ran (labkit.runtime.ops.OPTIMIZER_IMPLS)
+        "flops_utilization": achieved / peak_flops if (achieved and peak_flops) else None,
+        "per_rank": per_rank,
+    }
+
+
+def _unrecorded_steps(records: list[dict[str, Any]]) -> int:
+    """Steps of a run with per-step records off: its done record, else its last heartbeat."""
+    done = next((r for r in records if r.get("event") == "done"), None)
+    if done is not None:
+        return done.get("steps") or 0
+    return max((r["step"] for r in records if r.get("event") == "beat"), default=0)
+
+
+def _median(records: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in records if key in r]
+    return statistics.median(values) if values else None

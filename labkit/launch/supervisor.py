@@ -1,0 +1,533 @@
+"""Supervises one run: starts DeepSpeed's launcher, watches the ranks, ends every process.
+
+    python -m labkit.launch.supervisor RUN_DIR --parent-pid PID
+
+`labkit.launch.run.Run.start()` starts this in its own session. It exists because the
+`deepspeed` launcher does not protect its children (measured with 0.19.8: signalling only
+its PID leaves the ranks running; it exits 0 when launch.py is SIGKILLed; a stuck rank
+hangs for 10 minutes). So this process:
+
+- starts the launcher in a new process group and becomes the subreaper of its tree, so
+  ranks orphaned by a killed launcher are still ours to find and end;
+- reads every rank's records as they arrive; success is judged from the ranks' `done`
+  records, never from the launcher's exit code;
+- ends the run when a rank fails (naming the root-cause rank, not a peer that merely
+  lost its connection), when a rank falls silent past the heartbeat (after a startup
+  allowance for JIT op builds), when asked to stop (SIGTERM), or when the parent (the
+  Jupyter kernel, the CLI) dies;
+- ends a run by SIGTERM to the whole group and the tree, a grace period, then SIGKILL;
+- writes summary.json atomically, whatever happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from labkit.launch.failures import describe_exit, is_knock_on, is_oom, last_exception_line
+from labkit.launch.launcher import is_multi_node
+from labkit.launch.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
+from labkit.launch.store import read_json, write_json_atomic
+from labkit.live.records import RecordTail
+from labkit.live.telemetry import rank_file
+
+POLL_S = 0.2
+SETTLE_S = 1.0        # after a first failure, wait this long for peers' records to name the root cause
+GRACE_S = 3.0         # SIGTERM -> SIGKILL
+DONE_GRACE_S = 3.0    # after every rank's done record, how long the launcher may take to exit
+OOM_WINDOW_S = 3.0    # an oom_kill count rise this close to a rank's SIGKILL makes it an OOM kill
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def log(message: str) -> None:
+    """A timestamped line in supervisor.log: what the supervisor saw and did, and when."""
+    now = time.time()  # one reading: a second boundary between two readings put stamps 1 s off
+    print(f"{time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d} {message}", flush=True)
+
+
+@dataclass
+class RankState:
+    rank: int
+    tail: RecordTail
+    pid: int | None = None
+    local: bool = True          # on this host: its pid can be checked here
+    last_step: int = 0
+    last_progress: float = field(default_factory=time.monotonic)
+    done: bool = False
+    error: dict[str, Any] | None = None
+    vanished_at: float | None = None
+
+    def absorb(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            self.last_progress = time.monotonic()
+            event = record.get("event")
+            if event == "start":
+                self.pid = record.get("pid")
+                self.local = record.get("host") in (None, socket.gethostname())
+            elif event in ("step", "beat"):  # "beat": runs with per-step telemetry off
+                self.last_step = record["step"]
+            elif event == "done":
+                self.done = True
+            elif event == "error":
+                self.error = record
+
+
+@dataclass
+class Outcome:
+    status: str                 # finished / failed / oom / hung / stopped
+    cause: str | None = None
+    rank: int | None = None
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path, parent_pid: int, lease_fds: tuple[int, ...] = ()):
+        self.run_dir = run_dir
+        self.parent_pid = parent_pid
+        self.lease_fds = lease_fds  # GPU and port leases: the launcher holds them too (labkit.runtime.device_lease)
+        launch = _read_run_file(run_dir / "launch.json")
+        self.argv: list[str] = launch["argv"]
+        # launch.json keeps only what labkit set; an exported job (`labkit export`) too runs in the
+        # environment of whoever starts it.
+        self.env: dict[str, str] = {**os.environ, **launch["env"]}
+        self.world_size: int = launch["world_size"]
+        self.heartbeat_s: float = launch["heartbeat_s"]
+        self.startup_timeout_s: float = launch["startup_timeout_s"]
+        self.multi_node = is_multi_node(self.argv)
+        # Multi-node: each rank's host as the hostfile names it, to name the node a rank died on.
+        self.hosts = rank_hosts(self.argv[self.argv.index("--hostfile") + 1]) if self.multi_node else []
+        # pdsh jobs: their ranks are ended over ssh (mpirun and srun end their own on SIGTERM).
+        launcher = self.argv[self.argv.index("--launcher") + 1] if "--launcher" in self.argv else "pdsh"
+        self.remote_stop = self.multi_node and launcher == "pdsh"
+        self.ranks = [RankState(r, RecordTail(rank_file(run_dir, r))) for r in range(self.world_size)]
+        self.stop_reason: str | None = None
+        self.oom_kills_seen = _cgroup_oom_kills()
+        self.oom_kill_times: list[float] = []  # wall times at which a poll saw the count rise
+        self.launch_py: psutil.Process | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def run(self) -> Outcome:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self._on_stop_signal)
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # not Linux: orphans are then found through the process group only
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        argv = list(self.argv)
+        # Per-rank logs: the launcher's own option, inserted before the user module.
+        argv.insert(argv.index("--module"), f"--enable_each_rank_log={self.run_dir / 'logs'}")
+        with open(self.run_dir / "launcher.log", "ab") as launcher_log:
+            self.launcher = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=launcher_log,
+                                             stderr=subprocess.STDOUT, start_new_session=True,
+                                             pass_fds=self.lease_fds,
+                                             # Multi-node: the runner reads `.deepspeed_env` from its working
+                                             # directory and pdsh `cd`s every node into it: the shared run dir.
+                                             cwd=self.run_dir if self.multi_node else None)
+        self.started = time.monotonic()
+        log(f"launcher pid {self.launcher.pid}: {' '.join(argv)}")
+        write_json_atomic(self.run_dir / "status.json", {
+            "status": "running", "supervisor_pid": os.getpid(), "launcher_pid": self.launcher.pid,
+            "pgid": self.launcher.pid, "started_at": time.time(), "host": host_identity()})
+        try:
+            outcome = self.watch()
+        except BaseException as exc:  # a bug here must still end the run's processes
+            outcome = Outcome("failed", f"supervisor error: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            log(f"outcome: {outcome}")
+            still_running = "; ".join(self.terminate())
+            log(f"still running after the stop: {still_running}" if still_running
+                else "every process of the run has ended")
+        return outcome
+
+    def _on_stop_signal(self, signum: int, _frame: object) -> None:
+        self.stop_reason = self.stop_reason or f"stopped by request ({signal.Signals(signum).name})"
+
+    def watch(self) -> Outcome:
+        while True:
+            now = time.monotonic()
+            for state in self.ranks:
+                state.absorb(state.tail.poll())
+            if self.stop_reason:
+                return Outcome("stopped", self.stop_reason)
+            if os.getppid() != self.parent_pid:
+                return Outcome("stopped", f"parent process {self.parent_pid} exited")
+            if all(state.done for state in self.ranks):
+                # Every record is on disk: give the launcher a moment, then end what lingers
+                # (launch.py polls once a second and interpreter teardown is slow).
+                log("every rank recorded done; waiting briefly for the launcher to exit")
+                log(f"launcher exit code {self.launcher_exit(timeout=DONE_GRACE_S)}")
+                return Outcome("finished")
+            self.watch_oom_kills()
+            failure = self.first_failure(now)
+            launcher_code = self.launcher.poll()
+            launch_py_died = launcher_code is None and self.launch_py_died()
+            if failure or launcher_code is not None or launch_py_died:
+                self.settle()
+                if all(state.done for state in self.ranks):
+                    # The last done records landed while this pass looked elsewhere and the
+                    # launcher exited 0 meanwhile: a finished run, not a failed one.
+                    return Outcome("finished")
+                return self.diagnose(self.launcher.poll(), launch_py_died)
+            hung = self.hung_ranks(now)
+            if hung:
+                return Outcome("hung", hung, None)
+            time.sleep(POLL_S)
+
+    def launch_py_died(self) -> bool:
+        """DeepSpeed's launch.py (the runner's child, the ranks' parent) is gone while the runner
+        lives on: the runner only notices when it is next scheduled and exits 0 (0.19.8), which
+        took seconds on a loaded machine, while the orphaned ranks kept training."""
+        if self.launch_py is None:
+            try:
+                self.launch_py = next((c for c in psutil.Process(self.launcher.pid).children()
+                                       if "deepspeed.launcher.launch" in c.cmdline()), None)
+            except psutil.Error:
+                return False
+            return False
+        return not _alive(self.launch_py)
+
+    def watch_oom_kills(self) -> None:
+        kills = _cgroup_oom_kills()
+        if kills is not None and self.oom_kills_seen is not None and kills > self.oom_kills_seen:
+            self.oom_kill_times.append(time.time())
+            log(f"the cgroup's oom_kill count rose to {kills}")
+        self.oom_kills_seen = kills
+
+    def launcher_exit(self, timeout: float) -> int | None:
+        try:
+            return self.launcher.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def settle(self) -> None:
+        """Give peers a moment to write their own error records before choosing the root cause."""
+        deadline = time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline:
+            for state in self.ranks:
+                state.absorb(state.tail.poll())
+            time.sleep(POLL_S / 2)
+        self.launcher.poll()
+
+    # -- what went wrong ---------------------------------------------------------------
+    def exit_info(self, rank: int) -> dict[str, Any] | None:
+        return read_json(self.run_dir / f"rank{rank}.exit")
+
+    def first_failure(self, now: float) -> bool:
+        for state in self.ranks:
+            if state.error:
+                return True
+            info = self.exit_info(state.rank)
+            if info and info["returncode"] != 0:
+                return True
+            if state.pid and state.local and not state.done and not psutil.pid_exists(state.pid):
+                state.vanished_at = state.vanished_at or now
+                if now - state.vanished_at > SETTLE_S:  # the guard writes the exit file just after
+                    return True
+        return False
+
+    def diagnose(self, launcher_code: int | None, launch_py_died: bool = False) -> Outcome:
+        """The root cause: the earliest failure that is not a knock-on of another rank's."""
+        evidence = []  # (knock_on, time, rank, status, cause)
+        for state in self.ranks:
+            info = self.exit_info(state.rank)
+            if state.error:
+                record = state.error
+                message = (record.get("message") or "").strip().splitlines()
+                text = f"{record['error_type']}: {message[0] if message else ''}".rstrip(": ")
+                status = "oom" if record.get("oom") else "failed"
+                evidence.append((is_knock_on(text), record.get("wall_time", 0.0), state.rank, status, text))
+            elif info and info["returncode"] != 0:
+                mtime = (self.run_dir / f"rank{state.rank}.exit").stat().st_mtime
+                if info["returncode"] == -9:
+                    # SIGKILL leaves no traceback of its own: an older one in the log is not its cause.
+                    status, text = (self.classify_remote_sigkill() if self.multi_node
+                                    else self.classify_sigkill(mtime))
+                else:
+                    logged = last_exception_line(self.rank_log(state.rank))
+                    text = logged or describe_exit(info["returncode"])
+                    status = "oom" if logged and is_oom(logged.split(":")[0], logged) else "failed"
+                evidence.append((is_knock_on(text), mtime, state.rank, status, text))
+            elif state.vanished_at is not None:
+                evidence.append((False, time.time(), state.rank, "failed",
+                                 "process vanished without an error record or exit status"))
+        if evidence:
+            _, _, rank, status, text = min(evidence)
+            where = f" on node {self.hosts[rank]}" if rank < len(self.hosts) else ""
+            return Outcome(status, f"rank {rank}{where}: {text}", rank)
+        if launcher_code is not None:
+            return Outcome("failed", f"DeepSpeed launcher exited with code {launcher_code} before every rank "
+                           f"finished (last steps: {self.last_steps()}){self.failed_nodes()}; see launcher.log")
+        if launch_py_died:
+            pid = f" (pid {self.launch_py.pid})" if self.launch_py is not None else ""
+            return Outcome("failed", f"DeepSpeed's launch.py{pid} died before every rank "
+                           f"finished (last steps: {self.last_steps()}); see launcher.log")
+        return Outcome("failed", "run ended without a cause on record")
+
+    def classify_sigkill(self, exited_at: float) -> tuple[str, str]:
+        """A rank SIGKILLed without a traceback (its guard recorded that at `exited_at`): OOM only if
+        the cgroup's oom_kill count rose around that moment. The count is the whole cgroup's, so
+        an OOM kill elsewhere in the run's lifetime must not turn a plain `kill -9` into "oom"."""
+        self.watch_oom_kills()
+        if self.oom_kills_seen is None:
+            return "failed", describe_exit(-9)  # no counter to ask: the hint names the OOM killer as likely
+        if any(exited_at - OOM_WINDOW_S <= t <= exited_at + OOM_WINDOW_S for t in self.oom_kill_times):
+            return "oom", "killed by the kernel's OOM killer (SIGKILL, no traceback)"
+        return "failed", "killed by SIGKILL (no traceback; the kernel recorded no OOM kill then)"
+
+    def failed_nodes(self) -> str:
+        """Multi-node: the nodes pdsh reported failing (a lost ssh connection, a node gone), as text."""
+        if not self.multi_node:
+            return ""
+        try:
+            failed = pdsh_failed_hosts((self.run_dir / "launcher.log").read_text(errors="replace"))
+        except OSError:
+            return ""
+        return "".join(f"; node {host}: " + ("ssh connection failed (exit 255)" if code == 255 else
+                                              f"its launch exited with code {code}")
+                       for host, code in failed.items())
+
+    @staticmethod
+    def classify_remote_sigkill() -> tuple[str, str]:
+        """A multi-node rank's SIGKILL: this machine's OOM counter says nothing about that node
+        (its ranks run under the node's sshd, not in this cgroup), so no OOM claim either way."""
+        return "failed", ("killed by SIGKILL (no traceback); if the node's kernel log (dmesg) shows an "
+                          "OOM kill then, it ran out of host memory")
+
+    def rank_log(self, rank: int) -> str:
+        logs = sorted((self.run_dir / "logs").glob(f"*_rank{rank}.log"))
+        return logs[-1].read_text(errors="replace") if logs else ""
+
+    def last_steps(self) -> str:
+        return ", ".join(f"rank {s.rank}: {s.last_step}" for s in self.ranks)
+
+    def hung_ranks(self, now: float) -> str | None:
+        silent = []
+        for state in self.ranks:
+            if state.done:
+                continue
+            if state.last_step == 0:
+                # Process start, distributed init and JIT op builds come before step 1.
+                if now - self.started > self.startup_timeout_s:
+                    silent.append(state.rank)
+            elif now - state.last_progress > self.heartbeat_s:
+                silent.append(state.rank)
+        if not silent:
+            return None
+        return (f"no progress from rank(s) {silent} within the heartbeat ({self.heartbeat_s:g} s; "
+                f"startup allowance {self.startup_timeout_s:g} s); last steps: {self.last_steps()}")
+
+    # -- ending every process ----------------------------------------------------------
+    def stop_remote_ranks(self) -> dict[str, str]:
+        """End this run's processes on every node (only this run's: labkit.launch.multinode.stop_remote),
+        before anything here is signalled, and check they are gone."""
+        hosts = list(dict.fromkeys(self.hosts))
+        log(f"ending this run's processes on {', '.join(hosts)} over ssh")
+        left = stop_remote(self.run_dir, hosts)
+        for host in hosts:
+            log(f"{host}: {left[host]}" if host in left else f"{host}: none of this run's processes is left")
+        return left
+
+    def tree(self) -> list[psutil.Process]:
+        found: dict[int, psutil.Process] = {}
+        try:
+            for child in psutil.Process().children(recursive=True):
+                found[child.pid] = child
+        except psutil.Error:
+            pass
+        for proc in psutil.process_iter():
+            try:
+                if os.getpgid(proc.pid) == self.launcher.pid:
+                    found[proc.pid] = proc
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                continue
+        return list(found.values())
+
+    def terminate(self) -> list[str]:
+        """End every process of the run; returns what could not be verified gone (empty: all gone)."""
+        left = [f"{host}: {what}" for host, what in self.stop_remote_ranks().items()] if self.remote_stop else []
+        procs = self.tree()
+        ranks = {p.pid for p in procs if _is_rank(p)}
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.remote_stop and sig == signal.SIGTERM:
+                # Not SIGTERM: the runner's handler would `pdsh pkill -f ... deepspeed.launcher.launch`,
+                # ending every DeepSpeed launch of this user on those hosts. Its ranks are gone already.
+                try:
+                    os.kill(self.launcher.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                os.killpg(self.launcher.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            for proc in procs:
+                try:
+                    proc.send_signal(sig)
+                except psutil.Error:
+                    pass
+            if sig == signal.SIGTERM:
+                # The grace is the ranks': a worker exits, its guard records how. DeepSpeed's
+                # launch.py does not exit on SIGTERM (0.19.8: it lingers until SIGKILL), so once
+                # no rank is left, what remains gets SIGKILL at once instead of after GRACE_S.
+                deadline = time.monotonic() + GRACE_S
+                # mpirun and srun (multi-node, not pdsh) end their remote ranks on SIGTERM: they get the grace too.
+                waited = {p.pid for p in procs} if self.multi_node and not self.remote_stop else ranks
+                while time.monotonic() < deadline and any(p.pid in waited and _alive(p) for p in procs):
+                    time.sleep(POLL_S / 4)
+                procs = [p for p in procs if _alive(p)]
+            else:
+                _, procs = psutil.wait_procs(procs, timeout=2.0)
+            procs += [p for p in self.tree() if p not in procs and _alive(p)]
+            if not procs:
+                break
+        self.launcher.poll()
+        _reap_orphans()
+        for path in remove_shm_segments(self.argv):
+            log(f"removed {path}")
+        return left + [f"pid {p.pid}" for p in self.tree() if _alive(p)]
+
+
+def host_identity() -> dict[str, str]:
+    """Where a PID means something: this host (and boot) and PID namespace. A run store on a shared
+    filesystem, or one written from a container, holds PIDs of processes this process cannot see;
+    `Run` only declares a supervisor dead when its status.json names the same identity."""
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip() if path.startswith("/proc/sys") else os.readlink(path)
+        except OSError:
+            return ""
+
+    return {"hostname": socket.gethostname(), "boot_id": read("/proc/sys/kernel/random/boot_id"),
+            "pid_namespace": read("/proc/self/ns/pid")}
+
+
+def remove_shm_segments(argv: list[str]) -> list[Path]:
+    """Unlink the shared-memory buffers of DeepSpeed's CPU all-reduce (ops/csrc/cpu/comm/shm.cpp).
+
+    Each local rank creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<master_addr>_<master_port>_<rank>
+    (~66 MB) and DeepSpeed never unlinks it: every CPU run leaked world_size x 66 MB of RAM
+    (15 GB of this machine's 24 GB after a few hours of lab work). The names carry the run's own
+    port, so only its buffers match; call this once every process of the run has ended.
+    """
+    try:
+        addr = argv[argv.index("--master_addr") + 1]
+        port = argv[argv.index("--master_port") + 1]
+    except (ValueError, IndexError):
+        return []
+    removed = []
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_*"):
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+def _read_run_file(path: Path) -> dict[str, Any]:
+    """A JSON file the run cannot go on without (Run wrote it before starting the supervisor)."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise RuntimeError(f"{path} is missing or not a JSON object: the run directory changed under its supervisor")
+    return data
+
+
+def _is_rank(proc: psutil.Process) -> bool:
+    try:
+        cmdline = proc.cmdline()
+    except psutil.Error:
+        return False
+    # The module run (`-m labkit.launch.worker`), not an argument: the launchers carry
+    # `--module labkit.launch.rank_guard`.
+    ours = ("labkit.launch.rank_guard", "labkit.launch.worker")
+    return any(a == "-m" and b in ours for a, b in itertools.pairwise(cmdline))
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _reap_orphans() -> None:
+    """As subreaper we inherit orphaned ranks; collect their exit status so no zombie stays."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _cgroup_oom_kills() -> int | None:
+    """The OOM-kill counter of this process's memory cgroup (the ranks share it): proof that a
+    SIGKILLed rank was the OOM killer's victim. cgroup v2 keeps it in memory.events, cgroup v1
+    in memory.oom_control (both as `oom_kill N`); None where neither can be read."""
+    for path in _oom_counter_files():
+        try:
+            for line in path.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _oom_counter_files() -> list[Path]:
+    root = Path("/sys/fs/cgroup")
+    files = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:  # "0::/path" (v2) or "4:memory:/path" (v1)
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            files.append(root / path.lstrip("/") / "memory.events")
+        elif "memory" in controllers.split(","):
+            files.append(root / "memory" / path.lstrip("/") / "memory.oom_control")
+    # Inside a cgroup namespace /proc/self/cgroup may show "/" while the mount is the cgroup itself.
+    files += [root / "memory.events", root / "memory" / "memory.oom_control"]
+    return files
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Supervise one labkit run.")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--lease-fds", default="", help="inherited lease descriptors to hand to the launcher")
+    args = parser.parse_args()
+    lease_fds = tuple(int(fd) for fd in args.lease_fds.split(",") if fd)
+    supervisor = Supervisor(args.run_dir, args.parent_pid, lease_fds)
+    outcome = Outcome("failed", "supervisor crashed")
+    try:
+        outcome = supervisor.run()
+    finally:
+        from labkit.launch.summary import summarize
+
+        config = _read_run_file(args.run_dir / "config.json")
+        summary = summarize(args.run_dir, config, status=outcome.status, cause=outcome.cause,
+                            failed_rank=outcome.rank)
+        write_json_atomic(args.run_dir / "summary.json", summary)
+        write_json_atomic(args.run_dir / "status.json", {"status": outcome.status, "cause": outcome.cause,
+                                                         "finished_at": time.time()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Watching a run: per-rank telemetry written by the ranks, read incrementally, drawn live (dashboard, panel)."""

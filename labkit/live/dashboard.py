@@ -1,0 +1,541 @@
+"""Live plotly charts of a run: throughput, memory per rank, model states, loss.
+
+    dash = Dashboard(run)     # starts one background thread that follows the run's rank files
+    dash                      # (in a notebook) shows four FigureWidgets
+    dash.overlay(["runs/<id>"])  # past runs on the same axes
+    dash.close()              # or let it end by itself when the run is done
+
+Two layers:
+
+- pure data shaping, unit-tested without widgets: `step_columns` turns records into numpy
+  columns, `RankSeries` accumulates them per rank, `decimation_index` spreads max_points
+  indices evenly over a long trace (first and last point kept), `run_traces` turns a run's
+  series into the trace list of each chart;
+- `Dashboard`: four `go.FigureWidget`s refreshed from ONE background thread with
+  `fig.batch_update()` and numpy arrays. Never `widget.hold_sync()`: it silently drops
+  FigureWidget updates. The thread only reads files and sends comm messages, so the
+  kernel stays free to run other cells. A thread is bound to the run and the series it
+  was started for: it never touches a later run's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from labkit.launch.run import FINAL_STATUSES
+from labkit.launch.store import read_json
+from labkit.live.records import RecordTail, read_records
+from labkit.live.telemetry import rank_file
+
+# Record keys the charts use; each becomes one float64 column per rank (NaN where absent).
+STEP_KEYS = ("step", "time_s", "samples_per_s", "step_time_s", "loss", "rss_bytes", "peak_rss_bytes",
+             "device_allocated_bytes", "device_peak_bytes", "param_bytes", "grad_bytes", "optim_bytes",
+             "master_bytes", "host_optim_bytes", "host_grad_bytes")
+CHARTS = ("throughput", "memory", "state", "loss")
+DEFAULT_MAX_POINTS = 2000
+REFRESH_S = 0.25       # 4 Hz (>= 2 Hz wanted): the thread polls the rank files this often (replots on new records)
+JOIN_TIMEOUT_S = 10.0  # close() waits this long for the update thread's current tick
+# A reloaded run (no supervisor handle) reads "starting" until its supervisor writes status.json,
+# which it does within seconds of starting; still "starting" after this long, it died first.
+STARTING_TIMEOUT_S = 120.0
+MIB = float(2**20)
+
+RANK_COLORS = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880",
+               "#FF97FF", "#FECB52")
+OVERLAY_COLORS = ("#7f7f7f", "#8c564b", "#bcbd22", "#17becf", "#9467bd", "#d62728", "#2ca02c", "#1f77b4")
+STATE_PARTS = (  # (trace name, colour) of the stacked model-state bars
+    ("params", "#636EFA"), ("grads", "#EF553B"), ("optimizer + master", "#00CC96"),
+    ("offloaded to host", "#AB63FA"))
+
+
+# -- pure data shaping -------------------------------------------------------------------
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def step_columns(records: Iterable[dict[str, Any]], keys: Sequence[str] = STEP_KEYS) -> dict[str, np.ndarray]:
+    """The `step` records among `records` as one float64 array per key (NaN where a record lacks it)."""
+    steps = [r for r in records if r.get("event") == "step"]
+    return {k: np.fromiter((_number(r.get(k)) for r in steps), dtype=np.float64, count=len(steps)) for k in keys}
+
+
+class RankSeries:
+    """One rank's step records as growing float64 columns; appending is amortised O(1).
+
+    Only new records are converted (the dashboard feeds it `RecordTail.poll()` output), so a
+    refresh never re-reads a long run's history.
+    """
+
+    def __init__(self, keys: Sequence[str] = STEP_KEYS):
+        self.keys = tuple(keys)
+        self.n = 0
+        self._cols = {k: np.empty(256, dtype=np.float64) for k in self.keys}
+
+    @classmethod
+    def from_records(cls, records: Iterable[dict[str, Any]], keys: Sequence[str] = STEP_KEYS) -> RankSeries:
+        series = cls(keys)
+        series.extend(records)
+        return series
+
+    def extend(self, records: Iterable[dict[str, Any]]) -> int:
+        """Append the step records among `records`; returns how many were added."""
+        return self.extend_columns(step_columns(records, self.keys))
+
+    def extend_columns(self, columns: dict[str, np.ndarray]) -> int:
+        added = len(columns[self.keys[0]])
+        if not added:
+            return 0
+        need = self.n + added
+        if need > len(self._cols[self.keys[0]]):
+            capacity = max(need, 2 * len(self._cols[self.keys[0]]))
+            for key, col in self._cols.items():
+                grown = np.empty(capacity, dtype=np.float64)
+                grown[:self.n] = col[:self.n]
+                self._cols[key] = grown
+        for key in self.keys:
+            self._cols[key][self.n:need] = columns[key]
+        self.n = need
+        return added
+
+    def column(self, key: str) -> np.ndarray:
+        """A view of the first n values (do not write to it)."""
+        return self._cols[key][:self.n]
+
+    def last(self, key: str) -> float:
+        """The last finite value of `key`, NaN if none (model-state bytes come every census_every steps)."""
+        col = self.column(key)
+        tail = col[-64:]  # the usual case: the latest records carry the key
+        hits = np.flatnonzero(np.isfinite(tail))
+        if len(hits):
+            return float(tail[hits[-1]])
+        hits = np.flatnonzero(np.isfinite(col))
+        return float(col[hits[-1]]) if len(hits) else math.nan
+
+    @property
+    def last_step(self) -> int:
+        return int(self.column("step")[-1]) if self.n else 0
+
+
+def decimation_index(n: int, max_points: int = DEFAULT_MAX_POINTS) -> np.ndarray:
+    """Indices of min(n, max_points) points spread evenly over n, first and last included."""
+    if max_points < 2:
+        raise ValueError(f"max_points must be >= 2, got {max_points}")
+    if n <= max_points:
+        return np.arange(n)
+    # Spacing (n-1)/(max_points-1) > 1, so flooring keeps the indices strictly increasing;
+    # a whole-number stride would return ~n/2 points just above the cap (2001 -> 1001).
+    return np.linspace(0, n - 1, max_points).astype(np.int64)
+
+
+def decimate(x: np.ndarray, y: np.ndarray, max_points: int = DEFAULT_MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
+    idx = decimation_index(len(x), max_points)
+    return x[idx], y[idx]
+
+
+@dataclass
+class TraceData:
+    """One plotly trace: its data and its look (plotly keyword arguments)."""
+
+    name: str
+    x: np.ndarray
+    y: np.ndarray
+    kind: str = "scatter"  # or "bar"
+    style: dict[str, Any] = field(default_factory=dict)
+
+
+def memory_kind(series: Sequence[RankSeries]) -> str:
+    """"device" when the ranks recorded accelerator memory (GPU), else "host" (CPU ranks: RSS)."""
+    return "device" if any(np.isfinite(s.column("device_allocated_bytes")).any() for s in series) else "host"
+
+
+MEMORY_SERIES = {  # kind -> ((key, name suffix, dash), ...)
+    "device": (("device_allocated_bytes", "allocated", "solid"), ("device_peak_bytes", "peak", "dash")),
+    # CPU ranks: RSS only (peak RSS is in the run's summary); half the traces to refresh at 8 ranks.
+    "host": (("rss_bytes", "RSS", "solid"),),
+}
+MEMORY_TITLES = {"device": "device memory (MiB)", "host": "host RSS (MiB)"}
+
+
+def run_traces(series: Sequence[RankSeries], *, memory: str = "host", label: str | None = None,
+               color: str | None = None, max_points: int = DEFAULT_MAX_POINTS) -> dict[str, list[TraceData]]:
+    """The traces of each chart for one run, x = optimizer step.
+
+    Live run (`label` None): global and per-rank throughput, per-rank memory and peak,
+    stacked model-state bars per rank, mean loss. Overlay of a past run (`label` = its id):
+    the same minus per-rank throughput, every trace dotted in `color`, names prefixed.
+    Global throughput is the slowest rank's global_batch / step time at each step (ranks
+    step in lockstep); a rank's own throughput is the samples it processed per second.
+    """
+    world = len(series)
+    overlay = label is not None
+    prefix = f"{label} · " if overlay else ""
+    group = {"legendgroup": label} if overlay else {}
+
+    def line(rank: int | None, dash: str = "solid", width: float = 1.5) -> dict[str, Any]:
+        if overlay:
+            return {"mode": "lines", "line": {"color": color, "dash": "dot", "width": width}, **group}
+        shade = "#222222" if rank is None else RANK_COLORS[rank % len(RANK_COLORS)]
+        return {"mode": "lines", "line": {"color": shade, "dash": dash, "width": width}}
+
+    out: dict[str, list[TraceData]] = {chart: [] for chart in CHARTS}
+    # Steps every rank has recorded; ranks write steps 1, 2, ... in order, so index i is step i+1.
+    common = min((s.n for s in series), default=0)
+    idx = decimation_index(common, max_points)
+    x_common = series[0].column("step")[idx] if world else np.empty(0)
+
+    # -- throughput ------------------------------------------------------------------------
+    rates = [s.column("samples_per_s")[idx] for s in series]
+    global_rate = np.minimum.reduce(rates) if rates else np.empty(0)
+    out["throughput"].append(TraceData(f"{prefix}global", x_common, global_rate, style=line(None, width=2.5)))
+    # Per-rank traces: decimate first, then scale (a long run's full columns are 100k+ long).
+    rank_idx = [decimation_index(s.n, max_points) for s in series]
+    if not overlay:
+        for rank, (s, i) in enumerate(zip(series, rank_idx, strict=True)):
+            y = s.column("samples_per_s")[i] / world
+            out["throughput"].append(TraceData(f"rank {rank}", s.column("step")[i], y, style=line(rank)))
+
+    # -- memory per rank -------------------------------------------------------------------
+    for rank, (s, i) in enumerate(zip(series, rank_idx, strict=True)):
+        for key, suffix, dash in MEMORY_SERIES[memory]:
+            out["memory"].append(TraceData(f"{prefix}rank {rank} {suffix}", s.column("step")[i],
+                                           s.column(key)[i] / MIB, style=line(rank, dash)))
+
+    # -- model states, stacked per rank (latest census) ------------------------------------
+    names = np.array([f"{label} r{rank}" if overlay else f"rank {rank}" for rank in range(world)], dtype=object)
+
+    def latest(s: RankSeries, key: str) -> float:
+        value = s.last(key)
+        return 0.0 if math.isnan(value) else value
+
+    parts = {
+        "params": [latest(s, "param_bytes") for s in series],
+        # With optimizer offload, host_optim_bytes (optimizer + master) and host_grad_bytes (the
+        # gradient partitions the optimizer reads) live on the host: their own bar.
+        "grads": [latest(s, "grad_bytes") - latest(s, "host_grad_bytes") for s in series],
+        "optimizer + master": [latest(s, "optim_bytes") + latest(s, "master_bytes") - latest(s, "host_optim_bytes")
+                               for s in series],
+        "offloaded to host": [latest(s, "host_optim_bytes") + latest(s, "host_grad_bytes") for s in series],
+    }
+    for name, shade in STATE_PARTS:
+        style = {"marker": {"color": shade, "opacity": 0.5 if overlay else 1.0}, "showlegend": not overlay, **group}
+        out["state"].append(TraceData(f"{prefix}{name}", names, np.array(parts[name]) / MIB, kind="bar",
+                                      style=style))
+
+    # -- loss: mean over ranks -------------------------------------------------------------
+    losses = [s.column("loss")[idx] for s in series]
+    mean_loss = np.mean(losses, axis=0) if losses else np.empty(0)
+    out["loss"].append(TraceData(f"{prefix}loss", x_common, mean_loss, style=line(None, width=2)))
+    return out
+
+
+def overlay_label(run_id: str) -> str:
+    """A run's short name in legends: its id without the date and time ("zero3-z3-w2-b64-3eb0")."""
+    parts = run_id.split("-", 2)  # ids are "<YYYYMMDD>-<HHMMSS>-<name>-<hex>"
+    return parts[2] if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit() else run_id
+
+
+def load_series(run_dir: str | Path) -> list[RankSeries]:
+    """Every rank's series of a run directory (a past run, for overlays)."""
+    config = read_json(Path(run_dir) / "config.json") or {}
+    return [RankSeries.from_records(read_records(rank_file(run_dir, rank)))
+            for rank in range(int(config.get("world_size", 1)))]
+
+
+# -- widgets -----------------------------------------------------------------------------
+FIGURE_WIDTH = 470  # two charts side by side in a JupyterLab notebook of a 1400 px wide window
+CHART_LAYOUT = {
+    "throughput": ("Throughput", "samples/s"),
+    "memory": ("Memory per rank", MEMORY_TITLES["host"]),
+    "state": ("Model states per rank (latest census)", "MiB"),
+    "loss": ("Loss (mean over ranks)", "loss"),
+}
+
+
+@functools.cache
+def _locked_figure_class() -> type:
+    """A FigureWidget that handles the browser's messages under its dashboard's lock.
+
+    ipywidgets handles each message from the browser (plotly.js answers every edit with a
+    delta) inside `hold_trait_notifications()`, which is per widget, not per thread. A trait the
+    update thread sets meanwhile is held and compressed with its next change, and plotly sends
+    each edit as `_py2js_addTraces = msg` then `= None`: the browser receives only the None. A
+    lost addTraces left a chart empty for the rest of the run (about one run in three under
+    load, seen in the browser test). So incoming messages and the update thread's edits take
+    turns on one lock.
+    """
+    import plotly.graph_objects as go
+
+    class LockedFigureWidget(go.FigureWidget):
+        def __init__(self, *args: Any, sync_lock: threading.RLock, **kwargs: Any):
+            self._sync_lock = sync_lock  # before super(): the comm may deliver messages from then on
+            super().__init__(*args, **kwargs)
+
+        def _handle_msg(self, msg: dict) -> None:
+            with self._sync_lock:
+                super()._handle_msg(msg)
+
+    return LockedFigureWidget
+
+
+def _new_figure(chart: str, sync_lock: threading.RLock):
+    title, ytitle = CHART_LAYOUT[chart]
+    layout: dict[str, Any] = {
+        # A fixed size: FigureWidget does not follow its container, and plotly's default
+        # width (700 px) would be clipped in a two-column grid.
+        "title": {"text": title, "font": {"size": 14}}, "width": FIGURE_WIDTH, "height": 360,
+        "template": "plotly_white", "margin": {"l": 60, "r": 10, "t": 40, "b": 40},
+        "yaxis": {"title": {"text": ytitle}}, "uirevision": "keep",  # keep the user's zoom across updates
+        # Below the plot, so long overlay names never squeeze it.
+        "legend": {"font": {"size": 10}, "orientation": "h", "yanchor": "top", "y": -0.18, "x": 0},
+    }
+    if chart == "state":
+        layout["barmode"] = "stack"
+    else:
+        layout["xaxis"] = {"title": {"text": "step"}}
+    return _locked_figure_class()(layout=layout, sync_lock=sync_lock)
+
+
+def _same(old: Any, new: np.ndarray) -> bool:
+    """Whether a trace already holds `new` (NaN equal to NaN; the bars' labels are strings)."""
+    if old is None or len(old) != len(new):
+        return False
+    if new.dtype.kind == "f":
+        return np.array_equal(old, new, equal_nan=True)
+    return list(old) == list(new)
+
+
+def _plotly_trace(trace: TraceData):
+    import plotly.graph_objects as go
+
+    kind = go.Bar if trace.kind == "bar" else go.Scatter
+    return kind(name=trace.name, x=trace.x, y=trace.y, **trace.style)
+
+
+class Dashboard:
+    """Four live FigureWidgets for one run at a time, plus overlays of past runs.
+
+    `on_tick(run, series, final, error)` (optional) is called from the update thread after
+    every poll, and once more with final=True when the thread ends on its own: the run is
+    done, or the thread gave up (`error` then says why; None otherwise). The panel hangs
+    its status line and log tail on it, so a run costs one thread, not several. `run` and
+    `series` are the ones the thread follows, not whatever the dashboard shows by then.
+    """
+
+    def __init__(self, run: Any = None, *, refresh_s: float = REFRESH_S, max_points: int = DEFAULT_MAX_POINTS,
+                 on_tick: Callable[[Any, list[RankSeries], bool, str | None], None] | None = None):
+        import ipywidgets as W
+
+        self.refresh_s = refresh_s
+        self.max_points = max_points
+        self.on_tick = on_tick
+        self.starting_timeout_s = STARTING_TIMEOUT_S
+        # Guards series, overlays and figures: the thread extends and plots, the kernel's
+        # thread overlays, rebuilds and handles the browser's messages to the figures.
+        self._lock = threading.RLock()
+        self.figures = {chart: _new_figure(chart, self._lock) for chart in CHARTS}
+        # Two per row where there is room, one per row where there is not.
+        self.widget = W.Box(list(self.figures.values()), layout=W.Layout(display="flex", flex_flow="row wrap",
+                                                                         grid_gap="8px"))
+        self.run: Any = None
+        self.series: list[RankSeries] = []
+        self.memory = "host"
+        self.overlays: dict[str, dict[str, list[TraceData]]] = {}  # run id -> traces per chart
+        self.first_point_at: float | None = None  # time.monotonic() of the first plotted step
+        self.refreshes = 0
+        self.ticks = 0                             # polls of the current thread
+        self.last_refresh_s: float | None = None  # how long the last refresh took (kernel-side)
+        self.error: str | None = None             # why the update thread gave up, if it did
+        self._live_counts = {chart: 0 for chart in CHARTS}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        if run is not None:
+            self.watch(run)
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+    # -- the live run ----------------------------------------------------------------------
+    def watch(self, run: Any) -> None:
+        """Follow `run` (a started `labkit.Run`, or `Run.load(dir)` of a past one) until it is done."""
+        from labkit.runtime.devices import detect_devices
+
+        if not self.close():
+            raise RuntimeError(f"the update thread of {self.run.run_dir.name} did not stop within "
+                               f"{JOIN_TIMEOUT_S:g} s; not following a second run beside it")
+        tails = [RecordTail(rank_file(run.run_dir, rank)) for rank in range(run.config.world_size)]
+        series = [RankSeries() for _ in tails]
+        kind = "host" if detect_devices().is_cpu else "device"
+        with self._lock:
+            self.run = run
+            self.first_point_at = None
+            self.refreshes = 0
+            self.ticks = 0
+            self.error = None
+            self.show_series(series, memory=kind)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(run, series, tails, self._stop),
+                                        name="labkit-dashboard", daemon=True)
+        self._thread.start()
+
+    def show_series(self, series: list[RankSeries], memory: str = "host") -> None:
+        """Make `series` the live traces (rebuilding the figures); `refresh()` plots them.
+
+        An update thread following other series stops at its next poll.
+        """
+        with self._lock:
+            self.series = series
+            self.memory = memory
+            self._rebuild()
+
+    def _loop(self, run: Any, series: list[RankSeries], tails: list[RecordTail], stop: threading.Event) -> None:
+        error = None
+        final = False
+        started = time.monotonic()
+        try:
+            while not stop.is_set():
+                # Ask "done?" before polling: the ranks' last records are on disk before
+                # summary.json is, so the poll after a True answer reads everything.
+                status = run.status
+                done = status in FINAL_STATUSES
+                columns = [step_columns(t.poll()) for t in tails]  # file reads outside the lock
+                with self._lock:
+                    if series is not self.series:
+                        return  # the dashboard moved on (watch, show_series): not ours to plot
+                    added = sum(s.extend_columns(c) for s, c in zip(series, columns, strict=True))  # one per rank
+                    if added or done or self.refreshes == 0:
+                        self.refresh()
+                    self.ticks += 1
+                if done:
+                    final = True
+                    return
+                # Only a reloaded run reads "starting" (a launched one has its supervisor's handle).
+                if status == "starting" and time.monotonic() - started > self.starting_timeout_s:
+                    final = True
+                    error = (f"{run.run_dir.name} still reads 'starting' after {self.starting_timeout_s:g} s: "
+                             "its supervisor never wrote status.json (it probably died); stopped following it")
+                    return
+                if self.on_tick is not None:
+                    self.on_tick(run, series, False, None)
+                if stop.wait(self.refresh_s):
+                    return
+        except Exception:
+            final = True
+            error = traceback.format_exc()
+            print(f"labkit dashboard update thread stopped:\n{error}", file=sys.stderr)
+        finally:
+            with self._lock:
+                current = series is self.series
+                if current:
+                    self.error = error
+            # The final tick re-enables the panel's controls, even after an error.
+            if final and current and self.on_tick is not None:
+                try:
+                    self.on_tick(run, series, True, error)
+                except Exception:
+                    print(f"labkit dashboard final update failed:\n{traceback.format_exc()}", file=sys.stderr)
+
+    def refresh(self) -> float:
+        """Re-plot the live traces from the series; returns the seconds it took (kernel-side cost)."""
+        start = time.perf_counter()
+        with self._lock:
+            traces = run_traces(self.series, memory=self.memory, max_points=self.max_points)
+            for chart, fig in self.figures.items():
+                with fig.batch_update():
+                    # Live traces come first in fig.data; overlays follow and never change. Same count:
+                    # _rebuild counted them from the same series and memory kind, under this lock.
+                    for trace, data in zip(traces[chart], fig.data[:self._live_counts[chart]], strict=True):
+                        # Each assignment costs plotly's validation (~0.2 ms): skip unchanged data.
+                        if not _same(data.x, trace.x):
+                            data.x = trace.x
+                        if not _same(data.y, trace.y):
+                            data.y = trace.y
+            self.refreshes += 1
+            if self.first_point_at is None and any(len(t.x) for t in traces["throughput"]):
+                self.first_point_at = time.monotonic()
+        self.last_refresh_s = time.perf_counter() - start
+        return self.last_refresh_s
+
+    def last_step(self) -> int:
+        """The last step rank 0 recorded in the live series (0 before the first)."""
+        with self._lock:
+            return self.series[0].last_step if self.series else 0
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the update thread to end (the run done); True if it has."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        return not self.running
+
+    def close(self) -> bool:
+        """Stop the update thread (the figures keep what they show); False if it did not end in time.
+
+        A thread that outlives the join is kept (`running` stays True) so that nobody starts
+        a second one beside it; it ends at its next poll.
+        """
+        self._stop.set()
+        thread = self._thread
+        if thread is None:
+            return True
+        if thread is threading.current_thread():
+            return False  # from on_tick: the loop ends when the tick returns
+        thread.join(timeout=JOIN_TIMEOUT_S)
+        if thread.is_alive():
+            return False
+        self._thread = None
+        return True
+
+    # -- past runs -------------------------------------------------------------------------
+    def overlay(self, runs: Iterable[str | Path]) -> list[str]:
+        """Draw past runs (directories or ids in the run store) on the same axes; returns their ids."""
+        from labkit.launch.store import default_root
+
+        loaded = []
+        for run in runs:  # the files are read outside the lock: the update thread keeps going
+            path = Path(run)
+            if not path.is_dir():
+                path = default_root() / str(run)
+            loaded.append((path, load_series(path)))
+        with self._lock:
+            for path, series in loaded:
+                color = OVERLAY_COLORS[len(self.overlays) % len(OVERLAY_COLORS)]
+                label = overlay_label(path.name)
+                self.overlays[label] = run_traces(series, memory=memory_kind(series), label=label, color=color,
+                                                  max_points=self.max_points)
+            self._rebuild()
+        return [path.name for path, _ in loaded]
+
+    def clear_overlays(self) -> None:
+        with self._lock:
+            self.overlays.clear()
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """(Under the lock.) Replace every figure's traces: the live run's (empty until refreshed), then the
+        overlays'."""
+        live = run_traces(self.series, memory=self.memory, max_points=self.max_points)
+        for chart, fig in self.figures.items():
+            traces = live[chart] + [t for overlay in self.overlays.values() for t in overlay[chart]]
+            self._live_counts[chart] = len(live[chart])
+            fig.data = ()  # plotly only allows assigning a subset of the current traces
+            if traces:
+                fig.add_traces([_plotly_trace(t) for t in traces])
+            if chart == "memory":
+                fig.layout.yaxis.title.text = MEMORY_TITLES[self.memory]

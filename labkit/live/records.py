@@ -1,0 +1,57 @@
+"""Reading rank files (`rank<N>.jsonl`, written by `labkit.live.telemetry`): whole, or incrementally.
+
+Everything that watches a live run (the supervisor, the CLI's progress bar, the dashboard) uses
+`RecordTail`, so a poll costs what the ranks wrote since the last one, not the run's length so far.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def parse_lines(data: bytes) -> list[dict[str, Any]]:
+    """The JSON records of complete lines; a line cut short by a kill is skipped."""
+    records = []
+    for line in data.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All complete records of a rank file (for a finished run, or a one-off look)."""
+    try:
+        return parse_lines(Path(path).read_bytes())
+    except FileNotFoundError:
+        return []
+
+
+class RecordTail:
+    """Reads a rank file incrementally: each `poll()` returns only the new complete records.
+
+    It keeps its byte offset, so each byte of the file is read once (`bytes_read` counts them);
+    an unfinished last line waits, unparsed, for the poll that sees its newline.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.bytes_read = 0
+        self._partial = b""
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.bytes_read)
+                chunk = handle.read()
+        except FileNotFoundError:
+            return []
+        self.bytes_read += len(chunk)
+        data = self._partial + chunk
+        end = data.rfind(b"\n") + 1
+        self._partial = data[end:]
+        return parse_lines(data[:end])

@@ -1,0 +1,98 @@
+"""`make gpu-check`: what a user with a GPU runs first, and attaches to a bug report.
+
+It builds DeepSpeed's ops (or says why not: no nvcc matching torch's CUDA means torch_adam), runs the
+GPU-marked tests (`pytest -m gpu`), one 2-rank run per ZeRO stage, and writes a short report: device,
+versions, results, failures. On a machine without a GPU it says so and checks nothing GPU-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+STAGES = (0, 1, 2, 3)
+
+
+def check(report_path: Path, runs_root: Path, run_timeout_s: float = 600) -> list[str]:
+    """Run every check; write the report; return the failures (empty: all good)."""
+    lines: list[str] = ["# labkit gpu-check", ""]
+    failures: list[str] = []
+
+    import deepspeed
+    import torch
+
+    from labkit.runtime.devices import detect_devices
+    from labkit.runtime.ops import build_all, cuda_ops_buildable
+
+    devices = detect_devices()
+    buildable, why = cuda_ops_buildable()
+    lines += [f"device: {devices.device_name} x{devices.device_count} ({devices.accelerator}, {devices.backend}, "
+              f"bf16={devices.bf16}, fp16={devices.fp16}, {devices.total_memory_bytes / 2**30:.1f} GiB)",
+              f"versions: python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+              f"deepspeed {deepspeed.__version__}",
+              f"CUDA ops buildable: {buildable} ({why})", ""]
+    gpu = not devices.is_cpu
+    if not gpu:
+        lines += ["no GPU: DeepSpeed's accelerator is cpu; GPU-only checks skipped", ""]
+
+    try:
+        built = build_all()
+        lines.append(f"ops: {', '.join(built) or 'none built'}")
+    except Exception as exc:
+        failures.append(f"ops build: {type(exc).__name__}: {exc}")
+        lines.append(f"ops: FAILED\n{traceback.format_exc(limit=3)}")
+
+    tests = Path(__file__).resolve().parents[2] / "tests"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                             str(tests / "test_gpu.py")], capture_output=True, text=True)
+    summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
+    lines.append(f"gpu tests: {summary}")
+    if result.returncode not in (0, 5):  # 5: nothing collected
+        failures.append(f"gpu tests: {summary}")
+        lines.append(result.stdout[-3000:])
+
+    if gpu and devices.device_count >= 2:
+        from labkit.launch.config import RunConfig
+        from labkit.launch.run import Run
+
+        for stage in STAGES:
+            try:
+                run = Run(RunConfig(example="zero3", stage=stage, world_size=2, micro_batch=8, steps=5,
+                                    hidden=256, dataset_size=1024), root=runs_root).start()
+                status = run.wait(timeout=run_timeout_s)
+                impl = (run.summary or {}).get("optimizer_impl")
+                lines.append(f"2-rank ZeRO-{stage}: {status} (optimizer {impl}; {run.run_dir})"
+                             + (f": {run.cause}" if status != "finished" else ""))
+                if status != "finished":
+                    if not run.done:
+                        run.stop()
+                    failures.append(f"ZeRO-{stage} run: {status}: {run.cause}")
+            except Exception as exc:
+                failures.append(f"ZeRO-{stage} run: {type(exc).__name__}: {exc}")
+                lines.append(f"2-rank ZeRO-{stage}: could not start: {exc}")
+    else:
+        lines.append("2-rank runs: skipped (" + ("no GPU" if not gpu else f"{devices.device_count} GPU visible") + ")")
+
+    lines += ["", "failures: " + ("none" if not failures else str(len(failures)))] + [f"- {f}" for f in failures]
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    report_path.write_text("\n".join(lines) + "\n")
+    return failures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report", type=Path, default=Path("gpu-check-report.txt"))
+    parser.add_argument("--runs-root", type=Path, default=Path("runs") / "gpu-check")
+    args = parser.parse_args()
+    failures = check(args.report, args.runs_root)
+    print(args.report.read_text())
+    print(f"report written to {args.report}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

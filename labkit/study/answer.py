@@ -1,0 +1,592 @@
+"""`python -m labkit answer`: measure the answer to the lab's question and write the report.
+
+Can DeepSpeed keep training time flat while the batch size grows? One command runs, on this
+machine, with real supervised DeepSpeed launches:
+
+1. the batch-size sweep (`labkit.study.sweep`), timed one launch at a time (no two timed runs share a
+   core or a device), growing the batch both ways (`growth` column): more ranks at a fixed
+   per-rank micro-batch ("ranks"), and a bigger micro-batch on fixed ranks ("micro_batch"), each
+   point trained until a fixed held-out eval loss is met (or a step cap), with LR scaling and
+   warmup in samples, with gradient-noise probes; plus an LR-scaling study (none / linear / sqrt)
+   on one strategy at every global batch;
+2. then the max-batch search (`labkit.study.maxbatch`) per strategy: largest micro-batch that fits the
+   device (GPU: real OOM; CPU: an emulated per-rank capacity, `device_memory_budget_bytes`);
+3. the derived tables: memory model vs measured vs DeepSpeed's estimates, activation
+   estimate from a measured micro-batch profile, gradient noise scale and critical batch;
+4. a self-contained HTML report (`labkit.study.report`) whose conclusions are computed from 1-3.
+
+Everything lands in `--out` (default `runs/answer-<profile>`): results.csv (the sweep),
+maxbatch.csv + maxbatch_probes.csv, memory.csv, activation.csv, noise.csv, machine.json,
+report.html, and the run directories under runs/. Re-running reuses every finished point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from labkit.launch.config import RunConfig
+from labkit.launch.store import read_json, write_json_atomic, write_text_atomic
+from labkit.study.sweep import STRATEGIES, Sweep, plan, strategy_of
+
+REPORT_MAX_BYTES = 5_000_000  # data/reference-ci keeps the report only below this size
+
+
+@dataclass(frozen=True)
+class AnswerProfile:
+    name: str
+    model: dict[str, Any]                 # RunConfig fields shared by every point
+    strategies: tuple[str, ...]           # the sweep grid
+    global_batches: tuple[int, ...]       # growth "micro_batch": these global batches on max(world_sizes) ranks
+    world_sizes: tuple[int, ...] | None   # None: every device this machine has (one rank each)
+    # growth "ranks": this per-rank micro-batch on 1, 2, 4, ... up to max(world_sizes) ranks
+    # (None: the middle global batch's micro-batch, so that point is shared by both ways).
+    rank_growth_micro_batch: int | None = None
+    rank_growth_strategies: tuple[str, ...] = ("torch", "z0", "z3")
+    cpu_threads_per_rank: int | None = None  # CPU: threads per rank (None: cores // max ranks, one "device" each)
+    memory_only: tuple[str, ...] = ()     # strategies run at the smallest batch only (memory comparison)
+    lr_study_strategy: str | None = None  # runs the other LR scalings too
+    lr_study_batches: tuple[int, ...] | None = None  # ...at these global batches (None: every batch)
+    lr_scalings: tuple[str, ...] = ("none", "linear", "sqrt")
+    grid_lr_scaling: str = "sqrt"         # Adam: sqrt scaling (Malladi et al. 2022); SGD: linear
+    maxbatch_strategies: tuple[str, ...] = ()
+    maxbatch_start: int = 1
+    maxbatch_tolerance: float = 0.0
+    cpu_budget_bytes: int | None = None   # emulated device capacity per rank, CPU only
+    parallel: int = 1                     # max-batch searches at once on CPU (untimed); timed runs: one at a time
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+PROFILES: dict[str, AnswerProfile] = {
+    # Meant for <= 10 minutes on 2 CPU cores, timed runs one at a time (data/reference-ci/machine.json
+    # has the figure): a 320k-parameter MLP (its 512x512 layer is big enough for ZeRO-3 to partition);
+    # growth "micro_batch": micro-batch 16, 64, 256 per rank on 2 ranks; growth "ranks": micro-batch 64
+    # on 1 and 2 ranks; every rank one thread (one core: a "device").
+    "ci": AnswerProfile(
+        name="ci",
+        model=dict(hidden=512, depth=2, dataset_size=8192, optimizer="adam", lr=2e-3, base_batch=64,
+                   warmup_samples=1024, target_loss=0.8, stop_at_target=True, steps=600, noise_scale_every=4,
+                   eval_every=4, eval_samples=1024, heartbeat_s=300.0),
+        strategies=("torch", "z0", "z2", "z3", "z2-offload"),
+        global_batches=(32, 128, 512),
+        world_sizes=(2,),
+        memory_only=("z1",),
+        lr_study_strategy="z0",
+        lr_study_batches=None,
+        # Stage 0 is not searched: it holds the same unpartitioned fp32 states per rank as plain PyTorch
+        # (labkit.study.growth compares ZeRO-3 with plain PyTorch's search instead), which saves ~8 launches.
+        maxbatch_strategies=("torch", "z3"),
+        maxbatch_start=64,
+        maxbatch_tolerance=0.125,
+        cpu_budget_bytes=6_500_000,
+        parallel=2,
+    ),
+    # GPU-sized: a ~135M-parameter MLP, batches 64..4096 on every GPU; real out-of-memory errors.
+    "full": AnswerProfile(
+        name="full",
+        model=dict(hidden=4096, depth=8, input_size=1024, dataset_size=262144, optimizer="adam", lr=3e-4,
+                   base_batch=256, warmup_samples=16384, target_loss=0.8, stop_at_target=True, steps=3000,
+                   noise_scale_every=10, eval_every=10, eval_samples=8192, precision="bf16"),
+        strategies=tuple(STRATEGIES),
+        global_batches=(64, 256, 1024, 4096),
+        world_sizes=None,
+        lr_study_strategy="z0",
+        maxbatch_strategies=tuple(STRATEGIES),
+        maxbatch_start=16,
+        maxbatch_tolerance=0.0,
+        cpu_budget_bytes=4_000_000_000,
+        parallel=1,
+        notes=("For one node of 80 GB GPUs (A100/H100 80GB).",
+               "Untested: no run of this profile on such a GPU has been checked yet (labkit's GPU path was read, "
+               "not run); treat this report as the first."),
+    ),
+    # One node of 16-24 GB GPUs (T4, L4, A10G): a 54.6M-parameter MLP (0.87 GB of model states per rank at
+    # stage 0, 0.22 GB at ZeRO-3 on 4 GPUs), ~39 launches; estimated ~22 min, arithmetic in docs/answer.md.
+    "workshop": AnswerProfile(
+        name="workshop",
+        model=dict(hidden=4096, depth=4, input_size=1024, dataset_size=262144, optimizer="adam", lr=3e-4,
+                   base_batch=256, warmup_samples=16384, target_loss=0.8, stop_at_target=True, steps=600,
+                   noise_scale_every=10, eval_every=10, eval_samples=8192, precision="bf16"),
+        strategies=("torch", "z0", "z2", "z3", "z2-offload"),
+        global_batches=(256, 1024, 4096),
+        world_sizes=None,
+        memory_only=("z1",),
+        lr_study_strategy="z0",
+        lr_study_batches=None,
+        maxbatch_strategies=("torch", "z3"),
+        maxbatch_start=4096,
+        maxbatch_tolerance=0.25,
+        cpu_budget_bytes=4_000_000_000,
+        parallel=1,
+        notes=("For one node of 16-24 GB GPUs (T4, L4, A10G); T4 has no bf16, so it runs fp32.",
+               "Untested: no run of this profile on such a GPU has been checked yet; its ~22 min is an estimate "
+               "from the CPU reference timings and the memory model (docs/answer.md), not a measurement."),
+    ),
+    # End-to-end check of the command in a couple of minutes (tests, a quick look): a tiny MLP,
+    # both growth ways, the LR study, no max-batch search. Its numbers answer nothing.
+    "smoke": AnswerProfile(
+        name="smoke",
+        model=dict(hidden=64, depth=1, dataset_size=1024, optimizer="adam", lr=4e-3, base_batch=16,
+                   warmup_samples=64, target_loss=1.9, stop_at_target=True, steps=120, noise_scale_every=4,
+                   eval_every=4, eval_samples=256, heartbeat_s=300.0),
+        strategies=("torch", "z0", "z3"),
+        global_batches=(16, 32),
+        world_sizes=(2,),
+        rank_growth_micro_batch=8,
+        rank_growth_strategies=("torch", "z0"),
+        lr_study_strategy="z0",
+        lr_scalings=("none", "sqrt"),
+        parallel=1,
+    ),
+}
+
+GROWTH_WAYS = ("ranks", "micro_batch")  # the `growth` column holds one of these, or both joined by "+"
+
+
+# `answer(..., model="gpt")`: the byte-level GPT (labkit.models.gpt) in place of the MLP, per profile.
+# Loss in nats per byte; ln 256 = 5.55 at the start, ~2.5 once byte and bigram statistics are learned.
+GPT_MODELS: dict[str, dict[str, Any]] = {
+    "ci": dict(model="gpt", hidden=64, depth=2, input_size=64, dataset_size=4096, lr=3e-3, target_loss=2.6),
+    "full": dict(model="gpt", hidden=768, depth=12, input_size=512, dataset_size=65536, lr=3e-4, target_loss=1.5),
+}
+
+
+def with_model(profile: AnswerProfile, model: str | None = None, data: str | None = None,
+               loss: str | None = None) -> AnswerProfile:
+    """The profile training another model: "gpt" (its sizes from GPT_MODELS) or the learner's import
+    strings (RunConfig.model/data/loss) with the profile's other settings."""
+    if model is None and data is None and loss is None:
+        return profile
+    fields = dict(profile.model)
+    if model == "gpt":
+        fields.update(GPT_MODELS[profile.name])
+    elif model is not None:
+        fields["model"] = model
+    fields.update({k: v for k, v in (("data", data), ("loss", loss)) if v is not None})
+    suffix = fields["model"].split(":")[0].split(".")[-1]
+    return dataclasses.replace(profile, name=f"{profile.name}-{suffix}", model=fields)
+
+
+def _world_sizes(profile: AnswerProfile) -> tuple[int, ...]:
+    from labkit.runtime.devices import detect_devices
+
+    if profile.world_sizes is not None:
+        return profile.world_sizes
+    return (max(1, detect_devices().max_ranks),)
+
+
+def _budget(profile: AnswerProfile) -> int | None:
+    """The emulated capacity on CPU; None on a GPU (its real memory is the limit)."""
+    from labkit.runtime.devices import detect_devices
+
+    return profile.cpu_budget_bytes if detect_devices().is_cpu else None
+
+
+def _model(profile: AnswerProfile) -> dict[str, Any]:
+    model = dict(profile.model)
+    from labkit.runtime.devices import detect_devices
+
+    if model.get("precision") == "bf16" and not detect_devices().bf16:
+        model["precision"] = "fp32"
+    return model
+
+
+def rank_growth_world_sizes(max_ranks: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to `max_ranks`, and `max_ranks` itself (every GPU of the node)."""
+    sizes, n = [], 1
+    while n < max_ranks:
+        sizes.append(n)
+        n *= 2
+    return (*sizes, max_ranks)
+
+
+def _threads(profile: AnswerProfile, ranks: int) -> int | None:
+    """CPU: threads per rank such that the widest point fills the cores once (one run at a time)."""
+    from labkit.runtime.devices import detect_devices
+
+    if not detect_devices().is_cpu:
+        return None
+    return profile.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)
+
+
+def rank_growth_micro_batch(profile: AnswerProfile) -> int:
+    ranks = max(_world_sizes(profile))
+    return profile.rank_growth_micro_batch or profile.global_batches[len(profile.global_batches) // 2] // ranks
+
+
+def growth_of(config: RunConfig, profile: AnswerProfile) -> str:
+    """Which way(s) of growing the batch a point belongs to: "ranks", "micro_batch" or both
+    ("micro_batch+ranks", a point the two ways share). LR-study points belong to "micro_batch"."""
+    ranks = max(_world_sizes(profile))
+    strategy = strategy_of(config)
+    ways = []
+    per_rank = {batch // ranks for batch in profile.global_batches}
+    on_grid = config.world_size == (1 if strategy == "torch" else ranks)
+    if on_grid and config.micro_batch * config.grad_accum in per_rank:
+        ways.append("micro_batch")
+    if (strategy in profile.rank_growth_strategies and config.micro_batch == rank_growth_micro_batch(profile)
+            and config.grad_accum == 1 and config.world_size in rank_growth_world_sizes(ranks)
+            and config.lr_scaling == profile.grid_lr_scaling):
+        ways.append("ranks")
+    return "+".join(sorted(ways))
+
+
+def points(profile: AnswerProfile) -> list[RunConfig]:
+    """Every sweep point of the profile without duplicates: growth "micro_batch" (the grid's global
+    batches on the profile's ranks; plain PyTorch, one process, at the same per-rank micro-batches),
+    growth "ranks" (one micro-batch on 1, 2, 4, ... ranks), the memory-only points (at the micro-batch
+    both ways share) and the LR study (every scaling at every global batch of one strategy)."""
+    ranks = max(_world_sizes(profile))
+    base = {**_model(profile), "device_memory_budget_bytes": _budget(profile),
+            "threads_per_rank": _threads(profile, ranks)}
+    grid = (profile.grid_lr_scaling,)
+    shared = [rank_growth_micro_batch(profile) * ranks]
+
+    def growth_micro(strategies: Sequence[str], batches: Sequence[int], scalings: Sequence[str]) -> list[RunConfig]:
+        torch = [s for s in strategies if s == "torch"]
+        others = [s for s in strategies if s != "torch"]
+        return (plan(torch, [b // ranks for b in batches if b % ranks == 0], (1,), base=base, lr_scalings=scalings)
+                + plan(others, batches, (ranks,), base=base, lr_scalings=scalings))
+
+    configs = growth_micro(profile.strategies, profile.global_batches, grid)
+    micro = rank_growth_micro_batch(profile)
+    for world_size in rank_growth_world_sizes(ranks):
+        configs += plan([s for s in profile.rank_growth_strategies if s != "torch" or world_size == 1],
+                        [micro * world_size], (world_size,), base=base, lr_scalings=grid)
+    if profile.memory_only:
+        configs += growth_micro(profile.memory_only, shared, grid)
+    if profile.lr_study_strategy:
+        configs += growth_micro([profile.lr_study_strategy], profile.lr_study_batches or profile.global_batches,
+                                profile.lr_scalings)
+    from labkit.study.sweep import point_key
+
+    unique: dict[str, RunConfig] = {}
+    for config in configs:
+        unique.setdefault(point_key(config), config)
+    return list(unique.values())
+
+
+def maxbatch_templates(profile: AnswerProfile) -> list[RunConfig]:
+    base = {k: v for k, v in _model(profile).items() if k not in ("stop_at_target", "target_loss",
+                                                                  "noise_scale_every", "eval_every")}
+    world_size = max(_world_sizes(profile))
+    templates = []
+    for strategy in profile.maxbatch_strategies:
+        ranks = 1 if strategy == "torch" else world_size
+        templates.append(RunConfig(**{**base, **STRATEGIES[strategy], "world_size": ranks, "micro_batch": 1,
+                                      "device_memory_budget_bytes": _budget(profile)}))
+    return templates
+
+
+# -- derived tables ----------------------------------------------------------------------------
+def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
+    """Measured per-rank model-state bytes vs labkit.study.memory's prediction vs DeepSpeed's estimates."""
+    from labkit.models import builders
+    from labkit.study import memory
+
+    # The real parameter shapes, from the model built on the meta device (any model, no memory).
+    template = RunConfig.from_saved(model)
+    numels = builders.param_numels(template)
+    n_params = sum(numels)
+    persistent = builders.persistent_params(numels)
+    module = builders.meta_model(template)  # DeepSpeed's estimators want the largest layer
+    finished = results[results.status == "finished"].drop_duplicates(subset=["strategy", "world_size"])
+    rows = []
+    for r in finished.to_dict("records"):
+        stage = 0 if pd.isna(r.get("stage")) else int(r["stage"])
+        offload = bool(r.get("offload_optimizer")) and str(r.get("offload_optimizer")) != "False"
+        precision = _state_precision(r["strategy"], r.get("precision"))
+        world_size = int(r["world_size"])
+        predicted = memory.model_state_bytes(n_params, stage, world_size, precision, offload,
+                                             persistent_params=persistent if stage == 3 else 0)
+        measured = {k: float(r[k]) for k in ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes")
+                    if not pd.isna(r.get(k))}
+        # What optimizer offload keeps on the host: optimizer states + master, and grad partitions.
+        host = {k: 0.0 if pd.isna(r.get(k)) else float(r[k]) for k in ("host_optim_bytes", "host_grad_bytes")}
+        measured_device = sum(measured.values()) - sum(host.values())
+        errors = memory.compare({**measured, "host_grad_bytes": host["host_grad_bytes"],
+                                 "device_bytes": measured_device, "host_bytes": sum(host.values())}, predicted)
+        row = {"strategy": r["strategy"], "world_size": world_size, "stage": stage, "offload_optimizer": offload,
+               "precision": precision, "n_params": n_params,
+               "persistent_params": persistent if stage == 3 and world_size > 1 else 0,
+               **{f"measured_{k}": v for k, v in measured.items()},
+               "measured_optim_master_bytes": measured.get("optim_bytes", 0) + measured.get("master_bytes", 0),
+               **{f"measured_{k}": v for k, v in host.items()},
+               "measured_device_bytes": measured_device, "measured_host_bytes": sum(host.values()),
+               "measured_buffer_bytes": r.get("buffer_bytes"),
+               **{f"predicted_{k}": v for k, v in predicted.items()},
+               **{f"error_{k}": v for k, v in errors.items()}}
+        if stage in (1, 2) and not offload and "grad_bytes" in measured:
+            # The paper's Psi/N assumes an exact split; DeepSpeed keeps the whole gradient of each
+            # parameter that overlaps a rank's slice. The census row is the largest rank's.
+            held = max(memory.zero12_grad_elements(numels, world_size))
+            row["predicted_layout_grad_bytes"] = held * (4 if precision == "fp32" else 2)
+            row["error_layout_grad_bytes"] = (measured["grad_bytes"] - row["predicted_layout_grad_bytes"]) / \
+                row["predicted_layout_grad_bytes"]
+        option = {2: "zero2", 3: "zero3"}.get(stage)  # DeepSpeed has estimators for stages 2 and 3 only
+        if option:
+            estimate = memory.deepspeed_estimates(module, world_size)[option + ("_offload" if offload else "")]
+            row["deepspeed_estimate_device_bytes"] = estimate["device_bytes"]
+            row["deepspeed_estimate_host_bytes"] = estimate["host_bytes"]
+            row["deepspeed_estimate_function"] = f"estimate_{option}_model_states_mem_needs"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _state_precision(strategy: str, precision: str | None) -> str:
+    """The precision of the model states. Plain PyTorch (labkit.launch.trainers.PlainTrainer) keeps fp32
+    weights, grads and Adam state and runs bf16 only under autocast: fp32 states whatever the
+    run's precision. DeepSpeed keeps bf16/fp16 params and grads with an fp32 master."""
+    return "fp32" if strategy == "torch" else (precision or "fp32")
+
+
+def analytic_max_micro_batch(result: Any, template: RunConfig) -> int | None:
+    """The max micro-batch labkit.study.memory predicts: (capacity - analytic on-device states) divided by
+    the activation bytes per sample of ONE measured micro-batch profile (the search's first fit)."""
+    import math
+
+    from labkit.study import memory
+
+    budget = template.device_memory_budget_bytes
+    profile = next((p for p in result.probes if p.fits and p.activation_bytes), None)
+    if budget is None or profile is None:
+        return None
+    from labkit.models import builders
+
+    numels = builders.param_numels(template)
+    stage = template.stage or 0
+    precision = _state_precision(strategy_of(template), template.precision)
+    states = memory.model_state_bytes(sum(numels), stage, template.world_size, precision,
+                                      bool(template.offload_optimizer),
+                                      persistent_params=builders.persistent_params(numels) if stage == 3 else 0)
+    per_sample = memory.activation_bytes_per_sample(profile.activation_bytes, profile.micro_batch)
+    return max(0, math.floor((budget - states["device_bytes"]) / per_sample))
+
+
+def activation_table(results: pd.DataFrame) -> pd.DataFrame:
+    """Activation bytes predicted from ONE measured micro-batch profile (the smallest micro-batch
+    of each strategy), against the activation bytes measured at the other micro-batch sizes."""
+    from labkit.study import memory
+
+    rows = []
+    measured = results[results.activation_bytes.notna() & (results.status == "finished")]
+    for (strategy, world_size), group in measured.groupby(["strategy", "world_size"]):
+        group = group.drop_duplicates(subset=["micro_batch"]).sort_values("micro_batch")
+        profile = group.iloc[0]
+        per_sample = memory.activation_bytes_per_sample(int(profile.activation_bytes), int(profile.micro_batch))
+        for r in group.itertuples():
+            predicted = memory.activation_bytes(per_sample, int(r.micro_batch))
+            rows.append({"strategy": strategy, "world_size": world_size,
+                         "profile_micro_batch": int(profile.micro_batch), "per_sample_bytes": per_sample,
+                         "micro_batch": int(r.micro_batch),
+                         "measured_activation_bytes": int(r.activation_bytes), "predicted_activation_bytes": predicted,
+                         "error": (r.activation_bytes - predicted) / predicted if predicted else None})
+    return pd.DataFrame(rows)
+
+
+def noise_table(results: pd.DataFrame) -> pd.DataFrame:
+    """Every gradient-noise probe of the sweep's runs: step, loss and the two squared norms."""
+    from labkit.launch.summary import rank_records, steps_of
+
+    rows = []
+    for r in results[results.status == "finished"].to_dict("records"):
+        run_dir = Path(str(r["run_dir"]))
+        if not run_dir.is_dir():
+            continue
+        for record in steps_of(rank_records(run_dir, 1)[0]):
+            if record.get("grad_norm_big_sq") is not None:
+                rows.append({"strategy": r["strategy"], "global_batch": r["global_batch"],
+                             "lr_scaling": r["lr_scaling"], "step": record["step"], "loss": record["loss"],
+                             **{k: record[k] for k in ("grad_norm_small_sq", "grad_norm_big_sq",
+                                                       "noise_b_small", "noise_b_big", "noise_scale")}})
+    return pd.DataFrame(rows)
+
+
+def machine_info(runtime_s: float | None = None) -> dict[str, Any]:
+    import deepspeed
+    import psutil
+    import torch
+
+    from labkit.runtime.devices import detect_devices
+
+    devices = detect_devices()
+    return {
+        "device": devices.device_name, "accelerator": devices.accelerator, "devices": devices.device_count,
+        "cpu_model": _cpu_model(), "cpu_cores": os.cpu_count(),
+        "ram_bytes": int(psutil.virtual_memory().total),
+        "device_memory_bytes": devices.total_memory_bytes if not devices.is_cpu else None,
+        "python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+        "platform": platform.platform(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average": list(os.getloadavg()), "answer_runtime_s": runtime_s,
+    }
+
+
+def _cpu_model() -> str:
+    from labkit.runtime.devices import _cpu_model as cpu_model
+
+    return cpu_model()
+
+
+# -- the command -------------------------------------------------------------------------------
+def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, parallel: int | None = None,
+           progress: bool = True, model: str | None = None, data: str | None = None,
+           loss: str | None = None) -> Path:
+    """Run everything the profile asks for in `out` and return the report's path. `model`, `data`,
+    `loss`: train another model (RunConfig fields; model="gpt" is the built-in byte-level GPT)."""
+    from labkit.launch.store import default_root
+    from labkit.runtime.devices import detect_devices
+    from labkit.study import maxbatch
+    from labkit.study.report import build_report
+    from labkit.study.sweep import check_fair, fair_parallel, point_key
+
+    profile = with_model(PROFILES[profile_name], model, data, loss)
+    if profile.name != profile_name:
+        from labkit.models.builders import check_importable
+
+        check_importable(RunConfig(**profile.model))  # a bad import string fails before any launch
+    out = Path(out) if out is not None else default_root() / f"answer-{profile.name}"
+    devices = detect_devices()
+    configs = points(profile)
+    # Timed points never share a core or a device: refused before anything launches.
+    cores = os.cpu_count() or 1
+    parallel = parallel or fair_parallel(configs, cores=cores, devices=devices.device_count, is_cpu=devices.is_cpu)
+    check_fair(configs, parallel, cores=cores, devices=devices.device_count, is_cpu=devices.is_cpu)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    load_before = list(os.getloadavg())
+
+    def say(text: str) -> None:
+        if progress:
+            print(f"[answer {time.monotonic() - started:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    say(f"profile {profile.name}: results in {out}")
+    growth = {point_key(c): {"growth": growth_of(c, profile)} for c in configs}
+    sweep = Sweep(configs, out, parallel=parallel, progress=progress, point_extra=growth)
+    templates = maxbatch_templates(profile)
+    cancel = threading.Event()
+    # The max-batch searches run after the sweep, on every device. GPU runs must not share devices
+    # (labkit.runtime.device_lease refuses it, and a neighbour's memory would fake an OOM). CPU ranks share
+    # the cores: searches launched beside the sweep would change the contention under the sweep's
+    # step times part-way through, and the report compares those times. On CPU the searches still
+    # run side by side with each other (their probes are not timed), `profile.parallel` at a time.
+    is_cpu = devices.is_cpu
+    say(f"sweep: {len(configs)} timed points, {parallel} at a time")
+    results = sweep.run()
+    say(f"sweep done ({sweep.launched} new launches)")
+    searches = []
+    if templates:
+        side_by_side = min(len(templates), max(1, profile.parallel)) if is_cpu else 1
+        say(f"max-batch search for {', '.join(profile.maxbatch_strategies)} (doubling, then bisection), "
+            f"{side_by_side} search(es) at a time")
+        search_kwargs = dict(start=profile.maxbatch_start, tolerance=profile.maxbatch_tolerance, cancel=cancel)
+        # In a thread of its own: search_many's pool waits for its searches on the way out, so
+        # Ctrl-C must reach this wait, which sets `cancel` to end them.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            searching = pool.submit(maxbatch.search_many, templates, out, parallel=side_by_side, **search_kwargs)
+            try:
+                searches = searching.result()
+            except BaseException:
+                cancel.set()  # Ctrl-C: stop the searches' runs in flight (finished probes are kept)
+                raise
+    if searches:
+        summary, _ = maxbatch.write_results(searches, out)
+        summary["analytic_max_micro_batch"] = [analytic_max_micro_batch(s, t)
+                                               for s, t in zip(searches, templates, strict=True)]
+        write_text_atomic(out / "maxbatch.csv", summary.to_csv(index=False))
+        for s in searches:
+            say(f"  max-batch {s.strategy} x{s.world_size}: {s.max_micro_batch} per rank (first OOM {s.first_oom}) "
+                f"in {s.launches} launches ({s.new_launches} new)")
+        if any(s.emulated for s in searches):
+            say(f"  note: {maxbatch.EMULATED_EVIDENCE}")
+
+    tables = {"memory": memory_table(results, _model(profile)), "activation": activation_table(results),
+              "noise": noise_table(results)}
+    for name, table in tables.items():
+        write_text_atomic(out / f"{name}.csv", table.to_csv(index=False))
+    runtime = time.monotonic() - started
+    launches = sweep.launched + sum(s.new_launches for s in searches)
+    machine = {**machine_info(runtime), "load_average_at_start": load_before, "profile": profile_name,
+               "model": profile.model.get("model", "mlp"),
+               "launches": launches, "parallel": parallel, "timed_parallel": parallel,
+               "untimed_parallel": profile.parallel if is_cpu else 1,
+               "timed_threads_per_rank": sorted({c.threads_per_rank for c in configs if c.threads_per_rank})}
+    previous = read_json(out / "machine.json")
+    if launches == 0 and previous:
+        # Nothing was measured this time (every point reused): keep when and how the numbers were taken.
+        machine = {**machine, **{k: previous[k] for k in ("answer_runtime_s", "launches", "load_average",
+                                                           "load_average_at_start", "date") if k in previous},
+                   "report_regenerated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_json_atomic(out / "machine.json", machine)
+    maxbatch_table = pd.read_csv(out / "maxbatch.csv") if (out / "maxbatch.csv").is_file() else None
+    probes = pd.read_csv(out / "maxbatch_probes.csv") if (out / "maxbatch_probes.csv").is_file() else None
+    report = build_report(results, out / "report.html", maxbatch=maxbatch_table, probes=probes,
+                          memory=tables["memory"], activation=tables["activation"], noise=tables["noise"],
+                          machine=machine, profile=dataclasses.asdict(profile))
+    say(f"report: {report} ({report.stat().st_size / 1e6:.1f} MB) after {runtime:.0f} s")
+    return report
+
+
+def publish(out: str | os.PathLike, reference: str | os.PathLike) -> list[Path]:
+    """Copy the small artifacts of an answer (CSVs, machine.json, report if < 5 MB) to `reference`."""
+    out, reference = Path(out), Path(reference)
+    reference.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in ("results.csv", "maxbatch.csv", "maxbatch_probes.csv", "memory.csv", "activation.csv", "noise.csv",
+                 "machine.json", "report.html"):
+        source = out / name
+        if not source.is_file() or (name == "report.html" and source.stat().st_size >= REPORT_MAX_BYTES):
+            continue
+        shutil.copyfile(source, reference / name)
+        copied.append(reference / name)
+    # Run directories are not published: strip their local paths from the copied results.
+    results = reference / "results.csv"
+    if results.is_file():
+        table = pd.read_csv(results)
+        table["run_dir"] = table["run_id"]
+        write_text_atomic(results, table.to_csv(index=False))
+    for path in copied:
+        path.chmod(0o644)  # atomic writes create owner-only files; these are for everyone
+    return copied
+
+
+def cli(args: Any) -> int:
+    """Entry point of `python -m labkit answer` (labkit.cli parses the arguments)."""
+    from labkit.launch.store import default_root
+    from labkit.runtime.profiles import current_profile
+
+    profile = args.profile or current_profile()
+    model, data, loss = (getattr(args, k, None) for k in ("model", "data", "loss"))
+    name = with_model(PROFILES[profile], model, data, loss).name
+    out = Path(args.out) if args.out else default_root() / f"answer-{name}"
+    try:
+        report = answer(profile, out, parallel=args.parallel, model=model, data=data, loss=loss)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: finished points are kept in {out}; run the same command again to resume",
+              file=sys.stderr)
+        return 130
+    print(f"report: {report}")
+    print(f"results: {out / 'results.csv'}")
+    if args.reference:
+        for path in publish(out, args.reference):
+            print(f"published: {path}")
+    return strict_exit_code(pd.read_csv(out / "results.csv"), strict=getattr(args, "strict", False))
+
+
+def strict_exit_code(results: pd.DataFrame, *, strict: bool) -> int:
+    """`answer --strict`: 1 when a sweep point did not finish (each is named on stderr), else 0."""
+    unfinished = results[results.status != "finished"]
+    for row in unfinished.itertuples():
+        print(f"not finished: {row.strategy} global batch {row.global_batch}: {row.status}", file=sys.stderr)
+    return 1 if strict and len(unfinished) else 0

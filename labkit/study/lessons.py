@@ -1,0 +1,562 @@
+"""Small helpers the lesson notebooks (notebooks/00-04) share, so no notebook copies code.
+
+    from labkit.study import lessons
+    runs = lessons.launch_all({"stage 0": RunConfig(...), "stage 1": RunConfig(...)})
+    lessons.summary_table(runs)          # one row per run: status, timings, batch
+    lessons.rank_table(runs)             # one row per (run, rank): model-state bytes in MiB
+    lessons.stacked_bars(table, [...])   # a static plotly bar chart (labkit.study.figures draws the rest)
+    lessons.check(condition, "what it shows")  # prints "Check: ...", raises if it does not hold
+
+Everything here reads what the runs recorded (`Run.summary`, `Run.records()`, the rank
+logs); nothing is estimated except where a function says so.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+import labkit.study.figures  # noqa: F401  (sets plotly's renderer: figures show in JupyterLab and in `make docs` HTML)
+from labkit.launch.config import ConfigError, RunConfig
+from labkit.launch.run import Run
+
+MiB = 2**20
+
+# Per-rank byte counters of a run summary, in the order the notebooks show them.
+STATE_COLUMNS = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes")
+RANK_COLUMNS = (*STATE_COLUMNS, "host_optim_bytes", "host_grad_bytes", "activation_bytes", "peak_rss_bytes",
+                "device_peak_bytes")
+SUMMARY_COLUMNS = ("status", "example", "stage", "offload_optimizer", "precision", "world_size", "micro_batch",
+                   "grad_accum", "global_batch", "steps_completed", "median_step_time_s", "forward_s",
+                   "backward_s", "optimizer_s", "samples_per_s", "final_loss", "wall_time_s")
+
+
+# -- launching ---------------------------------------------------------------------------
+def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
+               concurrent: bool | None = None) -> dict[str, Run]:
+    """Run every config; returns {label: Run}, finished or not (check `require`).
+
+    On CPU ranks they all start at once, each with its own port: process start-up (Python,
+    torch, DeepSpeed, the process group) is most of a small run's time and much of it is
+    waiting, so the start-ups overlap instead of adding up. On GPUs they run one after the
+    other (`concurrent=False`): every run's rank 0 uses the first GPU, and runs sharing a GPU
+    would take each other's memory. `timeout_s` bounds each run.
+    """
+    from labkit.runtime.devices import detect_devices
+
+    if concurrent is None:
+        concurrent = detect_devices().is_cpu
+    start = time.monotonic()
+    runs: dict[str, Run] = {}
+
+    def finish(run: Run) -> None:
+        run.wait(timeout=timeout_s)
+        if not run.done:
+            run.stop()
+
+    try:
+        for label, config in configs.items():
+            runs[label] = Run(config).start()
+            if not concurrent:
+                finish(runs[label])
+        for run in runs.values():
+            finish(run)
+    except KeyboardInterrupt:  # Ctrl-C in the kernel: no run it started goes on unattended
+        for run in runs.values():
+            run.stop()
+        raise
+    statuses = ", ".join(f"{label}: {run.status}" for label, run in runs.items())
+    print(f"{len(runs)} run(s) in {time.monotonic() - start:.0f} s ({statuses})")
+    return runs
+
+
+def require(runs: Mapping[str, Run], status: str = "finished") -> None:
+    """Raise, naming the run and DeepSpeed's cause, if a run did not end with `status`."""
+    wrong = {label: run for label, run in runs.items() if run.status != status}
+    if wrong:
+        lines = [f"{label}: {run.status} ({run.cause}) in {run.run_dir}" for label, run in wrong.items()]
+        raise RuntimeError(f"expected every run to be {status!r}:\n" + "\n".join(lines))
+
+
+def config_error(**fields: Any) -> str | None:
+    """Build a RunConfig; return ConfigError's message if it refuses (nothing is launched), else None."""
+    try:
+        RunConfig(**fields)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def check(condition: Any, what: str, detail: Any = None) -> None:
+    """A claim the notebook shows, printed as a line the learner reads ("Check: what ... holds");
+    raises AssertionError (which fails nbval) with `detail` when it does not hold."""
+    if not condition:
+        raise AssertionError(f"Check failed: {what}" + (f"\n{detail}" if detail is not None else ""))
+    print(f"Check: {what} -- holds")
+
+
+# -- tables ------------------------------------------------------------------------------
+def mib(value: float | None) -> float | None:
+    return None if value is None else value / MiB
+
+
+def summary_table(runs: Mapping[str, Run], columns: Sequence[str] = SUMMARY_COLUMNS) -> pd.DataFrame:
+    """One row per run (index: its label) with the summary's headline numbers."""
+    rows = {label: {key: (run.summary or {}).get(key) for key in columns} for label, run in runs.items()}
+    return pd.DataFrame.from_dict(rows, orient="index", columns=list(columns))
+
+
+def rank_table(runs: Mapping[str, Run], columns: Sequence[str] = RANK_COLUMNS, *, in_mib: bool = True) -> pd.DataFrame:
+    """One row per (run, rank) with what that rank held; bytes shown in MiB unless `in_mib=False`.
+
+    Columns no rank recorded (device peak on CPU, for one) are dropped.
+    """
+    rows = []
+    for label, run in runs.items():
+        for rank, values in sorted(((run.summary or {}).get("per_rank") or {}).items(), key=lambda kv: int(kv[0])):
+            row = {"run": label, "rank": int(rank)}
+            for key in columns:
+                value = values.get(key)
+                row[key.replace("_bytes", "_MiB") if in_mib else key] = mib(value) if in_mib else value
+            rows.append(row)
+    table = pd.DataFrame(rows).set_index(["run", "rank"])
+    return table.dropna(axis=1, how="all")
+
+
+def fit_line(x: Iterable[float], y: Iterable[float]) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of y against x."""
+    import numpy as np
+
+    slope, intercept = np.polyfit(np.asarray(list(x), dtype=float), np.asarray(list(y), dtype=float), 1)
+    return float(slope), float(intercept)
+
+
+def last_census(run: Run, rank: int = 0) -> dict[str, Any]:
+    """The rank's last per-step record that carries a model-state census (`param_bytes`, ...)."""
+    census = [r for r in run.records().get(rank, []) if "param_bytes" in r]
+    if not census:
+        raise ValueError(f"rank {rank} of {run.run_dir} recorded no model-state census")
+    return census[-1]
+
+
+def offload_traffic(run: Run, rank: int = 0) -> dict[str, float]:
+    """Bytes that cross between device and host each optimizer step with `offload_optimizer`,
+    per rank, from the rank's measured census: its partition has `optim_bytes / 8` elements
+    (Adam's two fp32 moments each); its gradients go down to the host and the updated
+    parameters come back up, both in the training precision (bf16/fp16: 2 bytes, fp32: 4).
+    On a GPU these copies cross PCIe (or NVLink-C2C); on the CPU accelerator they are memory copies."""
+    elements = last_census(run, rank)["optim_bytes"] / 8
+    size = 4 if run.config.precision == "fp32" else 2
+    return {"partition_elements": elements, "to_host_bytes": elements * size, "to_device_bytes": elements * size}
+
+
+def source_line(function: Any, contains: str) -> str:
+    """The first line of `function`'s source (DeepSpeed's, say) that contains `contains`, with
+    its file and line number: to show in a notebook what the installed version does."""
+    import inspect
+
+    function = inspect.unwrap(function)  # through decorators such as torch.no_grad()
+    lines, first = inspect.getsourcelines(function)
+    for offset, line in enumerate(lines):
+        if contains in line:
+            path = Path(inspect.getsourcefile(function) or "?")
+            return f"{'/'.join(path.parts[-3:])}:{first + offset}: {line.strip()}"
+    raise ValueError(f"{contains!r} is not in the source of {function!r} (another DeepSpeed version?)")
+
+
+def partition_rows(runs: Mapping[str, Run]) -> pd.DataFrame:
+    """One row per (run, rank) with the run's ZeRO `stage`, the `rank` and its model-state MiB:
+    the input of `labkit.study.figures.zero_partition_figure`."""
+    table = rank_table(runs, STATE_COLUMNS).reset_index()
+    stages = {label: run.config.stage for label, run in runs.items()}
+    table.insert(1, "stage", table["run"].map(stages))
+    return table
+
+
+def epoch_progress(runs: Mapping[str, Run]) -> pd.DataFrame:
+    """Per run: how many steps an epoch takes, the samples/s the worker counts (every rank's
+    samples) and the unique samples/s (measured progress through the dataset: dataset size x
+    epochs per step / step time), and how many times the first overstates the second."""
+    rows = {}
+    for label, run in runs.items():
+        records = step_records(run)
+        epochs_per_step = records["epoch"].iloc[-1] / len(records)
+        summary = run.summary
+        if summary is None:
+            raise ValueError(f"{label}: {run.status} without a summary.json, so no step time to read")
+        step_time = summary["median_step_time_s"]
+        counted = summary["samples_per_s"]
+        unique = run.config.dataset_size * epochs_per_step / step_time
+        rows[label] = {"world_size": run.config.world_size, "distributed_sampler": run.config.distributed_sampler,
+                       "global_batch": run.config.global_batch, "steps_per_epoch": 1 / epochs_per_step,
+                       "samples_per_s (counted)": counted, "unique samples_per_s": unique,
+                       "overstated_x": counted / unique}
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def sampler_overlap(dataset_size: int, micro_batch: int, world_size: int, steps: int = 4,
+                    seed: int = 0) -> pd.DataFrame:
+    """What the ranks read, sampled with the worker's own `labkit.models.data.make_sampler` (no run):
+    per data-loading mode and step, how many distinct samples the global batch of
+    `world_size` micro-batches holds. Modes: a DistributedSampler; no sampler, each rank its
+    own seed (the seed text's loader in labkit); no sampler with the same seed on every rank."""
+    from torch.utils.data import BatchSampler
+
+    from labkit.models.data import make_dataset, make_sampler
+
+    dataset = make_dataset(dataset_size, 1, 2, seed)
+    modes = {"DistributedSampler": dict(distributed_sampler=True),
+             "no sampler, seed per rank": dict(distributed_sampler=False),
+             "no sampler, same seed on every rank": dict(distributed_sampler=False, same_seed_every_rank=True)}
+    rows = []
+    for mode, options in modes.items():
+        loaders = []
+        for rank in range(world_size):
+            sampler, _ = make_sampler(dataset, world_size=world_size, rank=rank, seed=seed, **options)
+            # How a DataLoader groups its sampler's indices into micro-batches.
+            loaders.append(iter(BatchSampler(sampler, batch_size=micro_batch, drop_last=True)))
+        for step in range(1, steps + 1):
+            picked = [next(loader) for loader in loaders]
+            distinct = len({i for batch in picked for i in batch})
+            rows.append({"mode": mode, "step": step, "samples read": micro_batch * world_size,
+                         "distinct samples": distinct, "micro-batches' worth": distinct / micro_batch})
+    return pd.DataFrame(rows)
+
+
+def deepspeed_loader_shards(dataset_size: int, world_size: int, micro_batch: int) -> pd.DataFrame:
+    """The loader DeepSpeed builds from `deepspeed.initialize(training_data=...)`: the engine's
+    `deepspeed_io` makes a `DeepSpeedDataLoader` with the data-parallel size and rank; built
+    here for each rank (no process group needed) to show its sampler's shard."""
+    from deepspeed.runtime.dataloader import DeepSpeedDataLoader
+
+    from labkit.models.data import make_dataset
+
+    dataset = make_dataset(dataset_size, 1, 2, 0)
+    shards = {}
+    for rank in range(world_size):
+        loader = DeepSpeedDataLoader(dataset, batch_size=micro_batch, pin_memory=False, local_rank=rank,
+                                     tput_timer=None, data_parallel_world_size=world_size,
+                                     data_parallel_rank=rank)
+        shards[rank] = (type(loader.data_sampler).__name__, set(loader.data_sampler))
+    from collections import Counter
+
+    seen = Counter(index for _, indices in shards.values() for index in indices)
+    return pd.DataFrame([{"rank": rank, "sampler": name, "samples per epoch": len(indices),
+                          "shared with another rank": sum(seen[i] > 1 for i in indices)}
+                         for rank, (name, indices) in shards.items()]).set_index("rank")
+
+
+def step_records(run: Run, rank: int = 0) -> pd.DataFrame:
+    """The per-step records of one rank as a table (step, loss, epoch, times, bytes...)."""
+    records = [r for r in run.records().get(rank, []) if r.get("event") == "step"]
+    return pd.DataFrame(records).set_index("step") if records else pd.DataFrame()
+
+
+def maxbatch_result(runs: Mapping[str, Run], capacity_bytes: int, *, emulated: bool):
+    """Runs of one configuration at several micro-batches, read as a max-batch search.
+
+    Returns a `labkit.study.maxbatch.MaxBatchResult` whose probes are these runs (sorted by
+    micro-batch; counted bytes as `labkit.study.sweep.row_from_run` reads them), so its
+    `activation_fit()`, `predicted_max_micro_batch` and `consistent()` are the max-batch
+    search's own. `capacity_bytes`: the emulated budget (CPU) or the device's memory (GPU).
+    """
+    from labkit.study.maxbatch import MaxBatchResult, Probe, int_or_none
+    from labkit.study.sweep import row_from_run, strategy_of
+
+    probes = []
+    for run in sorted(runs.values(), key=lambda r: r.config.micro_batch):
+        if run.run_dir is None:
+            raise ValueError(f"a run at micro-batch {run.config.micro_batch} was never started")
+        row = row_from_run(run.run_dir) or {}
+        probes.append(Probe(run.config.micro_batch, run.status, int_or_none(row.get("device_bytes")),
+                            int_or_none(row.get("activation_bytes")), row.get("run_id"), False))
+    first = next(iter(runs.values())).config
+    return MaxBatchResult(strategy=strategy_of(first), world_size=first.world_size, budget_bytes=capacity_bytes,
+                          emulated=emulated, max_micro_batch=max((p.micro_batch for p in probes if p.fits), default=0),
+                          first_oom=min((p.micro_batch for p in probes if p.status == "oom"), default=None),
+                          probes=probes)
+
+
+# -- charts ------------------------------------------------------------------------------
+def stacked_bars(table: pd.DataFrame, columns: Sequence[str], *, title: str, yaxis: str,
+                 xaxis: str | None = None):
+    """A static stacked bar chart: one bar per row of `table`, one segment per column."""
+    import plotly.graph_objects as go
+
+    x = [" / ".join(map(str, i)) if isinstance(i, tuple) else str(i) for i in table.index]
+    fig = go.Figure([go.Bar(name=c, x=x, y=table[c]) for c in columns if c in table])
+    fig.update_layout(barmode="stack", title=title, yaxis_title=yaxis, xaxis_title=xaxis or table.index.name,
+                      height=380, margin=dict(t=50, b=40))
+    return fig
+
+
+def line_chart(table: pd.DataFrame, x: str, ys: Sequence[str], *, title: str, yaxis: str,
+               log_x: bool = False, log_y: bool = False, markers: bool = True):
+    """A static line chart of `ys` against column `x` of `table`."""
+    import plotly.graph_objects as go
+
+    mode = "lines+markers" if markers else "lines"
+    fig = go.Figure([go.Scatter(name=y, x=table[x], y=table[y], mode=mode) for y in ys if y in table])
+    fig.update_layout(title=title, xaxis_title=x, yaxis_title=yaxis, height=380, margin=dict(t=50, b=40))
+    if log_x:
+        fig.update_xaxes(type="log")
+    if log_y:
+        fig.update_yaxes(type="log")
+    return fig
+
+
+# -- what DeepSpeed communicated ---------------------------------------------------------
+def comms_logger_overrides() -> dict[str, Any]:
+    """`ds_overrides` that make DeepSpeed log every collective it runs, with the DeepSpeed
+    function that called it (one line each in rank 0's log).
+
+    The comms logger reports at INFO level and DeepSpeed's logger defaults to WARNING, so the
+    run's top-level `log_level` (read by `DeepSpeedConfig`, applied by the engine) must be
+    "info" too; otherwise the run logs nothing and `comm_log` comes back empty.
+    """
+    return {"comms_logger": {"enabled": True, "verbose": True, "prof_all": True, "debug": True},
+            "log_level": "info"}
+
+
+_COMM_LINE = re.compile(r"^\[(?P<when>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\].*?comm op: (?P<op>[\w.]+)"
+                        r"(?: \| \[Caller Func: (?P<caller>[^\]]*)\])? \| time \(ms\): (?P<ms>[\d.]+) "
+                        r"\| msg size: (?P<size>[\d.]+) ?(?P<unit>[KMGT]?B)", re.MULTILINE)
+_SIZE_UNITS = {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+
+
+def rank_log_text(run: Run, rank: int = 0) -> str:
+    """Everything rank `rank` printed (DeepSpeed's launcher writes one log per rank)."""
+    if run.run_dir is None:
+        raise ValueError("the run was never started: it has no logs")
+    logs = sorted((run.run_dir / "logs").glob(f"*rank{rank}.log"))
+    return "\n".join(path.read_text(errors="replace") for path in logs)
+
+
+def _step_ends(run: Run, rank: int) -> tuple[float | None, list[tuple[int, float]]]:
+    """(wall time the rank became ready, [(step, wall time the step ended)]) from its records."""
+    records = run.records().get(rank, [])
+    start = next((r for r in records if r.get("event") == "start"), None)
+    if start is None:
+        return None, []
+    origin = start["wall_time"] - start["time_s"]
+    ready = next((origin + r["time_s"] for r in records if r.get("event") == "ready"), None)
+    return ready, [(r["step"], origin + r["time_s"]) for r in records if r.get("event") == "step"]
+
+
+def comm_log(run: Run, rank: int = 0) -> pd.DataFrame:
+    """Every collective the comms logger recorded (a run launched with `comms_logger_overrides()`).
+
+    One row per call, in order: the operation, the DeepSpeed function that called it,
+    its message size in bytes as DeepSpeed reports it, its time, and the phase it fell in:
+    "setup" (before the first step), the optimizer step it belongs to, or "teardown".
+    Phases come from the log's millisecond timestamps against the rank's step records.
+    """
+    from datetime import datetime
+
+    ready, ends = _step_ends(run, rank)
+    rows = []
+    for match in _COMM_LINE.finditer(rank_log_text(run, rank)):
+        when = datetime.strptime(match["when"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if ready is None or when < ready:
+            phase: str | int = "setup"
+        else:
+            phase = next((step for step, end in ends if when <= end), "teardown")
+        rows.append({"phase": phase, "op": match["op"], "called from": (match["caller"] or "").strip(),
+                     "bytes": float(match["size"]) * _SIZE_UNITS[match["unit"]], "ms": float(match["ms"])})
+    return pd.DataFrame(rows, columns=["phase", "op", "called from", "bytes", "ms"])
+
+
+def comm_ops(run: Run, rank: int = 0, first_steps: int = 2) -> pd.DataFrame:
+    """The collectives of `comm_log`, counted by phase: setup, the first `first_steps` steps
+    together (ZeRO-3 records and cross-checks its module trace there), and the mean of the
+    later steps."""
+    log = comm_log(run, rank)
+    later = sorted({p for p in log["phase"] if isinstance(p, int) and p > first_steps})
+    early = f"steps 1-{first_steps} (total)" if first_steps > 1 else "step 1"
+    log["when"] = [p if isinstance(p, str) else early if p <= first_steps else "each later step (mean)"
+                   for p in log["phase"]]
+    table = log.groupby(["when", "op", "called from"], sort=False).agg(
+        calls=("bytes", "size"), MiB=("bytes", "sum")).reset_index()
+    table["calls"] = table["calls"].astype(float)
+    mean = table["when"] == "each later step (mean)"
+    if later:
+        table.loc[mean, "calls"] = table.loc[mean, "calls"] / len(later)
+        table.loc[mean, "MiB"] = table.loc[mean, "MiB"] / len(later)
+    table["MiB"] = table["MiB"] / MiB
+    return table
+
+
+def zero3_tensors(config: RunConfig, threshold: int | None = None) -> pd.DataFrame:
+    """The parameter tensors of the run's MLP in forward order: elements, bytes at the run's
+    precision, and whether ZeRO-3 keeps each whole on every rank ("persistent": at most
+    `threshold` elements, DeepSpeed's `stage3_param_persistence_threshold`, default 100,000).
+    Cross-checked against `labkit.study.memory.mlp_persistent_params`."""
+    import torch
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from labkit.models.mlp import SimpleModel
+    from labkit.study import memory
+
+    if threshold is None:
+        threshold = DeepSpeedZeroConfig().param_persistence_threshold
+    size = torch.empty(0, dtype={"fp32": torch.float32, "bf16": torch.bfloat16,
+                                 "fp16": torch.float16}[config.precision]).element_size()
+    mlp = SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
+    table = pd.DataFrame([{"tensor": name, "module": name.rsplit(".", 1)[0], "elements": p.numel(),
+                           "bytes": p.numel() * size, "persistent": p.numel() <= threshold}
+                          for name, p in mlp.named_parameters()])
+    persistent = memory.mlp_persistent_params(config.input_size, config.hidden, config.depth, config.output_size,
+                                              threshold=threshold)
+    if table.loc[table["persistent"], "elements"].sum() != persistent:
+        raise AssertionError("labkit.study.memory.mlp_persistent_params disagrees with the model's tensors")
+    table.attrs["threshold"] = threshold
+    return table
+
+
+def zero3_step_pattern(run: Run, tensors: pd.DataFrame, step: int | None = None) -> dict[str, Any]:
+    """Read one step of rank 0's communication log (a ZeRO-3 run with `comms_logger_overrides()`,
+    `stage3_max_reuse_distance: 0`, `stage3_prefetch_bucket_size: 0`) against the ZeRO-3
+    pattern. Returns the step's log and what it shows; the `*_ok` entries say whether each
+    part of the pattern holds:
+
+    - `gathers_ok`: before the first reduce-scatter, one all-gather per module with
+      partitioned parameters in forward order, then again in backward (reverse) order, each
+      of one rank's shard;
+    - `scatter_ok`: the reduce-scatter(s) carry every gradient;
+    - `persistent_ok`: after them, all-gathers of the persistent parameters only.
+    DeepSpeed logs sizes rounded to 2 decimals of their unit, hence the tolerances.
+    """
+    step = min(3, run.config.steps) if step is None else step
+    log = comm_log(run)
+    one = log[log["phase"] == step].drop(columns="phase").reset_index(drop=True)
+    ranks = run.config.world_size
+
+    def close(measured: list[float], expected: list[float]) -> bool:
+        # Lengths compared first, so strict=True only restates what was checked.
+        return len(measured) == len(expected) and all(
+            abs(m - e) <= 0.01 * e for m, e in zip(measured, expected, strict=True))
+
+    gathers = one["op"].str.startswith("all_gather")
+    scatters = one.index[one["op"].str.startswith("reduce_scatter")]
+    part = tensors[~tensors["persistent"]]
+    modules = list(dict.fromkeys(part["module"]))  # forward order
+    forward = [part.loc[part["module"] == m, "bytes"].sum() / ranks for m in modules]
+    first = scatters[0] if len(scatters) else len(one)
+    gathered = one.loc[gathers & (one.index < first), "bytes"].tolist()
+    scattered, all_grads = one.loc[scatters, "bytes"].sum(), tensors["bytes"].sum()
+    after = sorted(one.loc[gathers & (one.index > (scatters[-1] if len(scatters) else len(one))), "bytes"])
+    return {"step": step, "log": one, "modules": modules, "ranks": ranks,
+            "gathers_ok": close(gathered, forward + forward[::-1]), "gathered": gathered,
+            "expected_gathers": forward + forward[::-1],
+            "scatters": len(scatters),
+            "scatter_ok": len(scatters) > 0 and abs(scattered - all_grads) <= 0.02 * all_grads,
+            "scattered_bytes": scattered, "gradient_bytes": all_grads,
+            "persistent_ok": close(after, sorted(tensors.loc[tensors["persistent"], "bytes"] / ranks)),
+            "persistent_gathers": len(after)}
+
+
+def step_timeline(run: Run, step: int | None = None) -> pd.DataFrame:
+    """Spans of one step, per rank, for `labkit.study.figures.timeline_figure`: each rank's forward,
+    backward and optimizer phases (its own records; placed back to back, ending at the
+    step's record, so within a millisecond or two) and the collectives of rank 0's
+    communication log (DeepSpeed's comms logger prints on rank 0 only; every rank takes part
+    in each collective). Times in ms from the start of rank 0's step."""
+    from datetime import datetime
+
+    step = min(3, run.config.steps) if step is None else step
+    spans = []
+    for rank in range(run.config.world_size):
+        records = run.records().get(rank, [])
+        start = next((r for r in records if r.get("event") == "start"), None)
+        record = next((r for r in records if r.get("event") == "step" and r["step"] == step), None)
+        if start is None or record is None:
+            continue
+        end = start["wall_time"] - start["time_s"] + record["time_s"]
+        for phase in ("optimizer", "backward", "forward"):
+            spans.append({"lane": f"rank {rank}", "kind": phase, "start": end - record[f"{phase}_s"], "end": end,
+                          "label": f"rank {rank} {phase} {record[f'{phase}_s'] * 1e3:.1f} ms"})
+            end -= record[f"{phase}_s"]
+    ready, ends = _step_ends(run, 0)
+    for match in _COMM_LINE.finditer(rank_log_text(run, 0)):
+        when = datetime.strptime(match["when"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        previous = dict(ends).get(step - 1, ready)
+        if previous is None or not (previous < when <= dict(ends).get(step, 0)):
+            continue
+        ms = float(match["ms"])
+        spans.append({"lane": "collectives (rank 0's log)", "kind": match["op"], "start": when - ms / 1e3,
+                      "end": when, "label": f"{match['op']} {match['size']} {match['unit']} {ms:.2f} ms "
+                                            f"({(match['caller'] or '').strip()})"})
+    table = pd.DataFrame(spans, columns=["lane", "kind", "start", "end", "label"])
+    origin = table.loc[table["lane"] == "rank 0", "start"].min() if len(table) else 0.0
+    table["start_ms"] = (table.pop("start") - origin) * 1e3
+    table["end_ms"] = (table.pop("end") - origin) * 1e3
+    return table
+
+
+# -- environment (00-setup) --------------------------------------------------------------
+def ds_report(lines: Sequence[str] = ("torch version", "deepspeed info", "deepspeed wheel compiled",
+                                      "torch install path", "deepspeed install path", "shared memory",
+                                      "cpu_adam", "fused_adam", "deepspeed_shm_comm"),
+              timeout_s: float = 300) -> str:
+    """The lines of DeepSpeed's environment report (`ds_report`) that mention any of `lines`.
+
+    Runs `python -m deepspeed.env_report` in a subprocess (it is what the `ds_report`
+    command runs), so this kernel's state does not matter.
+    """
+    result = subprocess.run([sys.executable, "-m", "deepspeed.env_report"], capture_output=True, text=True,
+                            timeout=timeout_s)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout)  # drop the colour codes
+    wanted = [line.rstrip() for line in text.splitlines() if any(key in line.lower() for key in lines)]
+    return "\n".join(wanted) if wanted else text[-2000:]
+
+
+def build_ops(timeout_s: float = 1800) -> str:
+    """Build (or load from the cache) DeepSpeed's JIT ops in a child process: `python -m labkit.runtime.ops`.
+
+    Not in this kernel: on a GPU, loading the CUDA ops would give the kernel a device context
+    on GPU 0 that rank 0 then shares for the whole session. Raises with the build log on failure."""
+    result = subprocess.run([sys.executable, "-m", "labkit.runtime.ops"], capture_output=True, text=True,
+                            timeout=timeout_s)
+    if result.returncode != 0:
+        raise RuntimeError(f"building DeepSpeed's ops failed:\n{result.stdout[-2000:]}{result.stderr[-3000:]}")
+    return "\n".join(line for line in result.stdout.splitlines() if ": " in line and "WARNING" not in line)
+
+
+# -- DeepSpeed's own batch check, without launching ----------------------------------------
+class _DataParallelGroup:
+    """What `DeepSpeedConfig` asks its `mpu` argument: the data-parallel world size."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.world_size
+
+
+def deepspeed_batch_check(ds_config: dict[str, Any], world_size: int) -> str:
+    """What DeepSpeed's own config parser makes of a config's batch keys on `world_size` ranks.
+
+    Builds `deepspeed.runtime.config.DeepSpeedConfig` in this process, telling it the
+    data-parallel size instead of starting ranks. Returns the derived triplet, or the
+    assertion DeepSpeed would stop every rank with after they had started.
+    """
+    from unittest import mock
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    try:
+        # No process group exists here; DeepSpeedConfig only asks it for this rank's number.
+        with mock.patch("deepspeed.comm.get_rank", return_value=0):
+            parsed = DeepSpeedConfig(dict(ds_config), mpu=_DataParallelGroup(world_size))
+    except AssertionError as exc:
+        return f"DeepSpeed refuses it: AssertionError: {exc}"
+    return (f"DeepSpeed accepts it: train_batch_size {parsed.train_batch_size} = micro "
+            f"{parsed.train_micro_batch_size_per_gpu} x accumulation {parsed.gradient_accumulation_steps} "
+            f"x {world_size} rank(s)")

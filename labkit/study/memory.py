@@ -1,0 +1,316 @@
+"""Analytic memory model of ZeRO model states, checked against real DeepSpeed 0.19.8.
+
+ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", Sec. 3 and 5) for Psi parameters, N data-parallel ranks
+and mixed-precision Adam:
+
+* params 2*Psi (fp16/bf16), grads 2*Psi, optimizer states K*Psi with K = 12
+  (fp32 master 4 + momentum 4 + variance 4), total (2 + 2 + K)*Psi per rank.
+* P_os   (stage 1): 2*Psi + 2*Psi + K*Psi/N
+* P_os+g (stage 2): 2*Psi + (2 + K)*Psi/N
+* P_os+g+p (stage 3): (2 + 2 + K)*Psi/N
+
+What DeepSpeed 0.19.8 really holds (measured by ``labkit.live.state_bytes`` right after
+backward at an accumulation boundary, before ``step``) differs in places:
+
+* fp32 training (no bf16/fp16): stage 0 keeps no master copy (K = 8: Adam moments
+  only), but stages >= 1 clone the fp32 partition into ``single_partition_of_fp32_groups``
+  / ``fp32_partitioned_groups_flat``, so K = 12 again, divided by N.
+* Stage 1 grads are partitioned at that moment just like stage 2: at the end of
+  backward DeepSpeed copies the grads of the params in its partition into
+  ``grads_in_partition`` and frees the rest.  The *whole* grad of every param that
+  overlaps the partition is kept, so with a few big layers a rank can hold far more
+  than Psi/N (we model the ideal Psi/N; :func:`zero12_grad_elements` gives the
+  real per-rank figure from the param sizes).  During backward a contiguous reduce bucket of
+  ``reduce_bucket_size`` elements (default 5e8) holds all grads while Psi fits in it,
+  so the transient peak is full-size grads at both stages 1 and 2.
+* Optimizer offload (stages 1-3): moments + master go to the host, and so does the
+  fp32 grad partition (4*Psi/N).  Stages 1/2 then keep no grads on the device at
+  the boundary.  Stage 3 keeps a grad partition in the gradient-accumulation dtype
+  (the params' dtype here) too, and it is on the host as well: ``stage3.py`` sets
+  ``self.device`` to "cpu" under optimizer offload and allocates
+  ``grad_partitions_flat_buffer`` there.  So with offload only the params stay on
+  the device, at every stage.  (With gradient accumulation > 1, stages 1/2 also keep
+  the whole grads of the partition's params on the host, ``accumulated_grads_in_cpu``:
+  not modelled.)
+* Stage 3 keeps "persistent" params (numel <= ``param_persistence_threshold``,
+  default 1e5) whole on every rank, on top of its Psi/N partition (when N > 1):
+  pass their count as ``persistent_params`` (see :func:`mlp_persistent_params`).
+* Partitions are padded to a multiple of 2*N elements at stages 1/2 (negligible).
+* :func:`accountings` puts the paper's figures and these side by side, with the reduce bucket's bytes.
+* Not model states, so not modelled here: the stage-3 reduce bucket
+  (``reduce_bucket_size`` elements, 2 GB fp32 by default, kept between steps),
+  offload staging buffers, the fp32 grad partition built during ``step``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+PRECISIONS = ("fp32", "bf16", "fp16", "mixed")
+ACCOUNTINGS = ("deepspeed", "paper")
+STATE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "device_bytes", "host_bytes", "host_grad_bytes")
+
+
+def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str = "mixed",
+                      offload_optimizer: bool = False, *, persistent_params: int = 0,
+                      accounting: str = "deepspeed") -> dict[str, int]:
+    """Predicted model-state bytes of ONE rank.
+
+    ``accounting="deepspeed"`` (default): what DeepSpeed 0.19.8 holds right after backward at an
+    accumulation boundary (module doc).  ``accounting="paper"``: the ZeRO paper's Figure 1, mixed-precision
+    Adam only (2 + 2 + K)*Psi, K = 12, no offload, no persistent params: stage 1 keeps the full 2*Psi grads.
+
+    Returns ``param_bytes``, ``grad_bytes`` (device + host), ``optim_bytes``
+    (moments + fp32 master, the paper's K*Psi/N), ``device_bytes`` (what stays on
+    the accelerator), ``host_bytes`` (what optimizer offload put on the CPU) and
+    ``host_grad_bytes`` (the grads among them, like the census key of
+    ``labkit.live.state_bytes``).  ``persistent_params``: params stage 3 keeps unpartitioned (see module doc).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0..3, got {stage}")
+    if world_size < 1 or n_params < 0:
+        raise ValueError("world_size must be >= 1 and n_params >= 0")
+    if offload_optimizer and stage == 0:
+        raise ValueError("DeepSpeed offloads the optimizer only with ZeRO stage >= 1")
+    if accounting not in ACCOUNTINGS:
+        raise ValueError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
+    if accounting == "paper":
+        if precision == "fp32" or offload_optimizer or persistent_params:
+            raise ValueError("accounting='paper' is the ZeRO paper's mixed-precision Adam without offload or "
+                             "persistent params; use accounting='deepspeed' for fp32, offload or persistent_params")
+        return _paper_state_bytes(n_params, stage, world_size)
+
+    psi, n = n_params, world_size
+    lp = 4 if precision == "fp32" else 2  # bytes per param / grad element on the device
+    # fp32 at stage 0 updates the model params in place: no master copy (K = 8).
+    k = 8 if precision == "fp32" and stage == 0 else 12
+
+    # Stage 3: own partition, plus whole copies of the persistent params (N > 1 only;
+    # with one rank the partition is the whole param and p.data shares it).
+    params = lp * (psi / n + (persistent_params if n > 1 else 0)) if stage >= 3 else lp * psi
+    optim = k * psi / n if stage >= 1 else k * psi
+    if not offload_optimizer:
+        device_grads = lp * psi / n if stage >= 1 else lp * psi
+        host_grads = 0.0
+    else:
+        # The grad partitions live next to the offloaded optimizer: the fp32 one, and at
+        # stage 3 the low-precision one too (grad_partitions_flat_buffer on self.device = cpu).
+        host_grads = 4 * psi / n + (lp * psi / n if stage >= 3 else 0.0)
+        device_grads = 0.0
+
+    host = optim + host_grads if offload_optimizer else 0.0
+    device = params + device_grads + (0.0 if offload_optimizer else optim)
+    return {
+        "param_bytes": round(params),
+        "grad_bytes": round(device_grads + host_grads),
+        "optim_bytes": round(optim),
+        "device_bytes": round(device),
+        "host_bytes": round(host),
+        "host_grad_bytes": round(host_grads),
+    }
+
+
+def _paper_state_bytes(psi: int, stage: int, n: int) -> dict[str, int]:
+    """Figure 1 of the ZeRO paper: 2*Psi fp16 params, 2*Psi fp16 grads, K*Psi = 12*Psi optimizer states."""
+    params = 2 * psi / n if stage >= 3 else 2 * psi
+    grads = 2 * psi / n if stage >= 2 else 2 * psi  # P_os (stage 1) keeps every grad whole
+    optim = 12 * psi / n if stage >= 1 else 12 * psi
+    return {"param_bytes": round(params), "grad_bytes": round(grads), "optim_bytes": round(optim),
+            "device_bytes": round(params + grads + optim), "host_bytes": 0, "host_grad_bytes": 0}
+
+
+# Where and why DeepSpeed 0.19.8 differs from the paper, per stage (read in deepspeed/runtime/engine.py,
+# zero/stage_1_and_2.py, zero/stage3.py, utils.py; see accountings()).
+_DIFFERENCES = {
+    0: "same states (no ZeRO optimizer: the engine all-reduces the grads in chunks of 5e8 elements; "
+       "in fp32 there is no master copy, K = 8)",
+    1: "grads: the paper's P_os keeps full 2*Psi grads; DeepSpeed 0.19.8 stage 1 also keeps every full-size grad "
+       "through all micro-steps and the boundary backward (engine.allreduce_gradients reduces at stage 1 only at "
+       "the accumulation boundary), but at the end of that backward (independent_gradient_partition_epilogue) it "
+       "copies its partition's grads into grads_in_partition and sets p.grad = None, so right after backward it "
+       "holds Psi/N like stage 2 (the whole grad of each param overlapping its partition). With bf16 and "
+       "grad_accum_dtype fp32, stage 1 runs BF16_Optimizer instead, which keeps full fp32 grads (4*Psi). "
+       "Plus the reduce bucket during backward",
+    2: "same states after backward; plus the reduce bucket during backward (freed at the end of backward)",
+    3: "same states, plus params of <= param_persistence_threshold elements kept whole on every rank, plus the "
+       "reduce bucket, allocated once at init and kept between steps",
+}
+
+
+def reduce_bucket_bytes(stage: int, precision: str = "mixed", reduce_bucket_size: int = 500_000_000) -> int:
+    """Bytes of DeepSpeed 0.19.8's contiguous reduce bucket (``contiguous_gradients``, the default) on one rank.
+
+    Stages 1/2: ``setup_buckets`` allocates ``torch.empty(reduce_bucket_size)`` in the grads' dtype at each
+    backward (twice with ``overlap_comm``, which defaults to on only at stage 3) and frees it in the epilogue.
+    Stage 3: allocated once in ``__init__`` and kept.  Stage 0 has no ZeRO bucket (0).  It does not shrink with
+    the model: 5e8 elements are 1 GB in bf16/fp16, 2 GB in fp32, whatever Psi is.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0..3, got {stage}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return 0 if stage == 0 else int(reduce_bucket_size) * (4 if precision == "fp32" else 2)
+
+
+def accountings(n_params: int, world_size: int, precision: str = "mixed", *,
+                reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000) -> Any:
+    """Both accountings side by side, one row per ZeRO stage (a pandas DataFrame).
+
+    Columns: ``stage``, ``paper_grad_bytes``, ``paper_device_bytes`` (Figure 1 of the paper),
+    ``deepspeed_grad_bytes``, ``deepspeed_device_bytes`` (:func:`model_state_bytes`' default),
+    ``reduce_bucket_bytes`` (:func:`reduce_bucket_bytes`, shown, not folded in), ``allgather_bucket_bytes``
+    (0: at stages 1/2 ``all_gather_dp_groups`` gathers the updated params in shards of
+    ``allgather_bucket_size`` elements that are views of the fp16 params, or in one
+    ``all_gather_into_tensor`` where the backend has it, so no buffer is allocated) and
+    ``where_deepspeed_differs``.  The paper column needs mixed precision; for fp32 it is left empty (NaN).
+    """
+    import pandas as pd
+
+    if allgather_bucket_size < 0:
+        raise ValueError("allgather_bucket_size must be >= 0")
+    rows = []
+    for stage in range(4):
+        ds = model_state_bytes(n_params, stage, world_size, precision)
+        paper = None if precision == "fp32" else model_state_bytes(n_params, stage, world_size, accounting="paper")
+        rows.append({
+            "stage": stage,
+            "paper_grad_bytes": math.nan if paper is None else paper["grad_bytes"],
+            "paper_device_bytes": math.nan if paper is None else paper["device_bytes"],
+            "deepspeed_grad_bytes": ds["grad_bytes"],
+            "deepspeed_device_bytes": ds["device_bytes"],
+            "reduce_bucket_bytes": reduce_bucket_bytes(stage, precision, reduce_bucket_size),
+            "allgather_bucket_bytes": 0,
+            "where_deepspeed_differs": _DIFFERENCES[stage],
+        })
+    return pd.DataFrame(rows)
+
+
+def n_params_mlp(input_size: int, hidden: int, depth: int, output_size: int) -> int:
+    """Parameters of labkit's MLP: Linear(input, hidden), (depth-1) x Linear(hidden, hidden),
+    Linear(hidden, output), all with bias."""
+    if depth < 1:
+        raise ValueError("depth (number of hidden layers) must be >= 1")
+    return ((input_size + 1) * hidden + (depth - 1) * (hidden + 1) * hidden + (hidden + 1) * output_size)
+
+
+def mlp_persistent_params(input_size: int, hidden: int, depth: int, output_size: int,
+                          threshold: int = 100_000) -> int:
+    """Params of labkit's MLP that ZeRO-3 keeps whole on every rank: each tensor with at
+    most ``threshold`` elements (DeepSpeed's ``param_persistence_threshold``; its
+    ``mark_persistent_parameters`` compares with ``<=``)."""
+    shapes = [(input_size, hidden)] + [(hidden, hidden)] * (depth - 1) + [(hidden, output_size)]
+    sizes = [n for fan_in, fan_out in shapes for n in (fan_in * fan_out, fan_out)]
+    return sum(s for s in sizes if s <= threshold)
+
+
+def zero12_grad_elements(param_numels: Sequence[int], world_size: int) -> list[int]:
+    """Grad elements each rank keeps after backward at ZeRO stage 1/2 (no offload).
+
+    DeepSpeed flattens the params in ``model.parameters()`` order, pads the flat
+    buffer to a multiple of 2*N and gives rank r the slice [r*P, (r+1)*P).  At the
+    end of backward it keeps the *whole* grad of every param that overlaps the slice
+    (``grads_in_partition``), so the real figure is between Psi/N and Psi.  Per-param
+    alignment padding (a few elements) is ignored.  Multiply by the grad element size.
+    """
+    total = sum(param_numels)
+    part = math.ceil(total / (2 * world_size)) * 2
+    held = []
+    for rank in range(world_size):
+        lo, hi, offset, kept = rank * part, (rank + 1) * part, 0, 0
+        for numel in param_numels:
+            if offset < hi and offset + numel > lo:
+                kept += numel
+            offset += numel
+        held.append(kept)
+    return held
+
+
+def _counts(model_or_n_params: nn.Module | int, largest_layer_params: int | None) -> tuple[int, int]:
+    if isinstance(model_or_n_params, nn.Module):
+        # Same counting as DeepSpeed's model_to_params: shared params once, largest module.
+        # parameters() yields a shared parameter once; by identity, so meta-device models count too.
+        total = sum(p.numel() for p in model_or_n_params.parameters())
+        largest = max((sum(p.numel() for p in m.parameters(recurse=False))
+                       for m in model_or_n_params.modules()), default=0)
+        return total, largest if largest_layer_params is None else largest_layer_params
+    total = int(model_or_n_params)
+    return total, total if largest_layer_params is None else largest_layer_params
+
+
+def deepspeed_estimates(model_or_n_params: nn.Module | int, world_size: int, *,
+                        largest_layer_params: int | None = None, num_nodes: int = 1,
+                        zero_init: bool = False,
+                        additional_buffer_factor: float = 1.5) -> dict[str, dict[str, int]]:
+    """DeepSpeed's own estimates (``estimate_zero2_model_states_mem_needs`` and
+    ``estimate_zero3_model_states_mem_needs``, the count-based variants: no GPU needed).
+
+    Returns ``{option: {"device_bytes", "host_bytes"}}`` for options ``zero2``,
+    ``zero2_offload``, ``zero3``, ``zero3_offload`` (optimizer only) and
+    ``zero3_offload_all`` (optimizer + params).  ``world_size`` ranks per node.
+    Differences with :func:`model_state_bytes`: DeepSpeed assumes mixed precision and
+    counts 18*Psi/N (adds the 4*Psi/N fp32 grad partition built in ``step``), stage 3
+    adds 4 x the largest layer (gathered params + grads), and its "host" is the RAM
+    needed to build/load the model (x ``additional_buffer_factor``), not model states.
+    Without a module, ``largest_layer_params`` defaults to ``n_params`` (worst case).
+    """
+    from labkit.runtime.ds_import import import_deepspeed
+
+    import_deepspeed()  # not from several threads at once: DeepSpeed's circular imports deadlock
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    total, largest = _counts(model_or_n_params, largest_layer_params)
+    common: dict[str, Any] = dict(total_params=total, num_gpus_per_node=world_size, num_nodes=num_nodes,
+                                  additional_buffer_factor=additional_buffer_factor)
+    out: dict[str, dict[str, int]] = {}
+    for name, offload in (("zero2", False), ("zero2_offload", True)):
+        cpu, gpu = estimate_zero2_model_states_mem_needs(cpu_offload=offload, **common)
+        out[name] = {"device_bytes": int(gpu), "host_bytes": int(cpu)}
+    for name, offload, offload_params in (("zero3", False, False), ("zero3_offload", True, False),
+                                          ("zero3_offload_all", True, True)):
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(largest_layer_params=largest, cpu_offload=offload,
+                                                            cpu_offload_params=offload_params,
+                                                            zero_init=zero_init, **common)
+        out[name] = {"device_bytes": int(gpu), "host_bytes": int(cpu)}
+    return out
+
+
+def compare(measured: Mapping[str, float], predicted: Mapping[str, float]) -> dict[str, float]:
+    """Signed relative error (measured - predicted) / predicted for each shared key.
+
+    A census from ``labkit.live.state_bytes`` reports the fp32 master separately: when
+    ``measured`` has ``master_bytes`` and ``predicted`` does not, it is folded into
+    ``optim_bytes`` first (the paper's K*Psi counts master + moments).  A zero
+    prediction gives 0.0 if the measurement is zero too, else inf.
+    """
+    m = dict(measured)
+    if "master_bytes" in m and "master_bytes" not in predicted and "optim_bytes" in m:
+        m["optim_bytes"] = m["optim_bytes"] + m.pop("master_bytes")
+    errors: dict[str, float] = {}
+    for key in predicted:
+        if key not in m:
+            continue
+        p, v = float(predicted[key]), float(m[key])
+        errors[key] = (0.0 if v == 0 else math.inf) if p == 0 else (v - p) / p
+    return errors
+
+
+def activation_bytes_per_sample(measured_activation_bytes: int, micro_batch: int) -> float:
+    """Activation bytes per sample from one measured profile (linear model, no intercept:
+    activations of an MLP scale with the number of samples in the micro-batch)."""
+    if micro_batch < 1:
+        raise ValueError("micro_batch must be >= 1")
+    return measured_activation_bytes / micro_batch
+
+
+def activation_bytes(per_sample: float, micro_batch: int) -> int:
+    """Predicted activation bytes for ``micro_batch`` samples (per rank)."""
+    if micro_batch < 0:
+        raise ValueError("micro_batch must be >= 0")
+    return round(per_sample * micro_batch)

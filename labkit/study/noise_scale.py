@@ -1,0 +1,247 @@
+"""Gradient noise scale and critical batch size (McCandlish et al. 2018, "An Empirical Model of
+Large-Batch Training", appendix A).
+
+The simple noise scale is B_simple = tr(Σ) / |G|²: Σ is the covariance of per-example gradients
+and G the true (full-data) gradient. Training at batches far below B_simple wastes steps on noise
+(steps fall ~1/B when the batch grows); far above it, a bigger batch buys few fewer steps. It
+estimates the critical batch size B_crit.
+
+Neither tr(Σ) nor |G|² can be read off one gradient, but a batch-B gradient G_B satisfies
+
+    E|G_B|² = |G|² + tr(Σ) / B,
+
+so two batch sizes B_small < B_big give unbiased estimates (appendix A.1):
+
+    |G|²   ≈ (B_big |G_big|² − B_small |G_small|²) / (B_big − B_small)
+    tr(Σ)  ≈ (|G_small|² − |G_big|²) / (1/B_small − 1/B_big)
+
+Their ratio is biased, so the paper averages both over many steps before dividing
+(`aggregate`). During a run (`RunConfig.noise_scale_every > 0`) each rank computes
+`gradient_noise_probe`: the gradients of the two halves of a fresh micro-batch-sized sample
+(B_small = micro_batch // 2) and the gradient averaged over both halves and every rank
+(B_big = 2 * (micro_batch // 2) * world_size). The rank step records carry `grad_norm_small_sq`,
+`grad_norm_big_sq`, `noise_b_small`, `noise_b_big` and the per-step (noisy) `noise_scale`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+def unbiased_estimates(g_small_sq: float, g_big_sq: float, b_small: float, b_big: float) -> tuple[float, float]:
+    """(|G|² estimate, tr(Σ) estimate) from the squared gradient norms at two batch sizes."""
+    if not 0 < b_small < b_big:
+        raise ValueError(f"need 0 < b_small < b_big, got {b_small}, {b_big}")
+    g2 = (b_big * g_big_sq - b_small * g_small_sq) / (b_big - b_small)
+    trace = (g_small_sq - g_big_sq) / (1.0 / b_small - 1.0 / b_big)
+    return g2, trace
+
+
+def noise_scale(g_small_sq: float, g_big_sq: float, b_small: float, b_big: float) -> float | None:
+    """B_simple from one pair of measurements (noisy; prefer `aggregate` over many)."""
+    g2, trace = unbiased_estimates(g_small_sq, g_big_sq, b_small, b_big)
+    return trace / g2 if g2 > 0 else None
+
+
+@dataclass(frozen=True)
+class NoiseScale:
+    b_simple: float | None  # tr(Σ)/|G|² from the averaged estimates: the critical batch estimate
+    g2: float               # mean |G|² estimate
+    trace: float            # mean tr(Σ) estimate
+    n: int                  # measurements averaged
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"noise_scale": self.b_simple, "noise_g2": self.g2, "noise_trace": self.trace, "noise_probes": self.n}
+
+
+def aggregate(measurements: Iterable[Sequence[float]]) -> NoiseScale | None:
+    """Average |G|² and tr(Σ) over (g_small_sq, g_big_sq, b_small, b_big) tuples, then divide.
+
+    Dividing averages (not averaging ratios) is the paper's recipe: a single |G|² estimate can
+    be near zero or negative, which makes per-step ratios explode.
+    """
+    pairs = [unbiased_estimates(*m) for m in measurements]
+    if not pairs:
+        return None
+    g2 = sum(p[0] for p in pairs) / len(pairs)
+    trace = sum(p[1] for p in pairs) / len(pairs)
+    return NoiseScale(trace / g2 if g2 > 0 else None, g2, trace, len(pairs))
+
+
+def from_records(step_records: Iterable[dict[str, Any]], skip_first: int = 0) -> NoiseScale | None:
+    """`aggregate` over a rank's step records that carry a probe (rank 0's suffice: probes are global)."""
+    measurements = [(r["grad_norm_small_sq"], r["grad_norm_big_sq"], r["noise_b_small"], r["noise_b_big"])
+                    for r in step_records
+                    if r.get("grad_norm_big_sq") is not None and r.get("step", 0) > skip_first]
+    return aggregate(measurements)
+
+
+def critical_batch_from_steps(batches: Sequence[float], steps: Sequence[float]) -> dict[str, float] | None:
+    """Fit S(B) = S_min (1 + B_crit / B) to steps-to-target (McCandlish et al. eq. 2.11).
+
+    Least squares of S on 1/B: intercept S_min, slope S_min * B_crit. Returns None when fewer
+    than two batch sizes reached the target or the fit is not physical (S_min <= 0 or slope < 0).
+    """
+    points = [(1.0 / b, s) for b, s in zip(batches, steps, strict=True) if b and s and math.isfinite(s)]
+    if len({x for x, _ in points}) < 2:
+        return None
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
+    s_min = mean_y - slope * mean_x
+    if s_min <= 0 or slope < 0:
+        return None
+    return {"s_min": s_min, "b_crit": slope / s_min, "e_min": slope}
+
+
+def _weighted_fit(points: Sequence[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Weighted least squares of y on x: (intercept, slope), or None when x does not vary."""
+    total = sum(w for _, _, w in points)
+    mean_x = sum(w * x for x, _, w in points) / total
+    mean_y = sum(w * y for _, y, w in points) / total
+    sxx = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    if sxx <= 0:
+        return None
+    slope = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / sxx
+    return mean_y - slope * mean_x, slope
+
+
+def critical_batch_fit(batches: Sequence[float], steps: Sequence[float], *, resolution: Sequence[float] | None = None,
+                       n_boot: int = 2000, seed: int = 0, level: float = 0.9) -> dict[str, float] | None:
+    """S(B) = S_min (1 + B_crit / B) fitted by weighted least squares of S on 1/B, with a bootstrap
+    interval for B_crit.
+
+    Steps to a target are counts whose spread grows with their size, so each point is weighted by
+    1 / S^2 (constant relative error), plus the square of `resolution` (how coarsely the target
+    was checked, e.g. the eval interval) where given. The interval resamples the relative residuals
+    of the fit (wild bootstrap with Rademacher signs: it works with as few as three batch sizes)
+    and refits; `b_crit_low`/`b_crit_high` are its `level` percentiles over the physical refits
+    (S_min > 0, B_crit >= 0), and `b_crit_physical_share` says how many were; with two batch sizes
+    the fit is exact and has no interval. None when fewer than two batch sizes reached the target or
+    the fit itself is not physical.
+    """
+    import random
+
+    res = list(resolution) if resolution is not None else [0.0] * len(batches)
+    data = [(1.0 / b, float(s), 1.0 / (float(s) ** 2 + float(r or 0.0) ** 2))
+            for b, s, r in zip(batches, steps, res, strict=True) if b and s and math.isfinite(s)]
+    if len({x for x, _, _ in data}) < 2:
+        return None
+    fit = _weighted_fit(data)
+    if fit is None or fit[0] <= 0 or fit[1] < 0:
+        return None
+    s_min, slope = fit
+    out = {"s_min": s_min, "b_crit": slope / s_min, "e_min": slope, "n_batches": len({x for x, _, _ in data})}
+    if out["n_batches"] < 3:
+        return out  # two points fit exactly: no residuals, no interval
+    rng = random.Random(seed)
+    predicted = [s_min + slope * x for x, _, _ in data]
+    relative = [(y - p) / p for (_, y, _), p in zip(data, predicted, strict=True)]
+    estimates = []
+    for _ in range(n_boot):
+        fake = [(x, p * (1 + e * rng.choice((-1.0, 1.0))), w)
+                for (x, _, w), p, e in zip(data, predicted, relative, strict=True)]
+        refit = _weighted_fit(fake)
+        if refit and refit[0] > 0 and refit[1] >= 0:
+            estimates.append(refit[1] / refit[0])
+    if estimates:
+        estimates.sort()
+        tail = (1 - level) / 2
+        out["b_crit_low"] = estimates[int(tail * (len(estimates) - 1))]
+        out["b_crit_high"] = estimates[int((1 - tail) * (len(estimates) - 1))]
+        out["b_crit_physical_share"] = len(estimates) / n_boot
+    return out
+
+
+def noise_scale_spread(measurements: Sequence[Sequence[float]], parts: int = 4) -> dict[str, Any] | None:
+    """B_simple pooled over the whole run and over `parts` consecutive stretches of it (in the
+    order given: by step or by falling loss): its spread over the run. Keys: `b_simple`,
+    `b_simple_low`, `b_simple_high` (min and max over the stretches), `b_simple_parts` (the list)."""
+    whole = aggregate(measurements)
+    if whole is None or not whole.b_simple:
+        return None
+    measurements = list(measurements)
+    size = max(1, math.ceil(len(measurements) / parts))
+    stretches = [aggregate(measurements[i:i + size]) for i in range(0, len(measurements), size)]
+    values = [p.b_simple for p in stretches if p and p.b_simple]
+    return {"b_simple": whole.b_simple, "b_simple_low": min(values, default=whole.b_simple),
+            "b_simple_high": max(values, default=whole.b_simple), "b_simple_parts": values, "probes": whole.n}
+
+
+# -- the in-run probe (used by labkit.launch.worker) ---------------------------------------------------
+def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, labels, *, device,
+                         loss_fn: Callable[..., Any] | None = None) -> dict[str, float]:
+    """Squared gradient norms at two batch sizes, for the current weights, on every rank at once.
+
+    `params` are the live parameters of the trained model in `make_model()`'s order (ZeRO-3
+    partitions are gathered first). The gradients are taken on an fp32 copy with no DeepSpeed
+    hooks, so the training step, its optimizer state and its timing are untouched (the gradients
+    are fp32; their squared norms are summed in float64). Every rank
+    must call this at the same step (it all-reduces).
+    """
+    import torch
+    import torch.distributed as dist
+
+    # Memory: one fp32 copy of the model and two fp32 gradient sets at most (12 bytes per parameter),
+    # not a float64 vector per half (it was ~36 bytes per parameter: GBs at 100M+ parameters, enough
+    # to cause the out-of-memory error the run then reports). Sums of squares accumulate in float64.
+    clone = make_model().to(device)
+    with _gathered(params), torch.no_grad():
+        for mine, live in zip(clone.parameters(), params, strict=True):
+            mine.copy_(live.detach().view_as(mine))  # converts dtype and device in place
+    if loss_fn is None:
+        from labkit.models.builders import default_loss
+
+        loss_fn = default_loss
+    half = inputs.shape[0] // 2
+    if half < 1:
+        raise ValueError("the noise-scale probe needs a micro-batch of at least 2 samples")
+    # Token ids (the GPT) stay integers; features become fp32 like the clone.
+    inputs = inputs.to(device=device, dtype=torch.float32 if inputs.is_floating_point() else inputs.dtype)
+    labels = labels.to(device)
+
+    def sum_sq(tensors) -> torch.Tensor:
+        return sum(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in tensors)
+
+    mean_grads: list[torch.Tensor] | None = None
+    sq_norms = []
+    for part in (slice(0, half), slice(half, 2 * half)):
+        loss = loss_fn(clone, inputs[part], labels[part])
+        grads = torch.autograd.grad(loss, list(clone.parameters()))
+        sq_norms.append(sum_sq(grads))
+        if mean_grads is None:
+            mean_grads = list(grads)
+        else:
+            for total, grad in zip(mean_grads, grads, strict=True):
+                total.add_(grad).div_(2)
+        del grads
+    assert mean_grads is not None  # the loop above ran over both halves
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    small_sq = torch.stack(sq_norms).mean().reshape(1).to(device)
+    if world > 1:
+        for grad in mean_grads:
+            dist.all_reduce(grad)
+            grad /= world
+        dist.all_reduce(small_sq)
+        small_sq /= world
+    big_sq = sum_sq(mean_grads)
+    g_small_sq, g_big_sq = float(small_sq.item()), float(big_sq.item())
+    b_small, b_big = half, 2 * half * world
+    return {"grad_norm_small_sq": g_small_sq, "grad_norm_big_sq": g_big_sq, "noise_b_small": b_small,
+            "noise_b_big": b_big, "noise_scale": noise_scale(g_small_sq, g_big_sq, b_small, b_big)}
+
+
+def _gathered(params: list):
+    """ZeRO-3 keeps only a partition of each parameter: gather the full tensors for reading."""
+    import contextlib
+
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return contextlib.nullcontext()

@@ -1,0 +1,718 @@
+"""The answer's HTML report: plots, tables and conclusions computed from the measured numbers.
+
+`build_report(results, path, ...)` writes one self-contained HTML file (plotly.js embedded,
+so it opens offline). Every sentence of the conclusions is produced by `conclusions(...)` from
+the tables it is given: nothing in the text is a hard-coded result.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from labkit.study.noise_scale import aggregate, critical_batch_from_steps
+from labkit.study.sweep import STRATEGY_LABELS
+
+COLORS = {"torch": "#636efa", "z0": "#ef553b", "z1": "#ab63fa", "z2": "#00cc96", "z3": "#ffa15a",
+          "z2-offload": "#19d3f3", "z3-offload": "#ff6692"}
+TABLE_COLUMNS = ["strategy", "growth", "world_size", "threads_per_rank", "concurrent_runs", "micro_batch",
+                 "grad_accum", "global_batch", "lr_scaling", "status", "median_step_time_s", "samples_per_s",
+                 "time_per_epoch_s", "steps_to_target", "compute_time_to_target_s", "train_time_to_target_s",
+                 "time_to_target_s", "final_loss", "eval_loss", "model_state_bytes", "activation_bytes",
+                 "device_bytes", "peak_rss_bytes", "noise_scale", "run_id"]
+
+
+# -- where the results come from -------------------------------------------------------------------
+def _device_kind(accelerator: Any, device: Any) -> str:
+    """'cpu' for every CPU (the CPU model is not a device kind), else accelerator + device name."""
+    accelerator = str(accelerator or "unknown")
+    return "cpu" if accelerator == "cpu" else f"{accelerator}: {device or 'unknown device'}"
+
+
+def provenance_banner(machine: dict[str, Any] | None, devices: Any, *, profile: str | None = None) -> str | None:
+    """A warning when the results were measured on another device kind than this machine's, else None.
+
+    `machine`: the results' machine.json (None: unknown origin, which is said too).  `devices`: this
+    machine's `labkit.runtime.devices.Devices` (`detect_devices()`).  `profile`: the profile the reader asked for;
+    results of another profile (notebook 04 falling back to data/reference-ci) are said as well.  Plain
+    text: `build_report` puts it at the report's top, notebook 04 prints it above its first table.
+    """
+    here = _device_kind(devices.accelerator, devices.device_name)
+    count_here = f"{devices.device_count} x " if not devices.is_cpu else ""
+    if not machine:
+        return (f"These results carry no machine.json: where they were measured is unknown. This machine has "
+                f"{count_here}{here}.")
+    there = _device_kind(machine.get("accelerator"), machine.get("device"))
+    parts = []
+    if there != here:
+        count_there = f"{machine.get('devices')} x " if there != "cpu" and machine.get("devices") else ""
+        parts.append(f"These results were measured on {count_there}{there} ({machine.get('cpu_cores')} CPU cores, "
+                     f"{machine.get('date')}), not on this machine's {count_here}{here}: their times, memory and "
+                     "out-of-memory boundaries are that machine's"
+                     + (" (on CPU an emulated device capacity), and say nothing about this device"
+                        if there == "cpu" else "")
+                     + ". Run `python -m labkit answer` with a profile for this machine to measure here.")
+    if profile is not None and machine.get("profile") not in (None, profile):
+        parts.append(f"They are the '{machine.get('profile')}' profile's results, not the '{profile}' profile's "
+                     "that were asked for (none were found).")
+    return " ".join(parts) or None
+
+
+def _banner_html(machine: dict[str, Any] | None, devices: Any, profile: dict[str, Any] | None) -> str:
+    untested = [n for n in (profile or {}).get("notes") or () if "untested" in str(n).lower()]
+    text = " ".join(filter(None, [provenance_banner(machine, devices) if devices is not None else None, *untested]))
+    return (f"<p class='banner' style='background:#fff3cd;border:1px solid #e0b252;padding:.6em'>"
+            f"<b>Note:</b> {html.escape(text)}</p>" if text else "")
+
+
+# -- small helpers ---------------------------------------------------------------------------------
+def label(strategy: str) -> str:
+    return STRATEGY_LABELS.get(strategy, strategy)
+
+
+def mb(value: float | None) -> str:
+    return "n/a" if value is None or _nan(value) else f"{value / 1e6:.2f} MB"
+
+
+def times(ratio: float) -> str:
+    return f"{ratio:.1f}x" if ratio >= 1.95 or ratio <= 0.55 else f"{ratio:.2f}x"
+
+
+def change(before: float, after: float, noun: str) -> str:
+    """'grew 3.1x' / 'fell 1.8x' / 'stayed within 10%' from before to after."""
+    if not before or not after or _nan(before) or _nan(after):
+        return f"{noun} was not measured at both ends"
+    ratio = after / before
+    if 0.9 <= ratio <= 1.1:
+        return f"{noun} stayed within {abs(ratio - 1) * 100:.0f}%"
+    return f"{noun} {'grew' if ratio > 1 else 'fell'} {times(ratio if ratio > 1 else 1 / ratio)}"
+
+
+def _nan(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def grid_scaling(results: pd.DataFrame, profile: dict[str, Any] | None = None) -> str | None:
+    """The LR scaling of the main grid (the study of the other scalings runs on one strategy)."""
+    if profile and profile.get("grid_lr_scaling"):
+        return profile["grid_lr_scaling"]
+    if "lr_scaling" not in results or results.empty:
+        return None
+    return results.groupby("lr_scaling")["strategy"].nunique().idxmax()
+
+
+def with_compute_time(results: pd.DataFrame) -> pd.DataFrame:
+    """Adds compute_time_to_target_s = steps to target x median step time: the time to the target
+    on an unshared device. (The sum of the measured step times, train_time_to_target_s, also
+    holds the stalls other processes caused on a shared machine.)"""
+    if "compute_time_to_target_s" in results:
+        return results
+    frame = results.copy()
+    frame["compute_time_to_target_s"] = frame.steps_to_target * frame.median_step_time_s
+    return frame
+
+
+def grid(results: pd.DataFrame, profile: dict[str, Any] | None = None) -> pd.DataFrame:
+    results = with_compute_time(results)
+    scaling = grid_scaling(results, profile)
+    frame = results if scaling is None else results[results.lr_scaling == scaling]
+    return frame.sort_values(["strategy", "global_batch"])
+
+
+# -- conclusions -----------------------------------------------------------------------------------
+def conclusions(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, memory: pd.DataFrame | None = None,
+                activation: pd.DataFrame | None = None, noise: pd.DataFrame | None = None,
+                machine: dict[str, Any] | None = None, profile: dict[str, Any] | None = None) -> list[str]:
+    """Plain-text statements, each computed from the tables (skipped when its data is missing)."""
+    from labkit.study import growth
+
+    out: list[str] = []
+    table = grid(results, profile)
+    finished = table[table.status == "finished"]
+
+    if "growth" in results:
+        # 1-2. The answer per way of growing the batch (read on stage 0 and plain PyTorch), then
+        # what ZeRO did beyond stage 0 at the same per-rank micro-batch and ranks.
+        out.extend(growth.growth_sentences(results))
+        out.extend(growth.credit_sentences(results, maxbatch))
+    else:
+        # Results of an older labkit (no `growth` column): one way, strategy by strategy.
+        out.extend(_legacy_growth_text(finished))
+
+    # 3. Out of memory, compared only at the same per-rank micro-batch and the same ranks.
+    ooms = table[table.status == "oom"]
+    if not ooms.empty:
+        capacity = _capacity_text(table, machine)
+        for (ranks, micro), rows in ooms.groupby(["world_size", "micro_batch"]):
+            same = table[(table.world_size == ranks) & (table.micro_batch == micro) & (table.status == "finished")]
+            fit = same.strategy.tolist()
+            out.append(f"At micro-batch {int(micro)} per rank on {int(ranks)} rank(s), "
+                       f"{', '.join(label(s) for s in rows.strategy)} ran out of memory ({capacity})"
+                       + (f" while {', '.join(label(s) for s in fit)} fit at the same micro-batch and ranks."
+                          if fit else "."))
+
+    # 4. Max-batch search.
+    if maxbatch is not None and not maxbatch.empty:
+        out.extend(_maxbatch_text(maxbatch, machine))
+
+    # 5. Gradient noise scale and critical batch.
+    out.extend(_noise_text(results, noise, profile))
+
+    # 6. Memory model and activation estimate.
+    if memory is not None and not memory.empty:
+        out.extend(_memory_text(memory))
+    if activation is not None and not activation.empty:
+        per_sample = activation.groupby("strategy").per_sample_bytes.first()
+        others = activation[activation.micro_batch != activation.profile_micro_batch]
+        text = (f"Activations: one measured micro-batch profile gives {per_sample.min() / 1e3:.2f}-"
+                f"{per_sample.max() / 1e3:.2f} kB per sample")
+        if not others.empty:
+            worst = others.loc[others.error.abs().idxmax()]
+            text += (f"; scaling it linearly predicted the activation bytes measured at {len(others)} other "
+                     f"micro-batch sizes within {abs(worst.error) * 100:.1f}% (worst: {label(worst.strategy)} at "
+                     f"micro-batch {int(worst.micro_batch)}, profiled at {int(worst.profile_micro_batch)})")
+        out.append(text + ".")
+
+    # 7. How the numbers were taken.
+    if machine:
+        load = machine.get("load_average_at_start") or machine.get("load_average")
+        text = (f"Measured on {machine.get('device') or machine.get('cpu_model')} ({machine.get('cpu_cores')} cores"
+                + (f", load average {load[0]:.1f} at the start" if load else "") + "), ")
+        if "concurrent_runs" in results and results.concurrent_runs.notna().any():
+            beside = int(results.concurrent_runs.max())
+            threads = sorted({int(t) for t in results.get("threads_per_rank", pd.Series(dtype=float)).dropna()})
+            text += (("every timed run alone (concurrent_runs 0 for every row)" if beside == 0 else
+                      f"up to {beside} other run(s) beside a timed one: those step times are confounded")
+                     + (f", {', '.join(map(str, threads))} thread(s) per CPU rank" if threads else "")
+                     + "; compare step times within this report, not across machines.")
+        else:
+            text += (f"{machine.get('parallel', 1)} run(s) at a time: step times of concurrent runs share the cores, "
+                     "so compare them within this report, not across machines.")
+        out.append(text)
+    return out
+
+
+def _legacy_growth_text(finished: pd.DataFrame) -> list[str]:
+    out = []
+    for strategy, rows in finished.groupby("strategy", sort=False):
+        rows = rows.sort_values("global_batch")
+        if len(rows) < 2:
+            continue
+        first, last = rows.iloc[0], rows.iloc[-1]
+        out.append(
+            f"{label(strategy)}: from global batch {int(first.global_batch)} to {int(last.global_batch)}, "
+            f"{change(first.median_step_time_s, last.median_step_time_s, 'step time')}, "
+            f"{change(first.time_per_epoch_s, last.time_per_epoch_s, 'time per epoch')} and "
+            f"{change(first.compute_time_to_target_s, last.compute_time_to_target_s, 'time to target loss')} "
+            f"({_steps_text(first, last)}).")
+    return out
+
+
+def _steps_text(first: Any, last: Any) -> str:
+    if _nan(first.steps_to_target) or _nan(last.steps_to_target):
+        return "the target loss was not reached at both batch sizes within the step cap"
+    return (f"{int(first.steps_to_target)} -> {int(last.steps_to_target)} steps, "
+            f"{first.epochs_to_target:.2f} -> {last.epochs_to_target:.2f} epochs to the target")
+
+
+def _capacity_text(table: pd.DataFrame, machine: dict[str, Any] | None) -> str:
+    budget = table.device_budget_bytes.dropna()
+    if not budget.empty:
+        return f"emulated device capacity {mb(budget.iloc[0])} per rank"
+    memory_bytes = machine.get("device_memory_bytes") if machine else None
+    return f"real device memory{' of ' + mb(memory_bytes) if memory_bytes else ''}"
+
+
+def _maxbatch_text(maxbatch: pd.DataFrame, machine: dict[str, Any] | None) -> list[str]:
+    out = []
+    rows = maxbatch.sort_values("max_micro_batch")
+    parts = [f"{label(r.strategy)} x{int(r.world_size)}: {_bracket(r)} in {int(r.launches)} launches"
+             for r in rows.itertuples()]
+    emulated = bool(rows.emulated_capacity.iloc[0])
+    capacity = (f"an emulated device capacity of {mb(rows.budget_bytes.iloc[0])} per rank" if emulated
+                else "the real device memory")
+    out.append(f"Largest micro-batch that fits {capacity} (doubling, then bisection): " + "; ".join(parts) + ".")
+    if len(rows) >= 2 and rows.max_micro_batch.iloc[0] > 0:
+        low, high = rows.iloc[0], rows.iloc[-1]
+        out.append(f"{label(high.strategy)} fits {times(high.max_micro_batch / low.max_micro_batch)} "
+                   "the micro-batch of "
+                   f"{label(low.strategy)}; the search took {int(maxbatch.launches.sum())} launches for "
+                   f"{len(maxbatch)} strategies ({maxbatch.launches.mean():.1f} each). DeepSpeed's Autotuner needs a "
+                   "profiling run plus, per ZeRO stage, a min-batch run, up to 3 runs around its computed maximum, a "
+                   "binary search and a list of micro-batch sizes to time (more when it also tunes ZeRO knobs): see "
+                   "docs/answer.md.")
+    checked = rows[rows.consistent.notna()] if "consistent" in rows else rows.iloc[0:0]
+    if not checked.empty:
+        good = checked[checked.consistent.astype(str) == "True"]
+        predicted = [f"{label(r.strategy)} {int(r.predicted_max_micro_batch)}" for r in checked.itertuples()
+                     if not _nan(r.predicted_max_micro_batch)]
+        analytic = [f"{label(r.strategy)} {int(r.analytic_max_micro_batch)}" for r in checked.itertuples()
+                    if "analytic_max_micro_batch" in checked and not _nan(r.analytic_max_micro_batch)]
+        out.append(f"The boundaries agree with the memory numbers for {len(good)} of {len(checked)} strategies "
+                   "(states + activations counted at the largest fit stay within the capacity, "
+                   "the first OOM exceeds it)"
+                   + (f"; the linear activation fit predicts {', '.join(predicted)}" if predicted else "")
+                   + ("; labkit.study.memory's analytic states plus one activation profile predict "
+                      f"{', '.join(analytic)}"
+                      if analytic else "") + ".")
+    return out
+
+
+def _bracket(r: Any) -> str:
+    """Where the search left the boundary: the largest micro-batch that fit and the first that
+    ran out of memory (the search stops within its tolerance, not always at adjacent sizes)."""
+    fit, ranks = int(r.max_micro_batch), int(r.world_size)
+    if _nan(getattr(r, "first_oom", None)):
+        return f"at least {fit} per rank ({fit * ranks} global; no OOM up to the search's limit)"
+    oom = int(r.first_oom)
+    if oom == fit + 1:
+        return f"{fit} per rank ({fit * ranks} global; {oom} ran out of memory)"
+    return (f"largest fit {fit}, first OOM {oom} per rank (the boundary lies in {fit}-{oom - 1}; "
+            f"{fit * ranks} global fit)")
+
+
+def pooled_noise(noise: pd.DataFrame | None) -> Any:
+    if noise is None or noise.empty:
+        return None
+    return aggregate(noise[["grad_norm_small_sq", "grad_norm_big_sq", "noise_b_small", "noise_b_big"]]
+                     .itertuples(index=False, name=None))
+
+
+def lr_study(results: pd.DataFrame) -> tuple[str | None, pd.DataFrame]:
+    """(strategy, rows) of the LR-scaling study: the strategy run with the most scalings."""
+    finished = results[results.status == "finished"]
+    if finished.empty:
+        return None, finished
+    counts = finished.groupby("strategy").lr_scaling.nunique()
+    strategy = counts.idxmax()
+    if counts.max() < 2:
+        return None, finished.iloc[0:0]
+    study = finished[finished.strategy == strategy]
+    if "growth" in study:  # the study runs on the fixed-ranks grid; the rank-growth points are not part of it
+        study = study[study.growth.astype(str).str.contains("micro_batch")]
+    return strategy, study
+
+
+def best_steps(study: pd.DataFrame) -> pd.DataFrame:
+    """Per global batch, the fewest steps to target over the LR scalings tried (the tuned LR)."""
+    reached = study[study.steps_to_target.notna()]
+    if reached.empty:
+        return reached
+    return reached.loc[reached.groupby("global_batch").steps_to_target.idxmin()].sort_values("global_batch")
+
+
+def _noise_text(results: pd.DataFrame, noise: pd.DataFrame | None, profile: dict[str, Any] | None) -> list[str]:
+    from labkit.study.growth import critical_batch, noise_spread
+
+    out = []
+    spread = noise_spread(noise)
+    strategy, study = lr_study(results)
+    fit = critical_batch(results, strategy) if strategy is not None else None
+    if strategy is not None:
+        best = best_steps(study)
+        parts = []
+        for batch, rows in study.sort_values("global_batch").groupby("global_batch"):
+            tried = ", ".join(f"{r.lr_scaling} {'not reached' if _nan(r.steps_to_target) else int(r.steps_to_target)}"
+                              for r in rows.sort_values("lr_scaling").itertuples())
+            winner = best[best.global_batch == batch]
+            best_rule = f" (best {winner.lr_scaling.iloc[0]})" if not winner.empty else ""
+            parts.append(f"{int(batch)}: {tried}{best_rule}")
+        warmup = (f"warmup {int(study.warmup_samples.iloc[0])} samples" if "warmup_samples" in study
+                  and not _nan(study.warmup_samples.iloc[0]) and study.warmup_samples.iloc[0] else
+                  f"warmup {int(study.warmup_steps.iloc[0])} steps")
+        out.append(f"LR study ({label(strategy)}, every global batch, {warmup}): steps to the target by scaling rule "
+                   "at global batch " + "; ".join(parts) + ".")
+        if len(best) >= 2:
+            first, last = best.iloc[0], best.iloc[-1]
+            factor = last.global_batch / first.global_batch
+            gain = first.steps_to_target / last.steps_to_target
+            out.append(f"With the best LR scaling per batch, {int(factor)}x the batch ({int(first.global_batch)} -> "
+                       f"{int(last.global_batch)}) cut the steps to target {gain:.1f}x "
+                       f"(perfect scaling: {int(factor)}x), "
+                       f"i.e. {100 * gain / factor:.0f}% of the ideal step saving.")
+    if spread is not None:
+        out.append(f"Gradient noise scale B_simple = tr(Sigma)/|G|^2 ~ {spread['b_simple']:.0f} samples "
+                   f"(McCandlish et al. 2018, unbiased two-batch estimator, pooled over {spread['probes']} probes); "
+                   f"over the run (probes in {len(spread['b_simple_parts'])} stretches of falling training loss) it "
+                   f"ranged {spread['b_simple_low']:.0f}-{spread['b_simple_high']:.0f} ("
+                   + " -> ".join(f"{v:.0f}" for v in spread["b_simple_parts"]) + "). It estimates the critical batch "
+                   "size: below it a bigger batch saves steps almost linearly, above it the saving fades.")
+    if fit:
+        interval = (f", {0.9:.0%} bootstrap interval {fit['b_crit_low']:.0f}-{fit['b_crit_high']:.0f}"
+                    if "b_crit_low" in fit else
+                    ", no interval (two batch sizes fit exactly)" if fit["n_batches"] < 3 else
+                    ", no bootstrap interval (no physical refit)")
+        text = (f"Fitting steps-to-target S(B) = S_min (1 + B_crit/B) (weighted least squares, weights 1/S^2) to the "
+                f"best-LR steps at {fit['n_batches']} global batches gives B_crit ~ {fit['b_crit']:.0f}{interval} "
+                f"(S_min ~ {fit['s_min']:.0f} steps)")
+        if spread is not None:
+            ratio = fit["b_crit"] / spread["b_simple"]
+            text += (f", {'consistent with' if 0.33 <= ratio <= 3 else 'unlike'} the noise-scale estimate "
+                     f"({ratio:.1f}x)")
+        out.append(text + ".")
+    return out
+
+
+def _memory_text(memory: pd.DataFrame) -> list[str]:
+    out = []
+    errors = {k: memory[f"error_{k}"].abs() for k in ("param_bytes", "grad_bytes", "optim_bytes")
+              if f"error_{k}" in memory}
+    if errors:
+        within = [k.replace("_bytes", "") for k, e in errors.items() if e.max() <= 0.05]
+        off = memory[memory.get("error_grad_bytes", pd.Series(0.0, index=memory.index)).abs() > 0.05]
+        text = ("Memory model (labkit.study.memory, ZeRO paper Sec. 3 adapted to DeepSpeed 0.19.8) vs the "
+                "per-rank census: "
+                + (f"{', '.join(within)} bytes within 5% for every strategy" if within
+                   else "no state within 5% everywhere"))
+        worst = {k.replace("_bytes", ""): e.max() for k, e in errors.items() if e.max() > 0.05}
+        if worst:
+            text += "; largest deviations " + ", ".join(f"{k} {v * 100:.0f}%" for k, v in worst.items())
+        if not off.empty:
+            # The partition layout explains a grad deviation only where predicting with it lands close.
+            layout = off.get("error_layout_grad_bytes", pd.Series(float("nan"), index=off.index)).abs()
+            explained, unexplained = off[layout <= 0.05], off[~(layout <= 0.05)]
+            notes = []
+            if not explained.empty:
+                notes.append(f"grads at {', '.join(label(s) for s in explained.strategy)}: DeepSpeed keeps the whole "
+                             "gradient of a parameter that straddles the partition boundary, the paper's Psi/N assumes "
+                             "an exact split; predicted with that layout "
+                             "(labkit.study.memory.zero12_grad_elements) they are "
+                             f"within {layout[explained.index].max() * 100:.1f}%")
+            if not unexplained.empty:
+                notes.append(f"grads at {', '.join(label(s) for s in unexplained.strategy)}: not explained by the "
+                             "partition layout")
+            text += " (" + "; ".join(notes) + ")"
+        out.append(text + ".")
+    stage0 = memory[(memory.stage == 0) & (memory.world_size > 1)]
+    stage3 = memory[(memory.stage == 3) & (~memory.offload_optimizer.astype(bool))]
+    if not stage0.empty and not stage3.empty:
+        ratio = stage0.measured_device_bytes.iloc[0] / stage3.measured_device_bytes.iloc[0]
+        text = (f"Measured model states on the device per rank: {mb(stage0.measured_device_bytes.iloc[0])} at ZeRO-0 "
+                f"vs {mb(stage3.measured_device_bytes.iloc[0])} at ZeRO-3 with {int(stage3.world_size.iloc[0])} ranks "
+                f"({times(ratio)} less")
+        persistent = stage3.get("persistent_params", pd.Series(dtype=float)).dropna()
+        if not persistent.empty and persistent.iloc[0] > 0:
+            text += (f"; {int(persistent.iloc[0])} parameters in small tensors stay whole on every rank under "
+                     "ZeRO-3's persistence threshold")
+        out.append(text + ").")
+    if "deepspeed_estimate_device_bytes" in memory:
+        estimated = memory[memory.deepspeed_estimate_device_bytes.notna()]
+        if not estimated.empty:
+            parts = [f"{label(r.strategy)} {mb(r.deepspeed_estimate_device_bytes)} vs {mb(r.measured_device_bytes)} "
+                     "measured" for r in estimated.itertuples()]
+            out.append("DeepSpeed's own estimates (assume fp16 mixed precision and count the fp32 gradient partition "
+                       "built during step): " + "; ".join(parts) + ".")
+    return out
+
+
+# -- figures ---------------------------------------------------------------------------------------
+def figures(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, probes: pd.DataFrame | None = None,
+            memory: pd.DataFrame | None = None, activation: pd.DataFrame | None = None,
+            noise: pd.DataFrame | None = None, profile: dict[str, Any] | None = None) -> list[tuple[str, Any]]:
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    figs: list[tuple[str, Any]] = []
+    table = grid(results, profile)
+    finished = table[table.status == "finished"]
+    if "growth" in results:
+        figs.extend(_growth_figures(results, go, make_subplots))
+    else:
+        figs.extend(_legacy_figures(table, finished, go, make_subplots))
+    figs.extend(_study_figures(results, noise, memory, probes, activation, go))
+    for _, fig in figs:
+        fig.update_layout(height=420, margin={"l": 50, "r": 20, "t": 50, "b": 40}, template="plotly_white")
+    return figs
+
+
+def _growth_figures(results: pd.DataFrame, go: Any, make_subplots: Any) -> list[tuple[str, Any]]:
+    """Per way of growing the batch: time per step, per epoch and to the target vs global batch;
+    then every ZeRO point's step time against stage 0 and plain PyTorch at the same micro-batch and ranks."""
+    from labkit.study import growth
+
+    figs = []
+    keys = (("median_step_time_s", "time per step (s)"), ("time_per_epoch_s", "time per epoch (s)"),
+            ("compute_time_to_target_s", "time to target eval loss (s)"))
+    for way, words in growth.WAYS.items():
+        table = growth.growth_table(results, way)
+        if table.empty:
+            continue
+        fig = make_subplots(rows=1, cols=3, subplot_titles=[t for _, t in keys])
+        for strategy, rows in table.groupby("strategy", sort=False):
+            text = [f"{int(w)} rank(s) x micro {int(m)}"
+                    for w, m in zip(rows.world_size, rows.micro_batch, strict=True)]
+            for col, (key, _) in enumerate(keys, start=1):
+                fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].astype(float).round(5), text=text,
+                                         mode="lines+markers", name=label(strategy), legendgroup=strategy,
+                                         showlegend=col == 1, line={"color": COLORS.get(strategy)}), row=1, col=col)
+        fig.update_xaxes(type="log", title_text="global batch")
+        figs.append((f"Growing the batch by {words}", fig))
+    credit = growth.credit_table(results)
+    if not credit.empty and "step_time_vs_z0" in credit:
+        fig = go.Figure()
+        for name, key in (("vs ZeRO-0 (same micro-batch, same ranks)", "step_time_vs_z0"),
+                          ("vs plain PyTorch (same micro-batch, 1 process)", "step_time_vs_torch")):
+            if key not in credit:
+                continue
+            rows = credit[credit[key].notna()]
+            fig.add_trace(go.Bar(x=[f"{label(r.strategy)} x{r.world_size} micro {r.micro_batch}"
+                                    for r in rows.itertuples()], y=rows[key].round(3), name=name))
+        fig.add_hline(y=1.0, line_dash="dot")
+        fig.update_yaxes(title_text="step time ratio")
+        figs.append(("Credit: each DeepSpeed point's step time against stage 0 and plain PyTorch", fig))
+    return figs
+
+
+def _legacy_figures(table: pd.DataFrame, finished: pd.DataFrame, go: Any, make_subplots: Any) -> list[tuple[str, Any]]:
+    """The figures of results from an older labkit (one way of growing the batch)."""
+    figs = []
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("median step time (s)", "samples / s", "time per epoch (s)"))
+    for strategy, rows in finished.groupby("strategy", sort=False):
+        for col, key in enumerate(("median_step_time_s", "samples_per_s", "time_per_epoch_s"), start=1):
+            fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].round(5), mode="lines+markers",
+                                     name=label(strategy),
+                                     legendgroup=strategy, showlegend=col == 1,
+                                     line={"color": COLORS.get(strategy)}), row=1, col=col)
+    _oom_markers(fig, table, go, cols=3)
+    fig.update_xaxes(type="log", title_text="global batch")
+    figs.append(("Throughput vs global batch (x: out of memory)", fig))
+
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("time to target: steps x median step (s)", "steps to target",
+                                                        "epochs to target"))
+    for strategy, rows in finished.groupby("strategy", sort=False):
+        for col, key in enumerate(("compute_time_to_target_s", "steps_to_target", "epochs_to_target"), start=1):
+            fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].round(4), mode="lines+markers",
+                                     name=label(strategy),
+                                     legendgroup=strategy, showlegend=col == 1,
+                                     line={"color": COLORS.get(strategy)}), row=1, col=col)
+    fig.update_xaxes(type="log", title_text="global batch")
+    figs.append(("Time to the target loss vs global batch", fig))
+    return figs
+
+
+def _study_figures(results: pd.DataFrame, noise: pd.DataFrame | None, memory: pd.DataFrame | None,
+                   probes: pd.DataFrame | None, activation: pd.DataFrame | None, go: Any) -> list[tuple[str, Any]]:
+    figs = []
+    strategy, study = lr_study(results)
+    pooled = pooled_noise(noise)
+    if strategy is not None:
+        fig = go.Figure()
+        for scaling, rows in study.sort_values("global_batch").groupby("lr_scaling"):
+            fig.add_trace(go.Scatter(x=rows.global_batch, y=rows.steps_to_target, mode="lines+markers",
+                                     name=f"LR scaling {scaling}"))
+        best = best_steps(study)
+        fit = critical_batch_from_steps(best.global_batch.tolist(), best.steps_to_target.tolist())
+        from labkit.study.growth import critical_batch
+
+        weighted = critical_batch(results, strategy)
+        fit = {**fit, **weighted} if fit and weighted else fit
+        if fit:
+            xs = [best.global_batch.min() * (best.global_batch.max() / best.global_batch.min()) ** (i / 40)
+                  for i in range(41)]
+            fig.add_trace(go.Scatter(x=xs, y=[fit["s_min"] * (1 + fit["b_crit"] / x) for x in xs], mode="lines",
+                                     line={"dash": "dot"}, name=f"fit S_min(1+B_crit/B), B_crit~{fit['b_crit']:.0f}"))
+            _vline_on_log_x(fig, fit["b_crit"], "dot", "B_crit (fit)")
+        if pooled and pooled.b_simple:
+            _vline_on_log_x(fig, pooled.b_simple, "dash", "B_simple (noise scale)")
+        fig.update_xaxes(type="log", title_text="global batch")
+        fig.update_yaxes(type="log", title_text="steps to target")
+        figs.append((f"LR scaling and critical batch ({label(strategy)})", fig))
+
+    if noise is not None and not noise.empty:
+        frame = noise.copy()
+        frame["bin"] = pd.qcut(frame.loss, q=min(8, max(1, len(frame) // 6)), duplicates="drop")
+        xs, ys = [], []
+        for interval, rows in frame.groupby("bin", observed=True):
+            estimate = pooled_noise(rows)
+            if estimate and estimate.b_simple:
+                xs.append(round(float(interval.mid), 4))
+                ys.append(round(estimate.b_simple, 1))
+        fig = go.Figure(go.Scatter(x=xs, y=ys, mode="lines+markers", name="B_simple (pooled per loss bin)"))
+        if pooled and pooled.b_simple:
+            fig.add_hline(y=pooled.b_simple, line_dash="dash", annotation_text=f"pooled {pooled.b_simple:.0f}")
+        fig.update_xaxes(title_text="training loss", autorange="reversed")
+        fig.update_yaxes(title_text="B_simple (samples)")
+        figs.append(("Gradient noise scale during training", fig))
+
+    if memory is not None and not memory.empty:
+        fig = go.Figure()
+        names = [label(s) for s in memory.strategy]
+        for key, title in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optim_master_bytes", "optim+master")):
+            fig.add_trace(go.Bar(x=names, y=memory[f"measured_{key}"] / 1e6, name=f"measured {title}",
+                                 offsetgroup="measured"))
+        base = [0.0] * len(memory)
+        for key, title in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optim_bytes", "optim+master")):
+            values = (memory[f"predicted_{key}"] / 1e6).tolist()
+            fig.add_trace(go.Bar(x=names, y=values, base=base, name=f"predicted {title}", offsetgroup="predicted",
+                                 marker_pattern_shape="/"))
+            base = [b + v for b, v in zip(base, values, strict=True)]
+        if "deepspeed_estimate_device_bytes" in memory:
+            fig.add_trace(go.Scatter(x=names, y=memory.deepspeed_estimate_device_bytes / 1e6, mode="markers",
+                                     marker={"symbol": "diamond", "size": 12}, name="DeepSpeed estimate (device)"))
+        fig.update_layout(barmode="stack")
+        fig.update_yaxes(title_text="MB per rank")
+        figs.append(("Model states per rank: measured vs labkit.study.memory vs DeepSpeed's estimate", fig))
+
+    if probes is not None and not probes.empty:
+        fig = go.Figure()
+        for strategy, rows in probes.groupby("strategy"):
+            fig.add_trace(go.Scatter(x=rows.micro_batch, y=rows.device_bytes / 1e6, mode="markers+text",
+                                     text=rows.order, textposition="top center", name=label(strategy),
+                                     marker={"color": COLORS.get(strategy), "size": 10,
+                                             "symbol": ["circle" if s == "finished" else "x" for s in rows.status]}))
+        budget = probes.budget_bytes.dropna()
+        if not budget.empty:
+            fig.add_hline(y=budget.iloc[0] / 1e6, line_dash="dash", annotation_text="emulated device capacity")
+        fig.update_xaxes(title_text="micro-batch per rank")
+        fig.update_yaxes(title_text="on-device MB per rank (states + activations)")
+        figs.append(("Max-batch search: every launch (number = order, x = out of memory)", fig))
+
+    if activation is not None and not activation.empty:
+        fig = go.Figure()
+        for strategy, rows in activation.groupby("strategy"):
+            fig.add_trace(go.Scatter(x=rows.micro_batch, y=rows.measured_activation_bytes / 1e6, mode="markers",
+                                     name=f"{label(strategy)} measured", marker={"color": COLORS.get(strategy)}))
+            fig.add_trace(go.Scatter(x=rows.micro_batch, y=rows.predicted_activation_bytes / 1e6, mode="lines",
+                                     name=f"{label(strategy)} from 1 profile",
+                                     line={"color": COLORS.get(strategy), "dash": "dot"}))
+        fig.update_xaxes(type="log", title_text="micro-batch per rank")
+        fig.update_yaxes(type="log", title_text="activation MB per rank")
+        figs.append(("Activation memory: measured vs a one-profile linear estimate", fig))
+    return figs
+
+
+def _vline_on_log_x(fig: Any, x: float, dash: str, text: str | None, *, row: int | None = None,
+                    col: int | None = None, **line: Any) -> None:
+    """A labelled vertical line at data value ``x`` on a log x axis.
+
+    Plotly.js takes a shape's x0/x1 on a log axis in data units but an annotation's x in log10 units, and
+    ``add_vline(annotation_text=...)`` gives both the data value: the label then sits at 10**x and drags
+    the autorange there (an axis from 1 to 10^279).  So the line is a shape and the label is placed at log10(x).
+    """
+    at = {} if row is None else {"row": row, "col": col}
+    fig.add_vline(x=x, line_dash=dash, **line, **at)
+    if text:
+        # Refs named by hand: add_annotation(row=, col=) would turn yref "paper" into data units of the subplot.
+        n = "" if col in (None, 1) else str(col) if row in (None, 1) else None
+        if n is None:
+            raise ValueError("_vline_on_log_x labels lines in the first row of subplots only")
+        fig.add_annotation(x=math.log10(x), xref=f"x{n}", y=1, yref=f"y{n} domain", yanchor="bottom", text=text,
+                           showarrow=False)
+
+
+def _oom_markers(fig: Any, table: pd.DataFrame, go: Any, cols: int) -> None:
+    """A dotted vertical line at each (strategy, batch) that ran out of memory."""
+    for row in table[table.status == "oom"].itertuples():
+        for col in range(1, cols + 1):
+            # Every caller puts global batch on a log x axis.
+            _vline_on_log_x(fig, row.global_batch, "dot", f"{row.strategy} OOM" if col == 1 else None, row=1,
+                            col=col, line_color=COLORS.get(row.strategy, "grey"), opacity=0.5)
+
+
+# -- the page --------------------------------------------------------------------------------------
+def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFrame | None = None,
+                 probes: pd.DataFrame | None = None, memory: pd.DataFrame | None = None,
+                 activation: pd.DataFrame | None = None, noise: pd.DataFrame | None = None,
+                 machine: dict[str, Any] | None = None, profile: dict[str, Any] | None = None,
+                 devices: Any = "detect") -> Path:
+    """Write the report and return its path.
+
+    `devices`: the machine the report is written on (`labkit.runtime.devices.Devices`; default: detected), compared with
+    `machine` for the banner at the top (:func:`provenance_banner`); None: no comparison.  A profile note that
+    says "untested" goes in the banner too."""
+    from plotly.offline import get_plotlyjs
+
+    from labkit.launch.store import write_text_atomic
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(devices, str) and devices == "detect":
+        from labkit.runtime.devices import detect_devices
+
+        devices = detect_devices()
+    statements = conclusions(results, maxbatch=maxbatch, memory=memory, activation=activation, noise=noise,
+                             machine=machine, profile=profile)
+    figs = figures(results, maxbatch=maxbatch, probes=probes, memory=memory, activation=activation, noise=noise,
+                   profile=profile)
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>DeepSpeed Batch Lab: the answer</title>",
+        f"<script type='text/javascript'>{get_plotlyjs()}</script>",
+        "<style>body{font-family:system-ui,sans-serif;max-width:1200px;margin:auto;padding:1em;color:#222}"
+        "table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
+        "th{background:#f4f4f4}.note{color:#555;font-size:13px}li{margin:.3em 0}</style></head><body>",
+        _banner_html(machine, devices, profile),
+        "<h1>Can DeepSpeed keep training time flat while the batch size grows?</h1>",
+        f"<p class='note'>{_header(machine, profile, results)}</p>",
+        "<h2>Conclusions (computed from the measurements below)</h2><ul>",
+        *[f"<li>{html.escape(s)}</li>" for s in statements],
+        "</ul>",
+    ]
+    for title, fig in figs:
+        parts.append(f"<h2>{html.escape(title)}</h2>")
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False}))
+    parts.append("<h2>Results (results.csv)</h2>")
+    parts.append(_html_table(results, [c for c in TABLE_COLUMNS if c in results]))
+    if maxbatch is not None and not maxbatch.empty:
+        parts += ["<h2>Max-batch search (maxbatch.csv)</h2>", _html_table(maxbatch, list(maxbatch.columns))]
+    if memory is not None and not memory.empty:
+        parts += ["<h2>Memory model comparison (memory.csv)</h2>", _html_table(memory, list(memory.columns))]
+    parts.append(f"<p class='note'>{html.escape(_method_note(results))}</p></body></html>")
+    write_text_atomic(path, "\n".join(parts))
+    return path
+
+
+def _header(machine: dict[str, Any] | None, profile: dict[str, Any] | None, results: pd.DataFrame) -> str:
+    bits = []
+    if profile:
+        bits.append(f"profile <b>{html.escape(str(profile.get('name')))}</b>")
+    if machine:
+        bits.append(html.escape(f"{machine.get('cpu_model')} ({machine.get('cpu_cores')} cores, "
+                                f"{(machine.get('ram_bytes') or 0) / 2**30:.0f} GiB RAM), accelerator "
+                                f"{machine.get('accelerator')}, torch {machine.get('torch')}, deepspeed "
+                                f"{machine.get('deepspeed')}, {machine.get('date')}"))
+        if machine.get("answer_runtime_s"):
+            bits.append(f"measured in {machine['answer_runtime_s']:.0f} s with {machine.get('launches', '?')} launches")
+    bits.append(f"{len(results)} sweep points")
+    return "; ".join(bits)
+
+
+def _method_note(results: pd.DataFrame) -> str:
+    emulated = results.device_budget_bytes.notna().any() if "device_budget_bytes" in results else False
+    return ("Step time: median over rank 0's steps after the first two. Time per epoch: step time x dataset size / "
+            "global batch. Steps to target (target_measured_on = eval_loss): the first step at which the loss on a "
+            "fixed held-out eval set (eval_samples, the same for every run) is at or below the target, evaluated "
+            "every eval_every steps and every step once within 10% of it, outside the step's clock (older results: "
+            "the mean training loss over a 5-step window). Warmup in samples (warmup_samples; warmup_steps is what "
+            "it came to at each batch). Every timed run ran alone (concurrent_runs: the other launches computing "
+            "beside it), its CPU ranks with threads_per_rank threads each. Time to target (compute_time_to_target_s, "
+            "used in the conclusions): steps to target x median step time; train_time_to_target_s sums rank 0's "
+            "measured step times instead (stalls caused by other processes included); time_to_target_s is the wall "
+            "clock from process start. "
+            + ("Out of memory on CPU means the emulated device capacity (device_memory_budget_bytes): the worker "
+               "counts the model states a GPU would hold (params, grads, optimizer states and fp32 master, less what "
+               "optimizer offload keeps on the host) plus saved activations, and raises torch.OutOfMemoryError past "
+               "it. It leaves out communication buffers (buffer_bytes: ZeRO-3's reduce bucket, offload staging "
+               "buffers) and the parameters ZeRO-3 gathers transiently for forward and backward, so a real GPU needs "
+               "more. "
+               if emulated else "Out of memory is the device's own error. ")
+            + "Bytes are per rank, the largest over ranks.")
+
+
+def _html_table(frame: pd.DataFrame, columns: Iterable[str]) -> str:
+    def fmt(value: Any) -> str:
+        if _nan(value):
+            return ""
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return html.escape(str(value))
+
+    columns = list(columns)
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{fmt(row.get(c))}</td>" for c in columns) + "</tr>"
+                   for row in frame.to_dict("records"))
+    return f"<div style='overflow-x:auto'><table><tr>{head}</tr>{body}</table></div>"
