@@ -7,9 +7,14 @@ emulated slots (`LABKIT_EMULATED_DEVICES`) through the same code.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -53,8 +58,6 @@ def test_a_lease_takes_free_devices_not_always_the_first(tmp_path):
 
 def test_lease_directory_must_be_sticky_and_owned_by_root_or_the_user(tmp_path):
     """Issue 11 item 10: in a world-writable directory without the sticky bit anyone can delete a live lease."""
-    import os
-
     loose = tmp_path / "loose"
     loose.mkdir()
     os.chmod(loose, 0o777)
@@ -70,6 +73,79 @@ def test_lease_directory_must_be_sticky_and_owned_by_root_or_the_user(tmp_path):
     fresh = tmp_path / "fresh"
     device_lease.release(device_lease.take("cuda", ["0"], "run", fresh))  # created sticky: accepted
     assert os.stat(fresh).st_mode & 0o1777 == 0o1777
+
+
+NOBODY = 65534  # the lease code runs as this user in a child process; root's files are "another user's"
+AS_NOBODY_CODE = """
+import json, sys
+from labkit.runtime import device_lease
+
+leases, foreign_dir = sys.argv[1], sys.argv[2]
+calls = {
+    "take 0": lambda: device_lease.take("cuda", ["0"], "run of nobody", leases),
+    "take_free 0": lambda: device_lease.take_free("cuda", ["0"], 1, "run of nobody", leases),
+    "take_free 0,1": lambda: device_lease.take_free("cuda", ["0", "1"], 1, "run of nobody", leases)[0],
+    "take 2": lambda: len(device_lease.take("cuda", ["2"], "run of nobody", leases)),
+    "foreign dir": lambda: device_lease.take("cuda", ["0"], "run of nobody", foreign_dir),
+}
+out = {}
+for name, call in calls.items():
+    try:
+        out[name] = ["ok", call()]
+    except Exception as exc:
+        out[name] = [type(exc).__name__, isinstance(exc, device_lease.DevicesBusy), str(exc)]
+print(json.dumps(out))
+"""
+
+
+def _as_nobody(*argv: str) -> subprocess.CompletedProcess:
+    repo = str(Path(device_lease.__file__).resolve().parents[2])
+    return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                           sys.executable, *argv], capture_output=True, text=True, cwd=repo, timeout=120,
+                          env={**os.environ, "PYTHONPATH": repo, "HOME": "/nonexistent"})
+
+
+def test_another_users_lease_file_is_refused_by_name_not_with_a_permission_error():
+    """Issue 11 item 10: a lock file another user left (root's, mode 0644) in the shared sticky lease directory
+    cannot be opened for writing: the lease code must refuse with DevicesBusy naming the file's owner, not
+    raise a raw PermissionError, and take_free must go on to the next device. Run as user nobody."""
+    if os.getuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run the lease code as another user")
+    probe = _as_nobody("-c", "import labkit.runtime.device_lease")
+    if probe.returncode != 0:
+        pytest.skip(f"user nobody cannot import labkit here (repo or venv unreadable): "
+                    f"{(probe.stderr.strip().splitlines() or ['?'])[-1]}")
+    top = Path(tempfile.mkdtemp(prefix="labkit-lease-test-"))  # in the temp dir: nobody can reach it
+    try:
+        os.chmod(top, 0o755)
+        leases = top / "leases"
+        leases.mkdir()
+        os.chmod(leases, 0o1777)  # as DEFAULT_LEASE_DIR: root's, sticky, world-writable
+        stale = leases / "cuda0.lock"
+        stale.write_text("run runs/of-root")
+        os.chmod(stale, 0o644)  # root's stale lease file: nobody may not write it
+        shared = leases / "cuda2.lock"
+        shared.write_text("")
+        os.chmod(shared, 0o666)  # root's lease file as labkit leaves it: anybody may lease through it
+        foreign = top / "foreign"
+        foreign.mkdir()
+        os.chmod(foreign, 0o1777)
+        os.chown(foreign, NOBODY - 1, NOBODY - 1)  # a third user's directory: leases there mean nothing
+        result = _as_nobody("-c", AS_NOBODY_CODE, str(leases), str(foreign))
+        assert result.returncode == 0, result.stderr
+        out = json.loads(result.stdout)
+        for name in ("take 0", "take_free 0"):
+            kind, busy, message = out[name]
+            assert busy, f"{name}: {kind}: {message}"  # DevicesBusy (a ConfigError), not PermissionError
+            assert str(stale) in message and "uid 0" in message, message
+        assert out["take_free 0,1"] == ["ok", ["1"]]  # the stale file blocks device 0 only
+        assert out["take 2"] == ["ok", 1]  # opened without O_CREAT: fine under fs.protected_regular too
+        kind, busy, message = out["foreign dir"]
+        assert busy and "owned by root or by you" in message, message
+        assert stale.read_text() == "run runs/of-root"
+        assert os.stat(leases / "cuda1.lock").st_uid == NOBODY
+    finally:
+        shutil.rmtree(top)
 
 
 def test_second_lease_on_a_held_device_is_refused_naming_the_holder(tmp_path):
@@ -162,3 +238,4 @@ def test_sweep_waits_for_the_lease_of_the_run_before(tmp_path, monkeypatch):
                         dataset_size=256, census_every=100) for stage in (0, 1, 2)]
     table = Sweep(points, tmp_path / "sweep", parallel=1, progress=False, retries=0).run()
     assert list(table["status"]) == ["finished"] * 3, table.to_dict("records")
+

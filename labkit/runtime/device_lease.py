@@ -37,6 +37,16 @@ class DevicesBusy(ConfigError):
         super().__init__("world_size", message)
 
 
+class LeaseFileForbidden(DevicesBusy):
+    """A device's lease file cannot be opened by this user (another user's stale file): the device
+    cannot be leased, whether or not a run holds it. `reason` says whose file it is."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"cannot lease through {path}: {reason}")
+
+
 # CI has no GPUs: with this set to N, CPU runs lease N emulated device slots through the same
 # code as GPU runs (device choice, the lease's hand-off, the sweep waiting for it).
 EMULATED_DEVICES_ENV = "LABKIT_EMULATED_DEVICES"
@@ -84,7 +94,12 @@ def take_free(accelerator: str, candidates: list[str], count: int, holder: str,
         for device in candidates:
             if len(ids) == count:
                 break
-            fd = _lock(lease_dir, accelerator, device)
+            try:
+                fd = _lock(lease_dir, accelerator, device)
+            except LeaseFileForbidden as exc:
+                # Another user's stale lease file blocks this device only: the next candidate may be free.
+                holders.append(f"{accelerator} device {device} (not leasable by you: {exc.path}: {exc.reason})")
+                continue
             if fd is None:
                 holders.append(f"{accelerator} device {device} ({_holder(lease_dir, accelerator, device)})")
                 continue
@@ -163,9 +178,9 @@ def _lock(lease_dir: Path, accelerator: str, device: str) -> int | None:
             except PermissionError:
                 pass
     except PermissionError as exc:
-        raise DevicesBusy(f"cannot open the lease file {path} ({exc.strerror}); it belongs to uid "
-                          f"{_owner(path)}: a stale file of another user, or not writable for you. "
-                          f"Ask its owner (or root) to remove it") from None
+        raise LeaseFileForbidden(path, f"{exc.strerror}: the lease file belongs to uid {_owner(path)}, a stale "
+                                       f"file of another user or not writable for you; ask its owner (or root) "
+                                       f"to remove it") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
