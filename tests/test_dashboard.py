@@ -11,6 +11,7 @@ import ast
 import json
 import math
 import re
+import sys
 import threading
 from pathlib import Path
 
@@ -487,6 +488,59 @@ def test_stop_shows_stopping_until_the_run_is_done(runs_root, monkeypatch):
     finally:
         LiveRun.stop_gate.set()
         stopper.join(timeout=30)
+    assert plain(panel.status).startswith("status: stopped at step 2/9")
+    assert (panel.launch_button.disabled, panel.stop_button.disabled) == (False, True)
+
+
+class RecoveringRun(LiveRun):
+    """A run whose supervisor dies between the update thread's poll and the panel's tick: the tick's
+    status read recovers it (kills what is left, writes the summary), which takes seconds. Here it
+    takes until the test says so."""
+
+    recovering = threading.Event()  # the tick's status read has begun its recovery
+    recovered = threading.Event()   # the test lets it end
+    stop_called = threading.Event()  # Run.stop() was reached: the run's processes are being ended
+
+    @property
+    def status(self) -> str:
+        in_tick = any(frame.f_code.co_name == "_on_tick" for frame in _frames())
+        if in_tick and not self.recovering.is_set():
+            self.recovering.set()
+            assert self.recovered.wait(timeout=20)
+        return super().status
+
+    def stop(self, timeout: float = 6.0) -> str:
+        self.stop_called.set()
+        return super().stop(timeout)
+
+
+def _frames():
+    frame = sys._getframe(1)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def test_stop_is_not_held_back_by_a_tick_recovering_the_run(runs_root, monkeypatch):
+    """Issue 11 item 12: the tick read the run's status (which may recover a run whose supervisor died:
+    seconds of killing and summarising) while holding the panel's lock, and Stop waited for that lock."""
+    monkeypatch.setattr(labkit.live.panel, "Run", RecoveringRun)
+    for event in (RecoveringRun.recovering, RecoveringRun.recovered, RecoveringRun.stop_called):
+        event.clear()
+    panel = LabPanel(world_size=2, micro_batch=32, steps=9, refresh_s=0.05)
+    run = panel.launch()
+    stopper = threading.Thread(target=panel.stop)  # the kernel's thread, in the Stop button's callback
+    try:
+        assert RecoveringRun.recovering.wait(timeout=20)
+        stopper.start()
+        # Stop shows "stopping" and ends the run while the tick is still recovering.
+        assert RecoveringRun.stop_called.wait(timeout=5), "Stop waited for the tick's recovery"
+        assert plain(panel.status) == f"status: stopping · {run.run_dir.name}"
+    finally:
+        RecoveringRun.recovered.set()
+        if stopper.ident is not None:
+            stopper.join(timeout=30)
+    assert panel.dashboard.join(timeout=20)
     assert plain(panel.status).startswith("status: stopped at step 2/9")
     assert (panel.launch_button.disabled, panel.stop_button.disabled) == (False, True)
 
