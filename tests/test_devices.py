@@ -99,20 +99,45 @@ def test_bf16_counts_only_native_support():
     assert native_bf16((8, 0)) and native_bf16((8, 9)) and native_bf16([9, 0])  # A100, L4, H100
 
 
-def test_gpu_check_writes_its_report_without_a_gpu(tmp_path):
-    """`make gpu-check` on a machine with no GPU still reports device, versions and results, and says so."""
+def test_gpu_check_without_a_gpu_says_so_fails_and_still_writes_its_report(tmp_path):
+    """`make gpu-check` on a machine with no GPU: it said "no GPU" in passing, built CPU ops, ran nothing and
+    exited 0 with "failures: none", as if the GPU path had passed. It must say plainly that there is no GPU
+    and why, check nothing else, and exit non-zero, with the report (device, versions) written."""
     import subprocess
     import sys
     from pathlib import Path
 
+    import pytest
+    import torch
+
+    if not detect_devices().is_cpu:
+        pytest.skip("a GPU is here: make gpu-check checks it for real")
     root = str(Path(__file__).resolve().parent.parent)
     report = tmp_path / "report.txt"
     result = subprocess.run([sys.executable, "-m", "labkit.runtime.gpu_check", "--report", str(report), "--runs-root",
                              str(tmp_path / "runs")], capture_output=True, text=True, timeout=900, cwd=root)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     text = report.read_text()
-    assert "no GPU" in text and "versions: python" in text and "torch" in text and "failures: none" in text
-    assert "gpu tests:" in text and "skipped" in text
+    assert "NO GPU: DeepSpeed's accelerator is cpu." in text and "NO GPU" in result.stdout
+    assert "versions: python" in text and "failures: 1" in text and "- no GPU: " in text
+    if torch.version.cuda is None:
+        assert f"torch {torch.__version__} is a CPU-only build" in text
+    assert "ops:" not in text and "gpu tests:" not in text and not (tmp_path / "runs").exists()  # nothing ran
+
+
+def test_gpu_check_names_why_torch_sees_no_gpu(monkeypatch):
+    from labkit.runtime.gpu_check import why_no_gpu
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert why_no_gpu().startswith("DS_ACCELERATOR=cpu")
+    monkeypatch.delenv("DS_ACCELERATOR")
+    monkeypatch.setattr("torch.version.cuda", "12.8")
+    monkeypatch.setattr("torch.version.hip", None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert "hides every GPU" in why_no_gpu()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert "no NVIDIA driver" in why_no_gpu()
 
 
 def test_torch_adam_replaces_deepspeeds_cuda_adam_without_nvcc():

@@ -2,15 +2,20 @@
 
 It builds DeepSpeed's ops (or says why not: no nvcc matching torch's CUDA means torch_adam), runs the
 GPU-marked tests (`pytest -m gpu`), one 2-rank run per ZeRO stage, and writes a short report: device,
-versions, results, failures. On a machine without a GPU it says so and checks nothing GPU-only.
+versions, results, failures. On a machine where DeepSpeed finds no GPU it says so, with the likely
+reason (a CPU-only torch, no driver, CUDA_VISIBLE_DEVICES), checks nothing else, writes the report and
+exits non-zero: a check that passed there would say nothing about the GPU path.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import shutil
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -37,7 +42,12 @@ def check(report_path: Path, runs_root: Path, run_timeout_s: float = 600) -> lis
               f"CUDA ops buildable: {buildable} ({why})", ""]
     gpu = not devices.is_cpu
     if not gpu:
-        lines += ["no GPU: DeepSpeed's accelerator is cpu; GPU-only checks skipped", ""]
+        reason = why_no_gpu()
+        failures.append(f"no GPU: {reason}")
+        lines += [f"NO GPU: DeepSpeed's accelerator is cpu. {reason}",
+                  "Nothing was checked (ops, GPU tests, 2-rank runs): run this on the GPU machine."]
+        _write_report(report_path, lines, failures)
+        return failures
 
     try:
         built = build_all()
@@ -71,16 +81,43 @@ def check(report_path: Path, runs_root: Path, run_timeout_s: float = 600) -> lis
                     if not run.done:
                         run.stop()
                     failures.append(f"ZeRO-{stage} run: {status}: {run.cause}")
+                # The next stage needs the same GPUs, which this run's supervisor holds until it exits.
+                released_by = time.monotonic() + 120
+                while run.holds_devices and time.monotonic() < released_by:
+                    time.sleep(0.2)
             except Exception as exc:
                 failures.append(f"ZeRO-{stage} run: {type(exc).__name__}: {exc}")
                 lines.append(f"2-rank ZeRO-{stage}: could not start: {exc}")
     else:
         lines.append("2-rank runs: skipped (" + ("no GPU" if not gpu else f"{devices.device_count} GPU visible") + ")")
 
-    lines += ["", "failures: " + ("none" if not failures else str(len(failures)))] + [f"- {f}" for f in failures]
+    _write_report(report_path, lines, failures)
+    return failures
+
+
+def _write_report(report_path: Path, lines: list[str], failures: list[str]) -> None:
+    lines = [*lines, "", "failures: " + ("none" if not failures else str(len(failures))), *(f"- {f}" for f in failures)]
     report_path.parent.mkdir(parents=True, exist_ok=True)
     report_path.write_text("\n".join(lines) + "\n")
-    return failures
+
+
+def why_no_gpu() -> str:
+    """The likely reason torch (and so DeepSpeed) sees no GPU here, in words a user can act on."""
+    import torch
+
+    if os.environ.get("DS_ACCELERATOR", "").strip() == "cpu":
+        return "DS_ACCELERATOR=cpu makes DeepSpeed use the CPU; unset it."
+    if torch.version.cuda is None and torch.version.hip is None:
+        return (f"torch {torch.__version__} is a CPU-only build: install torch's CUDA build "
+                f"(README: GPU prerequisites).")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and not [d for d in visible.split(",") if d.strip() and d.strip() != "-1"]:
+        return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU."
+    if shutil.which("nvidia-smi") is None and torch.version.hip is None:
+        return (f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but finds no GPU, and there "
+                f"is no nvidia-smi: no NVIDIA driver is installed (or this container was started without GPUs).")
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}, ROCm {torch.version.hip}) finds no GPU; "
+            f"`nvidia-smi` shows whether the driver sees one and which CUDA version it supports.")
 
 
 def main() -> int:
@@ -88,10 +125,14 @@ def main() -> int:
     parser.add_argument("--report", type=Path, default=Path("gpu-check-report.txt"))
     parser.add_argument("--runs-root", type=Path, default=Path("runs") / "gpu-check")
     args = parser.parse_args()
-    failures = check(args.report, args.runs_root)
+    try:
+        failures = check(args.report, args.runs_root)
+    except Exception as exc:  # a broken install (torch, DeepSpeed): the report says so, for the bug report
+        failures = [f"gpu-check could not run: {type(exc).__name__}: {exc}"]
+        _write_report(args.report, ["# labkit gpu-check", "", traceback.format_exc()], failures)
     print(args.report.read_text())
     print(f"report written to {args.report}")
-    return 1 if failures else 0
+    return 1 if failures else 0  # no GPU is a failure: nothing GPU-only was checked
 
 
 if __name__ == "__main__":
