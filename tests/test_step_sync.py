@@ -152,3 +152,115 @@ def test_on_a_synchronized_device_records_are_ready_at_once():
     clock.end(step=7)
     (record,) = clock.ready()
     assert record["step"] == 7 and record["loss"] == 3.0 and record["forward_s"] <= record["step_time_s"]
+
+
+# The real worker (labkit.launch.worker, one rank of world size 1, real deepspeed.initialize on CPU) on
+# DeepSpeed's CPU accelerator playing a device with its own allocator statistics: RESIDENT bytes stay
+# allocated, deepspeed.initialize leaves a passing peak of TRANSIENT bytes (flattened buffers, a gathered
+# copy), and reset_peak_memory_stats() brings the peak back to what is allocated, as torch.cuda does.
+# Every call of interest and every record the rank writes is logged in order.
+PEAK_WORKER = '''
+import json, runpy, sys
+
+import deepspeed
+import deepspeed.accelerator
+
+log_path, run_dir, TRANSIENT, RESIDENT = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+calls = []
+
+
+class PeakDevice:
+    _name = "emulated"  # not "cpu": labkit reads device memory (telemetry.memory) and resets its peak
+
+    def __init__(self, real):
+        self.real = real
+        self.peak = RESIDENT
+
+    def memory_allocated(self, device_index=None):
+        return RESIDENT
+
+    def memory_reserved(self, device_index=None):
+        return RESIDENT
+
+    def max_memory_allocated(self, device_index=None):
+        return self.peak
+
+    def reset_peak_memory_stats(self, device_index=None):
+        calls.append("reset_peak_memory_stats")
+        self.peak = RESIDENT
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+device = PeakDevice(deepspeed.accelerator.get_accelerator())
+deepspeed.accelerator.get_accelerator = lambda: device  # what labkit's worker and telemetry import
+real_initialize = deepspeed.initialize
+
+
+def initialize(*args, **kwargs):
+    out = real_initialize(*args, **kwargs)
+    device.peak = max(device.peak, TRANSIENT)
+    calls.append("deepspeed.initialize")
+    return out
+
+
+deepspeed.initialize = initialize
+import labkit.live.telemetry
+import labkit.runtime.devices
+
+real_write = labkit.live.telemetry.RankTelemetry._write
+
+
+def write(self, record):
+    calls.append("record " + record.get("event", "?"))
+    real_write(self, record)
+
+
+labkit.live.telemetry.RankTelemetry._write = write
+labkit.runtime.devices.rank_device_name = lambda accelerator, local_rank: "emulated"  # torch has no such device
+sys.argv = ["labkit.launch.worker", "--run-dir", run_dir]
+try:
+    runpy.run_module("labkit.launch.worker", run_name="__main__", alter_sys=True)
+finally:
+    with open(log_path, "w") as handle:
+        json.dump(calls, handle)
+'''
+
+
+def test_the_ready_record_and_the_runs_device_peak_leave_out_initializes_transient(tmp_path):
+    """Issue 11 item 11: the device's peak counter was reset only before the first step, so the ready record's
+    device_peak_bytes, and with it the run's device peak, was deepspeed.initialize's transient."""
+    import json
+    import subprocess
+
+    from labkit.launch.launcher import build_command, free_port
+    from labkit.launch.store import write_json_atomic
+    from labkit.launch.summary import summarize
+
+    transient, resident = 7 << 30, 5 << 20
+    config = RunConfig(example="zero3", stage=2, world_size=1, micro_batch=8, hidden=32, steps=3,
+                       dataset_size=256, census_every=100)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_json_atomic(run_dir / "config.json", config.to_dict())
+    port = free_port()
+    _, env = build_command(config, run_dir, master_port=port, accelerator="cpu")
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    log = tmp_path / "calls.json"
+    worker = subprocess.run([sys.executable, "-c", PEAK_WORKER, str(log), str(run_dir), str(transient),
+                             str(resident)], env=env, capture_output=True, text=True, timeout=300)
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    calls = json.loads(log.read_text())
+    initialized, ready = calls.index("deepspeed.initialize"), calls.index("record ready")
+    # Reset after initialize, before the ready record (and so before the first step's record) ...
+    assert "reset_peak_memory_stats" in calls[initialized:ready], calls
+    assert calls.index("record step") > ready
+    # ... so every record's peak, and the run's, is what the run holds, not initialize's transient.
+    records = [json.loads(line) for line in (run_dir / "rank0.jsonl").read_text().splitlines()]
+    peaks = {r["event"]: r["device_peak_bytes"] for r in records if "device_peak_bytes" in r}
+    assert peaks and set(peaks) >= {"ready", "step", "done"}
+    assert set(peaks.values()) == {resident}, peaks
+    summary = summarize(run_dir, config.to_dict(), status="finished", cause=None)
+    assert summary["per_rank"]["0"]["device_peak_bytes"] == resident
