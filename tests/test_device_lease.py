@@ -239,3 +239,74 @@ def test_sweep_waits_for_the_lease_of_the_run_before(tmp_path, monkeypatch):
     table = Sweep(points, tmp_path / "sweep", parallel=1, progress=False, retries=0).run()
     assert list(table["status"]) == ["finished"] * 3, table.to_dict("records")
 
+
+SWEEP_POINT = dict(example="zero3", world_size=2, micro_batch=8, hidden=32, steps=2, dataset_size=256,
+                   census_every=100)
+
+
+def test_the_supervisors_slow_exit_fault_is_its_own():
+    from labkit.launch.faults import (
+        SUPERVISOR,
+        Fault,
+        FaultHooks,
+        FaultSpecError,
+        parse_faults,
+        supervisor_exit_delay_s,
+    )
+
+    spec = "raise@rank1:step5,slowexit@supervisor:7"
+    assert parse_faults(spec) == [Fault("raise", 1, 5), Fault("slowexit", SUPERVISOR, 7)]
+    assert supervisor_exit_delay_s(spec) == 7.0 and supervisor_exit_delay_s("raise@rank0:3") == 0.0
+    assert FaultHooks(0, spec).faults == [] and len(FaultHooks(1, spec).faults) == 1  # ranks never see it
+    for wrong in ("slowexit@rank0:3", "raise@supervisor:3"):
+        with pytest.raises(FaultSpecError, match="supervisor"):
+            parse_faults(wrong)
+    assert supervisor_exit_delay_s("slowexit@rank0:3") == 0.0  # the ranks name a bad spec; the supervisor goes on
+
+
+def _slow_supervisors(tmp_path, monkeypatch, exit_delay_s: int) -> None:
+    """CPU runs lease 2 emulated slots; every supervisor sleeps `exit_delay_s` after its summary, holding them
+    (the fault hook), and Run.wait() gives it 1 s instead of 10 (the test's time, not the behaviour)."""
+    from labkit.launch import run as run_module
+
+    monkeypatch.setattr(device_lease, "DEFAULT_LEASE_DIR", tmp_path / "leases")
+    monkeypatch.setenv(device_lease.EMULATED_DEVICES_ENV, "2")
+    monkeypatch.setenv("LABKIT_FAULT", f"slowexit@supervisor:{exit_delay_s}")
+    monkeypatch.setattr(run_module, "SUPERVISOR_EXIT_WAIT_S", 1.0)
+
+
+def test_sweep_waits_for_a_supervisor_slower_than_wait(tmp_path, monkeypatch):
+    """Issue 11 item 1, the rest: the sweep dropped a done run once Run.wait() stopped waiting for its supervisor
+    (10 s); a slower supervisor still held the devices and the next point's start was refused (DevicesBusy)."""
+    from labkit.study.sweep import Sweep
+
+    _slow_supervisors(tmp_path, monkeypatch, exit_delay_s=6)
+    points = [RunConfig(stage=stage, **SWEEP_POINT) for stage in (1, 2)]
+    table = Sweep(points, tmp_path / "sweep", parallel=1, progress=False, retries=0).run()
+    assert list(table["status"]) == ["finished"] * 2, table.to_dict("records")
+    # It returns once its last run's lease is free too: the next sweep's first start is not refused.
+    device_lease.release(device_lease.take("emulated", ["0", "1"], "the next sweep", tmp_path / "leases"))
+
+
+def test_sweep_names_a_run_whose_supervisor_keeps_the_lease(tmp_path, monkeypatch):
+    """Bounded: a supervisor that never lets go is named (run directory, PID), finished points are kept."""
+    import psutil
+
+    from labkit.study import sweep as sweep_module
+
+    _slow_supervisors(tmp_path, monkeypatch, exit_delay_s=120)
+    monkeypatch.setattr(sweep_module, "LEASE_RELEASE_TIMEOUT_S", 2.0)
+    points = [RunConfig(stage=1, **SWEEP_POINT), RunConfig(stage=2, **SWEEP_POINT)]
+    sweep = sweep_module.Sweep(points, tmp_path / "sweep", parallel=1, progress=False, retries=0)
+    with pytest.raises(sweep_module.LeaseNotReleased) as stuck:
+        sweep.run()
+    supervisor = psutil.Process(stuck.value.supervisor_pid)
+    try:
+        assert "labkit.launch.supervisor" in supervisor.cmdline()
+        message = str(stuck.value)
+        assert str(stuck.value.run_dir) in message and f"kill {supervisor.pid}" in message
+        assert len(list((tmp_path / "sweep" / "runs").iterdir())) == 1  # the second point was not started
+        assert list(sweep.table()["status"]) == ["finished"]  # the first point is kept
+    finally:
+        supervisor.kill()
+        supervisor.wait(timeout=10)

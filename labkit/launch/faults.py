@@ -8,6 +8,9 @@ distributed init (a slow JIT build). Kinds:
   oom       torch.OutOfMemoryError            memerror  bare MemoryError
   cpualloc  the CPU allocator's RuntimeError  hang      sleep forever while alive
   exit      sys.exit(3)                       slowstart sleep N s at start
+
+The run's supervisor has one: `slowexit@supervisor:N` sleeps N seconds after it wrote summary.json,
+before it exits, still holding the run's device lease (a loaded machine's slow teardown).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import time
 from dataclasses import dataclass
 
 KINDS = ("raise", "kill", "oom", "memerror", "cpualloc", "hang", "exit", "slowstart")
-_SPEC = re.compile(r"(?P<kind>[a-z]+)@rank(?P<rank>\d+):(?:step)?(?P<at>\d+)")
+SUPERVISOR_KINDS = ("slowexit",)
+SUPERVISOR = -1  # Fault.rank of a fault of the supervisor
+_SPEC = re.compile(r"(?P<kind>[a-z]+)@(?:rank(?P<rank>\d+)|(?P<supervisor>supervisor)):(?:step)?(?P<at>\d+)")
 
 
 class FaultSpecError(ValueError):
@@ -31,17 +36,29 @@ class FaultSpecError(ValueError):
 class Fault:
     kind: str
     rank: int
-    at: int  # step number, or seconds for slowstart
+    at: int  # step number, or seconds for slowstart and slowexit
 
 
 def parse_faults(spec: str) -> list[Fault]:
     faults = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         match = _SPEC.fullmatch(part)
-        if match is None or match["kind"] not in KINDS:
-            raise FaultSpecError(f"LABKIT_FAULT: cannot parse {part!r}; expected kind@rankR:stepS with kind in {KINDS}")
-        faults.append(Fault(match["kind"], int(match["rank"]), int(match["at"])))
+        kinds = SUPERVISOR_KINDS if match and match["supervisor"] else KINDS
+        if match is None or match["kind"] not in kinds:
+            raise FaultSpecError(f"LABKIT_FAULT: cannot parse {part!r}; expected kind@rankR:stepS with kind in {KINDS} "
+                                 f"or kind@supervisor:N with kind in {SUPERVISOR_KINDS}")
+        faults.append(Fault(match["kind"], SUPERVISOR if match["supervisor"] else int(match["rank"]), int(match["at"])))
     return faults
+
+
+def supervisor_exit_delay_s(spec: str | None = None) -> float:
+    """Seconds the supervisor sleeps before it exits (`slowexit@supervisor:N`); 0 for a spec it cannot
+    parse (the ranks fail on it and name it)."""
+    spec = os.environ.get("LABKIT_FAULT", "") if spec is None else spec
+    try:
+        return float(sum(f.at for f in parse_faults(spec) if f.kind == "slowexit"))
+    except FaultSpecError:
+        return 0.0
 
 
 class FaultHooks:

@@ -34,6 +34,7 @@ from labkit.runtime.devices import Devices, detect_devices
 
 FINAL_STATUSES = ("finished", "failed", "oom", "hung", "stopped")
 STOP_TIMEOUT_S = 6.0
+SUPERVISOR_EXIT_WAIT_S = 10.0  # wait() gives a done run's supervisor this long to exit (it may hold a lease longer)
 
 
 def run_name(config: RunConfig) -> str:
@@ -283,7 +284,7 @@ class Run:
             time.sleep(poll_s)
         if self._supervisor is not None and self.done:
             try:
-                self._supervisor.wait(timeout=10)
+                self._supervisor.wait(timeout=SUPERVISOR_EXIT_WAIT_S)
             except subprocess.TimeoutExpired:
                 pass
         return self.status

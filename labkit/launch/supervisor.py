@@ -37,6 +37,7 @@ from typing import Any
 import psutil
 
 from labkit.launch.failures import describe_exit, is_knock_on, is_oom, last_exception_line
+from labkit.launch.faults import supervisor_exit_delay_s
 from labkit.launch.launcher import is_multi_node
 from labkit.launch.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
 from labkit.launch.store import read_json, write_json_atomic
@@ -526,6 +527,8 @@ def main() -> int:
         write_json_atomic(args.run_dir / "summary.json", summary)
         write_json_atomic(args.run_dir / "status.json", {"status": outcome.status, "cause": outcome.cause,
                                                          "finished_at": time.time()})
+        # Fault suite: a supervisor slow to exit after its summary holds the run's device lease meanwhile.
+        time.sleep(supervisor_exit_delay_s())
     return 0
 
 

@@ -114,6 +114,22 @@ class SweepCancelled(Exception):
     """The sweep's `cancel` event was set: runs in flight were stopped, finished points kept."""
 
 
+# A finished run's supervisor holds its device lease until it exits, normally a few seconds after the
+# summary. The sweep launches nothing on those devices (and does not return) until it has; past this, it
+# gives up naming the run.
+LEASE_RELEASE_TIMEOUT_S = 120.0
+
+
+class LeaseNotReleased(RuntimeError):
+    """A finished run's supervisor still holds the run's devices long after its summary: the sweep's next
+    point would be refused (DevicesBusy). Finished points are kept; the sweep resumes once it is gone."""
+
+    def __init__(self, message: str, *, run_dir: Path, supervisor_pid: int | None):
+        super().__init__(message)
+        self.run_dir = run_dir
+        self.supervisor_pid = supervisor_pid
+
+
 def settled(status: Any, cause: Any) -> bool:
     """A result that stands: finished, or out of *device* memory (real or emulated capacity)."""
     return status == "finished" or (status == "oom" and HOST_OOM not in str(cause or ""))
@@ -366,13 +382,15 @@ class Sweep:
             bar = tqdm(total=len(self.points), initial=len(results), unit="run", file=sys.stderr,
                        desc=Path(self.results_name or "sweep").stem, dynamic_ncols=True)
         running: list[tuple[str, Any, float]] = []
+        releasing: list[tuple[Any, float]] = []  # done runs whose supervisor still holds their lease, since when
         tries: dict[str, int] = {}
         beside: dict[str, int] = {}  # key -> most other runs computing at once with it
         try:
-            while pending or running:
+            while pending or running or releasing:
                 if self.cancel is not None and self.cancel.is_set():
                     raise SweepCancelled(f"{len(pending) + len(running)} points left")
-                busy = sum(_busy(run) for _, run, _ in running)
+                releasing = [(run, since) for run, since in releasing if _lease_still_held(run, since)]
+                busy = sum(_busy(run) for _, run, _ in running) + len(releasing)
                 while pending and busy < max(1, self.parallel):
                     busy += 1
                     key, config = pending.pop(0)
@@ -392,6 +410,8 @@ class Sweep:
                     if run.done:
                         run.wait(timeout=15)
                         running.remove(item)
+                        if run.holds_devices:  # wait() gave up on its supervisor: the lease is not free yet
+                            releasing.append((run, time.monotonic()))
                         # Kept beside the run, so a resumed sweep rebuilding its row still knows it.
                         write_json_atomic(run.run_dir / POINT_FILE, {
                             "key": key, "measurement_version": MEASUREMENT_VERSION,
@@ -410,7 +430,7 @@ class Sweep:
                         if bar is not None:
                             bar.set_postfix_str(f"{row.get('strategy')} b{row.get('global_batch')}: {row['status']}")
                             bar.update(1)
-                if running:
+                if running or releasing:
                     time.sleep(0.5)
         except BaseException:
             # Interrupted: end the runs in flight (their points are retried next time), keep the rest.
@@ -459,6 +479,21 @@ def _busy(run: Any) -> bool:
         if b'"event":"done"' not in tail and b'"event":"error"' not in tail:
             return True
     return False
+
+
+def _lease_still_held(run: Any, since: float) -> bool:
+    """Whether a done run's supervisor still holds its device lease (`since`: when the sweep found the run
+    done and its supervisor still there); raises LeaseNotReleased past LEASE_RELEASE_TIMEOUT_S."""
+    if not run.holds_devices:
+        return False
+    if time.monotonic() - since > LEASE_RELEASE_TIMEOUT_S:
+        pid = run._supervisor_pid()
+        raise LeaseNotReleased(
+            f"run {run.run_dir} ended ({run.status}) but its supervisor (pid {pid}) still holds its devices "
+            f"({', '.join(run.device_ids)}) more than {LEASE_RELEASE_TIMEOUT_S:g} s after it ended: the next point "
+            f"would be refused (DevicesBusy). End that process (kill {pid}) and run the sweep again; its "
+            f"finished points are kept", run_dir=run.run_dir, supervisor_pid=pid)
+    return True
 
 
 def _isnan(value: Any) -> bool:
