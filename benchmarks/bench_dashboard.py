@@ -4,8 +4,8 @@
                                                    [--no-kernel]
 
 (a) Kernel-side cost of one refresh: synthetic step records of `--ranks` ranks x `--points`
-    steps are accumulated in RankSeries (as the update thread does), then each refresh
-    appends one new record per rank, shapes every trace (decimated to <= 2000 points) and
+    steps are accumulated in a RunSeries (as the update thread does), then each refresh
+    appends one new record per rank, shapes every trace (min/max buckets, <= 2000 points) and
     pushes them through `fig.batch_update()`. Two passes: memory="host" (CPU ranks: one RSS
     trace per rank) and memory="device" (GPU ranks: allocated + peak per rank, twice the
     memory traces). Goal: <= 50 ms each. Measured in this process
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from labkit import RunConfig
 from labkit.launch.launcher import build_command, free_port
 from labkit.launch.store import read_json, write_json_atomic
-from labkit.live.dashboard import STEP_KEYS, Dashboard, RankSeries, run_traces
+from labkit.live.dashboard import Dashboard, RunSeries, run_traces, step_columns
 from labkit.live.telemetry import RecordTail, rank_file, read_records
 from labkit.runtime.devices import detect_devices
 
@@ -61,13 +61,11 @@ def synthetic_records(rank: int, start: int, count: int) -> list[dict]:
 
 def bench_refresh(ranks: int, points: int, repeats: int = 30) -> None:
     print(f"(a) dashboard refresh: {ranks} ranks x {points} points per trace")
-    series = []
+    series = RunSeries(ranks)
     t0 = time.perf_counter()
-    for rank in range(ranks):
-        s = RankSeries(STEP_KEYS)
-        for start in range(1, points + 1, 10_000):  # in chunks: 800k dicts at once would take GBs
-            s.extend(synthetic_records(rank, start, min(10_000, points + 1 - start)))
-        series.append(s)
+    for start in range(1, points + 1, 10_000):  # in chunks: 800k dicts at once would take GBs
+        series.extend([step_columns(synthetic_records(rank, start, min(10_000, points + 1 - start)))
+                       for rank in range(ranks)])
     ingest = time.perf_counter() - t0
     print(f"    one-time ingestion of {ranks * points} records (records -> columns): {ingest:.2f} s "
           f"({ingest / (ranks * points) * 1e6:.2f} us/record; a live run ingests a few per poll)")
@@ -77,15 +75,14 @@ def bench_refresh(ranks: int, points: int, repeats: int = 30) -> None:
         step = refresh_pass(series, memory, step, repeats)
 
 
-def refresh_pass(series: list[RankSeries], memory: str, step: int, repeats: int) -> int:
+def refresh_pass(series: RunSeries, memory: str, step: int, repeats: int) -> int:
     """Times `repeats` refreshes of a dashboard showing `series` with `memory` traces; returns the next step."""
     dash = Dashboard()
     dash.show_series(series, memory=memory)
     dash.refresh()  # first call pays for plotly's validator imports
     shaping, totals, cpu = [], [], []
     for _ in range(repeats):
-        for rank, s in enumerate(series):
-            s.extend(synthetic_records(rank, step, 1))
+        series.extend([step_columns(synthetic_records(rank, step, 1)) for rank in range(len(series))])
         step += 1
         t0 = time.perf_counter()
         run_traces(series, memory=memory)

@@ -7,11 +7,10 @@ Goal: ratio >= 0.99. Two figures:
   the ratio is the median over pairs. Throughput comes from each rank-0 `done` record
   (`timed_s` over `timed_steps`, steps 1-2 excluded). On 2 shared cores two runs of the same
   config differ by several percent, more than the cost being measured.
-- In-run: each rank times its own instrumentation (census, memory readings, the record
-  write) over the same timed steps (`telemetry_s` in the `done` record), so
-  1 - telemetry_s / timed_s is the throughput ratio with that work removed, free of
-  run-to-run noise. (Not in it: the saved-tensor hooks counting activations, which run
-  inside the forward on census steps only.)
+- In-run: each rank times its own instrumentation (census and the saved-tensor hooks that count
+  activations on census steps, memory readings, the record write) over the same timed steps
+  (`telemetry_s` in the `done` record), so 1 - telemetry_s / timed_s is the throughput ratio with
+  that work removed, free of run-to-run noise.
 """
 
 from __future__ import annotations

@@ -29,3 +29,50 @@ def run_processes(run_dir: Path) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return found
+
+
+class RankFileReads:
+    """Bytes read from rank files (`rank<N>.jsonl`), one entry per read() call, through `open`,
+    `io.open` or `Path.read_bytes/read_text` (which call io.open); none while `paused`."""
+
+    def __init__(self) -> None:
+        self.reads: list[int] = []
+        self.paused = False
+
+
+@pytest.fixture
+def rank_file_reads(monkeypatch: pytest.MonkeyPatch) -> RankFileReads:
+    import builtins
+    import io
+    import re
+
+    counter = RankFileReads()
+    real_open = io.open
+
+    class CountingFile:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def read(self, *args):
+            data = self.handle.read(*args)
+            if not counter.paused:
+                counter.reads.append(len(data))
+            return data
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        is_rank_file = isinstance(file, (str, os.PathLike)) and re.fullmatch(r"rank\d+\.jsonl", Path(file).name)
+        return CountingFile(handle) if is_rank_file and "r" in mode else handle
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(io, "open", counting_open)
+    return counter

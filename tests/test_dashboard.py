@@ -26,10 +26,11 @@ from labkit.launch.store import new_run_dir, write_json_atomic
 from labkit.launch.summary import summarize
 from labkit.live.dashboard import (
     REFRESH_S,
+    STEP_KEYS,
     Dashboard,
+    Decimated,
     RankSeries,
-    decimate,
-    decimation_index,
+    RunSeries,
     load_series,
     memory_kind,
     run_traces,
@@ -69,26 +70,54 @@ def config(**overrides) -> RunConfig:
 
 
 # -- decimation ----------------------------------------------------------------------------
-@pytest.mark.parametrize("n", [0, 1, 2, 1999, 2000, 2001, 2002, 3999, 4001, 100_000, 123_457])
-def test_decimation_keeps_max_points_first_and_last(n):
-    idx = decimation_index(n, 2000)
-    assert len(idx) == min(n, 2000)  # just above the cap too (2001 -> 2000, not 1001)
+def _decimated(y, max_points: int = 2000, chunks: int = 1) -> tuple[Decimated, np.ndarray, np.ndarray]:
+    """A Decimated fed y (x = 1, 2, ...) in `chunks` pieces, and the points it draws."""
+    trace = Decimated(max_points)
+    x = np.arange(1, len(y) + 1, dtype=float)
+    for part in np.array_split(np.arange(len(y)), chunks):
+        trace.extend(x[part], np.asarray(y, dtype=float)[part])
+    return (trace, *trace.points())
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 1995, 1996, 1997, 2000, 2001, 3999, 4001, 100_000, 123_457])
+def test_decimation_keeps_at_most_max_points_first_and_last(n):
+    y = np.sin(np.arange(n) / 50.0)
+    trace, xs, ys = _decimated(y)
+    assert len(xs) <= 2000 and trace.n == n
     if n:
-        assert idx[0] == 0 and idx[-1] == n - 1
-        assert np.all(np.diff(idx) > 0)
-    if n <= 2000:
-        assert list(idx) == list(range(n))
-    else:  # evenly spread: no gap more than one index wider than the ideal spacing
-        gaps = np.diff(idx)
-        assert gaps.max() - gaps.min() <= 1 and gaps.max() <= math.ceil((n - 1) / 1999)
+        assert xs[0] == 1 and xs[-1] == n and ys[-1] == y[-1]
+        assert np.all(np.diff(xs) > 0)
+        assert np.array_equal(ys, y[xs.astype(int) - 1])  # real points, not averages
+    if n < 1996:  # below the room for full buckets: every point
+        assert list(xs) == list(range(1, n + 1))
+    if n >= 4001:  # and not a handful: the buckets use the room they have
+        assert len(xs) >= 990
 
 
-def test_decimate_pairs_x_and_y():
-    x = np.arange(1, 101, dtype=float)
-    xs, ys = decimate(x, x * 2, max_points=10)
-    assert len(xs) <= 10 and xs[-1] == 100 and np.array_equal(ys, xs * 2)
+@pytest.mark.parametrize("chunks", [1, 7, 1000])
+def test_decimation_keeps_spikes_and_dips_whatever_the_chunks(chunks):
+    y = np.full(100_000, 100.0)
+    y[54_320], y[77_776] = 1000.0, 1.0  # one step each, in 100,000
+    y[np.arange(0, 100_000, 3)] += 0.5   # and noise that must not crowd them out
+    _, xs, ys = _decimated(y, max_points=200, chunks=chunks)
+    assert len(xs) <= 200
+    assert ys.max() == 1000.0 and xs[ys.argmax()] == 54_321
+    assert ys.min() == 1.0 and xs[ys.argmin()] == 77_777
+    assert xs[-1] == 100_000
+
+
+def test_decimation_in_one_go_or_point_by_point_draws_the_same():
+    y = np.random.default_rng(0).normal(size=5_000)
+    _, whole_x, whole_y = _decimated(y, max_points=100)
+    _, split_x, split_y = _decimated(y, max_points=100, chunks=5_000)
+    assert np.array_equal(whole_x, split_x) and np.array_equal(whole_y, split_y)
+
+
+def test_decimation_skips_missing_values():
+    trace, xs, ys = _decimated([1.0, math.nan, 3.0, math.nan])
+    assert list(xs) == [1, 3] and list(ys) == [1.0, 3.0] and trace.n == 2
     with pytest.raises(ValueError):
-        decimation_index(10, 1)
+        Decimated(4)
 
 
 # -- records -> columns --------------------------------------------------------------------
@@ -107,7 +136,7 @@ def test_rank_series_grows_and_remembers_last_census():
         extra = {} if step % 10 == 0 else {"param_bytes": None}  # census only every 10 steps
         series.extend([step_record(0, step, **extra)])
     assert series.n == 1000 and series.last_step == 1000
-    assert list(series.column("step")[:3]) == [1, 2, 3]
+    assert list(series.trace("rss_bytes")[0][:3]) == [1, 2, 3]
     assert series.last("param_bytes") == 4 * MIB
     series.extend([step_record(0, 1001, param_bytes=None)] * 100)
     assert series.last("param_bytes") == 4 * MIB  # found beyond the last 64 records too
@@ -115,13 +144,15 @@ def test_rank_series_grows_and_remembers_last_census():
 
 
 # -- series -> traces ----------------------------------------------------------------------
-def two_ranks(steps: int = 50, **extra) -> list[RankSeries]:
-    return [RankSeries.from_records([step_record(r, s, **extra) for s in range(1, steps + 1)]) for r in range(2)]
+def two_ranks(steps: int = 50, max_points: int = 2000, **extra) -> RunSeries:
+    return RunSeries.from_records([[step_record(r, s, **extra) for s in range(1, steps + 1)] for r in range(2)],
+                                  max_points)
 
 
 def test_live_traces_per_chart():
     series = two_ranks()
-    series[1].extend([step_record(1, 51)])  # rank 1 one step ahead: global and loss use common steps
+    series.extend([step_columns([]), step_columns([step_record(1, 51)])])  # rank 1 one step ahead:
+    # global throughput and loss are drawn for the steps every rank has recorded
     traces = run_traces(series)
     names = {chart: [t.name for t in ts] for chart, ts in traces.items()}
     assert names == {
@@ -140,6 +171,9 @@ def test_live_traces_per_chart():
     assert list(params.x) == ["rank 0", "rank 1"] and list(params.y) == [4, 4]
     assert list(optim.y) == [12, 12] and list(host.y) == [0, 0]
     assert traces["loss"][0].y[0] == pytest.approx((2.0 + 3.0) / 2)  # mean over ranks
+    series.extend([step_columns([step_record(0, 51)]), step_columns([])])  # rank 0 catches up
+    caught_up = run_traces(series)
+    assert caught_up["throughput"][0].x[-1] == 51 and caught_up["loss"][0].x[-1] == 51
 
 
 def test_device_memory_and_offload_split():
@@ -156,7 +190,7 @@ def test_device_memory_and_offload_split():
 
 
 def test_long_runs_are_decimated_with_the_last_point():
-    traces = run_traces(two_ranks(steps=5000), max_points=100)
+    traces = run_traces(two_ranks(steps=5000, max_points=100))
     for chart in ("throughput", "memory", "loss"):
         for trace in traces[chart]:
             assert len(trace.x) <= 100 and trace.x[-1] == 5000, (chart, trace.name)
@@ -171,8 +205,78 @@ def test_overlay_traces_are_labelled_and_dotted():
 
 
 def test_empty_run_has_empty_traces():
-    traces = run_traces([RankSeries(), RankSeries()])
+    traces = run_traces(RunSeries(2))
     assert all(len(t.x) == 0 for t in traces["throughput"] + traces["memory"] + traces["loss"])
+
+
+def _columns(rank: int, steps: np.ndarray) -> dict[str, np.ndarray]:
+    """step_columns of step_record(rank, s) for s in steps, built as arrays (100,000 dicts would be slow)."""
+    n = len(steps)
+    step_time = np.full(n, 0.1 + 0.01 * rank)
+    cols = {key: np.full(n, math.nan) for key in STEP_KEYS}
+    cols.update(step=steps.astype(float), time_s=steps * 0.1, step_time_s=step_time, samples_per_s=640.0 / step_time,
+                loss=2.0 / steps + rank, rss_bytes=(100 + steps) * MIB, peak_rss_bytes=(200 + steps) * MIB)
+    cols["param_bytes"][steps % 10 == 0] = 4 * MIB  # the census, every 10 steps
+    return cols
+
+
+def test_a_refresh_costs_the_same_at_step_100_and_100000():
+    """Counted, not timed: the values the series keep, the points a refresh shapes and sends, and
+    the memory the series hold do not grow with the run (the columns of every step did: 24 MB
+    at 100,000 steps of 2 ranks)."""
+    import tracemalloc
+
+    max_points = 200
+    series = RunSeries(2, max_points)
+    dash = Dashboard(max_points=max_points)
+    dash.show_series(series)
+
+    def grow_to(step: int) -> int:
+        steps = np.arange(series[0].last_step + 1, step + 1, dtype=float)
+        return series.extend([_columns(rank, steps) for rank in range(2)])
+
+    work = {}
+    tracemalloc.start()
+    try:
+        for step in (100, 100_000):
+            grow_to(step - 1)
+            dash.refresh()
+            assert grow_to(step) == 2  # a poll's new records: one per rank, whatever came before
+            dash.refresh()
+            traces = run_traces(series)
+            shaped = sum(len(t.x) for chart in ("throughput", "memory", "loss") for t in traces[chart])
+            work[step] = {"sent": dash.points_sent, "shaped": shaped, "held": series.points_held,
+                          "bytes": tracemalloc.get_traced_memory()[0]}
+    finally:
+        tracemalloc.stop()
+    lines = 3 + 2 + 1  # throughput (global + 2 ranks), memory (2 ranks' RSS), loss
+    for step, counts in work.items():
+        assert counts["shaped"] <= lines * max_points, (step, counts)
+        assert counts["sent"] <= 2 * lines * max_points + 2 * 2 * 4, (step, counts)  # x and y; the 4 bars
+        assert counts["held"] <= (2 * len(series[0].traces) + 2) * max_points, (step, counts)
+    assert work[100_000]["bytes"] - work[100]["bytes"] < 256 * 1024, work
+    # What the charts show stays right: the last step, and the census's latest value.
+    throughput = {t.name: t for t in dash.figures["throughput"].data}
+    assert throughput["global"].x[-1] == 100_000 and throughput["rank 1"].x[-1] == 100_000
+    assert series[0].last("param_bytes") == 4 * MIB
+
+
+def test_the_dashboard_thread_reads_each_byte_of_the_rank_files_once(tmp_path, rank_file_reads):
+    run_dir = write_run(tmp_path / "live", config(), steps=3, status=None)
+    dash = Dashboard(Run.load(run_dir), refresh_s=0.01)
+    try:
+        for step in range(4, 40):
+            for rank in (0, 1):
+                with open(run_dir / f"rank{rank}.jsonl", "a") as handle:
+                    handle.write(json.dumps(step_record(rank, step)) + "\n")
+            _wait(lambda step=step: dash.last_step() == step)
+        ticks = dash.ticks
+        _wait(lambda: dash.ticks >= ticks + 5)  # polls with nothing new read nothing
+    finally:
+        dash.close()
+    sizes = sum((run_dir / f"rank{rank}.jsonl").stat().st_size for rank in (0, 1))
+    # Every byte once: each poll read what was appended since the last one, never the file so far.
+    assert sum(rank_file_reads.reads) == sizes and len(rank_file_reads.reads) > 2 * 36
 
 
 # -- small panel helpers -------------------------------------------------------------------
@@ -232,7 +336,7 @@ def test_dashboard_follows_new_records_until_closed(tmp_path):
 def test_overlay_and_clear(tmp_path):
     old = write_run(tmp_path / "20260101-000000-zero3-z3-w2-b64-abcd", config(), steps=5)
     dash = Dashboard()
-    dash.show_series([RankSeries(), RankSeries()])
+    dash.show_series(RunSeries(2))
     assert dash.overlay([old]) == [old.name]
     names = [t.name for t in dash.figures["loss"].data]
     assert names == ["loss", "zero3-z3-w2-b64-abcd · loss"]
@@ -267,7 +371,7 @@ def test_a_thread_never_touches_series_it_was_not_started_for(tmp_path):
     ticks = []
     dash = Dashboard(Run.load(run_dir), refresh_s=0.05, on_tick=lambda r, series, final, error: ticks.append(final))
     _wait(lambda: dash.series[0].n == 3)
-    fresh = [RankSeries(), RankSeries()]
+    fresh = RunSeries(2)
     dash.show_series(fresh)  # e.g. a re-launch: the old thread must stop, not feed these
     with open(run_dir / "rank0.jsonl", "a") as handle:
         handle.write(json.dumps(step_record(0, 4)) + "\n")

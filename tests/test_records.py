@@ -73,3 +73,59 @@ def test_run_progress_reads_only_new_bytes(tmp_path, monkeypatch):
     line = len(json.dumps({"event": "step", "step": 300, "loss": 1.0})) + 1
     assert max(read) <= line  # each poll read one new record, not the file so far
     assert sum(read) == rank_file(run_dir, 0).stat().st_size
+
+
+def test_the_cli_progress_loop_reads_only_new_bytes(tmp_path, monkeypatch, capsys, rank_file_reads):
+    """`labkit run`'s loop (progress bar, phase) polls rank 0's file for the whole run: each poll
+    reads what was appended since the last one, at step 5 as at step 300."""
+    import labkit.launch.run
+    from labkit.cli import main
+    from labkit.launch.store import write_json_atomic
+    from labkit.launch.summary import summarize
+
+    steps = 300
+
+    class GrowingRun(Run):
+        """A run whose rank 0 writes one step per poll (each `wait`), then finishes; no processes."""
+
+        def start(self):
+            assert self._out is not None
+            self.run_dir = self._out
+            self.run_dir.mkdir(parents=True)
+            write_json_atomic(self.run_dir / "config.json", self.config.to_dict())
+            _append(rank_file(self.run_dir, 0), {"event": "start", "rank": 0, "time_s": 0.0},
+                    {"event": "ready", "rank": 0, "time_s": 0.1})
+            self.written = 0
+            return self
+
+        @property
+        def status(self) -> str:
+            summary = self.summary
+            return summary["status"] if summary else "running"
+
+        def wait(self, timeout=None, poll_s=0.2) -> str:
+            assert self.run_dir is not None
+            rank_file_reads.paused = True  # the run's side (its summary reads every record): not the CLI's
+            if self.written < steps:
+                self.written += 1
+                _append(rank_file(self.run_dir, 0), {"event": "step", "rank": 0, "step": self.written,
+                                                     "time_s": 0.1 * self.written, "step_time_s": 0.1,
+                                                     "samples_per_s": 320.0, "loss": 1.0})
+            elif not self.summary:
+                _append(rank_file(self.run_dir, 0), {"event": "done", "rank": 0, "steps": steps, "time_s": 30.1})
+                write_json_atomic(self.run_dir / "summary.json",
+                                  summarize(self.run_dir, self.config.to_dict(), status="finished", cause=None))
+            rank_file_reads.paused = False
+            return self.status
+
+    monkeypatch.setattr(labkit.launch.run, "Run", GrowingRun)
+    run_dir = tmp_path / "run"
+    assert main(["run", "--example", "pytorch", "--steps", str(steps), "--out", str(run_dir)]) == 0
+    assert f"finished: {steps} steps" in capsys.readouterr().out
+    size = rank_file(run_dir, 0).stat().st_size
+    # Two readers (the phase's events and Run.progress()), each reading every byte once.
+    reads = rank_file_reads.reads
+    assert sum(reads) <= 2 * size
+    line = len(json.dumps({"event": "step", "rank": 0, "step": steps, "time_s": 0.1 * steps, "step_time_s": 0.1,
+                           "samples_per_s": 320.0, "loss": 1.0})) + 1
+    assert max(reads) <= 2 * line  # one poll: one new record (the first: start and ready)

@@ -44,7 +44,7 @@ def _budget_for(boundary: int) -> int:
     for micro_batch in (1, 2):
         with count_saved_activations() as saved:
             trainer.forward(torch.randn(micro_batch, config.input_size), torch.zeros(micro_batch, dtype=torch.long))
-        counted.append(saved[0])
+        counted.append(saved.bytes)
     per_sample, constant = counted[1] - counted[0], 2 * counted[0] - counted[1]
     n_params = memory.n_params_mlp(config.input_size, config.hidden, config.depth, config.output_size)
     states = memory.model_state_bytes(n_params, 0, 1, "fp32")["device_bytes"]

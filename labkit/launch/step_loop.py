@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from labkit.launch.trainers import count_saved_activations
+from labkit.launch.trainers import SavedActivations, count_saved_activations
 from labkit.live.step_clock import SKIP, StepClock
 
 
@@ -24,24 +24,25 @@ def train_step(trainer: Any, data: Iterator[tuple[torch.Tensor, torch.Tensor]], 
     """grad_accum micro-batches and the optimizer step. On `measure` steps (sampled: the census
     is costly) the saved-tensor hooks count activation bytes and the model states are counted at
     the peak, gradients held, before the step; `on_census` sees them there.
-    Returns (census or {}, activation bytes, seconds spent on the census)."""
+    Returns (census or {}, activation bytes, seconds spent on the census and the hooks)."""
     census: dict[str, int] = {}
     activation_bytes, census_s = 0, 0.0
     for micro in range(grad_accum):
         inputs, labels = next(data)
         boundary = micro == grad_accum - 1
-        with count_saved_activations() if measure else contextlib.nullcontext([0]) as saved:
+        with count_saved_activations() if measure else contextlib.nullcontext(SavedActivations()) as saved:
             loss = trainer.forward(inputs, labels)
         clock.mark("forward_s")
         trainer.backward(loss)
         clock.mark("backward_s")
         clock.add_loss(loss)
-        activation_bytes = max(activation_bytes, saved[0])
+        activation_bytes = max(activation_bytes, saved.bytes)
+        census_s += saved.seconds
         if boundary and measure:
             started = time.perf_counter()
             census = trainer.census()
             on_census(census, activation_bytes)
-            census_s = time.perf_counter() - started
+            census_s += time.perf_counter() - started
             clock.mark(SKIP)
         trainer.step(step, boundary)
         clock.mark("optimizer_s")

@@ -7,7 +7,9 @@ loop reads the same for every example, and each phase can be timed on its own.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,28 +22,41 @@ from labkit.models.builders import default_loss
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+@dataclass(kw_only=True)
+class SavedActivations:
+    """What `count_saved_activations` counted: the bytes, and the seconds its hook itself took."""
+
+    bytes: int = 0
+    seconds: float = 0.0  # inside the forward, so outside what the census times: reported with it
+
+
 @contextlib.contextmanager
-def count_saved_activations() -> Iterator[list[int]]:
+def count_saved_activations() -> Iterator[SavedActivations]:
     """Bytes autograd saves for backward during the block: the activation memory.
 
     Parameters saved by layers (leaf tensors that require grad, or views of them such as
     `weight.t()` in nn.Linear) are model states, not activations, and a tensor saved by two
-    ops is counted once.
+    ops is counted once. The hook times itself, so the instrumentation's own cost
+    (`telemetry_s` in the done record) includes it.
     """
-    total = [0]
+    counted = SavedActivations()
     seen: set[int] = set()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        owner = tensor._base if tensor._base is not None else tensor
+        started = time.perf_counter()
+        base = tensor._base
+        owner = tensor if base is None else base
         if not (owner.is_leaf and owner.requires_grad):
-            key = tensor.untyped_storage().data_ptr()
+            storage = tensor.untyped_storage()  # one Python object per call: they cost
+            key = storage.data_ptr()
             if key not in seen:
                 seen.add(key)
-                total[0] += tensor.untyped_storage().nbytes()
+                counted.bytes += storage.nbytes()
+        counted.seconds += time.perf_counter() - started
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield total
+        yield counted
 
 
 def _mean_loss(forward, inputs: torch.Tensor, labels: torch.Tensor, chunk: int) -> float:

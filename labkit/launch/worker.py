@@ -175,8 +175,10 @@ def train() -> None:
             probe_inputs, probe_labels = default_collate([dataset[int(i)] for i in picks])
             noise = gradient_noise_probe(make_model, list(trainer.parameters()), probe_inputs, probe_labels,
                                          device=trainer.device, loss_fn=loss_fn)
+        t_begin = time.perf_counter()
         if instrument:
             telemetry.begin_step()  # device_peak_bytes in this step's record: this step's own peak
+        begin_s = time.perf_counter() - t_begin
 
         def on_census(states: dict[str, int], saved: int, before: int = activation_bytes) -> None:
             _check_emulated_capacity(states, max(before, saved))  # the activation peak so far, or this step's
@@ -215,7 +217,8 @@ def train() -> None:
             clock.annotate(**evaluated)  # into this step's record, still pending
         write_ready()
         record_s = time.perf_counter() - t_record - evaluated.get("eval_s", 0.0)  # the eval is counted apart
-        telemetry_s += (record_s + census_s) * (step >= TIMED_FROM_STEP)
+        # Everything labkit adds to a step: census and saved-tensor hooks, memory readings, the record.
+        telemetry_s += (begin_s + record_s + census_s) * (step >= TIMED_FROM_STEP)
         if stop_below is not None and config.eval_every:
             if evaluated and evaluated["eval_loss"] <= stop_below:
                 stopped_at_target = True

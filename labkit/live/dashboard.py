@@ -7,10 +7,12 @@
 
 Two layers:
 
-- pure data shaping, unit-tested without widgets: `step_columns` turns records into numpy
-  columns, `RankSeries` accumulates them per rank, `decimation_index` spreads max_points
-  indices evenly over a long trace (first and last point kept), `run_traces` turns a run's
-  series into the trace list of each chart;
+- pure data shaping, unit-tested without widgets: `step_columns` turns new records into numpy
+  columns, `Decimated` keeps a trace in at most max_points points (min/max buckets whose width
+  doubles as the run grows: spikes stay, the last point is always there), `RankSeries` holds a
+  rank's traces and latest values, `RunSeries` the ranks and the traces that combine them,
+  `run_traces` turns a run's series into the trace list of each chart. Memory and work per
+  refresh are bounded by max_points per trace, at step 100 as at step 1,000,000;
 - `Dashboard`: four `go.FigureWidget`s refreshed from ONE background thread with
   `fig.batch_update()` and numpy arrays. Never `widget.hold_sync()`: it silently drops
   FigureWidget updates. The thread only reads files and sends comm messages, so the
@@ -26,7 +28,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,21 +72,140 @@ def step_columns(records: Iterable[dict[str, Any]], keys: Sequence[str] = STEP_K
     return {k: np.fromiter((_number(r.get(k)) for r in steps), dtype=np.float64, count=len(steps)) for k in keys}
 
 
-class RankSeries:
-    """One rank's step records as growing float64 columns; appending is amortised O(1).
+class Decimated:
+    """An (x, y) trace held in at most `max_points` points, whatever its length: O(1) per point.
 
-    Only new records are converted (the dashboard feeds it `RecordTail.poll()` output), so a
-    refresh never re-reads a long run's history.
+    Appended points (x increasing) fall into buckets of `width` consecutive points; a full bucket
+    keeps only its lowest and its highest point, in x order, so a spike or a dip is never
+    decimated away, and every point drawn is a real one. When the full buckets would no longer
+    fit, neighbours merge pairwise and the width doubles: O(max_points) once per doubling of the
+    run's length, O(1) per point amortised. The first and the last point appended are always
+    drawn. Points with a NaN y (records without the key) are not part of the trace.
     """
 
-    def __init__(self, keys: Sequence[str] = STEP_KEYS):
+    def __init__(self, max_points: int = DEFAULT_MAX_POINTS):
+        if max_points < 8:
+            raise ValueError(f"max_points must be >= 8, got {max_points}")
+        self.max_points = max_points
+        # Points of the full buckets; the open bucket's two, the first and the last make max_points.
+        # A multiple of 4: buckets merge in pairs, from 1 point each (width 1) to 2 each.
+        self.room = (max_points - 4) // 4 * 4
+        self.width = 1      # points appended per full bucket
+        self.count = 0      # full buckets held
+        self.n = 0          # points appended (NaN ones left out)
+        self._lo = np.empty((self.room, 2))  # per full bucket: (x, y) of its lowest point
+        self._hi = np.empty((self.room, 2))  # ... and of its highest (the same point at width 1)
+        self._open: tuple[tuple[float, float], tuple[float, float]] | None = None  # lowest, highest
+        self._open_n = 0
+        self._first: tuple[float, float] | None = None
+        self._last: tuple[float, float] | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Full buckets that fit: one point each at width 1, two (lowest, highest) beyond."""
+        return self.room if self.width == 1 else self.room // 2
+
+    def extend(self, x: np.ndarray, y: np.ndarray) -> None:
+        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        keep = ~np.isnan(y)
+        x, y = x[keep], y[keep]
+        if not len(x):
+            return
+        self.n += len(x)
+        if self._first is None:
+            self._first = (float(x[0]), float(y[0]))
+        self._last = (float(x[-1]), float(y[-1]))
+        i = 0
+        while i < len(x):
+            if self._open_n or len(x) - i < self.width:  # into the open bucket
+                take = min(self.width - self._open_n, len(x) - i)
+                self._absorb(x[i:i + take], y[i:i + take])
+                i += take
+                if self._open_n == self.width and self._open is not None:
+                    low, high = self._open
+                    self._open, self._open_n = None, 0
+                    self._close(np.array([low]), np.array([high]))
+                continue
+            # As many whole buckets as fit before the next merge, at once.
+            whole = min(self.capacity - self.count, (len(x) - i) // self.width)
+            end = i + whole * self.width
+            xs, ys = x[i:end].reshape(whole, self.width), y[i:end].reshape(whole, self.width)
+            rows = np.arange(whole)
+            low, high = ys.argmin(axis=1), ys.argmax(axis=1)
+            self._close(np.column_stack([xs[rows, low], ys[rows, low]]),
+                        np.column_stack([xs[rows, high], ys[rows, high]]))
+            i = end
+
+    def _absorb(self, x: np.ndarray, y: np.ndarray) -> None:
+        low, high = int(y.argmin()), int(y.argmax())
+        new_low, new_high = (float(x[low]), float(y[low])), (float(x[high]), float(y[high]))
+        if self._open is not None:  # ties keep the earlier point, as argmin/argmax do
+            old_low, old_high = self._open
+            new_low = old_low if old_low[1] <= new_low[1] else new_low
+            new_high = old_high if old_high[1] >= new_high[1] else new_high
+        self._open = (new_low, new_high)
+        self._open_n += len(x)
+
+    def _close(self, lo: np.ndarray, hi: np.ndarray) -> None:
+        self._lo[self.count:self.count + len(lo)] = lo
+        self._hi[self.count:self.count + len(hi)] = hi
+        self.count += len(lo)
+        while self.count >= self.capacity:  # neighbours merge: half the buckets, twice as wide
+            lo3, hi3 = self._lo[:self.count].reshape(-1, 2, 2), self._hi[:self.count].reshape(-1, 2, 2)
+            pairs = np.arange(len(lo3))
+            merged_lo = lo3[pairs, lo3[:, :, 1].argmin(axis=1)]
+            merged_hi = hi3[pairs, hi3[:, :, 1].argmax(axis=1)]
+            self.count //= 2
+            self._lo[:self.count], self._hi[:self.count] = merged_lo, merged_hi
+            self.width *= 2
+
+    @property
+    def held(self) -> int:
+        """Points kept (full buckets, the open one's, first and last): at most max_points."""
+        per_bucket = 1 if self.width == 1 else 2
+        return self.count * per_bucket + (2 if self._open is not None else 0) + 2 * (self._first is not None)
+
+    def points(self) -> tuple[np.ndarray, np.ndarray]:
+        """The points to draw, x increasing: at most max_points, the first and last appended included."""
+        lo, hi = self._lo[:self.count], self._hi[:self.count]
+        if self._open is not None:
+            lo, hi = np.vstack([lo, [self._open[0]]]), np.vstack([hi, [self._open[1]]])
+        low_first = (lo[:, 0] <= hi[:, 0])[:, None]
+        first, second = np.where(low_first, lo, hi), np.where(low_first, hi, lo)
+        pts = np.stack([first, second], axis=1).reshape(-1, 2)
+        keep = np.ones(len(pts), dtype=bool)
+        keep[1::2] = first[:, 0] != second[:, 0]  # a bucket whose lowest point is its highest: once
+        pts = pts[keep]
+        if self._first is not None and self._last is not None:
+            if not len(pts) or pts[0, 0] != self._first[0]:
+                pts = np.vstack([[self._first], pts])
+            if pts[-1, 0] != self._last[0]:
+                pts = np.vstack([pts, [self._last]])
+        return pts[:, 0].copy(), pts[:, 1].copy()
+
+
+# Keys drawn as a line per rank; every other key only as its latest value (the model-state bars).
+RANK_TRACE_KEYS = ("samples_per_s", "rss_bytes", "device_allocated_bytes", "device_peak_bytes")
+
+
+class RankSeries:
+    """One rank's step records, held in bounded memory: a `Decimated` trace (x = step) per key in
+    RANK_TRACE_KEYS and the latest finite value of every key (the census comes every
+    census_every steps). Each record costs O(1), at step 10 as at step 1,000,000; only new records
+    are converted (the dashboard feeds it `RecordTail.poll()` output).
+    """
+
+    def __init__(self, keys: Sequence[str] = STEP_KEYS, max_points: int = DEFAULT_MAX_POINTS):
         self.keys = tuple(keys)
         self.n = 0
-        self._cols = {k: np.empty(256, dtype=np.float64) for k in self.keys}
+        self.last_step = 0
+        self.traces = {k: Decimated(max_points) for k in RANK_TRACE_KEYS if k in self.keys}
+        self._latest = dict.fromkeys(self.keys, math.nan)
 
     @classmethod
-    def from_records(cls, records: Iterable[dict[str, Any]], keys: Sequence[str] = STEP_KEYS) -> RankSeries:
-        series = cls(keys)
+    def from_records(cls, records: Iterable[dict[str, Any]], keys: Sequence[str] = STEP_KEYS,
+                     max_points: int = DEFAULT_MAX_POINTS) -> RankSeries:
+        series = cls(keys, max_points)
         series.extend(records)
         return series
 
@@ -93,54 +214,91 @@ class RankSeries:
         return self.extend_columns(step_columns(records, self.keys))
 
     def extend_columns(self, columns: dict[str, np.ndarray]) -> int:
-        added = len(columns[self.keys[0]])
+        added = len(columns["step"])
         if not added:
             return 0
-        need = self.n + added
-        if need > len(self._cols[self.keys[0]]):
-            capacity = max(need, 2 * len(self._cols[self.keys[0]]))
-            for key, col in self._cols.items():
-                grown = np.empty(capacity, dtype=np.float64)
-                grown[:self.n] = col[:self.n]
-                self._cols[key] = grown
+        steps = columns["step"]
+        for key, trace in self.traces.items():
+            trace.extend(steps, columns[key])
         for key in self.keys:
-            self._cols[key][self.n:need] = columns[key]
-        self.n = need
+            hits = np.flatnonzero(np.isfinite(columns[key]))
+            if len(hits):
+                self._latest[key] = float(columns[key][hits[-1]])
+        self.n += added
+        self.last_step = int(steps[-1])
         return added
 
-    def column(self, key: str) -> np.ndarray:
-        """A view of the first n values (do not write to it)."""
-        return self._cols[key][:self.n]
-
     def last(self, key: str) -> float:
-        """The last finite value of `key`, NaN if none (model-state bytes come every census_every steps)."""
-        col = self.column(key)
-        tail = col[-64:]  # the usual case: the latest records carry the key
-        hits = np.flatnonzero(np.isfinite(tail))
-        if len(hits):
-            return float(tail[hits[-1]])
-        hits = np.flatnonzero(np.isfinite(col))
-        return float(col[hits[-1]]) if len(hits) else math.nan
+        """The last finite value of `key`, NaN if none yet."""
+        return self._latest[key]
+
+    def trace(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, values) of `key` to draw: at most max_points."""
+        return self.traces[key].points()
 
     @property
-    def last_step(self) -> int:
-        return int(self.column("step")[-1]) if self.n else 0
+    def points_held(self) -> int:
+        return sum(t.held for t in self.traces.values())
 
 
-def decimation_index(n: int, max_points: int = DEFAULT_MAX_POINTS) -> np.ndarray:
-    """Indices of min(n, max_points) points spread evenly over n, first and last included."""
-    if max_points < 2:
-        raise ValueError(f"max_points must be >= 2, got {max_points}")
-    if n <= max_points:
-        return np.arange(n)
-    # Spacing (n-1)/(max_points-1) > 1, so flooring keeps the indices strictly increasing;
-    # a whole-number stride would return ~n/2 points just above the cap (2001 -> 1001).
-    return np.linspace(0, n - 1, max_points).astype(np.int64)
+class RunSeries:
+    """Every rank's `RankSeries` of one run, and the two traces that combine the ranks step by
+    step: the global throughput (the slowest rank's samples/s: ranks step in lockstep) and the loss
+    (the mean over ranks). A step is combined once every rank has recorded it; ranks write steps
+    1, 2, ... in order, so only the steps some ranks are ahead by wait here.
+    Indexable like the list of its ranks (`series[0].last_step`).
+    """
 
+    def __init__(self, world_size: int, max_points: int = DEFAULT_MAX_POINTS):
+        self.ranks = [RankSeries(max_points=max_points) for _ in range(world_size)]
+        self.global_rate = Decimated(max_points)
+        self.loss = Decimated(max_points)
+        self.device_memory = False  # whether any rank recorded accelerator memory (GPU ranks)
+        # Per rank: (step, samples_per_s, loss) columns of steps not every rank has recorded yet.
+        self._waiting: list[list[np.ndarray]] = [[] for _ in range(world_size)]
 
-def decimate(x: np.ndarray, y: np.ndarray, max_points: int = DEFAULT_MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
-    idx = decimation_index(len(x), max_points)
-    return x[idx], y[idx]
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def __getitem__(self, rank: int) -> RankSeries:
+        return self.ranks[rank]
+
+    def __iter__(self) -> Iterator[RankSeries]:
+        return iter(self.ranks)
+
+    @classmethod
+    def from_records(cls, records: Sequence[Iterable[dict[str, Any]]],
+                     max_points: int = DEFAULT_MAX_POINTS) -> RunSeries:
+        series = cls(len(records), max_points)
+        series.extend([step_columns(r) for r in records])
+        return series
+
+    def extend(self, columns: Sequence[dict[str, np.ndarray]]) -> int:
+        """Append each rank's new columns (`step_columns` of its new records); returns how many records."""
+        added = 0
+        for rank, (series, cols) in enumerate(zip(self.ranks, columns, strict=True)):
+            added += series.extend_columns(cols)
+            if len(cols["step"]):
+                self._waiting[rank].append(np.stack([cols["step"], cols["samples_per_s"], cols["loss"]]))
+                self.device_memory = self.device_memory or bool(np.isfinite(cols["device_allocated_bytes"]).any())
+        self._combine()
+        return added
+
+    def _combine(self) -> None:
+        if not self.ranks:
+            return
+        waiting = [np.concatenate(w, axis=1) if w else np.empty((3, 0)) for w in self._waiting]
+        common = min(w.shape[1] for w in waiting)
+        if common:
+            steps = waiting[0][0, :common]
+            self.global_rate.extend(steps, np.minimum.reduce([w[1, :common] for w in waiting]))
+            self.loss.extend(steps, np.mean([w[2, :common] for w in waiting], axis=0))
+        self._waiting = [[w[:, common:]] if w.shape[1] > common else [] for w in waiting]
+
+    @property
+    def points_held(self) -> int:
+        """Points the traces keep, bounded by max_points per trace whatever the run's length."""
+        return sum(s.points_held for s in self.ranks) + self.global_rate.held + self.loss.held
 
 
 @dataclass
@@ -154,9 +312,9 @@ class TraceData:
     style: dict[str, Any] = field(default_factory=dict)
 
 
-def memory_kind(series: Sequence[RankSeries]) -> str:
+def memory_kind(series: RunSeries) -> str:
     """"device" when the ranks recorded accelerator memory (GPU), else "host" (CPU ranks: RSS)."""
-    return "device" if any(np.isfinite(s.column("device_allocated_bytes")).any() for s in series) else "host"
+    return "device" if series.device_memory else "host"
 
 
 MEMORY_SERIES = {  # kind -> ((key, name suffix, dash), ...)
@@ -167,8 +325,8 @@ MEMORY_SERIES = {  # kind -> ((key, name suffix, dash), ...)
 MEMORY_TITLES = {"device": "device memory (MiB)", "host": "host RSS (MiB)"}
 
 
-def run_traces(series: Sequence[RankSeries], *, memory: str = "host", label: str | None = None,
-               color: str | None = None, max_points: int = DEFAULT_MAX_POINTS) -> dict[str, list[TraceData]]:
+def run_traces(series: RunSeries, *, memory: str = "host", label: str | None = None,
+               color: str | None = None) -> dict[str, list[TraceData]]:
     """The traces of each chart for one run, x = optimizer step.
 
     Live run (`label` None): global and per-rank throughput, per-rank memory and peak,
@@ -176,6 +334,8 @@ def run_traces(series: Sequence[RankSeries], *, memory: str = "host", label: str
     the same minus per-rank throughput, every trace dotted in `color`, names prefixed.
     Global throughput is the slowest rank's global_batch / step time at each step (ranks
     step in lockstep); a rank's own throughput is the samples it processed per second.
+    Every trace comes decimated (`Decimated`): the work is O(max_points) per trace, whatever the
+    run's length.
     """
     world = len(series)
     overlay = label is not None
@@ -189,27 +349,19 @@ def run_traces(series: Sequence[RankSeries], *, memory: str = "host", label: str
         return {"mode": "lines", "line": {"color": shade, "dash": dash, "width": width}}
 
     out: dict[str, list[TraceData]] = {chart: [] for chart in CHARTS}
-    # Steps every rank has recorded; ranks write steps 1, 2, ... in order, so index i is step i+1.
-    common = min((s.n for s in series), default=0)
-    idx = decimation_index(common, max_points)
-    x_common = series[0].column("step")[idx] if world else np.empty(0)
-
     # -- throughput ------------------------------------------------------------------------
-    rates = [s.column("samples_per_s")[idx] for s in series]
-    global_rate = np.minimum.reduce(rates) if rates else np.empty(0)
-    out["throughput"].append(TraceData(f"{prefix}global", x_common, global_rate, style=line(None, width=2.5)))
-    # Per-rank traces: decimate first, then scale (a long run's full columns are 100k+ long).
-    rank_idx = [decimation_index(s.n, max_points) for s in series]
+    x, y = series.global_rate.points()
+    out["throughput"].append(TraceData(f"{prefix}global", x, y, style=line(None, width=2.5)))
     if not overlay:
-        for rank, (s, i) in enumerate(zip(series, rank_idx, strict=True)):
-            y = s.column("samples_per_s")[i] / world
-            out["throughput"].append(TraceData(f"rank {rank}", s.column("step")[i], y, style=line(rank)))
+        for rank, s in enumerate(series):
+            x, y = s.trace("samples_per_s")
+            out["throughput"].append(TraceData(f"rank {rank}", x, y / world, style=line(rank)))
 
     # -- memory per rank -------------------------------------------------------------------
-    for rank, (s, i) in enumerate(zip(series, rank_idx, strict=True)):
+    for rank, s in enumerate(series):
         for key, suffix, dash in MEMORY_SERIES[memory]:
-            out["memory"].append(TraceData(f"{prefix}rank {rank} {suffix}", s.column("step")[i],
-                                           s.column(key)[i] / MIB, style=line(rank, dash)))
+            x, y = s.trace(key)
+            out["memory"].append(TraceData(f"{prefix}rank {rank} {suffix}", x, y / MIB, style=line(rank, dash)))
 
     # -- model states, stacked per rank (latest census) ------------------------------------
     names = np.array([f"{label} r{rank}" if overlay else f"rank {rank}" for rank in range(world)], dtype=object)
@@ -233,9 +385,8 @@ def run_traces(series: Sequence[RankSeries], *, memory: str = "host", label: str
                                       style=style))
 
     # -- loss: mean over ranks -------------------------------------------------------------
-    losses = [s.column("loss")[idx] for s in series]
-    mean_loss = np.mean(losses, axis=0) if losses else np.empty(0)
-    out["loss"].append(TraceData(f"{prefix}loss", x_common, mean_loss, style=line(None, width=2)))
+    x, y = series.loss.points()
+    out["loss"].append(TraceData(f"{prefix}loss", x, y, style=line(None, width=2)))
     return out
 
 
@@ -245,11 +396,11 @@ def overlay_label(run_id: str) -> str:
     return parts[2] if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit() else run_id
 
 
-def load_series(run_dir: str | Path) -> list[RankSeries]:
+def load_series(run_dir: str | Path, max_points: int = DEFAULT_MAX_POINTS) -> RunSeries:
     """Every rank's series of a run directory (a past run, for overlays)."""
     config = read_json(Path(run_dir) / "config.json") or {}
-    return [RankSeries.from_records(read_records(rank_file(run_dir, rank)))
-            for rank in range(int(config.get("world_size", 1)))]
+    return RunSeries.from_records([read_records(rank_file(run_dir, rank))
+                                   for rank in range(int(config.get("world_size", 1)))], max_points)
 
 
 # -- widgets -----------------------------------------------------------------------------
@@ -333,7 +484,7 @@ class Dashboard:
     """
 
     def __init__(self, run: Any = None, *, refresh_s: float = REFRESH_S, max_points: int = DEFAULT_MAX_POINTS,
-                 on_tick: Callable[[Any, list[RankSeries], bool, str | None], None] | None = None):
+                 on_tick: Callable[[Any, RunSeries, bool, str | None], None] | None = None):
         import ipywidgets as W
 
         self.refresh_s = refresh_s
@@ -348,13 +499,14 @@ class Dashboard:
         self.widget = W.Box(list(self.figures.values()), layout=W.Layout(display="flex", flex_flow="row wrap",
                                                                          grid_gap="8px"))
         self.run: Any = None
-        self.series: list[RankSeries] = []
+        self.series = RunSeries(0, max_points)
         self.memory = "host"
         self.overlays: dict[str, dict[str, list[TraceData]]] = {}  # run id -> traces per chart
         self.first_point_at: float | None = None  # time.monotonic() of the first plotted step
         self.refreshes = 0
         self.ticks = 0                             # polls of the current thread
         self.last_refresh_s: float | None = None  # how long the last refresh took (kernel-side)
+        self.points_sent = 0                      # x and y values the last refresh sent to the figures
         self.error: str | None = None             # why the update thread gave up, if it did
         self._live_counts = {chart: 0 for chart in CHARTS}
         self._thread: threading.Thread | None = None
@@ -376,7 +528,7 @@ class Dashboard:
             raise RuntimeError(f"the update thread of {self.run.run_dir.name} did not stop within "
                                f"{JOIN_TIMEOUT_S:g} s; not following a second run beside it")
         tails = [RecordTail(rank_file(run.run_dir, rank)) for rank in range(run.config.world_size)]
-        series = [RankSeries() for _ in tails]
+        series = RunSeries(len(tails), self.max_points)
         kind = "host" if detect_devices().is_cpu else "device"
         with self._lock:
             self.run = run
@@ -390,7 +542,7 @@ class Dashboard:
                                         name="labkit-dashboard", daemon=True)
         self._thread.start()
 
-    def show_series(self, series: list[RankSeries], memory: str = "host") -> None:
+    def show_series(self, series: RunSeries, memory: str = "host") -> None:
         """Make `series` the live traces (rebuilding the figures); `refresh()` plots them.
 
         An update thread following other series stops at its next poll.
@@ -400,7 +552,7 @@ class Dashboard:
             self.memory = memory
             self._rebuild()
 
-    def _loop(self, run: Any, series: list[RankSeries], tails: list[RecordTail], stop: threading.Event) -> None:
+    def _loop(self, run: Any, series: RunSeries, tails: list[RecordTail], stop: threading.Event) -> None:
         error = None
         final = False
         started = time.monotonic()
@@ -410,11 +562,12 @@ class Dashboard:
                 # summary.json is, so the poll after a True answer reads everything.
                 status = run.status
                 done = status in FINAL_STATUSES
-                columns = [step_columns(t.poll()) for t in tails]  # file reads outside the lock
+                # Only the bytes written since the last poll (RecordTail), read outside the lock.
+                columns = [step_columns(t.poll()) for t in tails]
                 with self._lock:
                     if series is not self.series:
                         return  # the dashboard moved on (watch, show_series): not ours to plot
-                    added = sum(s.extend_columns(c) for s, c in zip(series, columns, strict=True))  # one per rank
+                    added = series.extend(columns)
                     if added or done or self.refreshes == 0:
                         self.refresh()
                     self.ticks += 1
@@ -448,10 +601,12 @@ class Dashboard:
                     print(f"labkit dashboard final update failed:\n{traceback.format_exc()}", file=sys.stderr)
 
     def refresh(self) -> float:
-        """Re-plot the live traces from the series; returns the seconds it took (kernel-side cost)."""
+        """Re-plot the live traces from the series; returns the seconds it took (kernel-side cost).
+        At most max_points points per trace are shaped and sent, whatever the run's length."""
         start = time.perf_counter()
         with self._lock:
-            traces = run_traces(self.series, memory=self.memory, max_points=self.max_points)
+            traces = run_traces(self.series, memory=self.memory)
+            sent = 0
             for chart, fig in self.figures.items():
                 with fig.batch_update():
                     # Live traces come first in fig.data; overlays follow and never change. Same count:
@@ -460,8 +615,11 @@ class Dashboard:
                         # Each assignment costs plotly's validation (~0.2 ms): skip unchanged data.
                         if not _same(data.x, trace.x):
                             data.x = trace.x
+                            sent += len(trace.x)
                         if not _same(data.y, trace.y):
                             data.y = trace.y
+                            sent += len(trace.y)
+            self.points_sent = sent
             self.refreshes += 1
             if self.first_point_at is None and any(len(t.x) for t in traces["throughput"]):
                 self.first_point_at = time.monotonic()
@@ -512,13 +670,12 @@ class Dashboard:
             path = Path(run)
             if not path.is_dir():
                 path = default_root() / str(run)
-            loaded.append((path, load_series(path)))
+            loaded.append((path, load_series(path, self.max_points)))
         with self._lock:
             for path, series in loaded:
                 color = OVERLAY_COLORS[len(self.overlays) % len(OVERLAY_COLORS)]
                 label = overlay_label(path.name)
-                self.overlays[label] = run_traces(series, memory=memory_kind(series), label=label, color=color,
-                                                  max_points=self.max_points)
+                self.overlays[label] = run_traces(series, memory=memory_kind(series), label=label, color=color)
             self._rebuild()
         return [path.name for path, _ in loaded]
 
@@ -530,7 +687,7 @@ class Dashboard:
     def _rebuild(self) -> None:
         """(Under the lock.) Replace every figure's traces: the live run's (empty until refreshed), then the
         overlays'."""
-        live = run_traces(self.series, memory=self.memory, max_points=self.max_points)
+        live = run_traces(self.series, memory=self.memory)
         for chart, fig in self.figures.items():
             traces = live[chart] + [t for overlay in self.overlays.values() for t in overlay[chart]]
             self._live_counts[chart] = len(live[chart])

@@ -26,7 +26,7 @@ from typing import Any
 from labkit.launch.config import EXAMPLES, LR_SCALINGS, PRECISIONS, ConfigError, RunConfig
 from labkit.launch.history import COLUMNS, runs
 from labkit.launch.run import FINAL_STATUSES, Run
-from labkit.live.dashboard import REFRESH_S, Dashboard, RankSeries
+from labkit.live.dashboard import REFRESH_S, Dashboard, RunSeries
 from labkit.models.builders import MODELS
 
 LOG_REFRESH_S = 1.0    # log tails are re-read at most this often
@@ -305,8 +305,8 @@ class LabPanel:
         self.dashboard.close()
 
     # -- updates (from the dashboard's thread) ---------------------------------------------
-    def _on_tick(self, run: Run, series: list[RankSeries], final: bool, error: str | None) -> None:
-        step = series[0].last_step if series else 0  # this thread is the one that extends them
+    def _on_tick(self, run: Run, series: RunSeries, final: bool, error: str | None) -> None:
+        step = series[0].last_step if len(series) else 0  # this thread is the one that extends them
         # Outside the lock: reading the status may recover a run whose supervisor died (seconds of
         # killing and summarising), and Stop must not wait on that.
         status = run.status
