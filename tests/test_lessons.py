@@ -91,3 +91,34 @@ def test_capacity_figure_draws_the_fit_through_the_probes():
     assert fit.y[0] == pytest.approx(11.0)
     assert fit.y[1] == pytest.approx(11.0 + 0.5 * fit.x[1])
     assert list(traces["out of memory (bytes counted when it failed)"].x) == [40]
+
+
+def test_curve_gap_and_loss_curves_mark_a_divergence():
+    import math
+
+    curves = pd.DataFrame([{"run": run, "samples": s, "eval_loss": loss}
+                           for run, losses in {"a": [2.0, 1.0, 0.5], "b": [2.0, 1.1, 0.55],
+                                               "c": [2.0, float("inf"), float("nan")]}.items()
+                           for s, loss in zip((256, 512, 768), losses, strict=True)])
+    assert lessons.curve_gap(curves, "a", "a") == 0.0
+    assert lessons.curve_gap(curves, "a", "b") == pytest.approx(2 / 3 * abs(math.log(1 / 1.1)))
+    assert lessons.curve_gap(curves, "a", "c") == float("inf")
+    fig = figures.loss_curves(curves, title="t")
+    assert [trace.name for trace in fig.data] == ["a", "b", "c (diverged)"]
+    assert list(fig.data[2].x) == [256]  # only the finite point is drawn
+    assert "from 512 samples" in fig.layout.annotations[0].text
+
+
+def test_lr_lessons_build_comparable_runs():
+    sgd = lessons.sgd_scaling_configs("mlp")
+    base, linear, kept = sgd.values()
+    assert {c.optimizer for c in sgd.values()} == {"sgd"}
+    assert linear.global_batch == kept.global_batch == 4 * base.global_batch
+    assert linear.peak_lr == pytest.approx(4 * base.peak_lr) and kept.peak_lr == base.peak_lr
+    # The same samples, measured at the same sample counts.
+    assert len({c.steps * c.global_batch for c in sgd.values()}) == 1
+    assert len({c.eval_every * c.global_batch for c in sgd.values()}) == 1
+    cold, warm = lessons.warmup_configs("mlp").values()
+    assert cold.peak_lr == warm.peak_lr and cold.warmup_steps_effective == 0 < warm.warmup_steps_effective
+    with pytest.raises(ValueError, match="no LR lesson settings"):
+        lessons.sgd_scaling_configs("resnet")

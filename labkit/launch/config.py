@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from labkit.launch import schedule
+
 EXAMPLES = ("pytorch", "deepspeed", "offload", "zero3")
 PRECISIONS = ("fp32", "bf16", "fp16")
-LR_SCALINGS = ("none", "linear", "sqrt")
+LR_SCALINGS = schedule.SCALINGS
 OPTIMIZERS = ("adam", "sgd")
 
 # The seed text's three examples, corrected, and "deepspeed": DeepSpeed's engine with the
@@ -312,27 +314,24 @@ class RunConfig:
     def global_batch(self) -> int:
         return self.micro_batch * self.grad_accum * self.world_size
 
+    # The LR schedule: labkit.launch.schedule's functions applied to this run's fields (the
+    # trainers write `lr_at(step)` into the optimizer; the lessons draw curves from schedule itself).
     @property
     def peak_lr(self) -> float:
         """The learning rate after scaling for the global batch (linear for SGD, sqrt for Adam)."""
-        ratio = self.global_batch / self.base_batch
-        factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
-        return self.lr * factor
+        return schedule.peak_lr(self.lr, global_batch=self.global_batch, base_batch=self.base_batch,
+                                scaling=self.lr_scaling)
 
     @property
     def warmup_steps_effective(self) -> int:
         """Warmup in optimizer steps: `warmup_steps`, or `warmup_samples` over the global batch
         (rounded up), so every batch size warms up over the same number of samples."""
-        if self.warmup_samples:
-            return math.ceil(self.warmup_samples / self.global_batch)
-        return self.warmup_steps
+        return schedule.warmup_steps_for(self.global_batch, warmup_steps=self.warmup_steps,
+                                         warmup_samples=self.warmup_samples)
 
     def lr_at(self, step: int) -> float:
         """LR for optimizer step `step` (1-based): linear warmup, then constant."""
-        warmup = self.warmup_steps_effective
-        if warmup and step <= warmup:
-            return self.peak_lr * step / warmup
-        return self.peak_lr
+        return schedule.lr_at(step, peak_lr=self.peak_lr, warmup_steps=self.warmup_steps_effective)
 
     def ds_config(self) -> dict[str, Any]:
         """The DeepSpeed config the ranks pass to `deepspeed.initialize`."""

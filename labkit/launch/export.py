@@ -39,7 +39,7 @@ def export_ds_config(config: RunConfig) -> dict[str, Any]:
         return ds_config
     # labkit's rule (`RunConfig.lr_at`): linear warmup to the (scaled) peak LR, then constant.
     # That is WarmupLR; a rule that decays after the warmup would be WarmupDecayLR.
-    warmup = config.warmup_steps
+    warmup = config.warmup_steps_effective  # warmup_samples too, as the ranks count it
     ds_config["scheduler"] = {"type": "WarmupLR", "params": {
         "warmup_min_lr": 0.0 if warmup else config.peak_lr, "warmup_max_lr": config.peak_lr,
         "warmup_num_steps": max(1, warmup), "warmup_type": "linear"}}

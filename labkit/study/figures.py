@@ -124,3 +124,23 @@ def bars(table: pd.DataFrame, columns: Sequence[str], *, title: str, yaxis: str,
     fig = go.Figure([go.Bar(name=c, x=x, y=table[c]) for c in columns if c in table])
     fig.update_layout(barmode="stack" if stacked else "group")
     return _layout(fig, title, xaxis or (table.index.name or ""), yaxis)
+
+
+def loss_curves(curves: pd.DataFrame, *, title: str, column: str = "eval_loss", log_y: bool = True) -> go.Figure:
+    """Loss against samples trained on, one line per `run` (`lessons.loss_by_samples`). A run whose
+    loss left the finite numbers ends at its last finite point, with an x there and "diverged"."""
+    import math
+
+    fig = go.Figure()
+    for run, group in curves.groupby("run", sort=False):
+        finite = group[[math.isfinite(v) for v in group[column]]]
+        blew_up = len(finite) < len(group)
+        fig.add_trace(go.Scatter(name=f"{run} (diverged)" if blew_up else str(run), x=finite["samples"],
+                                 y=finite[column], mode="lines+markers"))
+        if blew_up:
+            first_bad = group.loc[[not math.isfinite(v) for v in group[column]], "samples"].iloc[0]
+            fig.add_vline(x=first_bad, line_dash="dot", line_color="#ef553b",
+                          annotation_text=f"{run}: {column} not finite from {first_bad:,} samples")
+    if log_y:
+        fig.update_yaxes(type="log")
+    return _layout(fig, title, "samples trained on", column.replace("_", " "))

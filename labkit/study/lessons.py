@@ -560,3 +560,162 @@ def deepspeed_batch_check(ds_config: dict[str, Any], world_size: int) -> str:
     return (f"DeepSpeed accepts it: train_batch_size {parsed.train_batch_size} = micro "
             f"{parsed.train_micro_batch_size_per_gpu} x accumulation {parsed.gradient_accumulation_steps} "
             f"x {world_size} rank(s)")
+
+
+# -- the LR rules, measured (04) -----------------------------------------------------------
+# The runs of notebook 04's two LR lessons, per model: small on purpose (a few seconds each on 2 CPU
+# cores) and the same on every profile, since the rules are about the optimizer and the batch, not
+# the model's size. Picked on the ci machine (2026-11-23) from in-process sweeps of the same model,
+# data and schedule over LRs and seeds 0-2:
+# - `sgd`: plain SGD (DeepSpeed's "SGD" is torch's, momentum 0) at the base batch and at `factor`
+#   times it. At lr 0.1 (batch 64) the 4x batch with 0.4 follows the base curve to within ~20% at the
+#   end (1.29 vs 1.02); with 0.1 kept it ends at 2.17, barely below chance (ln 10 = 2.30).
+# - `warmup`: Adam at 0.05. Without warmup the first full-size steps throw the loss to several times
+#   its start and it stalls near 2.0-2.1 on every seed tried; with 4096 warmup samples it falls to
+#   1.37-1.49 (then creeps up at the peak LR). Plain SGD on this MLP showed no such clean split: at
+#   LRs that diverge it diverged, or not, with and without warmup, depending on the seed.
+# Only the MLP has settings: the GPT's were not measured (`lr_lesson_model` says so and uses the MLP).
+LR_LESSONS: dict[str, dict[str, dict[str, Any]]] = {
+    "mlp": {
+        "sgd": dict(fields=dict(model="mlp", hidden=256, depth=2, dataset_size=8192, eval_samples=1024),
+                    lr=0.1, base_batch=64, factor=4, samples=16384, eval_every_samples=1024),
+        "warmup": dict(fields=dict(model="mlp", hidden=256, depth=2, dataset_size=8192, eval_samples=1024),
+                       optimizer="adam", lr=0.05, batch=128, warmup_samples=4096, samples=8192,
+                       eval_every_samples=512),
+    },
+}
+
+
+def lr_lesson_model(model: str) -> str:
+    """The model the LR lessons train for `model`: itself if it has settings in `LR_LESSONS`,
+    else the MLP, with a line saying so."""
+    if model in LR_LESSONS:
+        return model
+    print(f"the LR lessons have measured settings for {sorted(LR_LESSONS)} only; they train the MLP, not {model!r}")
+    return "mlp"
+
+
+def _lesson(model: str, which: str) -> dict[str, Any]:
+    if model not in LR_LESSONS:
+        raise ValueError(f"no LR lesson settings for model {model!r}; one of {sorted(LR_LESSONS)}")
+    return LR_LESSONS[model][which]
+
+
+def _lesson_run(fields: Mapping[str, Any], *, batch: int, samples: int, eval_every_samples: int,
+                **settings: Any) -> RunConfig:
+    """One run of `samples` samples at global batch `batch` on one DeepSpeed rank (stage 0: the
+    rule is the optimizer's, ZeRO does not change it), its held-out loss every `eval_every_samples`."""
+    return RunConfig(example="deepspeed", stage=0, world_size=1, micro_batch=batch, steps=samples // batch,
+                     eval_every=max(1, eval_every_samples // batch), census_every=10**6, **fields, **settings)
+
+
+def sgd_scaling_configs(model: str = "mlp") -> dict[str, RunConfig]:
+    """SGD on the same number of samples three ways: the base batch at its LR $\\eta$; `factor` times
+    the batch with the LR scaled linearly ($k\\eta$, Goyal et al. 2017); `factor` times the batch at
+    the same $\\eta$. Every run sees the same samples, so their loss-by-samples curves compare."""
+    s = _lesson(model, "sgd")
+    base, big = s["base_batch"], s["base_batch"] * s["factor"]
+    common = dict(fields=s["fields"], samples=s["samples"], eval_every_samples=s["eval_every_samples"],
+                  optimizer="sgd", lr=s["lr"], base_batch=base)
+    return {f"batch {base}, LR {s['lr']:g}": _lesson_run(batch=base, **common),
+            f"batch {big}, LR x{s['factor']} (linear)": _lesson_run(batch=big, lr_scaling="linear", **common),
+            f"batch {big}, LR {s['lr']:g} (kept)": _lesson_run(batch=big, lr_scaling="none", **common)}
+
+
+def warmup_configs(model: str = "mlp") -> dict[str, RunConfig]:
+    """One large LR, from the first step and after a linear warmup over `warmup_samples`."""
+    s = _lesson(model, "warmup")
+    common = dict(fields=s["fields"], batch=s["batch"], samples=s["samples"],
+                  eval_every_samples=s["eval_every_samples"], optimizer=s["optimizer"], lr=s["lr"],
+                  base_batch=s["batch"])
+    return {f"LR {s['lr']:g}, no warmup": _lesson_run(**common),
+            f"LR {s['lr']:g}, warmup {s['warmup_samples']} samples": _lesson_run(
+                warmup_samples=s["warmup_samples"], **common)}
+
+
+def loss_by_samples(runs: Mapping[str, Run], column: str = "eval_loss") -> pd.DataFrame:
+    """Rank 0's `column` (the held-out `eval_loss`, or the training `loss`) against the samples
+    the run had trained on when it was measured (step x global batch): one row per (run, record),
+    non-finite losses (a diverged run) kept as they were recorded."""
+    rows = []
+    for label, run in runs.items():
+        records = step_records(run)
+        if records.empty or column not in records:
+            raise ValueError(f"{label}: no {column!r} in rank 0's step records ({run.status}, {run.run_dir})")
+        measured = records[column].dropna() if column == "eval_loss" else records[column]
+        rows += [{"run": label, "samples": int(step) * run.config.global_batch, "step": int(step),
+                  "lr": float(records.at[step, "lr"]), column: float(value)} for step, value in measured.items()]
+    return pd.DataFrame(rows)
+
+
+def curve_gap(curves: pd.DataFrame, a: str, b: str, column: str = "eval_loss") -> float:
+    """How far apart two runs' loss-by-samples curves are: the mean of |ln(loss_a / loss_b)| over
+    the samples both measured at (0.1 is about 10% apart). Infinite if either diverged there."""
+    import numpy as np
+
+    one = curves[curves["run"] == a].set_index("samples")[column]
+    other = curves[curves["run"] == b].set_index("samples")[column]
+    shared = one.index.intersection(other.index)
+    if shared.empty:
+        raise ValueError(f"{a!r} and {b!r} share no measured sample count")
+    with np.errstate(divide="ignore", invalid="ignore"):  # a diverged run's inf and nan: the gap is inf
+        ratio = np.log(one[shared].to_numpy(dtype=float) / other[shared].to_numpy(dtype=float))
+    return float(np.mean(np.abs(ratio))) if np.isfinite(ratio).all() else float("inf")
+
+
+def diverged(run: Run, factor: float = 1.5, column: str = "loss") -> bool:
+    """Whether rank 0's loss (the training loss, every step) blew up: left the finite numbers (nan,
+    inf) or rose above `factor` times its first value."""
+    import math
+
+    losses = [float(v) for v in step_records(run)[column].dropna()]
+    return bool(losses) and (not all(math.isfinite(v) for v in losses) or max(losses) > factor * losses[0])
+
+
+# -- ZeRO-3's reuse distance and peak memory (03) -------------------------------------------
+def reuse_distance(run: Run) -> int:
+    """The run's `stage3_max_reuse_distance`: its override, else DeepSpeed's default (1e9)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = run.config.ds_overrides.get("zero_optimization", {})
+    return int(zero.get("stage3_max_reuse_distance", DeepSpeedZeroConfig().max_reuse_distance))
+
+
+def gathers_before_scatter(run: Run, step: int | None = None) -> int:
+    """All-gathers in one step before its first reduce-scatter, from rank 0's comms log (a run
+    launched with `comms_logger_overrides()`): the gathers of the forward and backward."""
+    step = min(3, run.config.steps) if step is None else step
+    log = comm_log(run)
+    one = log[log["phase"] == step].reset_index(drop=True)
+    scatters = one.index[one["op"].str.startswith("reduce_scatter")]
+    first = scatters[0] if len(scatters) else len(one)
+    return int((one["op"].str.startswith("all_gather") & (one.index < first)).sum())
+
+
+def reuse_distance_memory(runs: Mapping[str, Run], tensors: pd.DataFrame) -> pd.DataFrame:
+    """ZeRO-3 runs that differ in `stage3_max_reuse_distance`, one row per (run, rank): the reuse
+    distance, all-gathers before the reduce-scatter (rank 0's log, every rank takes part), the
+    parameter bytes the census counted after backward, the rank's peak RSS and, on a GPU, its
+    device peak (labkit's records), in MiB.
+
+    `attrs["extra_MiB"]`: what the default keeps that 0 frees, from the tensors (`zero3_tensors`):
+    with the default, every partitioned module stays gathered from its forward to its backward
+    (for a model under ~1e9 parameters), so the peak holds all of them whole; with 0, about one
+    module at a time. The difference is the partitioned modules' full bytes less the largest one's.
+    """
+    part = tensors[~tensors["persistent"]].groupby("module", sort=False)["bytes"].sum()
+    rows = []
+    for label, run in runs.items():
+        gathers = gathers_before_scatter(run)
+        for rank, values in sorted(((run.summary or {}).get("per_rank") or {}).items(), key=lambda kv: int(kv[0])):
+            row = {"run": label, "rank": int(rank), "max_reuse_distance": reuse_distance(run),
+                   "all-gathers before the reduce-scatter": gathers,
+                   "param_MiB (census, after backward)": mib(values.get("param_bytes")),
+                   "peak_rss_MiB": mib(values.get("peak_rss_bytes"))}
+            if values.get("device_peak_bytes") is not None:
+                row["device_peak_MiB"] = mib(values["device_peak_bytes"])
+            rows.append(row)
+    table = pd.DataFrame(rows).set_index(["run", "rank"])
+    table.attrs["extra_MiB"] = (part.sum() - part.max()) / MiB if len(part) else 0.0
+    table.attrs["gathered_MiB"] = part.sum() / MiB
+    return table
