@@ -82,7 +82,8 @@ class PlainTrainer:
         if config.optimizer == "adam":
             self.optimizer: torch.optim.Optimizer = torch.optim.Adam(params, lr=config.lr_at(1))
         else:
-            self.optimizer = torch.optim.SGD(params, lr=config.lr_at(1), momentum=0.9)
+            # No momentum, as DeepSpeed's {"type": "SGD"} builds it: optimizer="sgd" is the same update on both paths.
+            self.optimizer = torch.optim.SGD(params, lr=config.lr_at(1))
         # bf16 as mixed precision: fp32 weights, bf16 compute under autocast.
         self._autocast = config.precision == "bf16"
 
