@@ -42,6 +42,9 @@ from labkit.live.telemetry import rank_file
 STEP_KEYS = ("step", "time_s", "samples_per_s", "step_time_s", "loss", "rss_bytes", "peak_rss_bytes",
              "device_allocated_bytes", "device_peak_bytes", "param_bytes", "grad_bytes", "optim_bytes",
              "master_bytes", "host_optim_bytes", "host_grad_bytes")
+# Script mode (labkit.launch.script): the rank guard's `sample` records, the RSS of each rank's process tree
+# seen from outside every second, charted against time (a script need not record any step).
+SAMPLE_KEYS = ("time_s", "rss_bytes")
 CHARTS = ("throughput", "memory", "state", "loss")
 DEFAULT_MAX_POINTS = 2000
 REFRESH_S = 0.25       # 4 Hz (>= 2 Hz wanted): the thread polls the rank files this often (replots on new records)
@@ -64,9 +67,11 @@ def _number(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
-def step_columns(records: Iterable[dict[str, Any]], keys: Sequence[str] = STEP_KEYS) -> dict[str, np.ndarray]:
-    """The `step` records among `records` as one float64 array per key (NaN where a record lacks it)."""
-    steps = [r for r in records if r.get("event") == "step"]
+def step_columns(records: Iterable[dict[str, Any]], keys: Sequence[str] = STEP_KEYS,
+                 event: str = "step") -> dict[str, np.ndarray]:
+    """The `event` records (`step`, or the guard's `sample`) among `records` as one float64 array per
+    key (NaN where a record lacks it)."""
+    steps = [r for r in records if r.get("event") == event]
     return {k: np.fromiter((_number(r.get(k)) for r in steps), dtype=np.float64, count=len(steps)) for k in keys}
 
 
@@ -164,12 +169,15 @@ MEMORY_SERIES = {  # kind -> ((key, name suffix, dash), ...)
     # CPU ranks: RSS only (peak RSS is in the run's summary); half the traces to refresh at 8 ranks.
     "host": (("rss_bytes", "RSS", "solid"),),
 }
-MEMORY_TITLES = {"device": "device memory (MiB)", "host": "host RSS (MiB)"}
+MEMORY_TITLES = {"device": "device memory (MiB)", "host": "host RSS (MiB)",
+                 "sampled": "RSS of the rank's processes (MiB)"}
 
 
 def run_traces(series: Sequence[RankSeries], *, memory: str = "host", label: str | None = None,
-               color: str | None = None, max_points: int = DEFAULT_MAX_POINTS) -> dict[str, list[TraceData]]:
-    """The traces of each chart for one run, x = optimizer step.
+               color: str | None = None, max_points: int = DEFAULT_MAX_POINTS,
+               samples: Sequence[RankSeries] | None = None) -> dict[str, list[TraceData]]:
+    """The traces of each chart for one run, x = optimizer step; with `samples` (script mode: the
+    guard's outside RSS samples, SAMPLE_KEYS) the memory chart is those samples against time.
 
     Live run (`label` None): global and per-rank throughput, per-rank memory and peak,
     stacked model-state bars per rank, mean loss. Overlay of a past run (`label` = its id):
@@ -206,7 +214,13 @@ def run_traces(series: Sequence[RankSeries], *, memory: str = "host", label: str
             out["throughput"].append(TraceData(f"rank {rank}", s.column("step")[i], y, style=line(rank)))
 
     # -- memory per rank -------------------------------------------------------------------
+    for rank, sampled in enumerate(samples or ()):
+        i = decimation_index(sampled.n, max_points)
+        out["memory"].append(TraceData(f"{prefix}rank {rank} RSS (sampled)", sampled.column("time_s")[i],
+                                       sampled.column("rss_bytes")[i] / MIB, style=line(rank)))
     for rank, (s, i) in enumerate(zip(series, rank_idx, strict=True)):
+        if samples is not None:
+            break  # script mode: the memory chart is the samples'
         for key, suffix, dash in MEMORY_SERIES[memory]:
             out["memory"].append(TraceData(f"{prefix}rank {rank} {suffix}", s.column("step")[i],
                                            s.column(key)[i] / MIB, style=line(rank, dash)))
@@ -250,6 +264,19 @@ def load_series(run_dir: str | Path) -> list[RankSeries]:
     config = read_json(Path(run_dir) / "config.json") or {}
     return [RankSeries.from_records(read_records(rank_file(run_dir, rank)))
             for rank in range(int(config.get("world_size", 1)))]
+
+
+def load_samples(run_dir: str | Path) -> list[RankSeries] | None:
+    """Every rank's outside memory samples of a script run (None for labkit's own runs)."""
+    config = read_json(Path(run_dir) / "config.json") or {}
+    if not config.get("script"):
+        return None
+    series = []
+    for rank in range(int(config.get("world_size", 1))):
+        sampled = RankSeries(SAMPLE_KEYS)
+        sampled.extend_columns(step_columns(read_records(rank_file(run_dir, rank)), SAMPLE_KEYS, "sample"))
+        series.append(sampled)
+    return series
 
 
 # -- widgets -----------------------------------------------------------------------------
@@ -349,6 +376,7 @@ class Dashboard:
                                                                          grid_gap="8px"))
         self.run: Any = None
         self.series: list[RankSeries] = []
+        self.samples: list[RankSeries] | None = None  # script mode: the guard's memory samples per rank
         self.memory = "host"
         self.overlays: dict[str, dict[str, list[TraceData]]] = {}  # run id -> traces per chart
         self.first_point_at: float | None = None  # time.monotonic() of the first plotted step
@@ -377,6 +405,7 @@ class Dashboard:
                                f"{JOIN_TIMEOUT_S:g} s; not following a second run beside it")
         tails = [RecordTail(rank_file(run.run_dir, rank)) for rank in range(run.config.world_size)]
         series = [RankSeries() for _ in tails]
+        samples = [RankSeries(SAMPLE_KEYS) for _ in tails] if getattr(run.config, "script", None) else None
         kind = "host" if detect_devices().is_cpu else "device"
         with self._lock:
             self.run = run
@@ -384,23 +413,27 @@ class Dashboard:
             self.refreshes = 0
             self.ticks = 0
             self.error = None
-            self.show_series(series, memory=kind)
+            self.show_series(series, memory=kind, samples=samples)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(run, series, tails, self._stop),
+        self._thread = threading.Thread(target=self._loop, args=(run, series, tails, self._stop, samples),
                                         name="labkit-dashboard", daemon=True)
         self._thread.start()
 
-    def show_series(self, series: list[RankSeries], memory: str = "host") -> None:
-        """Make `series` the live traces (rebuilding the figures); `refresh()` plots them.
+    def show_series(self, series: list[RankSeries], memory: str = "host",
+                    samples: list[RankSeries] | None = None) -> None:
+        """Make `series` (and a script run's memory `samples`) the live traces (rebuilding the
+        figures); `refresh()` plots them.
 
         An update thread following other series stops at its next poll.
         """
         with self._lock:
             self.series = series
+            self.samples = samples
             self.memory = memory
             self._rebuild()
 
-    def _loop(self, run: Any, series: list[RankSeries], tails: list[RecordTail], stop: threading.Event) -> None:
+    def _loop(self, run: Any, series: list[RankSeries], tails: list[RecordTail], stop: threading.Event,
+              samples: list[RankSeries] | None = None) -> None:
         error = None
         final = False
         started = time.monotonic()
@@ -410,11 +443,14 @@ class Dashboard:
                 # summary.json is, so the poll after a True answer reads everything.
                 status = run.status
                 done = status in FINAL_STATUSES
-                columns = [step_columns(t.poll()) for t in tails]  # file reads outside the lock
+                polled = [t.poll() for t in tails]  # file reads outside the lock
+                columns = [step_columns(records) for records in polled]
+                sampled = [step_columns(records, SAMPLE_KEYS, "sample") for records in polled] if samples else []
                 with self._lock:
                     if series is not self.series:
                         return  # the dashboard moved on (watch, show_series): not ours to plot
                     added = sum(s.extend_columns(c) for s, c in zip(series, columns, strict=True))  # one per rank
+                    added += sum(s.extend_columns(c) for s, c in zip(samples or (), sampled, strict=True))
                     if added or done or self.refreshes == 0:
                         self.refresh()
                     self.ticks += 1
@@ -451,7 +487,7 @@ class Dashboard:
         """Re-plot the live traces from the series; returns the seconds it took (kernel-side cost)."""
         start = time.perf_counter()
         with self._lock:
-            traces = run_traces(self.series, memory=self.memory, max_points=self.max_points)
+            traces = run_traces(self.series, memory=self.memory, max_points=self.max_points, samples=self.samples)
             for chart, fig in self.figures.items():
                 with fig.batch_update():
                     # Live traces come first in fig.data; overlays follow and never change. Same count:
@@ -463,7 +499,7 @@ class Dashboard:
                         if not _same(data.y, trace.y):
                             data.y = trace.y
             self.refreshes += 1
-            if self.first_point_at is None and any(len(t.x) for t in traces["throughput"]):
+            if self.first_point_at is None and any(len(t.x) for t in traces["throughput"] + traces["memory"]):
                 self.first_point_at = time.monotonic()
         self.last_refresh_s = time.perf_counter() - start
         return self.last_refresh_s
@@ -512,15 +548,15 @@ class Dashboard:
             path = Path(run)
             if not path.is_dir():
                 path = default_root() / str(run)
-            loaded.append((path, load_series(path)))
+            loaded.append((path, load_series(path), load_samples(path)))
         with self._lock:
-            for path, series in loaded:
+            for path, series, samples in loaded:
                 color = OVERLAY_COLORS[len(self.overlays) % len(OVERLAY_COLORS)]
                 label = overlay_label(path.name)
                 self.overlays[label] = run_traces(series, memory=memory_kind(series), label=label, color=color,
-                                                  max_points=self.max_points)
+                                                  max_points=self.max_points, samples=samples)
             self._rebuild()
-        return [path.name for path, _ in loaded]
+        return [path.name for path, _, _ in loaded]
 
     def clear_overlays(self) -> None:
         with self._lock:
@@ -530,7 +566,7 @@ class Dashboard:
     def _rebuild(self) -> None:
         """(Under the lock.) Replace every figure's traces: the live run's (empty until refreshed), then the
         overlays'."""
-        live = run_traces(self.series, memory=self.memory, max_points=self.max_points)
+        live = run_traces(self.series, memory=self.memory, max_points=self.max_points, samples=self.samples)
         for chart, fig in self.figures.items():
             traces = live[chart] + [t for overlay in self.overlays.values() for t in overlay[chart]]
             self._live_counts[chart] = len(live[chart])
@@ -538,4 +574,5 @@ class Dashboard:
             if traces:
                 fig.add_traces([_plotly_trace(t) for t in traces])
             if chart == "memory":
-                fig.layout.yaxis.title.text = MEMORY_TITLES[self.memory]
+                fig.layout.yaxis.title.text = MEMORY_TITLES["sampled" if self.samples is not None else self.memory]
+                fig.layout.xaxis.title.text = "time since the run started (s)" if self.samples is not None else "step"
