@@ -39,6 +39,9 @@ def main() -> int:
         at = argv.index("--run-dir")
         argv = argv[:at] + argv[at + 2:]  # the script gets DeepSpeed's --local_rank and its own args only
         os.environ["LABKIT_RUN_DIR"] = str(run_dir)
+        # A fatal signal (SIGABRT, SIGSEGV) prints the Python stack in the rank's log, or none once the
+        # interpreter has finalized: where a script's abort came from (labkit.launch.script).
+        os.environ.setdefault("PYTHONFAULTHANDLER", "1")
         child = subprocess.Popen([sys.executable, "-u", script, *argv])
     else:
         child = subprocess.Popen([sys.executable, "-u", "-m", "labkit.launch.worker", *argv])
