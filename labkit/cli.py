@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -99,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from labkit.launch.phase import RunProgress, run_label
     from labkit.launch.run import Run
 
     config = config_from_args(args)
@@ -106,18 +106,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_dir = run.run_dir
     assert run_dir is not None  # start() made it
     print(f"run directory: {run_dir}", file=sys.stderr)
-    name = f"script {Path(config.script).name}" if config.script else config.example
-    bar = tqdm(total=config.steps, unit="step", desc=f"{name} x{config.world_size}", file=sys.stderr)
-    from labkit.live.telemetry import RecordTail, rank_file
-
-    rank0, events = RecordTail(rank_file(run_dir, 0)), set[str]()
+    bar = tqdm(total=config.steps, unit="step", desc=f"{run_label(config)} x{config.world_size}", file=sys.stderr)
+    watcher = RunProgress(run)
     try:
         while not run.done:
-            events.update(r["event"] for r in rank0.poll() if r.get("event"))
-            progress = run.progress()
-            waiting = run.waiting_on if progress == 0 else None
-            bar.set_postfix_str(run_phase(events, progress, config.steps, _rank0_log(run_dir), waiting),
-                                refresh=False)
+            progress, phase = watcher.poll()
+            bar.set_postfix_str(phase, refresh=False)
             bar.update(progress - bar.n)
             run.wait(timeout=0.5)
     except KeyboardInterrupt:
@@ -126,44 +120,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     bar.update(run.progress() - bar.n)
     bar.close()
     summary = run.summary or {}
+    for warning in summary.get("warnings") or []:
+        print(f"warning: {warning}", file=sys.stderr)
     if run.status == "finished":
         step_time, rate = summary.get("median_step_time_s"), summary.get("samples_per_s")
-        timing = (f", median step {step_time:.4f} s, {rate:.1f} samples/s" if step_time and rate
-                  else " (no per-step records: telemetry was off)")
+        if config.script:  # the script's batch is its own: no samples/s
+            timing = (f", median step {step_time:.4f} s" if step_time
+                      else " (no per-step records: the script calls no labkit.record; memory was sampled)")
+        else:
+            timing = (f", median step {step_time:.4f} s, {rate:.1f} samples/s" if step_time and rate
+                      else " (no per-step records: telemetry was off)")
         print(f"finished: {summary.get('steps_completed')} steps{timing}; {run.run_dir}/summary.json")
         return 0
     print(f"{run.status}: {run.cause}\nsee {run.run_dir}", file=sys.stderr)
     return {"oom": 3, "hung": 4, "stopped": 130}.get(run.status, 1)
-
-
-def run_phase(events: set[str], step: int, steps: int, rank0_log: str = "", waiting_on: str | None = None) -> str:
-    """What a run is doing, for the progress bar: starting, initializing, building ops, step k/N.
-    `waiting_on` (`Run.waiting_on`): an op build or a stale build lock the run is stuck behind."""
-    if step:
-        return f"step {step}/{steps}"
-    if waiting_on:
-        return f"waiting: {waiting_on}"
-    if "ready" in events:
-        return "first step"
-    if "start" not in events:
-        return "starting processes"
-    building = rank0_log.rfind("Building extension module")
-    if building >= 0 and rank0_log.rfind("Loading extension module") < building:
-        return "building ops (JIT, once per machine)"
-    return "initializing (process group, DeepSpeed engine)"
-
-
-def _rank0_log(run_dir: Path, tail_bytes: int = 20000) -> str:
-    """The end of rank 0's log: a bounded read, whatever the log's length (polled twice a second)."""
-    logs = sorted((Path(run_dir) / "logs").glob("*_rank0.log"))
-    if not logs:
-        return ""
-    try:
-        with open(logs[-1], "rb") as log:
-            log.seek(max(0, log.seek(0, os.SEEK_END) - tail_bytes))
-            return log.read().decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def cmd_export(args: argparse.Namespace) -> int:

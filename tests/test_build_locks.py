@@ -55,7 +55,7 @@ def test_a_run_stuck_behind_a_stale_build_lock_says_so(tmp_path, runs_root, monk
             time.sleep(0.5)
         assert run.waiting_on and "stale build lock" in run.waiting_on and "deepspeed_shm_comm" in run.waiting_on
         # What the CLI's progress bar and the panel's status line show for it.
-        from labkit.cli import run_phase
+        from labkit.launch.phase import run_phase
         from labkit.live.panel import status_line
 
         assert run_phase({"start"}, 0, 2, "", run.waiting_on).startswith("waiting: stale build lock")

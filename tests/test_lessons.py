@@ -122,3 +122,37 @@ def test_lr_lessons_build_comparable_runs():
     assert cold.peak_lr == warm.peak_lr and cold.warmup_steps_effective == 0 < warm.warmup_steps_effective
     with pytest.raises(ValueError, match="no LR lesson settings"):
         lessons.sgd_scaling_configs("resnet")
+
+
+def test_launch_all_shows_one_bar_over_the_runs_and_each_runs_step_and_status(runs_root, capsys):
+    import io
+
+    stream = io.StringIO()
+    ok = RunConfig(example="zero3", world_size=2, micro_batch=8, steps=3, hidden=32, dataset_size=256)
+    bad = RunConfig(example="zero3", world_size=2, micro_batch=8, steps=3, hidden=32, dataset_size=256,
+                    device_memory_budget_bytes=1000)  # the emulated capacity: out of memory at step 1
+    runs = lessons.launch_all({"small": ok, "too big": bad}, file=stream)
+    assert {label: run.status for label, run in runs.items()} == {"small": "finished", "too big": "oom"}
+    text = stream.getvalue().replace("\r", "\n")  # tqdm redraws a text bar in place
+    assert "runs: 100%" in text and "2/2" in text
+    assert any(line.startswith("small: 100%") and "3/3" in line and "finished" in line for line in text.splitlines())
+    assert any(line.startswith("too big:") and "oom: rank" in line for line in text.splitlines())
+    assert "initializing" in text or "first step" in text or "step 1/3" in text  # the phase before the end
+    assert "2 run(s) in" in capsys.readouterr().out
+
+
+def test_build_ops_streams_the_builds_output_under_a_bar():
+    import io
+
+    from labkit.runtime.ops import BUILDERS
+
+    stream = io.StringIO()
+    built = lessons.build_ops(file=stream)
+    text = stream.getvalue()
+    if "CUDA ops not built" in text:
+        pytest.skip("a GPU without an nvcc matching torch: nothing to build (labkit.runtime.ops)")
+    for name in BUILDERS:  # each builder's line, as the child printed it (built, loaded from the cache, or skipped)
+        line = next(line for line in text.splitlines() if line.startswith(f"{name}: ") and ("ready in" in line
+                                                                                          or "skipped" in line))
+        assert line in built
+    assert "DeepSpeed ops: 100%|" in text.replace("\r", "\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -131,6 +132,11 @@ def test_answer_switches_to_gpt_with_one_parameter():
     assert profile.name == "ci-gpt"
     configs = points(profile) + maxbatch_templates(profile)
     assert configs and all(c.model == "gpt" and c.hidden == 64 for c in configs)
+    # The GPT's own emulated capacity (answer.GPT_PROFILES): hundreds of MB, its activations being ~1 MB a sample.
+    assert profile.cpu_budget_bytes > 256 * 1_000_000 and profile.maxbatch_tolerance == 0
+    assert with_model(PROFILES["smoke"], "gpt").model["hidden"] == 32
+    with pytest.raises(ValueError, match="not for 'workshop'"):
+        with_model(PROFILES["workshop"], "gpt")
     own = with_model(PROFILES["ci"], OWN["model"], OWN["data"], OWN["loss"])
     assert all(c.data == OWN["data"] and c.loss == OWN["loss"] for c in points(own))
 
@@ -188,6 +194,92 @@ def test_unmodified_script_is_seen_from_outside_and_its_failure_named(tmp_path):
     from tests.conftest import run_processes
 
     assert not run_processes(out)  # no orphans
+
+
+def test_script_aborting_in_teardown_after_a_clean_exit_finishes_with_a_warning(tmp_path):
+    # Rank 1 aborts after every atexit hook, labkit's exit record included: what the C++ teardown abort
+    # ("terminate called without an active exception") does to plain 2-rank DeepSpeed scripts now and then.
+    result, out, summary = _script_run(tmp_path, "teardown", "--record", "--abort-rank", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary["status"] == "finished" and summary["steps_completed"] == 6
+    assert json.loads((out / "rank1.exit").read_text()) == {"rank": 1, "pid": _exit_pid(out, 1), "returncode": -6,
+                                                             "teardown_abort": True}
+    # (Rank 0 may meet the real teardown abort too: then a second warning, its own.)
+    warning = next(w for w in summary["warnings"] if w.startswith("rank 1: "))
+    assert warning.startswith("rank 1: killed by SIGABRT after its script exited cleanly")
+    assert "terminate called without an active exception" in warning and "warning: rank 1" in result.stderr
+
+
+def _exit_pid(out, rank):
+    return next(r["pid"] for r in read_records(rank_file(out, rank)) if r["event"] == "exit")
+
+
+def test_script_aborting_mid_training_fails(tmp_path):
+    result, out, summary = _script_run(tmp_path, "abort", "--record", "--abort-rank", "1", "--abort-step", "3")
+    assert result.returncode == 1
+    assert summary["status"] == "failed" and summary["warnings"] == []
+    assert summary["cause"] == ("rank 1: killed by SIGABRT before its script exited cleanly (last step recorded: 3; "
+                                "no exit record with status 0)")
+    assert not [r for r in read_records(rank_file(out, 1)) if r["event"] in ("exit", "done")]
+
+
+def test_unmodified_script_is_charted_from_outside_and_an_abort_at_exit_not_excused(runs_root):
+    """Without labkit.record the guard knows only the return code: a SIGABRT at exit is a failure, whose
+    cause says why. Its memory samples are charted live, and its summary has no labkit fields."""
+    from labkit.launch.summary import NOT_FOR_SCRIPTS
+    from labkit.live.dashboard import Dashboard
+
+    config = RunConfig(script=SCRIPT, script_args=["--steps", "6", "--abort-rank", "1"], world_size=2, steps=6)
+    run = Run(config).start()
+    dash = Dashboard(run, refresh_s=0.1)
+    assert run.wait(timeout=300) == "failed"
+    assert dash.join(timeout=30)
+    # Rank 1's abort at exit (or rank 0's real teardown abort, should it come first).
+    assert re.match(r"rank [01]: killed by SIGABRT \(the script calls no labkit.record, so labkit cannot tell",
+                    run.cause), run.cause
+    memory = dash.figures["memory"]
+    assert [t.name for t in memory.data] == ["rank 0 RSS (sampled)", "rank 1 RSS (sampled)"]
+    for rank, trace in enumerate(memory.data):
+        samples = [r for r in read_records(rank_file(run.run_dir, rank)) if r["event"] == "sample"]
+        assert len(trace.x) == len(samples) >= 2 and all(y > 10 for y in trace.y)  # MiB of a live Python + torch
+        assert list(trace.x) == [r["time_s"] for r in samples]
+    assert memory.layout.xaxis.title.text.startswith("time")
+    summary = run.summary
+    assert summary["mode"] == "script" and summary["script"] == SCRIPT
+    assert not set(NOT_FOR_SCRIPTS) & set(summary)
+    for rank in ("0", "1"):
+        assert summary["per_rank"][rank]["memory_samples"] >= 2
+        assert summary["per_rank"][rank]["peak_rss_bytes"] > 10_000_000
+
+
+@pytest.mark.parametrize("ending,verdict", [
+    ("", "teardown_abort"),                         # clean Python exit, then the abort in teardown
+    ("sys.exit(3)", "failed"),                      # a non-zero exit status, then the abort
+    ("raise ValueError('late')", "failed"),         # an uncaught exception, then the abort
+    ("os.abort()", "failed"),                       # the abort before the interpreter's exit
+])
+def test_exit_record_holds_the_python_level_exit_status(tmp_path, ending, verdict):
+    """labkit.record's exit hook in a real interpreter that aborts (SIGABRT) after its atexit hooks."""
+    import os
+    import textwrap
+
+    from labkit.launch.script import judge_exit
+
+    code = textwrap.dedent(f"""
+        import atexit, os, sys
+        atexit.register(os.abort)  # first registered, last run: after labkit's exit record
+        import labkit
+        labkit.record(step=1, loss=1.0)
+        {ending}
+    """)
+    child = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "LABKIT_RUN_DIR": str(tmp_path), "RANK": "0", "PYTHONPATH": str(REPO)})
+    assert child.returncode == -6, child.stderr
+    exits = [r for r in read_records(rank_file(tmp_path, 0)) if r["event"] == "exit"]
+    expected = {"": [0], "sys.exit(3)": [3], "raise ValueError('late')": [1], "os.abort()": []}[ending]
+    assert [r["status"] for r in exits] == expected
+    pid = exits[0]["pid"] if exits else 0
+    assert judge_exit(tmp_path, 0, pid, child.returncode) == verdict
 
 
 # -- DeepSpeed's monitors and export-metrics -------------------------------------------------------
@@ -287,7 +379,7 @@ def test_deepspeed_itself_checks_the_whole_config_before_launch():
 
 
 def test_progress_bar_names_the_phase():
-    from labkit.cli import run_phase
+    from labkit.launch.phase import run_phase
 
     assert run_phase(set(), 0, 20) == "starting processes"
     assert run_phase({"start"}, 0, 20).startswith("initializing")
@@ -296,3 +388,7 @@ def test_progress_bar_names_the_phase():
     assert run_phase({"start"}, 0, 20, building + "\nLoading extension module cpu_adam...").startswith("initializing")
     assert run_phase({"start", "ready"}, 0, 20) == "first step"
     assert run_phase({"start", "ready", "step"}, 7, 20) == "step 7/20"
+    # Script mode: no ready record; the guard's memory samples say the script is alive.
+    assert run_phase({"start"}, 0, 20, script=True) == "script starting"
+    assert run_phase({"start", "sample"}, 0, 20, script=True).startswith("script running")
+    assert run_phase({"start", "sample"}, 0, 20, building, script=True).startswith("building ops")

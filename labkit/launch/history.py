@@ -32,6 +32,11 @@ def runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
             summary = {"status": "running" if (run_dir / "status.json").exists() else "created", **config,
                        "global_batch": config.get("micro_batch", 0) * config.get("grad_accum", 0)
                        * config.get("world_size", 0)}
+        if config.get("script"):
+            # A learner's script: labkit's batch and strategy fields say nothing about it.
+            from labkit.launch.summary import NOT_FOR_SCRIPTS
+
+            summary = {k: v for k, v in summary.items() if k not in NOT_FOR_SCRIPTS}
         row = {key: summary.get(key) for key in COLUMNS}
         row["run_id"] = run_dir.name
         row["path"] = str(run_dir)

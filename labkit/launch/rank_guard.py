@@ -39,13 +39,26 @@ def main() -> int:
         at = argv.index("--run-dir")
         argv = argv[:at] + argv[at + 2:]  # the script gets DeepSpeed's --local_rank and its own args only
         os.environ["LABKIT_RUN_DIR"] = str(run_dir)
+        # A fatal signal (SIGABRT, SIGSEGV) prints the Python stack in the rank's log, or none once the
+        # interpreter has finalized: where a script's abort came from (labkit.launch.script).
+        os.environ.setdefault("PYTHONFAULTHANDLER", "1")
         child = subprocess.Popen([sys.executable, "-u", script, *argv])
     else:
         child = subprocess.Popen([sys.executable, "-u", "-m", "labkit.launch.worker", *argv])
     for signum in pending:
         child.send_signal(signum)
-    returncode = _watch_script(child, run_dir, rank) if script else child.wait()
-    write_json_atomic(run_dir / f"rank{rank}.exit", {"rank": rank, "pid": child.pid, "returncode": returncode})
+    teardown_abort = False
+    if script:
+        returncode, teardown_abort = _watch_script(child, run_dir, rank)
+    else:
+        returncode = child.wait()
+    exit_info = {"rank": rank, "pid": child.pid, "returncode": returncode}
+    write_json_atomic(run_dir / f"rank{rank}.exit", {**exit_info, "teardown_abort": True} if teardown_abort
+                      else exit_info)
+    if teardown_abort:
+        # Judged finished (labkit.launch.script): exiting 0 keeps DeepSpeed's launcher from ending the
+        # other ranks, which may still be in their own teardown.
+        return 0
     # Exit like the child did, so DeepSpeed's launcher reacts as it would without us.
     if returncode < 0:
         if returncode != -signal.SIGKILL:  # SIGKILL's handler cannot be set (and is the default)
@@ -54,12 +67,13 @@ def main() -> int:
     return returncode
 
 
-def _watch_script(child: subprocess.Popen, run_dir: Path, rank: int) -> int:
+def _watch_script(child: subprocess.Popen, run_dir: Path, rank: int) -> tuple[int, bool]:
     """Records what a script does not: its start, its memory (RSS of its process tree) as
-    liveness every SAMPLE_S, and a done record when it exits 0."""
+    liveness every SAMPLE_S, and a done record when it finished (`labkit.launch.script.judge_exit`).
+    Returns its return code and whether it was a teardown abort judged finished."""
     import psutil
 
-    from labkit.launch.script import SAMPLE_S, guard_events
+    from labkit.launch.script import SAMPLE_S, guard_events, judge_exit
 
     start, sample, done = guard_events(run_dir, rank)
     start(child.pid)
@@ -75,8 +89,9 @@ def _watch_script(child: subprocess.Popen, run_dir: Path, rank: int) -> int:
             sample(sum(p.memory_info().rss for p in tree))
         except psutil.Error:
             continue  # exiting: the next wait returns
-    done(return_code)
-    return return_code
+    verdict = judge_exit(run_dir, rank, child.pid, return_code)
+    done(verdict)
+    return return_code, verdict == "teardown_abort"
 
 
 if __name__ == "__main__":

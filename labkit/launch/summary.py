@@ -12,6 +12,14 @@ from labkit.live.telemetry import rank_file
 STATE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "host_grad_bytes")
 MEMORY_KEYS = ("peak_rss_bytes", "device_peak_bytes", "activation_bytes")
 WARMUP_STEPS = 2  # the first steps include lazy allocations and op builds; leave them out of medians
+# What labkit's own worker knows and a learner's script (script mode) does not: its batch, strategy, model
+# and timings are the script's own, so these are left out of a script run's summary rather than shown
+# with labkit's defaults.
+NOT_FOR_SCRIPTS = ("example", "stage", "offload_optimizer", "precision", "micro_batch", "grad_accum",
+                   "global_batch", "n_params", "samples_per_s", "forward_s", "backward_s", "optimizer_s",
+                   "target_loss", "target_measured_on", "eval_loss", "eval_count", "eval_time_s", "steps_to_target",
+                   "time_to_target_s", "achieved_flops", "peak_flops", "peak_flops_source", "optimizer_impl",
+                   "flops_utilization")
 
 
 def train_flops_per_sample(n_params: int) -> float:
@@ -106,7 +114,7 @@ def summarize(run_dir: str | Path, config: dict[str, Any], *, status: str, cause
     target = finder(records_by_rank, config["target_loss"]) if config["target_loss"] else None
     evals = [r for r in rank0_steps if r.get("eval_loss") is not None]
     losses = mean_loss_by_step(records_by_rank)
-    return {
+    summary = {
         "status": status,
         "cause": cause,
         "failed_rank": failed_rank,
@@ -141,7 +149,26 @@ def summarize(run_dir: str | Path, config: dict[str, Any], *, status: str, cause
         "optimizer_impl": done.get("optimizer_impl"),  # which optimizer ran (labkit.runtime.ops.OPTIMIZER_IMPLS)
         "flops_utilization": achieved / peak_flops if (achieved and peak_flops) else None,
         "per_rank": per_rank,
+        # A done record's warning: a script rank's C++ teardown abort judged finished (labkit.launch.script).
+        "warnings": [r["warning"] for records in records_by_rank.values() for r in records
+                     if r.get("event") == "done" and r.get("warning")],
     }
+    return script_summary(summary, config, records_by_rank) if config.get("script") else summary
+
+
+def script_summary(summary: dict[str, Any], config: dict[str, Any],
+                   records_by_rank: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    """A script run's summary: labkit's own fields left out (NOT_FOR_SCRIPTS), the script named, and
+    per rank the memory the guard sampled from outside (RSS of the rank's process tree, every
+    labkit.launch.script.SAMPLE_S) beside the steps the script recorded, if it calls labkit.record."""
+    kept = {k: v for k, v in summary.items() if k not in NOT_FOR_SCRIPTS}
+    for rank, records in records_by_rank.items():
+        samples = [r for r in records if r.get("event") == "sample"]
+        rss = [r["rss_bytes"] for r in records if r.get("event") in ("sample", "step") and r.get("rss_bytes")]
+        kept["per_rank"][str(rank)] = {"steps": kept["per_rank"][str(rank)]["steps"],
+                                       "peak_rss_bytes": max(rss, default=None), "memory_samples": len(samples),
+                                       "last_sample_s": samples[-1]["time_s"] if samples else None}
+    return {"mode": "script", "script": config["script"], "script_args": config.get("script_args", []), **kept}
 
 
 def _unrecorded_steps(records: list[dict[str, Any]]) -> int:

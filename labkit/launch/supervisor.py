@@ -67,6 +67,7 @@ class RankState:
     last_step: int = 0
     last_progress: float = field(default_factory=time.monotonic)
     done: bool = False
+    warning: str | None = None  # a done record's warning (a script's teardown abort judged finished)
     error: dict[str, Any] | None = None
     vanished_at: float | None = None
 
@@ -81,6 +82,7 @@ class RankState:
                 self.last_step = record["step"]
             elif event == "done":
                 self.done = True
+                self.warning = record.get("warning")
             elif event == "error":
                 self.error = record
 
@@ -106,6 +108,7 @@ class Supervisor:
         self.heartbeat_s: float = launch["heartbeat_s"]
         self.startup_timeout_s: float = launch["startup_timeout_s"]
         self.multi_node = is_multi_node(self.argv)
+        self.script_mode = "--script" in self.argv  # labkit.launch.script: a learner's script on every rank
         # Multi-node: each rank's host as the hostfile names it, to name the node a rank died on.
         self.hosts = rank_hosts(self.argv[self.argv.index("--hostfile") + 1]) if self.multi_node else []
         # pdsh jobs: their ranks are ended over ssh (mpirun and srun end their own on SIGTERM).
@@ -169,6 +172,9 @@ class Supervisor:
                 # Every record is on disk: give the launcher a moment, then end what lingers
                 # (launch.py polls once a second and interpreter teardown is slow).
                 log("every rank recorded done; waiting briefly for the launcher to exit")
+                for state in self.ranks:
+                    if state.warning:
+                        log(f"warning: {state.warning}")
                 log(f"launcher exit code {self.launcher_exit(timeout=DONE_GRACE_S)}")
                 return Outcome("finished")
             self.watch_oom_kills()
@@ -230,8 +236,7 @@ class Supervisor:
         for state in self.ranks:
             if state.error:
                 return True
-            info = self.exit_info(state.rank)
-            if info and info["returncode"] != 0:
+            if _failed_exit(self.exit_info(state.rank)):
                 return True
             if state.pid and state.local and not state.done and not psutil.pid_exists(state.pid):
                 state.vanished_at = state.vanished_at or now
@@ -250,7 +255,7 @@ class Supervisor:
                 text = f"{record['error_type']}: {message[0] if message else ''}".rstrip(": ")
                 status = "oom" if record.get("oom") else "failed"
                 evidence.append((is_knock_on(text), record.get("wall_time", 0.0), state.rank, status, text))
-            elif info and info["returncode"] != 0:
+            elif info and _failed_exit(info):
                 mtime = (self.run_dir / f"rank{state.rank}.exit").stat().st_mtime
                 if info["returncode"] == -9:
                     # SIGKILL leaves no traceback of its own: an older one in the log is not its cause.
@@ -259,6 +264,8 @@ class Supervisor:
                 else:
                     logged = last_exception_line(self.rank_log(state.rank))
                     text = logged or describe_exit(info["returncode"])
+                    if self.script_mode and not logged and info["returncode"] == -signal.SIGABRT:
+                        text += self.script_abort_hint(state)
                     status = "oom" if logged and is_oom(logged.split(":")[0], logged) else "failed"
                 evidence.append((is_knock_on(text), mtime, state.rank, status, text))
             elif state.vanished_at is not None:
@@ -276,6 +283,15 @@ class Supervisor:
             return Outcome("failed", f"DeepSpeed's launch.py{pid} died before every rank "
                            f"finished (last steps: {self.last_steps()}); see launcher.log")
         return Outcome("failed", "run ended without a cause on record")
+
+    @staticmethod
+    def script_abort_hint(state: RankState) -> str:
+        """Why a script's SIGABRT is a failure (labkit.launch.script judges a script's exit)."""
+        if state.last_step:
+            return (f" before its script exited cleanly (last step recorded: {state.last_step}; no exit record "
+                    "with status 0)")
+        return (" (the script calls no labkit.record, so labkit cannot tell an abort in training from the known "
+                "C++ teardown abort at exit; one labkit.record line per step lets it)")
 
     def classify_sigkill(self, exited_at: float) -> tuple[str, str]:
         """A rank SIGKILLed without a traceback (its guard recorded that at `exited_at`): OOM only if
@@ -435,6 +451,12 @@ def remove_shm_segments(argv: list[str]) -> list[Path]:
         except OSError:
             continue
     return removed
+
+
+def _failed_exit(info: dict[str, Any] | None) -> bool:
+    """A rank's exit file says it failed: a non-zero code, unless its guard judged a script's SIGABRT
+    a teardown abort after a clean exit (labkit.launch.script.judge_exit)."""
+    return info is not None and info["returncode"] != 0 and not info.get("teardown_abort")
 
 
 def _read_run_file(path: Path) -> dict[str, Any]:

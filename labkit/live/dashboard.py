@@ -66,9 +66,11 @@ def _number(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
-def step_columns(records: Iterable[dict[str, Any]], keys: Sequence[str] = STEP_KEYS) -> dict[str, np.ndarray]:
-    """The `step` records among `records` as one float64 array per key (NaN where a record lacks it)."""
-    steps = [r for r in records if r.get("event") == "step"]
+def step_columns(records: Iterable[dict[str, Any]], keys: Sequence[str] = STEP_KEYS,
+                 event: str = "step") -> dict[str, np.ndarray]:
+    """The `event` records (`step`, or the guard's `sample`) among `records` as one float64 array per
+    key (NaN where a record lacks it)."""
+    steps = [r for r in records if r.get("event") == event]
     return {k: np.fromiter((_number(r.get(k)) for r in steps), dtype=np.float64, count=len(steps)) for k in keys}
 
 
@@ -322,12 +324,33 @@ MEMORY_SERIES = {  # kind -> ((key, name suffix, dash), ...)
     # CPU ranks: RSS only (peak RSS is in the run's summary); half the traces to refresh at 8 ranks.
     "host": (("rss_bytes", "RSS", "solid"),),
 }
-MEMORY_TITLES = {"device": "device memory (MiB)", "host": "host RSS (MiB)"}
+MEMORY_TITLES = {"device": "device memory (MiB)", "host": "host RSS (MiB)",
+                 "sampled": "RSS of the rank's processes (MiB)"}
+
+# Script mode (labkit.launch.script): the rank guard's `sample` records, the RSS of each rank's process tree
+# seen from outside every second, charted against time (a script need not record any step).
+SAMPLE_KEYS = ("time_s", "rss_bytes")
+
+
+def sampled_memory(world_size: int, max_points: int = DEFAULT_MAX_POINTS) -> list[Decimated]:
+    """One bounded (time_s, rss_bytes) trace per rank for a script run's outside samples."""
+    return [Decimated(max_points) for _ in range(world_size)]
+
+
+def extend_samples(samples: Sequence[Decimated], polled: Sequence[Iterable[dict[str, Any]]]) -> int:
+    """Add each rank's new `sample` records to its trace; returns how many were added."""
+    added = 0
+    for trace, records in zip(samples, polled, strict=True):
+        columns = step_columns(records, SAMPLE_KEYS, "sample")
+        trace.extend(columns["time_s"], columns["rss_bytes"])
+        added += len(columns["time_s"])
+    return added
 
 
 def run_traces(series: RunSeries, *, memory: str = "host", label: str | None = None,
-               color: str | None = None) -> dict[str, list[TraceData]]:
-    """The traces of each chart for one run, x = optimizer step.
+               color: str | None = None, samples: Sequence[Decimated] | None = None) -> dict[str, list[TraceData]]:
+    """The traces of each chart for one run, x = optimizer step; with `samples` (script mode: the
+    guard's outside RSS samples per rank) the memory chart is those samples against time.
 
     Live run (`label` None): global and per-rank throughput, per-rank memory and peak,
     stacked model-state bars per rank, mean loss. Overlay of a past run (`label` = its id):
@@ -358,7 +381,12 @@ def run_traces(series: RunSeries, *, memory: str = "host", label: str | None = N
             out["throughput"].append(TraceData(f"rank {rank}", x, y / world, style=line(rank)))
 
     # -- memory per rank -------------------------------------------------------------------
+    for rank, sampled in enumerate(samples or ()):
+        x, y = sampled.points()
+        out["memory"].append(TraceData(f"{prefix}rank {rank} RSS (sampled)", x, y / MIB, style=line(rank)))
     for rank, s in enumerate(series):
+        if samples is not None:
+            break  # script mode: the memory chart is the samples'
         for key, suffix, dash in MEMORY_SERIES[memory]:
             x, y = s.trace(key)
             out["memory"].append(TraceData(f"{prefix}rank {rank} {suffix}", x, y / MIB, style=line(rank, dash)))
@@ -401,6 +429,17 @@ def load_series(run_dir: str | Path, max_points: int = DEFAULT_MAX_POINTS) -> Ru
     config = read_json(Path(run_dir) / "config.json") or {}
     return RunSeries.from_records([read_records(rank_file(run_dir, rank))
                                    for rank in range(int(config.get("world_size", 1)))], max_points)
+
+
+def load_samples(run_dir: str | Path, max_points: int = DEFAULT_MAX_POINTS) -> list[Decimated] | None:
+    """Every rank's outside memory samples of a script run (None for labkit's own runs)."""
+    config = read_json(Path(run_dir) / "config.json") or {}
+    if not config.get("script"):
+        return None
+    world = int(config.get("world_size", 1))
+    samples = sampled_memory(world, max_points)
+    extend_samples(samples, [read_records(rank_file(run_dir, rank)) for rank in range(world)])
+    return samples
 
 
 # -- widgets -----------------------------------------------------------------------------
@@ -500,6 +539,7 @@ class Dashboard:
                                                                          grid_gap="8px"))
         self.run: Any = None
         self.series = RunSeries(0, max_points)
+        self.samples: list[Decimated] | None = None  # script mode: the guard's memory samples per rank
         self.memory = "host"
         self.overlays: dict[str, dict[str, list[TraceData]]] = {}  # run id -> traces per chart
         self.first_point_at: float | None = None  # time.monotonic() of the first plotted step
@@ -529,6 +569,7 @@ class Dashboard:
                                f"{JOIN_TIMEOUT_S:g} s; not following a second run beside it")
         tails = [RecordTail(rank_file(run.run_dir, rank)) for rank in range(run.config.world_size)]
         series = RunSeries(len(tails), self.max_points)
+        samples = sampled_memory(len(tails), self.max_points) if getattr(run.config, "script", None) else None
         kind = "host" if detect_devices().is_cpu else "device"
         with self._lock:
             self.run = run
@@ -536,23 +577,27 @@ class Dashboard:
             self.refreshes = 0
             self.ticks = 0
             self.error = None
-            self.show_series(series, memory=kind)
+            self.show_series(series, memory=kind, samples=samples)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(run, series, tails, self._stop),
+        self._thread = threading.Thread(target=self._loop, args=(run, series, tails, self._stop, samples),
                                         name="labkit-dashboard", daemon=True)
         self._thread.start()
 
-    def show_series(self, series: RunSeries, memory: str = "host") -> None:
-        """Make `series` the live traces (rebuilding the figures); `refresh()` plots them.
+    def show_series(self, series: RunSeries, memory: str = "host",
+                    samples: list[Decimated] | None = None) -> None:
+        """Make `series` (and a script run's memory `samples`) the live traces (rebuilding the
+        figures); `refresh()` plots them.
 
         An update thread following other series stops at its next poll.
         """
         with self._lock:
             self.series = series
+            self.samples = samples
             self.memory = memory
             self._rebuild()
 
-    def _loop(self, run: Any, series: RunSeries, tails: list[RecordTail], stop: threading.Event) -> None:
+    def _loop(self, run: Any, series: RunSeries, tails: list[RecordTail], stop: threading.Event,
+              samples: list[Decimated] | None = None) -> None:
         error = None
         final = False
         started = time.monotonic()
@@ -563,11 +608,14 @@ class Dashboard:
                 status = run.status
                 done = status in FINAL_STATUSES
                 # Only the bytes written since the last poll (RecordTail), read outside the lock.
-                columns = [step_columns(t.poll()) for t in tails]
+                polled = [t.poll() for t in tails]
+                columns = [step_columns(records) for records in polled]
                 with self._lock:
                     if series is not self.series:
                         return  # the dashboard moved on (watch, show_series): not ours to plot
                     added = series.extend(columns)
+                    if samples is not None:
+                        added += extend_samples(samples, polled)
                     if added or done or self.refreshes == 0:
                         self.refresh()
                     self.ticks += 1
@@ -605,7 +653,7 @@ class Dashboard:
         At most max_points points per trace are shaped and sent, whatever the run's length."""
         start = time.perf_counter()
         with self._lock:
-            traces = run_traces(self.series, memory=self.memory)
+            traces = run_traces(self.series, memory=self.memory, samples=self.samples)
             sent = 0
             for chart, fig in self.figures.items():
                 with fig.batch_update():
@@ -621,7 +669,7 @@ class Dashboard:
                             sent += len(trace.y)
             self.points_sent = sent
             self.refreshes += 1
-            if self.first_point_at is None and any(len(t.x) for t in traces["throughput"]):
+            if self.first_point_at is None and any(len(t.x) for t in traces["throughput"] + traces["memory"]):
                 self.first_point_at = time.monotonic()
         self.last_refresh_s = time.perf_counter() - start
         return self.last_refresh_s
@@ -670,14 +718,15 @@ class Dashboard:
             path = Path(run)
             if not path.is_dir():
                 path = default_root() / str(run)
-            loaded.append((path, load_series(path, self.max_points)))
+            loaded.append((path, load_series(path, self.max_points), load_samples(path, self.max_points)))
         with self._lock:
-            for path, series in loaded:
+            for path, series, samples in loaded:
                 color = OVERLAY_COLORS[len(self.overlays) % len(OVERLAY_COLORS)]
                 label = overlay_label(path.name)
-                self.overlays[label] = run_traces(series, memory=memory_kind(series), label=label, color=color)
+                self.overlays[label] = run_traces(series, memory=memory_kind(series), label=label, color=color,
+                                                  samples=samples)
             self._rebuild()
-        return [path.name for path, _ in loaded]
+        return [path.name for path, _, _ in loaded]
 
     def clear_overlays(self) -> None:
         with self._lock:
@@ -687,7 +736,7 @@ class Dashboard:
     def _rebuild(self) -> None:
         """(Under the lock.) Replace every figure's traces: the live run's (empty until refreshed), then the
         overlays'."""
-        live = run_traces(self.series, memory=self.memory)
+        live = run_traces(self.series, memory=self.memory, samples=self.samples)
         for chart, fig in self.figures.items():
             traces = live[chart] + [t for overlay in self.overlays.values() for t in overlay[chart]]
             self._live_counts[chart] = len(live[chart])
@@ -695,4 +744,5 @@ class Dashboard:
             if traces:
                 fig.add_traces([_plotly_trace(t) for t in traces])
             if chart == "memory":
-                fig.layout.yaxis.title.text = MEMORY_TITLES[self.memory]
+                fig.layout.yaxis.title.text = MEMORY_TITLES["sampled" if self.samples is not None else self.memory]
+                fig.layout.xaxis.title.text = "time since the run started (s)" if self.samples is not None else "step"

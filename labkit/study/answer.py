@@ -160,6 +160,19 @@ GROWTH_WAYS = ("ranks", "micro_batch")  # the `growth` column holds one of these
 GPT_MODELS: dict[str, dict[str, Any]] = {
     "ci": dict(model="gpt", hidden=64, depth=2, input_size=64, dataset_size=4096, lr=3e-3, target_loss=2.6),
     "full": dict(model="gpt", hidden=768, depth=12, input_size=512, dataset_size=65536, lr=3e-4, target_loss=1.5),
+    "smoke": dict(model="gpt", hidden=32, depth=1, input_size=32, dataset_size=1024, lr=4e-3, target_loss=3.0),
+}
+# The profile settings the GPT needs of its own. On CPU the capacity is emulated, and the MLP's 6.5 MB
+# would not hold one GPT micro-batch. Measured on the ci GPT (120,576 parameters, 2-step probes):
+# activations 1,020,416 bytes per sample + 516; model states on the device 1,929,328 bytes for plain
+# PyTorch and 1,688,064 for ZeRO-3 on 2 ranks (every tensor is under its persistence threshold, so
+# only grads, Adam states and the master copy are split). ZeRO-3 thus saves 241,264 bytes, a quarter
+# of one sample: whatever the capacity, the two strategies' largest micro-batches differ by one at most.
+# The capacity sits in the one window where they do differ at the sweep's largest micro-batch (256),
+# so every sweep point fits: PyTorch fits 256 (257 needs 264,176,756 bytes), ZeRO-3 fits 257 (needs
+# 263,935,492). Telling 256 from 257 needs a search to adjacency (tolerance 0), from 256: ~10 probes each.
+GPT_PROFILES: dict[str, dict[str, Any]] = {
+    "ci": dict(cpu_budget_bytes=264_056_000, maxbatch_start=256, maxbatch_tolerance=0.0),
 }
 
 
@@ -170,13 +183,18 @@ def with_model(profile: AnswerProfile, model: str | None = None, data: str | Non
     if model is None and data is None and loss is None:
         return profile
     fields = dict(profile.model)
+    settings: dict[str, Any] = {}
     if model == "gpt":
+        if profile.name not in GPT_MODELS:
+            raise ValueError(f"model='gpt' has sizes for the profiles {', '.join(GPT_MODELS)}, "
+                             f"not for {profile.name!r}")
         fields.update(GPT_MODELS[profile.name])
+        settings = GPT_PROFILES.get(profile.name, {})
     elif model is not None:
         fields["model"] = model
     fields.update({k: v for k, v in (("data", data), ("loss", loss)) if v is not None})
     suffix = fields["model"].split(":")[0].split(".")[-1]
-    return dataclasses.replace(profile, name=f"{profile.name}-{suffix}", model=fields)
+    return dataclasses.replace(profile, name=f"{profile.name}-{suffix}", model=fields, **settings)
 
 
 def _world_sizes(profile: AnswerProfile) -> tuple[int, ...]:

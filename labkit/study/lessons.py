@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import pandas as pd
 
@@ -40,41 +40,85 @@ SUMMARY_COLUMNS = ("status", "example", "stage", "offload_optimizer", "precision
 
 # -- launching ---------------------------------------------------------------------------
 def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
-               concurrent: bool | None = None) -> dict[str, Run]:
+               concurrent: bool | None = None, *, progress: bool = True, file: TextIO | None = None,
+               poll_s: float = 0.25) -> dict[str, Run]:
     """Run every config; returns {label: Run}, finished or not (check `require`).
 
     On CPU ranks they all start at once, each with its own port: process start-up (Python,
     torch, DeepSpeed, the process group) is most of a small run's time and much of it is
     waiting, so the start-ups overlap instead of adding up. On GPUs they run one after the
     other (`concurrent=False`): every run's rank 0 uses the first GPU, and runs sharing a GPU
-    would take each other's memory. `timeout_s` bounds each run.
+    would take each other's memory. `timeout_s` bounds each run, from its start.
+
+    `progress`: `tqdm.auto` bars (widgets in a notebook, text elsewhere, on `file`, default
+    stderr): one over the runs, and one per run with its step and phase (starting, building
+    ops, step k/N; labkit.launch.phase), ending with its status.
     """
+    from labkit.launch.phase import RunProgress
     from labkit.runtime.devices import detect_devices
 
     if concurrent is None:
         concurrent = detect_devices().is_cpu
     start = time.monotonic()
     runs: dict[str, Run] = {}
+    pending = list(configs.items())
+    active: dict[str, tuple[RunProgress, float, Any]] = {}  # label -> (progress, started, its bar)
+    overall = _bar(progress, file, total=len(pending), unit="run", desc="runs", position=0)
 
-    def finish(run: Run) -> None:
-        run.wait(timeout=timeout_s)
-        if not run.done:
+    def started(label: str, config: RunConfig) -> None:
+        run = runs[label] = Run(config).start()
+        bar = _bar(progress, file, total=config.steps, unit="step", desc=label, position=len(runs), leave=True)
+        active[label] = (RunProgress(run), time.monotonic(), bar)
+
+    def follow(label: str) -> None:
+        watcher, since, bar = active[label]
+        run = watcher.run
+        if timeout_s is not None and not run.done and time.monotonic() - since > timeout_s:
             run.stop()
+        step, phase = watcher.poll()
+        if run.done:
+            run.wait(timeout=15)  # summary.json is there: the status is final
+            step, phase = run.progress(), run.status if run.status == "finished" else f"{run.status}: {run.cause}"
+        if bar is not None:
+            bar.update(step - bar.n)
+            bar.set_postfix_str(phase[:120], refresh=True)
+        if run.done:
+            if bar is not None:
+                bar.close()
+            if overall is not None:
+                overall.update(1)
+            del active[label]
 
     try:
-        for label, config in configs.items():
-            runs[label] = Run(config).start()
-            if not concurrent:
-                finish(runs[label])
-        for run in runs.values():
-            finish(run)
+        while pending or active:
+            while pending and (concurrent or not active):
+                started(*pending.pop(0))
+            for label in list(active):
+                follow(label)
+            if active:
+                time.sleep(poll_s)
     except KeyboardInterrupt:  # Ctrl-C in the kernel: no run it started goes on unattended
         for run in runs.values():
             run.stop()
         raise
+    finally:
+        for _, _, bar in active.values():
+            if bar is not None:
+                bar.close()
+        if overall is not None:
+            overall.close()
     statuses = ", ".join(f"{label}: {run.status}" for label, run in runs.items())
     print(f"{len(runs)} run(s) in {time.monotonic() - start:.0f} s ({statuses})")
     return runs
+
+
+def _bar(progress: bool, file: TextIO | None, **options: Any) -> Any:
+    """A `tqdm.auto` bar (a widget in a notebook, text elsewhere), or None without `progress`."""
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(file=file if file is not None else sys.stderr, dynamic_ncols=True, **options)
 
 
 def require(runs: Mapping[str, Run], status: str = "finished") -> None:
@@ -517,16 +561,50 @@ def ds_report(lines: Sequence[str] = ("torch version", "deepspeed info", "deepsp
     return "\n".join(wanted) if wanted else text[-2000:]
 
 
-def build_ops(timeout_s: float = 1800) -> str:
+def build_ops(timeout_s: float = 1800, *, progress: bool = True, file: TextIO | None = None) -> str:
     """Build (or load from the cache) DeepSpeed's JIT ops in a child process: `python -m labkit.runtime.ops`.
 
     Not in this kernel: on a GPU, loading the CUDA ops would give the kernel a device context
-    on GPU 0 that rank 0 then shares for the whole session. Raises with the build log on failure."""
-    result = subprocess.run([sys.executable, "-m", "labkit.runtime.ops"], capture_output=True, text=True,
-                            timeout=timeout_s)
-    if result.returncode != 0:
-        raise RuntimeError(f"building DeepSpeed's ops failed:\n{result.stdout[-2000:]}{result.stderr[-3000:]}")
-    return "\n".join(line for line in result.stdout.splitlines() if ": " in line and "WARNING" not in line)
+    on GPU 0 that rank 0 then shares for the whole session. The child's output (the compiler's
+    included: a first build takes minutes) is streamed to `file` (default stdout) as it comes, under
+    a `tqdm.auto` bar over DeepSpeed's builders. Returns the lines that say what became of each op;
+    raises with the end of the build log on failure or past `timeout_s`."""
+    import threading
+
+    from labkit.runtime.ops import BUILDERS
+
+    out = file if file is not None else sys.stdout
+    bar = _bar(progress, file, total=len(BUILDERS), unit="op", desc="DeepSpeed ops")
+    child = subprocess.Popen([sys.executable, "-u", "-m", "labkit.runtime.ops"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, bufsize=1)
+    timer = threading.Timer(timeout_s, child.kill)  # a hung compiler must not hang the notebook
+    timer.start()
+    lines: list[str] = []
+    try:
+        assert child.stdout is not None
+        for line in child.stdout:
+            line = line.rstrip("\n")
+            lines.append(line)
+            if bar is not None:
+                bar.write(line, file=out)  # above the bar, not through it
+                name = line.split(":", 1)[0]
+                if name in BUILDERS and ("ready in" in line or "skipped" in line):
+                    bar.set_postfix_str(name)
+                    bar.update(1)
+            else:
+                print(line, file=out, flush=True)
+        returncode = child.wait()
+    finally:
+        timer.cancel()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if bar is not None:
+            bar.close()
+    if returncode != 0:
+        why = f"killed after {timeout_s:g} s" if returncode == -9 else f"exit code {returncode}"
+        raise RuntimeError(f"building DeepSpeed's ops failed ({why}):\n" + "\n".join(lines)[-5000:])
+    return "\n".join(line for line in lines if ": " in line and "WARNING" not in line)
 
 
 # -- DeepSpeed's own batch check, without launching ----------------------------------------

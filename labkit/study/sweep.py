@@ -377,7 +377,7 @@ class Sweep:
         pending = [(k, p) for k, p in zip(keys, self.points, strict=True) if k not in results]
         bar = None
         if self.progress:
-            from tqdm import tqdm
+            from tqdm.auto import tqdm  # a widget in a notebook (labkit.study.answer from 04), text elsewhere
 
             bar = tqdm(total=len(self.points), initial=len(results), unit="run", file=sys.stderr,
                        desc=Path(self.results_name or "sweep").stem, dynamic_ncols=True)

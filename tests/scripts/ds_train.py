@@ -1,11 +1,15 @@
 """A plain DeepSpeed training script, as a learner writes it (run by tests/test_own_model.py).
 
-    deepspeed ds_train.py --steps 6 [--record] [--fail-rank 1 --fail-step 3]
+    deepspeed ds_train.py --steps 6 [--record] [--fail-rank 1 --fail-step 3] [--abort-rank 1 [--abort-step 3]]
 
 With --record it adds labkit's one line per step; without it, it knows nothing of labkit.
+--abort-rank: that rank calls os.abort() (SIGABRT) after recording step --abort-step, or without a
+step at exit, after every other atexit hook, as the C++ teardown abort of gloo / DeepSpeed threads does.
 """
 
 import argparse
+import atexit
+import os
 
 import deepspeed
 import torch
@@ -16,7 +20,11 @@ parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--record", action="store_true")
 parser.add_argument("--fail-rank", type=int, default=None)
 parser.add_argument("--fail-step", type=int, default=None)
+parser.add_argument("--abort-rank", type=int, default=None)
+parser.add_argument("--abort-step", type=int, default=None)
 args = parser.parse_args()
+if args.abort_rank == int(os.environ["RANK"]) and args.abort_step is None:
+    atexit.register(os.abort)  # registered first, so it runs last (atexit is last-in first-out)
 
 deepspeed.init_distributed()
 rank = torch.distributed.get_rank()
@@ -38,4 +46,6 @@ for step in range(1, args.steps + 1):
         import labkit
 
         labkit.record(step=step, loss=loss.item())
+    if args.abort_rank == rank and args.abort_step == step:
+        os.abort()
 deepspeed.comm.destroy_process_group()
