@@ -34,39 +34,14 @@ def test_tail_reads_each_byte_once_and_waits_for_complete_lines(tmp_path):
     assert [r["step"] for r in read_records(path)] == list(range(1, 203))
 
 
-def test_run_progress_reads_only_new_bytes(tmp_path, monkeypatch):
+def test_run_progress_reads_only_new_bytes(tmp_path, rank_file_reads):
     """The CLI's progress bar polls Run.progress() twice a second for the whole run."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     config = RunConfig(example="pytorch", world_size=1, steps=1000)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict()))
     run = Run.load(run_dir)
-    read = []
-    real_open = open
-
-    class CountingFile:
-        def __init__(self, handle):
-            self.handle = handle
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
-        def seek(self, offset):
-            return self.handle.seek(offset)
-
-        def read(self, *args):
-            data = self.handle.read(*args)
-            read.append(len(data))
-            return data
-
-    def counting_open(path, mode="r", *args, **kwargs):
-        handle = real_open(path, mode, *args, **kwargs)
-        return CountingFile(handle) if str(path) == str(rank_file(run_dir, 0)) and "r" in mode else handle
-
-    monkeypatch.setattr("builtins.open", counting_open)
+    read = rank_file_reads.reads
     for step in range(1, 301):
         _append(rank_file(run_dir, 0), {"event": "step", "step": step, "loss": 1.0})
         assert run.progress() == step
