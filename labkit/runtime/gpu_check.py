@@ -68,6 +68,7 @@ def check(report_path: Path, runs_root: Path, run_timeout_s: float = 600) -> lis
     if gpu and devices.device_count >= 2:
         from labkit.launch.config import RunConfig
         from labkit.launch.run import Run
+        from labkit.study.sweep import LEASE_RELEASE_TIMEOUT_S
 
         for stage in STAGES:
             try:
@@ -82,7 +83,7 @@ def check(report_path: Path, runs_root: Path, run_timeout_s: float = 600) -> lis
                         run.stop()
                     failures.append(f"ZeRO-{stage} run: {status}: {run.cause}")
                 # The next stage needs the same GPUs, which this run's supervisor holds until it exits.
-                released_by = time.monotonic() + 120
+                released_by = time.monotonic() + LEASE_RELEASE_TIMEOUT_S
                 while run.holds_devices and time.monotonic() < released_by:
                     time.sleep(0.2)
             except Exception as exc:
