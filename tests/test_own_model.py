@@ -14,7 +14,7 @@ from labkit import Run, RunConfig
 from labkit.launch.config import ConfigError
 from labkit.live.telemetry import rank_file, read_records
 from labkit.models import builders
-from labkit.study.sweep import point_key
+from labkit.study.sweep import point_key, strategy_of
 from tests.conftest import REPO
 
 OWN = dict(model="tests.own_model:build_model", data="tests.own_model:build_dataset",
@@ -134,6 +134,11 @@ def test_answer_switches_to_gpt_with_one_parameter():
     assert configs and all(c.model == "gpt" and c.hidden == 64 for c in configs)
     # The GPT's own emulated capacity (answer.GPT_PROFILES): hundreds of MB, its activations being ~1 MB a sample.
     assert profile.cpu_budget_bytes > 256 * 1_000_000 and profile.maxbatch_tolerance == 0
+    # Its grid keeps the LR (the rule its own LR study picks), where the MLP's grid scales it by the square root;
+    # only the LR study's strategy tries the other rules.
+    assert profile.grid_lr_scaling == "none" and PROFILES["ci"].grid_lr_scaling == "sqrt"
+    study = profile.lr_study_strategy
+    assert {c.lr_scaling for c in points(profile) if strategy_of(c) != study} == {"none"}
     assert with_model(PROFILES["smoke"], "gpt").model["hidden"] == 32
     with pytest.raises(ValueError, match="not for 'workshop'"):
         with_model(PROFILES["workshop"], "gpt")
