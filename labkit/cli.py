@@ -48,6 +48,16 @@ _HELP = {
     "eval_samples": "size of the held-out evaluation set",
     "threads_per_rank": "CPU ranks: OpenMP threads each (default: cores / ranks)",
     "hostfile": "multi-node: DeepSpeed hostfile ('host slots=N' lines)",
+    "base_batch": "the global batch --lr was tuned for (--lr-scaling scales from it)",
+    "warmup_steps": "linear LR warmup over this many optimizer steps (or --warmup-samples, not both)",
+    "output_size": "MLP classes (the GPT's vocabulary is always 256 bytes)",
+    "dataset_size": "training samples (GPT: windows of --input-size bytes)",
+    "seed": "initial weights, data order and the built-in datasets",
+    "heartbeat_s": "a rank silent this long after its first step is reported hung",
+    "startup_timeout_s": "allowance for process start and DeepSpeed's JIT op builds",
+    "device_memory_budget_bytes": "emulated device capacity per rank (CPU); passing it is an out-of-memory failure",
+    "census_every": "recount model-state bytes every N steps",
+    "noise_scale_every": "estimate the gradient noise scale every N steps (0: off)",
 }
 _CHOICES = {"stage": (0, 1, 2, 3), "precision": PRECISIONS, "optimizer": OPTIMIZERS, "lr_scaling": LR_SCALINGS}
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
@@ -67,11 +77,13 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                         default=None, help="optimizer state and step on the CPU (ZeRO stages 1-3)")
     parser.add_argument("--no-distributed-sampler", dest="distributed_sampler", action="store_false", default=None,
                         help="reproduce the seed text's bug: every rank reads the whole dataset")
-    parser.add_argument("--stop-at-target", dest="stop_at_target", action="store_true", default=None)
+    parser.add_argument("--stop-at-target", dest="stop_at_target", action="store_true", default=None,
+                        help="end the run once --target-loss is reached")
     parser.add_argument("--no-telemetry", dest="telemetry", action="store_false", default=None,
                         help="write only start/done records (benchmark baseline)")
     parser.add_argument("--ds-override", dest="ds_overrides", action="append", default=None, metavar="JSON",
-                        help='extra DeepSpeed config, e.g. \'{"gradient_clipping": 1.0}\'')
+                        help='extra DeepSpeed config, e.g. \'{"gradient_clipping": 1.0}\' (checked by DeepSpeed\'s own '
+                             'config; a key it never reads is refused)')
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -207,30 +219,32 @@ def build_parser() -> argparse.ArgumentParser:
                                      "supervised, with per-rank records", epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="launch one supervised run and wait for it")
+    # Each subcommand's --help ends with the examples and exit codes too.
+    tail: dict[str, Any] = dict(epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = sub.add_parser("run", **tail, help="launch one supervised run and wait for it")
     _add_config_flags(run)
     run.add_argument("--out", default=None, help="run directory (default: a new one under runs/)")
     run.add_argument("--script", default=None, metavar="TRAIN.PY",
                      help="script mode: run this unmodified DeepSpeed script on every rank (arguments after --)")
     run.set_defaults(func=cmd_run)
-    export = sub.add_parser("export", help="write a multi-node job directory (launch.sh, ds_config.json, ...)")
+    export = sub.add_parser("export", **tail, help="write a multi-node job directory (launch.sh, ds_config.json, ...)")
     _add_config_flags(export)
     export.add_argument("--out", required=True, help="job directory, on a filesystem every node shares")
     export.add_argument("--launcher", choices=("pdsh", "openmpi", "slurm"), default="pdsh",
                         help="DeepSpeed's multi-node launcher (its runner's --launcher)")
     export.add_argument("--master-port", type=int, default=29500)
     export.set_defaults(func=cmd_export)
-    runs = sub.add_parser("runs", help="list past runs")
+    runs = sub.add_parser("runs", **tail, help="list past runs")
     runs.add_argument("--root", default=None, help="run store (default: LABKIT_RUNS_DIR, else runs/)")
     runs.add_argument("--format", choices=("table", "csv", "json"), default="table",
                       help="table: for people; csv / json: one row / object per run, for scripts")
     runs.set_defaults(func=cmd_runs)
-    metrics = sub.add_parser("export-metrics", help="a run's per-step records as TensorBoard events and/or CSV")
+    metrics = sub.add_parser("export-metrics", **tail, help="a run's per-step records as TensorBoard events and/or CSV")
     metrics.add_argument("run", help="run directory (runs/<name>)")
     metrics.add_argument("--tensorboard", default=None, metavar="DIR", help="write DIR/rank<N>/ event files")
     metrics.add_argument("--csv", default=None, metavar="DIR", help="write DIR/rank<N>.csv")
     metrics.set_defaults(func=cmd_export_metrics)
-    answer = sub.add_parser("answer", help="batch-size sweep, max-batch search, time to target, report")
+    answer = sub.add_parser("answer", **tail, help="batch-size sweep, max-batch search, time to target, report")
     # labkit.study.answer.PROFILES' names (not imported here: it pulls in pandas and the sweep).
     answer.add_argument("--profile", choices=("ci", "workshop", "full", "smoke"), default=None,
                         help="default: LABKIT_PROFILE, else by device; workshop: one node of 16-24 GB GPUs; "

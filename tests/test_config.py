@@ -46,6 +46,26 @@ def test_bad_config_names_the_field(values, field):
     assert str(info.value).startswith(field + ":")
 
 
+def test_deepspeed_itself_decides_which_top_level_keys_it_reads(tmp_path):
+    # Keys DeepSpeed 0.19.8 reads, which no hand-written list of labkit's ever held, pass ...
+    RunConfig(example="zero3", ds_overrides={"data_types": {"grad_accum_dtype": "fp32"}, "memory_breakdown": False,
+                                             "torch_autocast": {"enabled": False}, "timers": {}, "aio": {},
+                                             "checkpoint": {"tag_validation": "Warn"}, "disable_allgather": False})
+    # ... a key it never reads would be ignored without a word, so labkit refuses it ...
+    with pytest.raises(ConfigError, match=r"never reads \['gradient_cliping'\]"):
+        RunConfig(example="zero3", ds_overrides={"gradient_cliping": 1.0})
+    # ... and a removed feature gets DeepSpeed's own explanation.
+    with pytest.raises(ConfigError, match="Apex AMP integration has been removed"):
+        RunConfig(example="zero3", ds_overrides={"amp": {"enabled": True}})
+    # Overrides that could not reach anything are refused too.
+    with pytest.raises(ConfigError, match="plain PyTorch example has none"):
+        RunConfig(example="pytorch", ds_overrides={"gradient_clipping": 1.0})
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    with pytest.raises(ConfigError, match="script builds its own DeepSpeed config"):
+        RunConfig(script=str(script), ds_overrides={"gradient_clipping": 1.0})
+
+
 def test_unknown_key_is_refused():
     with pytest.raises(ConfigError, match="unknown config key"):
         RunConfig.from_dict({"example": "zero3", "micro_batch_size": 32})

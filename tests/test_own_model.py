@@ -7,6 +7,8 @@ import math
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +51,21 @@ def test_unimportable_strings_fail_before_launch(fields, field_name, words, runs
         run.start()
     assert error.value.field == field_name and words in str(error.value)
     assert run.run_dir is None and not runs_root.exists()  # nothing launched, nothing written
+
+
+def test_a_module_edited_after_its_check_is_checked_again(tmp_path, monkeypatch):
+    """A learner's module passes, then they break it in the notebook: the next launch's check sees it."""
+    from labkit.models.builders import check_importable
+
+    module = tmp_path / "edited_model.py"
+    module.write_text("def build_model(config):\n    raise NotImplementedError\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the child's import path, as the ranks' would be
+    config = RunConfig(example="zero3", model="edited_model:build_model", data=OWN["data"])
+    check_importable(config)
+    module.write_text("def build_model(config):\n    return undefined_name(\n")  # a syntax error
+    with pytest.raises(ConfigError, match="cannot import edited_model:build_model: SyntaxError"):
+        check_importable(config)
 
 
 def test_own_model_data_and_loss_train_under_zero2(tmp_path):
@@ -116,6 +133,13 @@ def test_param_numels_come_from_the_meta_device_and_match_the_real_model():
     from labkit.study.memory import mlp_persistent_params
 
     assert builders.persistent_params(builders.param_numels(mlp)) == mlp_persistent_params(100, 512, 2, 10)
+    # The threshold is the run's own: DeepSpeed's default, or the user's stage3_param_persistence_threshold.
+    assert builders.persistence_threshold(mlp) == 100_000
+    lowered = RunConfig(hidden=512, depth=2, ds_overrides={"zero_optimization": {
+        "stage3_param_persistence_threshold": 1_000}})
+    assert builders.persistence_threshold(lowered) == 1_000
+    assert builders.persistent_params(builders.param_numels(lowered), builders.persistence_threshold(lowered)) == (
+        mlp_persistent_params(100, 512, 2, 10, threshold=1_000))
 
 
 def test_default_model_keeps_old_point_keys():
@@ -140,7 +164,7 @@ def test_answer_switches_to_gpt_with_one_parameter():
     study = profile.lr_study_strategy
     assert {c.lr_scaling for c in points(profile) if strategy_of(c) != study} == {"none"}
     assert with_model(PROFILES["smoke"], "gpt").model["hidden"] == 32
-    with pytest.raises(ValueError, match="not for 'workshop'"):
+    with pytest.raises(ConfigError, match="not for 'workshop'"):
         with_model(PROFILES["workshop"], "gpt")
     own = with_model(PROFILES["ci"], OWN["model"], OWN["data"], OWN["loss"])
     assert all(c.data == OWN["data"] and c.loss == OWN["loss"] for c in points(own))
@@ -257,6 +281,28 @@ def test_unmodified_script_is_charted_from_outside_and_an_abort_at_exit_not_excu
         assert summary["per_rank"][rank]["peak_rss_bytes"] > 10_000_000
 
 
+def test_stop_ends_a_script_run_without_orphans_and_keeps_its_records(runs_root):
+    import psutil
+
+    config = RunConfig(script=SCRIPT, script_args=["--steps", "100000", "--record", "--sleep-s", "0.1"],
+                       world_size=2, steps=100_000)
+    run = Run(config).start()
+    deadline = time.monotonic() + 300
+    while run.progress() < 3 and time.monotonic() < deadline and not run.done:
+        time.sleep(0.2)
+    assert run.progress() >= 3, (run.run_dir / "supervisor.log").read_text()
+    # The script's own processes need not name the run directory: take the supervisor's whole tree.
+    tree = psutil.Process(run._supervisor_pid()).children(recursive=True)
+    assert len(tree) >= 4  # launcher, 2 guards, 2 scripts
+    assert run.stop() == "stopped"
+    alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [p.cmdline() for p in alive]
+    summary = run.summary
+    assert summary["status"] == "stopped" and summary["mode"] == "script" and summary["steps_completed"] >= 3
+    for rank in (0, 1):
+        assert len(_steps(run.run_dir, rank)) >= 3  # what the script recorded before Stop is kept
+
+
 @pytest.mark.parametrize("ending,verdict", [
     ("", "teardown_abort"),                         # clean Python exit, then the abort in teardown
     ("sys.exit(3)", "failed"),                      # a non-zero exit status, then the abort
@@ -365,9 +411,20 @@ def test_help_lists_choices_examples_and_exit_codes():
 
     text = build_parser().format_help()
     assert "exit codes:" in text and "labkit run --script train.py" in text
-    run_help = subprocess.run([sys.executable, "-m", "labkit", "run", "--help"], cwd=REPO, capture_output=True,
+    # The console script pip installed beside this interpreter, as a user types it.
+    labkit_script = Path(sys.executable).parent / "labkit"
+    assert labkit_script.is_file(), "pip install -e . puts a `labkit` console script beside python"
+    run_help = subprocess.run([str(labkit_script), "run", "--help"], cwd=REPO, capture_output=True,
                               text=True, timeout=120).stdout
     assert "{fp32,bf16,fp16}" in run_help and "--model" in run_help and "--script" in run_help
+    # Every subcommand's help ends with the examples and exit codes, and every option says what it means.
+    assert "exit codes:" in run_help and "labkit answer --profile ci" in run_help
+    assert "RunConfig." not in run_help and re.search(r"--stop-at-target\s+end the run", run_help)
+    # A model the profile has no sizes for is bad input (exit 2, named), not a traceback.
+    bad = subprocess.run([str(labkit_script), "answer", "--profile", "workshop", "--model", "gpt", "--out",
+                          str(REPO / "runs" / "never-written")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "error: model: 'gpt' has sizes for the profiles" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and not (REPO / "runs" / "never-written").exists()
 
 
 def test_deepspeed_itself_checks_the_whole_config_before_launch():

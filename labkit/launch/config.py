@@ -15,7 +15,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, KeysView
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -39,19 +39,34 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zero3": {"stage": 3, "offload_optimizer": False},
 }
 
-# Top-level DeepSpeed keys a user may override through `ds_overrides`. DeepSpeed itself
-# ignores unknown top-level keys without a word, so labkit rejects them.
-KNOWN_DS_KEYS = frozenset({
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "optimizer", "scheduler", "zero_optimization", "fp16", "bf16", "gradient_clipping",
-    "steps_per_print", "wall_clock_breakdown", "communication_data_type", "prescale_gradients",
-    "gradient_predivide_factor", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-    "activation_checkpointing", "flops_profiler", "comms_logger", "dump_state", "seq_parallel_communication_data_type",
-    "log_level",
-    # DeepSpeed's monitors (deepspeed/monitor/config.py reads them); labkit's per-step fields go there too.
-    "tensorboard", "csv_monitor", "wandb", "comet",
-})
-MONITOR_KEYS = ("tensorboard", "csv_monitor", "wandb", "comet")
+MONITOR_KEYS = ("tensorboard", "csv_monitor", "wandb", "comet")  # DeepSpeed's monitors: labkit's fields go there too
+
+
+class _KeysRead(dict):
+    """A ds_config that remembers which top-level keys DeepSpeed's config code looks up (`get`, `[]`,
+    `in`, `in .keys()`): a key it never looks up is one DeepSpeed would ignore without a word."""
+
+    def __init__(self, config: dict[str, Any]):
+        super().__init__(config)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)  # type: ignore[arg-type]
+        return super().__contains__(key)
+
+    def keys(self) -> KeysView[str]:  # type: ignore[override]
+        return KeysView(self)  # its `in` goes through __contains__ above
+
+    def __copy__(self) -> _KeysRead:
+        return self  # DeepSpeedConfig copies the dict before reading it: keep one record
 
 
 def deepspeed_checked(ds_config: dict[str, Any], world_size: int) -> Any:
@@ -60,18 +75,19 @@ def deepspeed_checked(ds_config: dict[str, Any], world_size: int) -> Any:
 
     `DeepSpeedConfig.__init__` asks torch.distributed for the world size, which does not exist yet
     here; this runs the rest of its __init__ (deepspeed/runtime/config.py, 0.19.8) with the world
-    size given: removed keys, every sub-config's pydantic model, the batch triplet, precision."""
-    import copy
-
+    size given: removed keys, every sub-config's pydantic model, the batch triplet, precision.
+    The result's `keys_read` are the top-level keys DeepSpeed looked up on the way."""
     from deepspeed.runtime import config as ds
 
+    tracked = _KeysRead(ds_config)
     checked = ds.DeepSpeedConfig.__new__(ds.DeepSpeedConfig)
-    checked._param_dict = ds_config
-    ds._reject_removed_config_keys(ds_config)
+    checked._param_dict = tracked
+    ds._reject_removed_config_keys(tracked)
     checked.global_rank, checked.world_size = 0, world_size
-    checked._initialize_params(copy.copy(ds_config))
+    checked._initialize_params(tracked)
     checked._configure_train_batch_size()
     checked._do_sanity_check()
+    checked.keys_read = frozenset(tracked.read)
     return checked
 
 
@@ -282,32 +298,31 @@ class RunConfig:
             _require(devices.bf16, "precision", f"bf16 is not supported by the {devices.accelerator} accelerator")
 
     def _check_overrides(self) -> None:
-        unknown = sorted(set(self.ds_overrides) - KNOWN_DS_KEYS)
-        _require(not unknown, "ds_overrides",
-                 f"unknown DeepSpeed config keys {unknown} (DeepSpeed would ignore them silently)")
+        if not self.ds_overrides:
+            return
         for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
             _require(key not in self.ds_overrides, "ds_overrides",
                      f"{key} is derived from micro_batch, grad_accum and world_size; set those instead")
-        if self.example != "pytorch" or any(key in self.ds_overrides for key in MONITOR_KEYS):
-            from labkit.runtime.ds_import import import_deepspeed
+        _require(self.script is None, "ds_overrides",
+                 "a script builds its own DeepSpeed config; labkit's ds_overrides would not reach it")
+        _require(self.example != "pytorch", "ds_overrides",
+                 "they configure DeepSpeed's engine (monitors included); the plain PyTorch example has none")
+        from labkit.runtime.ds_import import import_deepspeed
 
-            import_deepspeed()  # DeepSpeed's first import under one lock: threads importing it at once deadlock
-        if any(key in self.ds_overrides for key in MONITOR_KEYS):
-            _require(self.example != "pytorch", "ds_overrides",
-                     "DeepSpeed's monitors need a DeepSpeed engine; the plain PyTorch example has none")
-            from deepspeed.monitor.config import get_monitor_config
+        import_deepspeed()  # DeepSpeed's first import under one lock: threads importing it at once deadlock
+        try:
+            checked = deepspeed_checked(self.ds_config(), self.world_size)
+        except Exception as exc:  # pydantic's ValidationError names the bad field
+            detail = _validation_detail(exc)
+            where = "ds_overrides.zero_optimization" if "DeepSpeedZeroConfig" in str(exc) else "ds_overrides"
+            raise ConfigError(where, f"DeepSpeed refuses the config: {detail}") from None
+        # DeepSpeed ignores a top-level key it never reads (a typo, a key of another version) without a word.
+        unread = sorted(set(self.ds_overrides) - checked.keys_read)
+        if unread:
+            import deepspeed
 
-            try:
-                get_monitor_config(self.ds_overrides)
-            except Exception as exc:
-                raise ConfigError("ds_overrides", f"monitor config: {_validation_detail(exc)}") from None
-        if self.example != "pytorch" and not self.script:
-            try:
-                deepspeed_checked(self.ds_config(), self.world_size)
-            except Exception as exc:  # pydantic's ValidationError names the bad field
-                detail = _validation_detail(exc)
-                where = "ds_overrides.zero_optimization" if "DeepSpeedZeroConfig" in str(exc) else "ds_overrides"
-                raise ConfigError(where, f"DeepSpeed refuses the config: {detail}") from None
+            raise ConfigError("ds_overrides", f"DeepSpeed {deepspeed.__version__}'s config never reads {unread}: "
+                              "it would ignore them silently")
 
     # -- derived values ------------------------------------------------------------------
     @property

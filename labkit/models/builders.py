@@ -82,30 +82,46 @@ def resolve(spec: str) -> Callable[..., Any]:
 _CHECK_SCRIPT = r"""
 import json, sys, traceback
 from labkit.models.builders import resolve
-bad = {}
+bad, files = {}, []
 for field, spec in json.loads(sys.argv[1]).items():
     try:
         obj = resolve(spec)
         if not callable(obj):
             bad[field] = f"{spec} is a {type(obj).__name__}, not a callable"
+        files.append(getattr(sys.modules.get(spec.split(":")[0]), "__file__", None))
     except BaseException as exc:
         bad[field] = f"cannot import {spec}: {type(exc).__name__}: {exc}"
-print(json.dumps(bad))
+print(json.dumps({"bad": bad, "files": [f for f in files if f]}))
 """
-_checked: set[tuple[tuple[str, str], ...]] = set()
+# Strings that imported cleanly -> their modules' files and modification times: checked again once a
+# file changes (a learner editing their module between two launches in one notebook).
+_checked: dict[tuple[tuple[str, str], ...], dict[str, int]] = {}
+
+
+def _mtimes(files: list[str]) -> dict[str, int]:
+    import os
+
+    times = {}
+    for path in files:
+        try:
+            times[path] = os.stat(path).st_mtime_ns
+        except OSError:
+            times[path] = -1
+    return times
 
 
 def check_importable(config: RunConfig, *, timeout_s: float = 300.0) -> None:
     """Import every model/data/loss string in a child process, as a rank will; raise a
     ConfigError naming the field when one fails. A child, so a broken module can neither
-    crash nor pollute this (notebook) process. Each set of strings is checked once per process."""
+    crash nor pollute this (notebook) process. A set of strings that passed is checked again
+    only once one of its modules' files changes."""
     import os
     from pathlib import Path
 
     from labkit.launch.config import ConfigError
 
     wanted = tuple(sorted(specs(config).items()))
-    if wanted in _checked:
+    if wanted in _checked and _mtimes(list(_checked[wanted])) == _checked[wanted]:
         return
     # The ranks' import path: this labkit's package root first (labkit.launch.launcher), then the
     # inherited PYTHONPATH; the working directory, like `python -m` in the ranks.
@@ -115,13 +131,14 @@ def check_importable(config: RunConfig, *, timeout_s: float = 300.0) -> None:
     done = subprocess.run([sys.executable, "-c", _CHECK_SCRIPT, json.dumps(dict(wanted))], env=env,
                           capture_output=True, text=True, timeout=timeout_s)
     try:
-        bad = json.loads(done.stdout.strip().splitlines()[-1])
+        answer = json.loads(done.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
         raise ConfigError("model", f"checking the import strings failed: {done.stderr[-1500:]}") from None
-    if bad:
-        field_name, message = next(iter(bad.items()))
+    if answer["bad"]:
+        _checked.pop(wanted, None)
+        field_name, message = next(iter(answer["bad"].items()))
         raise ConfigError(field_name, message)
-    _checked.add(wanted)
+    _checked[wanted] = _mtimes(answer["files"])
 
 
 # -- what the worker calls -------------------------------------------------------------------
@@ -194,6 +211,15 @@ def param_numels(config: RunConfig) -> list[int]:
     with torch.device("meta"):
         model = build_model(config)
     return [p.numel() for p in model.parameters()]
+
+
+def persistence_threshold(config: RunConfig) -> int:
+    """ZeRO-3's `stage3_param_persistence_threshold` for this run: its `ds_overrides`' value, else
+    DeepSpeed's default (read from DeepSpeed's own config model, so the two cannot drift apart)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = config.ds_overrides.get("zero_optimization", {})
+    return int(DeepSpeedZeroConfig(**zero).param_persistence_threshold)
 
 
 def persistent_params(numels: list[int], threshold: int = 100_000) -> int:

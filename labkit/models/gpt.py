@@ -29,7 +29,7 @@ VOCAB_SIZE = 256  # bytes
 
 # RunConfig fields for each size; `RunConfig(**SIZES["ci"], ...)` switches a run to this model.
 SIZES: dict[str, dict[str, Any]] = {
-    # ~110k parameters, 64-byte context: trains on 2 CPU ranks in minutes.
+    # 120,576 parameters, 64-byte context: trains on 2 CPU ranks in minutes.
     "ci": dict(model="gpt", hidden=64, depth=2, input_size=64, dataset_size=4096, lr=3e-3, warmup_steps=5),
     # GPT-2 small's shape (12 x 768, 12 heads) with a byte vocabulary: ~86M parameters, for GPUs.
     "full": dict(model="gpt", hidden=768, depth=12, input_size=512, dataset_size=65536, lr=3e-4, warmup_steps=20),

@@ -37,7 +37,7 @@ from typing import Any
 
 import pandas as pd
 
-from labkit.launch.config import RunConfig
+from labkit.launch.config import ConfigError, RunConfig
 from labkit.launch.store import read_json, write_json_atomic, write_text_atomic
 from labkit.study.sweep import STRATEGIES, Sweep, plan, strategy_of
 
@@ -193,8 +193,8 @@ def with_model(profile: AnswerProfile, model: str | None = None, data: str | Non
     settings: dict[str, Any] = {}
     if model == "gpt":
         if profile.name not in GPT_MODELS:
-            raise ValueError(f"model='gpt' has sizes for the profiles {', '.join(GPT_MODELS)}, "
-                             f"not for {profile.name!r}")
+            raise ConfigError("model", f"'gpt' has sizes for the profiles {', '.join(GPT_MODELS)}, "
+                              f"not for {profile.name!r}")
         fields.update(GPT_MODELS[profile.name])
         settings = GPT_PROFILES.get(profile.name, {})
     elif model is not None:
@@ -325,7 +325,7 @@ def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
     template = RunConfig.from_saved(model)
     numels = builders.param_numels(template)
     n_params = sum(numels)
-    persistent = builders.persistent_params(numels)
+    persistent = builders.persistent_params(numels, builders.persistence_threshold(template))
     module = builders.meta_model(template)  # DeepSpeed's estimators want the largest layer
     finished = results[results.status == "finished"].drop_duplicates(subset=["strategy", "world_size"])
     rows = []
@@ -395,7 +395,8 @@ def analytic_max_micro_batch(result: Any, template: RunConfig) -> int | None:
     precision = _state_precision(strategy_of(template), template.precision)
     states = memory.model_state_bytes(sum(numels), stage, template.world_size, precision,
                                       bool(template.offload_optimizer),
-                                      persistent_params=builders.persistent_params(numels) if stage == 3 else 0)
+                                      persistent_params=builders.persistent_params(
+                                          numels, builders.persistence_threshold(template)) if stage == 3 else 0)
     per_sample = memory.activation_bytes_per_sample(profile.activation_bytes, profile.micro_batch)
     return max(0, math.floor((budget - states["device_bytes"]) / per_sample))
 

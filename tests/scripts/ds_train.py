@@ -1,15 +1,18 @@
 """A plain DeepSpeed training script, as a learner writes it (run by tests/test_own_model.py).
 
     deepspeed ds_train.py --steps 6 [--record] [--fail-rank 1 --fail-step 3] [--abort-rank 1 [--abort-step 3]]
+                          [--sleep-s 0.2]
 
 With --record it adds labkit's one line per step; without it, it knows nothing of labkit.
 --abort-rank: that rank calls os.abort() (SIGABRT) after recording step --abort-step, or without a
 step at exit, after every other atexit hook, as the C++ teardown abort of gloo / DeepSpeed threads does.
+--sleep-s: a pause after each step (a run long enough to be stopped).
 """
 
 import argparse
 import atexit
 import os
+import time
 
 import deepspeed
 import torch
@@ -22,6 +25,7 @@ parser.add_argument("--fail-rank", type=int, default=None)
 parser.add_argument("--fail-step", type=int, default=None)
 parser.add_argument("--abort-rank", type=int, default=None)
 parser.add_argument("--abort-step", type=int, default=None)
+parser.add_argument("--sleep-s", type=float, default=0.0)
 args = parser.parse_args()
 if args.abort_rank == int(os.environ["RANK"]) and args.abort_step is None:
     atexit.register(os.abort)  # registered first, so it runs last (atexit is last-in first-out)
@@ -48,4 +52,5 @@ for step in range(1, args.steps + 1):
         labkit.record(step=step, loss=loss.item())
     if args.abort_rank == rank and args.abort_step == step:
         os.abort()
+    time.sleep(args.sleep_s)
 deepspeed.comm.destroy_process_group()
