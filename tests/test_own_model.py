@@ -303,34 +303,47 @@ def test_stop_ends_a_script_run_without_orphans_and_keeps_its_records(runs_root)
         assert len(_steps(run.run_dir, rank)) >= 3  # what the script recorded before Stop is kept
 
 
+# What ends the process after every atexit hook: the abort, or the SIGSEGV it turns into when faulthandler
+# dumps a finalized interpreter (CI: "Fatal Python error: Aborted", then "Segmentation fault").
+_CRASHES = {"abort": ("os.abort", -6), "segv": ("lambda: os.kill(os.getpid(), signal.SIGSEGV)", -11)}
+
+
+@pytest.mark.parametrize("crash", list(_CRASHES))
 @pytest.mark.parametrize("ending,verdict", [
-    ("", "teardown_abort"),                         # clean Python exit, then the abort in teardown
-    ("sys.exit(3)", "failed"),                      # a non-zero exit status, then the abort
-    ("raise ValueError('late')", "failed"),         # an uncaught exception, then the abort
-    ("os.abort()", "failed"),                       # the abort before the interpreter's exit
+    ("", "teardown_abort"),                         # clean Python exit, then the crash in teardown
+    ("sys.exit(3)", "failed"),                      # a non-zero exit status, then the crash
+    ("raise ValueError('late')", "failed"),         # an uncaught exception, then the crash
+    ("os.abort()", "failed"),                       # an abort before the interpreter's exit
 ])
-def test_exit_record_holds_the_python_level_exit_status(tmp_path, ending, verdict):
-    """labkit.record's exit hook in a real interpreter that aborts (SIGABRT) after its atexit hooks."""
+def test_exit_record_holds_the_python_level_exit_status(tmp_path, ending, verdict, crash):
+    """labkit.record's exit hook in a real interpreter that crashes (SIGABRT or SIGSEGV) after its atexit hooks."""
     import os
     import textwrap
 
     from labkit.launch.script import judge_exit
 
+    hook, signalled = _CRASHES[crash]
     code = textwrap.dedent(f"""
-        import atexit, os, sys
-        atexit.register(os.abort)  # first registered, last run: after labkit's exit record
+        import atexit, faulthandler, os, signal, sys
+        atexit.register({hook})  # first registered, last run: after labkit's exit record
+        atexit.register(lambda: print("faulthandler on:", faulthandler.is_enabled(), flush=True))
         import labkit
         labkit.record(step=1, loss=1.0)
         {ending}
     """)
     child = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "LABKIT_RUN_DIR": str(tmp_path), "RANK": "0", "PYTHONPATH": str(REPO)})
-    assert child.returncode == -6, child.stderr
+                           env={**os.environ, "LABKIT_RUN_DIR": str(tmp_path), "RANK": "0", "PYTHONPATH": str(REPO),
+                                "PYTHONFAULTHANDLER": "1"})  # as the rank guard runs scripts
+    assert child.returncode == (-6 if ending == "os.abort()" else signalled), child.stderr
     exits = [r for r in read_records(rank_file(tmp_path, 0)) if r["event"] == "exit"]
     expected = {"": [0], "sys.exit(3)": [3], "raise ValueError('late')": [1], "os.abort()": []}[ending]
     assert [r["status"] for r in exits] == expected
     pid = exits[0]["pid"] if exits else 0
     assert judge_exit(tmp_path, 0, pid, child.returncode) == verdict
+    # After a clean exit record only C++ teardown is left: faulthandler is off so it cannot turn an abort
+    # into a crash of its own; after a failure it stays on, for the stacks.
+    if ending != "os.abort()":
+        assert f"faulthandler on: {ending != ''}" in child.stdout
 
 
 # -- DeepSpeed's monitors and export-metrics -------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -192,7 +193,10 @@ def test_launch_record_keeps_only_what_labkit_set_and_is_private(runs_root, monk
 
 
 _INTERRUPTED_KERNEL = """
-import sys, time
+import signal, sys, time
+# Ctrl-C raises KeyboardInterrupt, as ipykernel makes it do, even when this test runs in a background
+# shell job (which starts every child with SIGINT ignored, and then Python installs no handler).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from labkit import Run, RunConfig
 from labkit.study.lessons import launch_all
 config = RunConfig(example="zero3", world_size=2, steps=100_000, hidden=64, micro_batch=8, dataset_size=256)
@@ -227,6 +231,8 @@ def test_ctrl_c_while_waiting_stops_the_runs_it_started(runs_root, entry):
 
     kernel = subprocess.Popen([sys.executable, "-c", _INTERRUPTED_KERNEL, entry], stdout=subprocess.PIPE, text=True,
                               cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    watchdog = threading.Timer(400, kernel.kill)  # a kernel that never answers fails the test instead of hanging it
+    watchdog.start()
     try:
         assert _line(kernel, "waiting")
         deadline = time.monotonic() + 300
@@ -240,5 +246,6 @@ def test_ctrl_c_while_waiting_stops_the_runs_it_started(runs_root, entry):
         for run_dir in runs_root.iterdir():
             assert not run_processes(run_dir)
     finally:
+        watchdog.cancel()
         kernel.kill()
         kernel.wait()

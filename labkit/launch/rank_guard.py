@@ -90,7 +90,7 @@ def _watch_script(child: subprocess.Popen, run_dir: Path, rank: int) -> tuple[in
         except psutil.Error:
             continue  # exiting: the next wait returns
     verdict = judge_exit(run_dir, rank, child.pid, return_code)
-    done(verdict)
+    done(verdict, return_code)
     return return_code, verdict == "teardown_abort"
 
 

@@ -14,11 +14,13 @@ also streams per-step records (live charts, summary.json's loss and step time). 
 How a script rank is judged (labkit's own worker is judged from its `done` record; a script writes none):
 
 - exit status 0: finished.
-- killed by SIGABRT *after* an `exit` record with status 0: finished, with a warning. Plain 2-rank
-  DeepSpeed scripts on CPU sometimes abort in C++ teardown once their Python code is over ("terminate
-  called without an active exception": gloo / DeepSpeed threads destroyed at exit). The `exit` record is
-  written by an atexit hook that the first `record` call installs: it says the interpreter reached its
-  exit with no uncaught exception and no non-zero `sys.exit`, i.e. exit status 0 at the Python level.
+- killed by SIGABRT or SIGSEGV *after* an `exit` record with status 0: finished, with a warning naming
+  the signal. Plain 2-rank DeepSpeed scripts on CPU sometimes abort in C++ teardown once their Python code
+  is over ("terminate called without an active exception": gloo / DeepSpeed threads destroyed at exit);
+  with faulthandler on, its attempt to print a finalized interpreter's stacks can turn that abort into a
+  SIGSEGV (seen in CI), so the exit hook turns faulthandler off. The `exit` record is written by an atexit
+  hook that the first `record` call installs: it says the interpreter reached its exit with no uncaught
+  exception and no non-zero `sys.exit`, i.e. exit status 0 at the Python level.
 - anything else is a failure: a SIGABRT before that record (mid-training), and every SIGABRT of a script
   that never calls `record`. Without the record the guard knows only the return code, and a teardown abort
   cannot be told from an abort in training; a success it cannot prove is not claimed (the cause says so).
@@ -40,6 +42,7 @@ RUN_DIR_ENV = "LABKIT_RUN_DIR"
 SAMPLE_S = 1.0  # the guard's memory / liveness sampling period
 
 _state: dict[str | tuple[str | int, ...], Any] = {}  # "last_step_at", "exit_status", ("fd", run_dir, rank), ...
+TEARDOWN_SIGNALS = (-signal.SIGABRT, -signal.SIGSEGV)  # return codes excused after a clean exit record
 TEARDOWN_ABORT = ("the known C++ teardown abort of 2-rank DeepSpeed scripts on CPU ('terminate called without "
                   "an active exception': gloo / DeepSpeed threads destroyed at exit)")
 
@@ -129,6 +132,12 @@ def _write_exit(run_dir: Path, rank: int) -> None:
         _append(run_dir, rank, record)
     except OSError:
         pass  # the run directory is gone: nothing to tell
+    if code == 0:
+        import faulthandler
+
+        # Only C++ teardown is left, with no Python stack to show: faulthandler dumping a finalized
+        # interpreter can itself crash, and a teardown SIGABRT then ends as a SIGSEGV.
+        faulthandler.disable()
 
 
 def clean_exit_recorded(run_dir: Path, rank: int, pid: int, tail_bytes: int = 65536) -> bool:
@@ -151,7 +160,7 @@ def judge_exit(run_dir: Path, rank: int, pid: int, returncode: int) -> str:
     "failed" (see the module docstring)."""
     if returncode == 0:
         return "finished"
-    if returncode == -signal.SIGABRT and clean_exit_recorded(run_dir, rank, pid):
+    if returncode in TEARDOWN_SIGNALS and clean_exit_recorded(run_dir, rank, pid):
         return "teardown_abort"
     return "failed"
 
@@ -165,13 +174,14 @@ def guard_events(run_dir: Path, rank: int):
     def sample(rss_bytes: int) -> None:
         _append(run_dir, rank, {"event": "sample", "wall_time": time.time(), "rss_bytes": rss_bytes})
 
-    def done(verdict: str) -> None:
+    def done(verdict: str, returncode: int) -> None:
         """After the script's exit judged by `judge_exit`: a done record unless it failed."""
         if verdict == "finished":
             _append(run_dir, rank, {"event": "done", "wall_time": time.time()})
         elif verdict == "teardown_abort":
+            killed_by = signal.Signals(-returncode).name
             _append(run_dir, rank, {"event": "done", "wall_time": time.time(), "teardown_abort": True,
-                                    "warning": f"rank {rank}: killed by SIGABRT after its script exited cleanly "
+                                    "warning": f"rank {rank}: killed by {killed_by} after its script exited cleanly "
                                                f"(exit status 0 recorded at exit): {TEARDOWN_ABORT}; counted "
                                                "as finished"})
 

@@ -40,6 +40,7 @@ from labkit.launch.failures import describe_exit, is_knock_on, is_oom, last_exce
 from labkit.launch.faults import supervisor_exit_delay_s
 from labkit.launch.launcher import is_multi_node
 from labkit.launch.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
+from labkit.launch.script import TEARDOWN_SIGNALS
 from labkit.launch.store import read_json, write_json_atomic
 from labkit.live.records import RecordTail
 from labkit.live.telemetry import rank_file
@@ -264,7 +265,7 @@ class Supervisor:
                 else:
                     logged = last_exception_line(self.rank_log(state.rank))
                     text = logged or describe_exit(info["returncode"])
-                    if self.script_mode and not logged and info["returncode"] == -signal.SIGABRT:
+                    if self.script_mode and not logged and info["returncode"] in TEARDOWN_SIGNALS:
                         text += self.script_abort_hint(state)
                     status = "oom" if logged and is_oom(logged.split(":")[0], logged) else "failed"
                 evidence.append((is_knock_on(text), mtime, state.rank, status, text))
@@ -286,7 +287,7 @@ class Supervisor:
 
     @staticmethod
     def script_abort_hint(state: RankState) -> str:
-        """Why a script's SIGABRT is a failure (labkit.launch.script judges a script's exit)."""
+        """Why a script's SIGABRT or SIGSEGV is a failure (labkit.launch.script judges a script's exit)."""
         if state.last_step:
             return (f" before its script exited cleanly (last step recorded: {state.last_step}; no exit record "
                     "with status 0)")
@@ -454,7 +455,7 @@ def remove_shm_segments(argv: list[str]) -> list[Path]:
 
 
 def _failed_exit(info: dict[str, Any] | None) -> bool:
-    """A rank's exit file says it failed: a non-zero code, unless its guard judged a script's SIGABRT
+    """A rank's exit file says it failed: a non-zero code, unless its guard judged a script's crash
     a teardown abort after a clean exit (labkit.launch.script.judge_exit)."""
     return info is not None and info["returncode"] != 0 and not info.get("teardown_abort")
 
