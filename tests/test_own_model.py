@@ -85,6 +85,30 @@ def test_own_model_data_and_loss_train_under_zero2(tmp_path):
     assert done["n_params"] == 12 * 32 + 32 + 32 + 1
 
 
+def test_sweep_and_max_batch_search_train_the_learners_model(tmp_path):
+    """The sweep and the max-batch search pass the import strings to every rank they launch."""
+    from labkit.study.maxbatch import search
+    from labkit.study.sweep import Sweep
+
+    own = dict(input_size=12, hidden=32, dataset_size=512, lr=0.02, steps=6, **OWN)
+    n_params = 12 * 32 + 32 + 32 + 1
+    points = [RunConfig(example="deepspeed", stage=0, world_size=2, micro_batch=8, **own),
+              RunConfig(example="zero3", world_size=2, micro_batch=8, **own)]
+    results = Sweep(points, tmp_path / "sweep", progress=False).run()
+    assert (results.status == "finished").all(), results[["strategy", "status", "cause"]]
+    assert (results.n_params == n_params).all() and set(results.strategy) == {"z0", "z3"}
+    # Emulated capacity on: every probe is a real run of the learner's model (states ~2 KB, so all fit).
+    result = search(RunConfig(example="zero3", world_size=2, device_memory_budget_bytes=10**9, **own),
+                    tmp_path / "maxbatch", start=2, limit=8)
+    assert result.max_micro_batch == 8 and [p.micro_batch for p in result.probes] == [2, 4, 8]
+    probes = sorted(path.parent for path in (tmp_path / "maxbatch").rglob("config.json"))
+    assert len(probes) == 3
+    for run_dir in probes:
+        config = json.loads((run_dir / "config.json").read_text())
+        assert (config["model"], config["data"], config["loss"]) == (OWN["model"], OWN["data"], OWN["loss"])
+        assert read_records(rank_file(run_dir, 0))[-1]["n_params"] == n_params
+
+
 def test_gpt_trains_on_python_source_under_zero3(runs_root):
     # Warmup as in the answer's profile: without it Adam at 3e-3 may spike (seen at step 12).
     config = RunConfig(example="zero3", world_size=2, micro_batch=8, steps=12, census_every=4, warmup_steps=3,
