@@ -175,7 +175,7 @@ GPT_MODELS: dict[str, dict[str, Any]] = {
 # so every sweep point fits: PyTorch fits 256 (257 needs 264,176,756 bytes), ZeRO-3 fits 257 (needs
 # 263,935,492). Telling 256 from 257 needs a search to adjacency (tolerance 0), from 256: ~10 probes each.
 # The grid's LR rule is the one the GPT's own LR study picks: no scaling. With the MLP's square root
-# (Adam's rule) the LR at batch 512 is 8.5e-3, past what this GPT trains stably at, and the DeepSpeed
+# (Adam's rule) the LR at batch 512 is 8.5e-3, where this GPT overshoots (142 steps against 58), and the DeepSpeed
 # strategies needed 138-155 steps there (data/reference-ci-gpt before this rule); kept at 3e-3, all
 # of them (ZeRO-0, ZeRO-3, ZeRO-2 + offload) needed the same 63 steps at batch 128 and 58 at 512.
 GPT_PROFILES: dict[str, dict[str, Any]] = {
