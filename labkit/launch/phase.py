@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from labkit.live.records import RecordTail
+from labkit.live.records import RecordTail, rank_log, read_end
 from labkit.live.telemetry import rank_file
 
 
@@ -40,13 +40,9 @@ def run_phase(events: set[str], step: int, steps: int, rank0_log: str = "", wait
 
 def rank0_log_tail(run_dir: str | os.PathLike, tail_bytes: int = 20000) -> str:
     """The end of rank 0's log: a bounded read, whatever the log's length (polled twice a second)."""
-    logs = sorted((Path(run_dir) / "logs").glob("*_rank0.log"))
-    if not logs:
-        return ""
+    log = rank_log(run_dir, 0)
     try:
-        with open(logs[-1], "rb") as log:
-            log.seek(max(0, log.seek(0, os.SEEK_END) - tail_bytes))
-            return log.read().decode(errors="replace")
+        return read_end(log, tail_bytes).decode(errors="replace") if log else ""
     except OSError:
         return ""
 

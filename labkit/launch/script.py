@@ -143,13 +143,11 @@ def _write_exit(run_dir: Path, rank: int) -> None:
 def clean_exit_recorded(run_dir: Path, rank: int, pid: int, tail_bytes: int = 65536) -> bool:
     """Whether process `pid` wrote an `exit` record with status 0 (read from the end of the rank
     file: the record comes after the last step, followed at most by a few of the guard's samples)."""
-    from labkit.live.records import parse_lines
+    from labkit.live.records import parse_lines, read_end
     from labkit.live.telemetry import rank_file
 
     try:
-        with open(rank_file(run_dir, rank), "rb") as handle:
-            handle.seek(max(0, handle.seek(0, os.SEEK_END) - tail_bytes))
-            records = parse_lines(handle.read())
+        records = parse_lines(read_end(rank_file(run_dir, rank), tail_bytes))
     except OSError:
         return False
     return any(r.get("event") == "exit" and r.get("pid") == pid and r.get("status") == 0 for r in records)

@@ -42,7 +42,7 @@ from labkit.launch.launcher import is_multi_node
 from labkit.launch.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
 from labkit.launch.script import TEARDOWN_SIGNALS
 from labkit.launch.store import read_json, write_json_atomic
-from labkit.live.records import RecordTail
+from labkit.live.records import RecordTail, rank_log
 from labkit.live.telemetry import rank_file
 
 POLL_S = 0.2
@@ -325,8 +325,8 @@ class Supervisor:
                           "OOM kill then, it ran out of host memory")
 
     def rank_log(self, rank: int) -> str:
-        logs = sorted((self.run_dir / "logs").glob(f"*_rank{rank}.log"))
-        return logs[-1].read_text(errors="replace") if logs else ""
+        log = rank_log(self.run_dir, rank)
+        return log.read_text(errors="replace") if log else ""
 
     def last_steps(self) -> str:
         return ", ".join(f"rank {s.rank}: {s.last_step}" for s in self.ranks)

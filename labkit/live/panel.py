@@ -20,13 +20,13 @@ import html
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from labkit.launch.config import EXAMPLES, LR_SCALINGS, PRECISIONS, ConfigError, RunConfig
 from labkit.launch.history import COLUMNS, runs
 from labkit.launch.run import FINAL_STATUSES, Run
 from labkit.live.dashboard import REFRESH_S, Dashboard, RunSeries
+from labkit.live.records import rank_log, read_end
 from labkit.models.builders import MODELS
 
 LOG_REFRESH_S = 1.0    # log tails are re-read at most this often
@@ -75,24 +75,11 @@ def status_line(status: str, *, step: int = 0, steps: int = 0, run_id: str = "",
 
 def tail_text(path: str | os.PathLike, max_lines: int = LOG_LINES, max_bytes: int = 16384) -> str:
     """The last `max_lines` lines of a log file (reads at most `max_bytes` from its end)."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            handle.seek(max(0, size - max_bytes))
-            data = handle.read()
-    except FileNotFoundError:
-        return ""
-    lines = data.decode(errors="replace").splitlines()
-    if size > max_bytes:
+    data = read_end(path, max_bytes + 1)  # one byte more: whether the first line kept is cut
+    lines = data[-max_bytes:].decode(errors="replace").splitlines()
+    if len(data) > max_bytes:
         lines = lines[1:]  # the first line is probably cut
     return "\n".join(lines[-max_lines:])
-
-
-def rank_log(run_dir: str | os.PathLike, rank: int) -> Path | None:
-    """The rank's log in run_dir/logs (DeepSpeed names them <timestamp>_rank<N>.log)."""
-    logs = sorted(Path(run_dir, "logs").glob(f"*_rank{rank}.log"))
-    return logs[-1] if logs else None
 
 
 def _run_id(run: Run) -> str:

@@ -1,4 +1,5 @@
-"""Reading rank files (`rank<N>.jsonl`, written by `labkit.live.telemetry`): whole, or incrementally.
+"""Reading rank files (`rank<N>.jsonl`, written by `labkit.live.telemetry`): whole, or incrementally;
+and the end of a file (a rank's log, the last records), in a bounded read.
 
 Everything that watches a live run (the supervisor, the CLI's progress bar, the dashboard) uses
 `RecordTail`, so a poll costs what the ranks wrote since the last one, not the run's length so far.
@@ -21,6 +22,23 @@ def parse_lines(data: bytes) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def read_end(path: str | os.PathLike, max_bytes: int) -> bytes:
+    """The last `max_bytes` of a file (all of it if shorter): a bounded read, whatever the file's
+    length. A missing file reads as empty; other OSErrors are raised."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(0, handle.seek(0, os.SEEK_END) - max_bytes))
+            return handle.read()
+    except FileNotFoundError:
+        return b""
+
+
+def rank_log(run_dir: str | os.PathLike, rank: int) -> Path | None:
+    """The rank's log in run_dir/logs (DeepSpeed names them <timestamp>_rank<N>.log), None if none yet."""
+    logs = sorted(Path(run_dir, "logs").glob(f"*_rank{rank}.log"))
+    return logs[-1] if logs else None
 
 
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
