@@ -39,8 +39,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zero3": {"stage": 3, "offload_optimizer": False},
 }
 
-MONITOR_KEYS = ("tensorboard", "csv_monitor", "wandb", "comet")  # DeepSpeed's monitors: labkit's fields go there too
-
 
 class _KeysRead(dict):
     """A ds_config that remembers which top-level keys DeepSpeed's config code looks up (`get`, `[]`,

@@ -384,12 +384,12 @@ def run_traces(series: RunSeries, *, memory: str = "host", label: str | None = N
     for rank, sampled in enumerate(samples or ()):
         x, y = sampled.points()
         out["memory"].append(TraceData(f"{prefix}rank {rank} RSS (sampled)", x, y / MIB, style=line(rank)))
-    for rank, s in enumerate(series):
-        if samples is not None:
-            break  # script mode: the memory chart is the samples'
-        for key, suffix, dash in MEMORY_SERIES[memory]:
-            x, y = s.trace(key)
-            out["memory"].append(TraceData(f"{prefix}rank {rank} {suffix}", x, y / MIB, style=line(rank, dash)))
+    if samples is None:  # script mode: the memory chart is the samples'
+        for rank, s in enumerate(series):
+            for key, suffix, dash in MEMORY_SERIES[memory]:
+                x, y = s.trace(key)
+                out["memory"].append(TraceData(f"{prefix}rank {rank} {suffix}", x, y / MIB,
+                                               style=line(rank, dash)))
 
     # -- model states, stacked per rank (latest census) ------------------------------------
     names = np.array([f"{label} r{rank}" if overlay else f"rank {rank}" for rank in range(world)], dtype=object)
@@ -426,20 +426,19 @@ def overlay_label(run_id: str) -> str:
 
 def load_series(run_dir: str | Path, max_points: int = DEFAULT_MAX_POINTS) -> RunSeries:
     """Every rank's series of a run directory (a past run, for overlays)."""
-    config = read_json(Path(run_dir) / "config.json") or {}
-    return RunSeries.from_records([read_records(rank_file(run_dir, rank))
-                                   for rank in range(int(config.get("world_size", 1)))], max_points)
+    return load_run(run_dir, max_points)[0]
 
 
-def load_samples(run_dir: str | Path, max_points: int = DEFAULT_MAX_POINTS) -> list[Decimated] | None:
-    """Every rank's outside memory samples of a script run (None for labkit's own runs)."""
+def load_run(run_dir: str | Path, max_points: int = DEFAULT_MAX_POINTS) -> tuple[RunSeries, list[Decimated] | None]:
+    """A past run's series and, for a script run, every rank's outside memory samples (None for
+    labkit's own runs); each rank file is read once."""
     config = read_json(Path(run_dir) / "config.json") or {}
-    if not config.get("script"):
-        return None
-    world = int(config.get("world_size", 1))
-    samples = sampled_memory(world, max_points)
-    extend_samples(samples, [read_records(rank_file(run_dir, rank)) for rank in range(world)])
-    return samples
+    records = [read_records(rank_file(run_dir, rank)) for rank in range(int(config.get("world_size", 1)))]
+    samples = None
+    if config.get("script"):
+        samples = sampled_memory(len(records), max_points)
+        extend_samples(samples, records)
+    return RunSeries.from_records(records, max_points), samples
 
 
 # -- widgets -----------------------------------------------------------------------------
@@ -718,7 +717,7 @@ class Dashboard:
             path = Path(run)
             if not path.is_dir():
                 path = default_root() / str(run)
-            loaded.append((path, load_series(path, self.max_points), load_samples(path, self.max_points)))
+            loaded.append((path, *load_run(path, self.max_points)))
         with self._lock:
             for path, series, samples in loaded:
                 color = OVERLAY_COLORS[len(self.overlays) % len(OVERLAY_COLORS)]
