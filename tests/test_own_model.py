@@ -158,11 +158,12 @@ def test_param_numels_come_from_the_meta_device_and_match_the_real_model():
 
     assert builders.persistent_params(builders.param_numels(mlp)) == mlp_persistent_params(100, 512, 2, 10)
     # The threshold is the run's own: DeepSpeed's default, or the user's stage3_param_persistence_threshold.
-    assert builders.persistence_threshold(mlp) == 100_000
+    assert mlp.zero_settings().param_persistence_threshold == 100_000
     lowered = RunConfig(hidden=512, depth=2, ds_overrides={"zero_optimization": {
         "stage3_param_persistence_threshold": 1_000}})
-    assert builders.persistence_threshold(lowered) == 1_000
-    assert builders.persistent_params(builders.param_numels(lowered), builders.persistence_threshold(lowered)) == (
+    assert lowered.zero_settings().param_persistence_threshold == 1_000
+    threshold = lowered.zero_settings().param_persistence_threshold
+    assert builders.persistent_params(builders.param_numels(lowered), threshold) == (
         mlp_persistent_params(100, 512, 2, 10, threshold=1_000))
 
 

@@ -346,6 +346,14 @@ class RunConfig:
         """LR for optimizer step `step` (1-based): linear warmup, then constant."""
         return schedule.lr_at(step, peak_lr=self.peak_lr, warmup_steps=self.warmup_steps_effective)
 
+    def zero_settings(self) -> Any:
+        """DeepSpeed's own model (`DeepSpeedZeroConfig`) of the ZeRO settings this run overrides in
+        `ds_overrides`, DeepSpeed's defaults elsewhere: e.g. `.param_persistence_threshold`,
+        `.max_reuse_distance` (not the stage: a template for many stages has none)."""
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        return DeepSpeedZeroConfig(**self.ds_overrides.get("zero_optimization", {}))
+
     def ds_config(self) -> dict[str, Any]:
         """The DeepSpeed config the ranks pass to `deepspeed.initialize`."""
         if self.example == "pytorch":

@@ -213,15 +213,6 @@ def param_numels(config: RunConfig) -> list[int]:
     return [p.numel() for p in model.parameters()]
 
 
-def persistence_threshold(config: RunConfig) -> int:
-    """ZeRO-3's `stage3_param_persistence_threshold` for this run: its `ds_overrides`' value, else
-    DeepSpeed's default (read from DeepSpeed's own config model, so the two cannot drift apart)."""
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    zero = config.ds_overrides.get("zero_optimization", {})
-    return int(DeepSpeedZeroConfig(**zero).param_persistence_threshold)
-
-
 def persistent_params(numels: list[int], threshold: int = 100_000) -> int:
     """Elements ZeRO-3 keeps whole on every rank: each parameter with at most `threshold`
     elements (`param_persistence_threshold`, default 1e5; DeepSpeed compares with <=)."""

@@ -325,7 +325,7 @@ def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
     template = RunConfig.from_saved(model)
     numels = builders.param_numels(template)
     n_params = sum(numels)
-    persistent = builders.persistent_params(numels, builders.persistence_threshold(template))
+    persistent = builders.persistent_params(numels, template.zero_settings().param_persistence_threshold)
     module = builders.meta_model(template)  # DeepSpeed's estimators want the largest layer
     finished = results[results.status == "finished"].drop_duplicates(subset=["strategy", "world_size"])
     rows = []
@@ -396,7 +396,8 @@ def analytic_max_micro_batch(result: Any, template: RunConfig) -> int | None:
     states = memory.model_state_bytes(sum(numels), stage, template.world_size, precision,
                                       bool(template.offload_optimizer),
                                       persistent_params=builders.persistent_params(
-                                          numels, builders.persistence_threshold(template)) if stage == 3 else 0)
+                                          numels, template.zero_settings().param_persistence_threshold)
+                                      if stage == 3 else 0)
     per_sample = memory.activation_bytes_per_sample(profile.activation_bytes, profile.micro_batch)
     return max(0, math.floor((budget - states["device_bytes"]) / per_sample))
 

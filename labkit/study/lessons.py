@@ -753,10 +753,7 @@ def diverged(run: Run, factor: float = 1.5, column: str = "loss") -> bool:
 # -- ZeRO-3's reuse distance and peak memory (03) -------------------------------------------
 def reuse_distance(run: Run) -> int:
     """The run's `stage3_max_reuse_distance`: its override, else DeepSpeed's default (1e9)."""
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    zero = run.config.ds_overrides.get("zero_optimization", {})
-    return int(zero.get("stage3_max_reuse_distance", DeepSpeedZeroConfig().max_reuse_distance))
+    return int(run.config.zero_settings().max_reuse_distance)
 
 
 def gathers_before_scatter(run: Run, step: int | None = None) -> int:
