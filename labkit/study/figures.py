@@ -129,16 +129,16 @@ def bars(table: pd.DataFrame, columns: Sequence[str], *, title: str, yaxis: str,
 def loss_curves(curves: pd.DataFrame, *, title: str, column: str = "eval_loss", log_y: bool = True) -> go.Figure:
     """Loss against samples trained on, one line per `run` (`lessons.loss_by_samples`). A run whose
     loss left the finite numbers ends at its last finite point, with an x there and "diverged"."""
-    import math
+    import numpy as np
 
     fig = go.Figure()
     for run, group in curves.groupby("run", sort=False):
-        finite = group[[math.isfinite(v) for v in group[column]]]
-        blew_up = len(finite) < len(group)
+        is_finite = np.isfinite(group[column].to_numpy(dtype=float))
+        finite, blew_up = group[is_finite], not is_finite.all()
         fig.add_trace(go.Scatter(name=f"{run} (diverged)" if blew_up else str(run), x=finite["samples"],
                                  y=finite[column], mode="lines+markers"))
         if blew_up:
-            first_bad = group.loc[[not math.isfinite(v) for v in group[column]], "samples"].iloc[0]
+            first_bad = group.loc[~is_finite, "samples"].iloc[0]
             fig.add_vline(x=first_bad, line_dash="dot", line_color="#ef553b",
                           annotation_text=f"{run}: {column} not finite from {first_bad:,} samples")
     if log_y:
