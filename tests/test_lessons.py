@@ -87,6 +87,36 @@ def test_offload_traffic_sends_fp32_gradients_down_and_parameters_up_in_the_trai
     assert traffic == {"partition_elements": 1000, "to_host_bytes": 4 * 1000, "to_device_bytes": up * 1000}
 
 
+def _closing_decorator(function):  # as DeepSpeed's instrument_w_nvtx: no functools.wraps, no __wrapped__
+    def wrapped_fn(*args, **kwargs):
+        return function(*args, **kwargs)
+    return wrapped_fn
+
+
+@_closing_decorator
+def _decorated(x):
+    y = x + 1  # the line to find
+    return y
+
+
+def test_source_line_finds_a_line_through_decorators_with_and_without_wraps():
+    import inspect
+    import re
+
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    found = lessons.source_line(_decorated, "y = x + 1")
+    lines, first = inspect.getsourcelines(_decorated.__closure__[0].cell_contents)
+    number = first + next(i for i, line in enumerate(lines) if "y = x + 1" in line)
+    assert re.fullmatch(rf"\S*tests/test_lessons.py:{number}: y = x \+ 1  # the line to find", found), found
+    # A DeepSpeed method under instrument_w_nvtx, as notebook 02 cites it.
+    line = lessons.source_line(DeepSpeedZeroOptimizer_Stage3._offload_grad_partition_at_boundary,
+                               "fp32_grad_tensor.copy_(")
+    assert line.startswith("runtime/zero/stage3.py:") and "master_weights_and_grads_dtype" in line
+    with pytest.raises(ValueError, match="another DeepSpeed version"):
+        lessons.source_line(_decorated, "not in there")
+
+
 def test_zero_partition_figure_one_bar_per_stage_and_rank():
     rows = pd.DataFrame([{"stage": s, "rank": r, "param_MiB": 4.0 / (2 if s == 3 else 1), "grad_MiB": 4.0,
                           "optim_MiB": 8.0, "master_MiB": 0.0} for s in (0, 3) for r in (0, 1)])

@@ -208,15 +208,20 @@ def offload_traffic(run: Run, rank: int = 0) -> dict[str, float]:
 
 def source_line(function: Any, contains: str) -> str:
     """The first line of `function`'s source (DeepSpeed's, say) that contains `contains`, with
-    its file and line number: to show in a notebook what the installed version does."""
+    its file and line number: to show in a notebook what the installed version does. Decorators
+    are looked through: those that keep `__wrapped__` (torch.no_grad()) and those that only close
+    over the function (DeepSpeed's `instrument_w_nvtx`)."""
     import inspect
 
-    function = inspect.unwrap(function)  # through decorators such as torch.no_grad()
-    lines, first = inspect.getsourcelines(function)
-    for offset, line in enumerate(lines):
-        if contains in line:
-            path = Path(inspect.getsourcefile(function) or "?")
-            return f"{'/'.join(path.parts[-3:])}:{first + offset}: {line.strip()}"
+    candidates = [inspect.unwrap(function)]  # through decorators such as torch.no_grad()
+    candidates += [cell.cell_contents for cell in candidates[0].__closure__ or ()
+                   if inspect.isfunction(cell.cell_contents)]
+    for candidate in candidates:
+        lines, first = inspect.getsourcelines(candidate)
+        for offset, line in enumerate(lines):
+            if contains in line:
+                path = Path(inspect.getsourcefile(candidate) or "?")
+                return f"{'/'.join(path.parts[-3:])}:{first + offset}: {line.strip()}"
     raise ValueError(f"{contains!r} is not in the source of {function!r} (another DeepSpeed version?)")
 
 
