@@ -50,7 +50,7 @@ dataloader = DataLoader(train, batch_size=model_engine.train_micro_batch_size_pe
 adam = type(getattr(optimizer, "optimizer", optimizer)).__name__  # the Adam DeepSpeed chose, inside ZeRO's wrapper
 if rank == 0:
     print(f"{world_size} rank(s), global batch {model_engine.train_batch_size()}, "
-          f"{len(dataloader)} steps per epoch, optimizer {adam}")
+          f"{len(dataloader) // model_engine.gradient_accumulation_steps()} steps per epoch, optimizer {adam}")
 
 step = epoch = 0
 while step < args.steps:
