@@ -31,7 +31,6 @@ from labkit.launch.config import RunConfig
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "notebooks" / "examples"
 SOURCE_TEXT = "source_text.md"  # the text's three examples, verbatim
 SCRIPTS = {1: "ex1_pytorch.py", 2: "ex2_zero_offload.py", 3: "ex3_zero3.py"}
-CONFIGS = {2: "ex2_ds_config.json", 3: "ex3_ds_config.json"}
 SAME_SHOWN = 3  # a run of unchanged lines longer than this shows its first and last line only
 _CODE_BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
 _INLINE_CODE = re.compile(r"`([^`]+)`")
@@ -68,6 +67,11 @@ _SHARED_REASONS = [
                                 "model learned anything that holds beyond its training samples."),
 ]
 _DEEPSPEED_REASONS = [
+    ("get_accelerator().set_device", "Each rank on its own device first (NCCL binds to the current GPU; every "
+                                     "launcher sets `LOCAL_RANK`; a no-op on CPU ranks), through DeepSpeed's "
+                                     "accelerator, never a hard-coded `cuda`; then the process group (NCCL on GPUs, "
+                                     "gloo on CPU ranks): the sampler needs this rank and the number of ranks. Data "
+                                     "and weights are seeded, the same on every rank."),
     ("deepspeed.init_distributed", "The process group first (the accelerator's backend: NCCL on GPUs, gloo on CPU "
                                    "ranks): the sampler needs this rank and the number of ranks. Data and weights "
                                    "are seeded, the same on every rank."),

@@ -10,12 +10,14 @@ precision is the config's (fp32 as committed; set "bf16": {"enabled": true} on a
 """
 
 import argparse
+import os
 from pathlib import Path
 
 import deepspeed
 import torch
 import torch.nn as nn
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from simple_model import INPUT_SIZE, OUTPUT_SIZE, SimpleModel, held_out_loss, teacher_data
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -32,6 +34,7 @@ parser = deepspeed.add_config_arguments(parser)  # --deepspeed_config
 args = parser.parse_args()
 args.deepspeed_config = args.deepspeed_config or str(Path(__file__).with_name("ex2_ds_config.json"))
 
+get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # this rank's GPU (a no-op on CPU ranks)
 deepspeed.init_distributed()  # the accelerator's backend: NCCL on GPUs, gloo on CPU ranks
 rank, world_size = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
