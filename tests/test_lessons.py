@@ -57,6 +57,66 @@ def test_zero3_tensors_match_the_persistence_rule():
     assert higher.loc[~higher["persistent"], "module"].unique().tolist() == ["layers.2"]
 
 
+def test_reuse_kept_gathered_follows_deepspeeds_look_ahead():
+    tensors = lessons.zero3_tensors(RunConfig(example="zero3", hidden=1024, depth=2))
+    kept = {distance: lessons.reuse_kept_gathered(tensors, distance).to_dict() for distance in (0, 500_000, 10**9)}
+    assert kept[0] == {"layers.0": False, "layers.2": False}  # every module gathered again for its backward
+    assert kept[500_000] == {"layers.0": False, "layers.2": True}  # 03's exercise: the 1M-element layer lies between
+    assert kept[10**9] == {"layers.0": True, "layers.2": True}  # DeepSpeed's default
+    # The default keeps a model whole only below about 0.5B parameters (twice what follows the first layer):
+    # 03's full profile (471M) stays whole, one more 8192-wide layer (538M) releases the first.
+    full = lessons.zero3_tensors(RunConfig(example="zero3", hidden=8192, depth=8, precision="bf16"))
+    deeper = lessons.zero3_tensors(RunConfig(example="zero3", hidden=8192, depth=9, precision="bf16"))
+    assert full["elements"].sum() < 0.5e9 < deeper["elements"].sum()
+    assert lessons.reuse_kept_gathered(full, 10**9).all()
+    assert not lessons.reuse_kept_gathered(deeper, 10**9)["layers.0"]
+    assert lessons.reuse_kept_gathered(deeper, 10**9).drop("layers.0").all()
+
+
+@pytest.mark.parametrize(("precision", "up"), [("fp32", 4), ("bf16", 2)])
+def test_offload_traffic_sends_fp32_gradients_down_and_parameters_up_in_the_training_dtype(tmp_path, precision, up):
+    import json
+
+    from labkit import Run
+
+    run = Run(RunConfig(example="offload", precision=precision, world_size=1))
+    run.run_dir = tmp_path
+    census = {"event": "step", "step": 1, "param_bytes": up * 1000, "optim_bytes": 8 * 1000}  # Adam: 8 B/element
+    (tmp_path / "rank0.jsonl").write_text(json.dumps(census) + "\n")
+    traffic = lessons.offload_traffic(run)
+    assert traffic == {"partition_elements": 1000, "to_host_bytes": 4 * 1000, "to_device_bytes": up * 1000}
+
+
+def _closing_decorator(function):  # as DeepSpeed's instrument_w_nvtx: no functools.wraps, no __wrapped__
+    def wrapped_fn(*args, **kwargs):
+        return function(*args, **kwargs)
+    return wrapped_fn
+
+
+@_closing_decorator
+def _decorated(x):
+    y = x + 1  # the line to find
+    return y
+
+
+def test_source_line_finds_a_line_through_decorators_with_and_without_wraps():
+    import inspect
+    import re
+
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    found = lessons.source_line(_decorated, "y = x + 1")
+    lines, first = inspect.getsourcelines(_decorated.__closure__[0].cell_contents)
+    number = first + next(i for i, line in enumerate(lines) if "y = x + 1" in line)
+    assert re.fullmatch(rf"\S*tests/test_lessons.py:{number}: y = x \+ 1  # the line to find", found), found
+    # A DeepSpeed method under instrument_w_nvtx, as notebook 02 cites it.
+    line = lessons.source_line(DeepSpeedZeroOptimizer_Stage3._offload_grad_partition_at_boundary,
+                               "fp32_grad_tensor.copy_(")
+    assert line.startswith("runtime/zero/stage3.py:") and "master_weights_and_grads_dtype" in line
+    with pytest.raises(ValueError, match="another DeepSpeed version"):
+        lessons.source_line(_decorated, "not in there")
+
+
 def test_zero_partition_figure_one_bar_per_stage_and_rank():
     rows = pd.DataFrame([{"stage": s, "rank": r, "param_MiB": 4.0 / (2 if s == 3 else 1), "grad_MiB": 4.0,
                           "optim_MiB": 8.0, "master_MiB": 0.0} for s in (0, 3) for r in (0, 1)])

@@ -193,25 +193,35 @@ def last_census(run: Run, rank: int = 0) -> dict[str, Any]:
 def offload_traffic(run: Run, rank: int = 0) -> dict[str, float]:
     """Bytes that cross between device and host each optimizer step with `offload_optimizer`,
     per rank, from the rank's measured census: its partition has `optim_bytes / 8` elements
-    (Adam's two fp32 moments each); its gradients go down to the host and the updated
-    parameters come back up, both in the training precision (bf16/fp16: 2 bytes, fp32: 4).
-    On a GPU these copies cross PCIe (or NVLink-C2C); on the CPU accelerator they are memory copies."""
+    (Adam's two fp32 moments each). Gradients go down in fp32 whatever the training precision:
+    ZeRO casts them to the fp32 master's dtype on the device before the copy (DeepSpeed 0.19.8:
+    `runtime/zero/stage_1_and_2.py:1899-1909`, `stage3.py:1457`). The updated parameters come back
+    in the training precision: the fp32 master is cast into a host buffer of the parameters' dtype,
+    which is copied up (`stage_1_and_2.py:566-575, 3094-3096`; `stage3.py:2858`, a blocking copy,
+    which torch converts on the host before the transfer). bf16/fp16: 4 + 2 = 6 bytes per element,
+    fp32: 4 + 4 = 8. On a GPU these copies cross PCIe (or NVLink-C2C); on the CPU accelerator they
+    are memory copies."""
     elements = last_census(run, rank)["optim_bytes"] / 8
     size = 4 if run.config.precision == "fp32" else 2
-    return {"partition_elements": elements, "to_host_bytes": elements * size, "to_device_bytes": elements * size}
+    return {"partition_elements": elements, "to_host_bytes": elements * 4, "to_device_bytes": elements * size}
 
 
 def source_line(function: Any, contains: str) -> str:
     """The first line of `function`'s source (DeepSpeed's, say) that contains `contains`, with
-    its file and line number: to show in a notebook what the installed version does."""
+    its file and line number: to show in a notebook what the installed version does. Decorators
+    are looked through: those that keep `__wrapped__` (torch.no_grad()) and those that only close
+    over the function (DeepSpeed's `instrument_w_nvtx`)."""
     import inspect
 
-    function = inspect.unwrap(function)  # through decorators such as torch.no_grad()
-    lines, first = inspect.getsourcelines(function)
-    for offset, line in enumerate(lines):
-        if contains in line:
-            path = Path(inspect.getsourcefile(function) or "?")
-            return f"{'/'.join(path.parts[-3:])}:{first + offset}: {line.strip()}"
+    candidates = [inspect.unwrap(function)]  # through decorators such as torch.no_grad()
+    candidates += [cell.cell_contents for cell in candidates[0].__closure__ or ()
+                   if inspect.isfunction(cell.cell_contents)]
+    for candidate in candidates:
+        lines, first = inspect.getsourcelines(candidate)
+        for offset, line in enumerate(lines):
+            if contains in line:
+                path = Path(inspect.getsourcefile(candidate) or "?")
+                return f"{'/'.join(path.parts[-3:])}:{first + offset}: {line.strip()}"
     raise ValueError(f"{contains!r} is not in the source of {function!r} (another DeepSpeed version?)")
 
 
@@ -452,7 +462,8 @@ def zero3_tensors(config: RunConfig, threshold: int | None = None) -> pd.DataFra
         threshold = DeepSpeedZeroConfig().param_persistence_threshold
     size = torch.empty(0, dtype={"fp32": torch.float32, "bf16": torch.bfloat16,
                                  "fp16": torch.float16}[config.precision]).element_size()
-    mlp = SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation (a GPU-sized model costs nothing)
+        mlp = SimpleModel(config.input_size, config.hidden, config.output_size, config.depth)
     table = pd.DataFrame([{"tensor": name, "module": name.rsplit(".", 1)[0], "elements": p.numel(),
                            "bytes": p.numel() * size, "persistent": p.numel() <= threshold}
                           for name, p in mlp.named_parameters()])
@@ -756,6 +767,29 @@ def reuse_distance(run: Run) -> int:
     return int(run.config.zero_settings().max_reuse_distance)
 
 
+def reuse_kept_gathered(tensors: pd.DataFrame, max_reuse_distance: int) -> pd.Series:
+    """Which modules with partitioned parameters ZeRO-3 keeps gathered from their forward to their
+    backward (True) rather than releasing and gathering again (False), by DeepSpeed's rule for a
+    model that runs its modules once each (this MLP; `tensors`: `zero3_tensors`).
+
+    DeepSpeed 0.19.8, `runtime/zero/partitioned_param_coordinator.py`: after a module's forward,
+    `__params_to_release` (lines 653-662) walks the recorded module order from the next module on
+    (the step id was advanced at the end of the fetch, line 490) and keeps every parameter it meets
+    again before it has counted `max_reuse_distance` elements (every parameter of each module it
+    passes, persistent ones included). Between a module's forward and its backward lie the rest of
+    the forward and those same modules again in the backward: twice the parameters after it. So with
+    the default 1e9 a model stays gathered whole only while 2 x (its parameters after the first
+    layer) < 1e9, about 0.5B parameters. Gathers before the reduce-scatter: 1 per kept module, 2
+    per released one."""
+    numels = tensors.groupby("module", sort=False)["elements"].sum()
+    order = [int(numels[m]) for m in numels.index] + [int(numels[m]) for m in reversed(numels.index)]
+    partitioned = set(tensors.loc[~tensors["persistent"], "module"])
+    # The walk reaches the module's own backward (position len - 1 - i) if what lies between counts less.
+    kept = {module: sum(order[i + 1:len(order) - 1 - i]) < max_reuse_distance
+            for i, module in enumerate(numels.index) if module in partitioned}
+    return pd.Series(kept, name=f"kept gathered (max_reuse_distance {max_reuse_distance:,})", dtype=bool)
+
+
 def gathers_before_scatter(run: Run, step: int | None = None) -> int:
     """All-gathers in one step before its first reduce-scatter, from rank 0's comms log (a run
     launched with `comms_logger_overrides()`): the gathers of the forward and backward."""
@@ -775,7 +809,8 @@ def reuse_distance_memory(runs: Mapping[str, Run], tensors: pd.DataFrame) -> pd.
 
     `attrs["extra_MiB"]`: what the default keeps that 0 frees, from the tensors (`zero3_tensors`):
     with the default, every partitioned module stays gathered from its forward to its backward
-    (for a model under ~1e9 parameters), so the peak holds all of them whole; with 0, about one
+    (for a model under about 0.5e9 parameters: `reuse_kept_gathered`), so the peak holds all of them
+    whole; with 0, about one
     module at a time. The difference is the partitioned modules' full bytes less the largest one's.
     """
     part = tensors[~tensors["persistent"]].groupby("module", sort=False)["bytes"].sum()

@@ -1,0 +1,75 @@
+"""Example 2 corrected: ZeRO-Offload, i.e. ZeRO stage 2 with the optimizer offloaded to the CPU.
+
+    deepspeed --num_gpus 1 notebooks/examples/ex2_zero_offload.py --steps 20
+    labkit run --script notebooks/examples/ex2_zero_offload.py --world-size 1 -- --steps 20
+
+The DeepSpeed config is ex2_ds_config.json beside this file unless --deepspeed_config names another.
+Offload is its `offload_optimizer` block (valid with stages 1-3), not a stage: the fp32 gradient
+partition, Adam's states and the update live on the host (DeepSpeed's CPU Adam). 1 or N ranks; the
+precision is the config's (fp32 as committed; set "bf16": {"enabled": true} on a GPU that has it).
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.nn as nn
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from simple_model import INPUT_SIZE, OUTPUT_SIZE, SimpleModel, held_out_loss, teacher_data
+from torch.utils.data import DataLoader, DistributedSampler
+
+import labkit
+
+parser = argparse.ArgumentParser(description="Example 2 corrected: ZeRO-Offload")
+parser.add_argument("--steps", type=int, default=40, help="optimizer steps")
+parser.add_argument("--hidden", type=int, default=500, help="hidden width (the text: 500)")
+parser.add_argument("--depth", type=int, default=1, help="hidden layers (the text: 1)")
+parser.add_argument("--num-samples", type=int, default=1000)
+parser.add_argument("--random-labels", action="store_true", help="the text's labels, to compare")
+parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
+parser = deepspeed.add_config_arguments(parser)  # --deepspeed_config
+args = parser.parse_args()
+args.deepspeed_config = args.deepspeed_config or str(Path(__file__).with_name("ex2_ds_config.json"))
+
+get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # this rank's GPU (a no-op on CPU ranks)
+deepspeed.init_distributed()  # the accelerator's backend: NCCL on GPUs, gloo on CPU ranks
+rank, world_size = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+train, held_out = teacher_data(args.num_samples, random_labels=args.random_labels)
+model = SimpleModel(INPUT_SIZE, args.hidden, OUTPUT_SIZE, args.depth)
+criterion = nn.CrossEntropyLoss()
+model_engine, optimizer, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+dtype, _ = model_engine.get_data_types()  # the config's precision: bf16 or fp16 if it enables one, else fp32
+
+# Each rank reads its own 1/N of the data, in a new order every epoch (set_epoch).
+sampler = DistributedSampler(train, num_replicas=world_size, rank=rank, shuffle=True, seed=0, drop_last=True)
+dataloader = DataLoader(train, batch_size=model_engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+                        drop_last=True)
+adam = type(getattr(optimizer, "optimizer", optimizer)).__name__  # the Adam DeepSpeed chose, inside ZeRO's wrapper
+if rank == 0:
+    print(f"{world_size} rank(s), global batch {model_engine.train_batch_size()}, "
+          f"{len(dataloader) // model_engine.gradient_accumulation_steps()} steps per epoch, optimizer {adam}")
+
+step = epoch = 0
+while step < args.steps:
+    sampler.set_epoch(epoch)
+    for batch_data, batch_labels in dataloader:
+        batch_data = batch_data.to(model_engine.device, dtype)
+        batch_labels = batch_labels.to(model_engine.device)
+        outputs = model_engine(batch_data)
+        loss = criterion(outputs.float(), batch_labels)
+        model_engine.backward(loss)
+        model_engine.step()  # an optimizer step once every gradient_accumulation_steps micro-batches
+        if model_engine.global_steps > step:
+            step = model_engine.global_steps
+            labkit.record(step=step, loss=loss.item())
+            if step == args.steps:
+                break
+    epoch += 1
+    evaluated = held_out_loss(model_engine, held_out, model_engine.device, dtype)
+    if rank == 0:
+        print(f"Epoch {epoch}, step {step}: training loss {loss.item():.4f}, held-out loss {evaluated:.4f}")
+dist.destroy_process_group()
