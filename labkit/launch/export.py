@@ -153,7 +153,7 @@ export PATH={shlex.quote(bin_dir)}:"$PATH"
 export PYTHONPATH="$job${{PYTHONPATH:+:$PYTHONPATH}}"
 echo "job $job: {logs}; {stop}" >&2
 # What DeepSpeed's launcher needs, checked before anything starts (exit {REFUSED_EXIT_CODE} with the reason).
-{shlex.quote(python)} -m labkit.launch.job_start "$job"
+{shlex.quote(python)} -m labkit.launch.job_start "$job" >&2  # stdout: only the outcome, last
 {shlex.quote(python)} -m labkit.launch.supervisor "$job" --parent-pid $$ >>supervisor.log 2>&1 &
 supervisor=$!
 # A stop ({stop_how}) goes to the supervisor, which ends every rank and writes summary.json.
