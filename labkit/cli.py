@@ -115,7 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from labkit.launch.run import Run
 
     config = config_from_args(args)
-    run = Run(config, out=args.out).start()
+    run = Run(config, out=args.out, launcher=args.launcher).start()
     run_dir = run.run_dir
     assert run_dir is not None  # start() made it
     print(f"run directory: {run_dir}", file=sys.stderr)
@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", **tail, help="launch one supervised run and wait for it")
     _add_config_flags(run)
     run.add_argument("--out", default=None, help="run directory (default: a new one under runs/)")
+    run.add_argument("--launcher", choices=("pdsh", "openmpi"), default="pdsh",
+                     help="with --hostfile: DeepSpeed's multi-node launcher, pdsh over ssh or Open MPI's mpirun "
+                          "(Slurm: labkit export --launcher slurm, then sbatch)")
     run.add_argument("--script", default=None, metavar="TRAIN.PY",
                      help="script mode: run this unmodified DeepSpeed script on every rank (arguments after --)")
     run.set_defaults(func=cmd_run)

@@ -107,6 +107,23 @@ def test_missing_mpirun_is_refused(tmp_path: Path):
     assert "needs mpirun and ompi_info on the PATH" in str(error.value) and "openmpi-bin" in str(error.value)
 
 
+def test_labkit_run_refuses_a_launcher_it_cannot_use(tmp_path: Path):
+    from labkit.launch.config import RunConfig
+    from labkit.launch.run import Run
+
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    config = RunConfig(example="zero3", world_size=2, micro_batch=8, steps=4, hidden=32, dataset_size=256)
+    cases = [(Run(config, out=tmp_path / "a", launcher="openmpi"), "it needs --hostfile"),
+             (Run(RunConfig(**{**config.to_dict(), "hostfile": str(tmp_path / "hosts")}), out=tmp_path / "b",
+                  launcher="openmpi", env={"PATH": str(tmp_path)}), "needs mpirun and ompi_info on the PATH"),
+             (Run(config, out=tmp_path / "c", launcher="slurm"), "labkit export --launcher slurm")]
+    for run, text in cases:
+        with pytest.raises(ConfigError) as error:
+            run.start()
+        assert error.value.field == "launcher" and text in str(error.value)
+        assert run.run_dir is None and not run._out.exists()  # refused before anything was written
+
+
 # -- real runs under mpirun ----------------------------------------------------------------
 @pytest.mark.mpi
 def test_exported_openmpi_job_trains_to_finished(mpirun: str, tmp_path: Path):
@@ -181,3 +198,20 @@ def test_a_job_mpirun_cannot_run_is_refused_before_it_starts(mpirun: str, tmp_pa
     assert done.returncode == 2 and "not visible on every node" in done.stderr, done.stderr
     assert "labkit-no-such-host.invalid" in done.stderr and "localhost:" not in done.stderr
     assert not (job / "supervisor.log").exists() and not list(job.glob("rank*"))
+
+
+@pytest.mark.mpi
+def test_labkit_run_with_a_hostfile_and_the_openmpi_launcher(mpirun: str, tmp_path: Path):
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "labkit", "run", "--example", "zero3", "--world-size", "2", "--micro-batch", "8",
+         "--steps", "4", "--hidden", "32", "--dataset-size", "256", "--hostfile", str(tmp_path / "hosts"),
+         "--launcher", "openmpi", "--out", str(run_dir)], cwd=REPO, capture_output=True, text=True,
+        timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
+    assert done.stdout.splitlines()[-1].startswith("finished: 4 steps"), done.stdout
+    assert "mpirun -n 2 -hostfile" in (run_dir / "launcher.log").read_text()
+    records = rank_records(run_dir, 2)
+    assert [(records[r][0]["rank"], records[r][0]["local_rank"]) for r in (0, 1)] == [(0, 0), (1, 1)]
+    assert not run_processes(run_dir)

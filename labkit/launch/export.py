@@ -30,7 +30,7 @@ from typing import Any
 from labkit.launch.config import ConfigError, RunConfig
 from labkit.launch.job_start import ANY_PORT
 from labkit.launch.launcher import build_command
-from labkit.launch.multinode import LAUNCHERS, deepspeed_env_text, launcher_command, master_of
+from labkit.launch.multinode import LAUNCHERS, OMPI_AS_ROOT, deepspeed_env_for, launcher_command
 from labkit.launch.store import write_json_atomic, write_text_atomic
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # labkit/, copied whole
@@ -129,8 +129,8 @@ fi
 """
     else:
         stop, allocation = "Ctrl-C stops every rank", ""
-    as_root = """# Open MPI's mpirun refuses to run as root unless told to; only for root.
-if [ "$EUID" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+    as_root = f"""# Open MPI's mpirun refuses to run as root unless told to; only for root.
+if [ "$EUID" -eq 0 ]; then export {" ".join(f"{k}={v}" for k, v in OMPI_AS_ROOT.items())}; fi
 """ if launcher == "openmpi" else ""
     tools = {"pdsh": "pdsh and ssh", "openmpi": "mpirun", "slurm": "srun and scontrol"}[launcher]
     return f"""#!/usr/bin/env bash
@@ -213,9 +213,7 @@ def write_job(config: RunConfig, out: str | os.PathLike, *, launcher: str = "pds
     overlay = {k: v for k, v in env.items() if base_env.get(k) != v and k != "PATH"}
     write_json_atomic(out / "config.json", config.to_dict())
     write_json_atomic(out / "ds_config.json", export_ds_config(config))
-    # mpirun's and srun's ranks get MASTER_ADDR / MASTER_PORT from here (labkit.launch.rank_entry).
-    write_text_atomic(out / ".deepspeed_env",
-                      deepspeed_env_text(env if launcher == "pdsh" else {**env, **master_of(argv)}, launcher))
+    write_text_atomic(out / ".deepspeed_env", deepspeed_env_for(argv, env, launcher))
     write_json_atomic(out / "launch.json", {
         "argv": argv, "env": overlay, "inherit_env": True, "world_size": config.world_size,
         "heartbeat_s": config.heartbeat_s, "startup_timeout_s": config.startup_timeout_s})

@@ -28,9 +28,9 @@ from labkit.launch.multinode import (
     check_slots,
     check_tools,
     deepspeed_env_text,
-    is_this_host,
     launcher_of,
     master_of,
+    ssh_hosts,
 )
 from labkit.launch.rank_entry import tasks_per_node
 from labkit.launch.store import read_json, write_json_atomic, write_text_atomic
@@ -126,8 +126,7 @@ def prepare(job_dir: str | os.PathLike, environ: Mapping[str, str] = os.environ)
         return resolve_slurm(job_dir, launch, allocation)
     slots = hostfile_slots(argv[argv.index("--hostfile") + 1])
     check_slots(world_size, slots, "the hostfile")
-    # pdsh reaches every host over ssh; mpirun only the others (its own host's ranks it forks).
-    remote = list(slots) if launcher == "pdsh" else [host for host in slots if not is_this_host(host)]
+    remote = ssh_hosts(launcher, list(slots))
     if remote:
         check_shared_run_dir(job_dir, remote)
     return []

@@ -104,6 +104,25 @@ def launcher_command(argv: list[str], launcher: str, package_dir: str | os.PathL
     return [*argv[:at], "--launcher", launcher, "--force_multi", "--no_ssh_check", *argv[at:]]
 
 
+def deepspeed_env_for(argv: list[str], env: Mapping[str, str], launcher: str) -> str:
+    """The `.deepspeed_env` of a launch command: `env`'s variables, and for mpirun and srun, which
+    start no launch.py, the master's address and port (labkit.launch.rank_entry reads them)."""
+    return deepspeed_env_text(env if launcher == "pdsh" else {**env, **master_of(argv)}, launcher)
+
+
+def ssh_hosts(launcher: str, hosts: list[str]) -> list[str]:
+    """The hosts labkit reaches over ssh to check the run directory and to stop ranks: every host
+    for pdsh; for mpirun only the others (it forks its own host's ranks, no sshd needed there);
+    none under Slurm (srun reaches the nodes)."""
+    if launcher == "slurm":
+        return []
+    return list(hosts) if launcher == "pdsh" else [host for host in hosts if not is_this_host(host)]
+
+
+# mpirun refuses to run as root unless both are set (Open MPI 4.x); labkit sets them only for root.
+OMPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
 def launcher_of(argv: list[str]) -> str:
     """The DeepSpeed launcher a launch command names (pdsh when none: the runner's default)."""
     return argv[argv.index("--launcher") + 1] if "--launcher" in argv else "pdsh"
@@ -130,6 +149,19 @@ def check_tools(launcher: str, path: str | None = None) -> None:
     if missing:
         raise ConfigError("launcher", f"DeepSpeed's {launcher} launcher needs {' and '.join(missing)} on the PATH "
                           f"of this host, and it is not there (PATH={path}); install {package} or load its module")
+
+
+def check_run_launcher(launcher: str, hostfile: str | None, path: str) -> None:
+    """Refuse (ConfigError) a launcher `labkit run` cannot use with this config, or whose programs
+    are not on `path`."""
+    if launcher == "slurm":
+        raise ConfigError("launcher", "a Slurm job is submitted, not run from here: `labkit export --launcher slurm "
+                          "--out job/`, then `sbatch job/launch.sh`")
+    if launcher not in LAUNCHERS:
+        raise ConfigError("launcher", f"must be one of pdsh, openmpi, got {launcher!r}")
+    if not hostfile:
+        raise ConfigError("launcher", f"--launcher {launcher} is DeepSpeed's multi-node launcher: it needs --hostfile")
+    check_tools(launcher, path)
 
 
 def check_slots(world_size: int, slots: Mapping[str, int], where: str, *, uniform: bool = False) -> None:
