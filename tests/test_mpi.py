@@ -1,8 +1,9 @@
 """Exported Open MPI jobs for real: `labkit export --launcher openmpi`, then `job/launch.sh`, which runs
 DeepSpeed's runner with `--launcher openmpi`: a real `mpirun -n 2` (Debian's openmpi-bin, 4.1) on this
 machine, `localhost slots=2` in the hostfile. As root (this machine, CI) the script lets mpirun run as
-root; nothing else changes. Three real runs (~30-50 s each here): finished; Ctrl-C -> stopped; a rank
-SIGKILLed. The refusals end before mpirun starts.
+root; nothing else changes. Three real runs of the exported job (~30-80 s each here): finished; `kill` of
+the script -> stopped; a rank SIGKILLed; and one `labkit run --hostfile --launcher openmpi`. The refusals
+end before mpirun starts.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def test_exported_openmpi_job_trains_to_finished(mpirun: str, tmp_path: Path):
 
 
 @pytest.mark.mpi
-def test_ctrl_c_ends_every_rank_and_the_summary_says_stopped(mpirun: str, tmp_path: Path):
+def test_kill_of_the_script_ends_every_rank_and_the_summary_says_stopped(mpirun: str, tmp_path: Path):
     job = export_mpi(tmp_path, steps=100000)
     script = subprocess.Popen(["/bin/bash", str(job / "launch.sh")], cwd="/", env=user_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -158,14 +159,16 @@ def test_ctrl_c_ends_every_rank_and_the_summary_says_stopped(mpirun: str, tmp_pa
         while min(len(rank.trace("samples_per_s")[0]) for rank in load_series(job)) == 0:
             assert time.monotonic() < deadline and script.poll() is None, script.communicate()
             time.sleep(0.5)
-        os.killpg(script.pid, signal.SIGINT)  # Ctrl-C in the terminal: the script's whole process group
+        # `kill <pid of launch.sh>`: the script alone gets SIGTERM and passes it on to the supervisor
+        # (without that, the script would die at once and print nothing; its ranks would end on their own).
+        script.send_signal(signal.SIGTERM)
         out, err = script.communicate(timeout=120)
     finally:
         if script.poll() is None:
             os.killpg(script.pid, signal.SIGKILL)
             script.wait()
     assert script.returncode == 130, (out, err)
-    assert out.startswith("stopped"), out
+    assert out.startswith("stopped: stopped by request (SIGTERM)"), out
     assert json.loads((job / "summary.json").read_text())["status"] == "stopped"
     assert "every process of the run has ended" in (job / "supervisor.log").read_text()
     assert not run_processes(job)
