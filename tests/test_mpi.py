@@ -25,6 +25,7 @@ from labkit.launch.multinode import check_tools, deepspeed_env_text
 from labkit.launch.rank_entry import rank_env
 from labkit.launch.summary import rank_records
 from labkit.live.dashboard import load_series
+from tests.cluster_jobs import assert_trained
 from tests.conftest import REPO, run_processes
 
 RUN_TIMEOUT_S = 400  # a 2-rank DeepSpeed run on a loaded 2-core machine
@@ -136,16 +137,7 @@ def test_exported_openmpi_job_trains_to_finished(mpirun: str, tmp_path: Path):
     assert done.returncode == 0, (done.stdout, done.stderr, (job / "launcher.log").read_text()[-3000:])
     assert done.stdout.strip() == "finished"
     assert "mpirun -n 2 -hostfile" in (job / "launcher.log").read_text()
-    records = rank_records(job, 2)
-    for rank in (0, 1):
-        start = records[rank][0]
-        # mpirun's OMPI_COMM_WORLD_RANK / _LOCAL_RANK / _SIZE, through labkit.launch.rank_entry.
-        assert (start["event"], start["rank"], start["local_rank"], start["world_size"]) == ("start", rank, rank, 2)
-        assert [r["step"] for r in records[rank] if r.get("event") == "step"] == [1, 2, 3, 4]
-        assert records[rank][-1]["event"] == "done"
-        assert (job / "logs" / f"openmpi_rank{rank}.log").stat().st_size > 0
-    assert json.loads((job / "summary.json").read_text())["status"] == "finished"
-    assert not run_processes(job)
+    assert_trained(job, "openmpi")  # ranks from mpirun's OMPI_COMM_WORLD_RANK / _LOCAL_RANK / _SIZE
 
 
 @pytest.mark.mpi

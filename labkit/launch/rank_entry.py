@@ -47,7 +47,7 @@ def rank_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
     elif "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:  # a task of a job step (srun), not a batch script
         node = int(environ["SLURM_NODEID"])
         env = {"RANK": environ["SLURM_PROCID"], "LOCAL_RANK": environ["SLURM_LOCALID"],
-               "WORLD_SIZE": environ["SLURM_NTASKS"],
+               "WORLD_SIZE": environ["SLURM_STEP_NUM_TASKS"],
                "LOCAL_SIZE": str(tasks_per_node(environ["SLURM_STEP_TASKS_PER_NODE"])[node]),
                "CROSS_RANK": str(node), "CROSS_SIZE": environ["SLURM_STEP_NUM_NODES"]}
     else:
