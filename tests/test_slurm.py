@@ -296,6 +296,14 @@ def test_nodes_that_did_not_see_the_job_directory_are_named():
     assert nodes_not_seeing("gpu01 seen\ngpu03 seen\n", ["gpu01", "gpu02", "gpu03"]) == ["gpu02"]
 
 
+def test_export_refuses_a_slurm_job_where_it_cannot_be_submitted(tmp_path: Path):
+    done = subprocess.run([sys.executable, "-m", "labkit", "export", "--example", "zero3", "--world-size", "2",
+                           "--launcher", "slurm", "--out", str(tmp_path / "job")], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "PATH": str(tmp_path)})
+    assert done.returncode == 2 and "sbatch is not on the PATH" in done.stderr, done.stderr
+    assert not (tmp_path / "job").exists()
+
+
 def test_export_refuses_a_hostfile_and_slurm_options_without_slurm(tmp_path: Path):
     (tmp_path / "hosts").write_text("a slots=2\n")
     done = export_slurm(tmp_path / "job", "--hostfile", str(tmp_path / "hosts"))

@@ -190,6 +190,10 @@ def write_job(config: RunConfig, out: str | os.PathLike, *, launcher: str = "pds
     if launcher == "slurm":
         slurm = slurm or SlurmOptions()
         sbatch = slurm.sbatch_lines(config.world_size, out, f"labkit-{config.example}")  # refuses before writing
+        # The job directory holds absolute paths: it is exported where it is submitted, which needs sbatch.
+        if shutil.which("sbatch") is None:
+            raise ConfigError("launcher", "sbatch is not on the PATH: export a Slurm job on the cluster's login node, "
+                              "where it is submitted (after `module load slurm` where the site uses modules)")
     out.mkdir(parents=True, exist_ok=True)
     if (out / "rank0.jsonl").exists():
         raise FileExistsError(f"{out} already holds a run's records; export into a new directory")
