@@ -45,7 +45,7 @@ test: ops lint
 	LABKIT_PROFILE=ci $(BIN)/python -m pytest -ra tests --nbval-lax notebooks
 
 test-fast: install
-	$(BIN)/python -m pytest -ra tests -m "not slow and not browser and not faults and not multinode"
+	$(BIN)/python -m pytest -ra tests -m "not slow and not browser and not faults and not multinode and not slurm and not mpi"
 
 bench: ops
 	$(BIN)/python benchmarks/run_all.py

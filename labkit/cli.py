@@ -59,6 +59,7 @@ _HELP = {
     "census_every": "recount model-state bytes every N steps",
     "noise_scale_every": "estimate the gradient noise scale every N steps (0: off)",
 }
+_SLURM_FLAGS = ("nodes", "partition", "time", "gpus_per_node", "account")  # labkit.launch.export.SlurmOptions
 _CHOICES = {"stage": (0, 1, 2, 3), "precision": PRECISIONS, "optimizer": OPTIMIZERS, "lr_scaling": LR_SCALINGS}
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
 
@@ -114,7 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from labkit.launch.run import Run
 
     config = config_from_args(args)
-    run = Run(config, out=args.out).start()
+    run = Run(config, out=args.out, launcher=args.launcher).start()
     run_dir = run.run_dir
     assert run_dir is not None  # start() made it
     print(f"run directory: {run_dir}", file=sys.stderr)
@@ -151,16 +152,24 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a self-contained job directory for DeepSpeed's multi-node launcher (labkit.launch.export)."""
     from labkit.launch.config import without_local_device_checks
-    from labkit.launch.export import write_job
+    from labkit.launch.export import SlurmOptions, write_job
 
     with without_local_device_checks():  # a login node need not have the cluster's GPUs
         config = config_from_args(args)
-    if not config.hostfile:
-        raise ConfigError("hostfile", "export writes a multi-node job: pass --hostfile (\"host slots=N\" lines)")
-    names = write_job(config, args.out, launcher=args.launcher, master_port=args.master_port)
+    given = {name: getattr(args, name) for name in _SLURM_FLAGS if getattr(args, name) is not None}
+    slurm = SlurmOptions(**given) if args.launcher == "slurm" else None
+    if given and slurm is None:
+        raise ConfigError("launcher", f"--{', --'.join(n.replace('_', '-') for n in given)}: Slurm's options, for "
+                          "--launcher slurm")
+    names = write_job(config, args.out, launcher=args.launcher, master_port=args.master_port, slurm=slurm)
     out = Path(args.out).resolve()
     print(f"wrote {out}: {', '.join(names)}")
-    print(f"run it with: {out / 'launch.sh'}")
+    if args.launcher == "slurm":
+        script = (out / "launch.sh").read_text().splitlines()
+        print("\n".join(line for line in script if line.startswith("#SBATCH")))
+        print(f"submit it with: sbatch {out / 'launch.sh'}")
+    else:
+        print(f"run it with: {out / 'launch.sh'}")
     return 0
 
 
@@ -224,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", **tail, help="launch one supervised run and wait for it")
     _add_config_flags(run)
     run.add_argument("--out", default=None, help="run directory (default: a new one under runs/)")
+    run.add_argument("--launcher", choices=("pdsh", "openmpi"), default="pdsh",
+                     help="with --hostfile: DeepSpeed's multi-node launcher, pdsh over ssh or Open MPI's mpirun "
+                          "(Slurm: labkit export --launcher slurm, then sbatch)")
     run.add_argument("--script", default=None, metavar="TRAIN.PY",
                      help="script mode: run this unmodified DeepSpeed script on every rank (arguments after --)")
     run.set_defaults(func=cmd_run)
@@ -231,8 +243,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(export)
     export.add_argument("--out", required=True, help="job directory, on a filesystem every node shares")
     export.add_argument("--launcher", choices=("pdsh", "openmpi", "slurm"), default="pdsh",
-                        help="DeepSpeed's multi-node launcher (its runner's --launcher)")
-    export.add_argument("--master-port", type=int, default=29500)
+                        help="DeepSpeed's multi-node launcher (its runner's --launcher); slurm: no --hostfile, "
+                             "Slurm picks the nodes (--nodes)")
+    export.add_argument("--master-port", type=int, default=None,
+                        help="rank 0's rendezvous port (default: 29500; slurm: a free port on the first node, "
+                             "chosen when the job starts)")
+    slurm = export.add_argument_group("Slurm (--launcher slurm): launch.sh's #SBATCH lines")
+    slurm.add_argument("--nodes", type=int, default=None, help="nodes; the ranks are split evenly (default: 1)")
+    slurm.add_argument("--partition", default=None, help="partition (default: the cluster's default partition)")
+    slurm.add_argument("--time", default=None, help="time limit: minutes, HH:MM:SS or D-HH:MM:SS (default: 01:00:00)")
+    slurm.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=None,
+                       help="--gres=gpu:N per node (default: one per rank on the node; 0: CPU ranks, no --gres)")
+    slurm.add_argument("--account", default=None, help="account to charge (default: yours)")
     export.set_defaults(func=cmd_export)
     runs = sub.add_parser("runs", **tail, help="list past runs")
     runs.add_argument("--root", default=None, help="run store (default: LABKIT_RUNS_DIR, else runs/)")

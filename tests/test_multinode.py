@@ -216,10 +216,10 @@ def test_export_on_a_login_node_writes_a_self_contained_job(tmp_path):
     assert launch["argv"][4:6] == ["--launcher", "pdsh"] and "PATH" not in launch["env"]
     assert launch["argv"][launch["argv"].index("--hostfile") + 1] == str(job / "hostfile")
     # Again, with the job's own hostfile (was shutil.SameFileError) and another launcher.
-    again = _export("--world-size", "16", "--hostfile", str(job / "hostfile"), "--launcher", "slurm",
+    again = _export("--world-size", "16", "--hostfile", str(job / "hostfile"), "--launcher", "openmpi",
                     "--out", str(job))
     assert again.returncode == 0, again.stderr
-    assert json.loads((job / "launch.json").read_text())["argv"][4:6] == ["--launcher", "slurm"]
+    assert json.loads((job / "launch.json").read_text())["argv"][4:6] == ["--launcher", "openmpi"]
     assert "--hostfile" in _export("--world-size", "2", "--out", str(tmp_path / "x")).stderr
 
 

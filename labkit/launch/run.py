@@ -48,9 +48,11 @@ def run_name(config: RunConfig) -> str:
 
 class Run:
     def __init__(self, config: RunConfig, *, out: str | os.PathLike | None = None,
-                 root: str | os.PathLike | None = None, env: dict[str, str] | None = None):
-        """`out`: the run directory to use (must be empty or absent); else a new one under `root`."""
+                 root: str | os.PathLike | None = None, env: dict[str, str] | None = None, launcher: str = "pdsh"):
+        """`out`: the run directory to use (must be empty or absent); else a new one under `root`.
+        `launcher`: DeepSpeed's multi-node launcher of a run with a hostfile, pdsh or openmpi."""
         self.config = config
+        self.launcher = launcher
         self._out = Path(out) if out is not None else None
         self._root = root
         self._extra_env = env or {}
@@ -85,8 +87,12 @@ class Run:
             from labkit.models.builders import check_importable
 
             check_importable(self.config)  # a bad import string fails here, before anything is launched
-        devices = detect_devices()
         base_env = {**os.environ, **self._extra_env}
+        if self.config.hostfile or self.launcher != "pdsh":
+            from labkit.launch.multinode import check_run_launcher
+
+            check_run_launcher(self.launcher, self.config.hostfile, base_env.get("PATH", ""))
+        devices = detect_devices()
         # Refuses busy GPUs before anything is written; takes free ones, not always the first N.
         kind, candidates, count = self._lease_plan(devices, base_env)
         self.device_ids, leases = device_lease.take_free(kind, candidates, count,
@@ -128,10 +134,21 @@ class Run:
             # Before anything is launched: every node must see the run directory (ConfigError if
             # not), and gets the environment through DeepSpeed's `.deepspeed_env`, read from the
             # runner's working directory, which the supervisor makes the run directory.
-            from labkit.launch.multinode import check_shared_run_dir, deepspeed_env_text
+            from labkit.launch.multinode import (
+                OMPI_AS_ROOT,
+                check_shared_run_dir,
+                deepspeed_env_for,
+                launcher_command,
+                ssh_hosts,
+            )
 
-            check_shared_run_dir(self.run_dir, list(hostfile_slots(self.config.hostfile)))
-            write_text_atomic(self.run_dir / ".deepspeed_env", deepspeed_env_text(env))
+            argv = launcher_command(argv, self.launcher, Path(__file__).resolve().parents[1])
+            hosts = ssh_hosts(self.launcher, list(hostfile_slots(self.config.hostfile)))
+            if hosts:
+                check_shared_run_dir(self.run_dir, hosts)
+            write_text_atomic(self.run_dir / ".deepspeed_env", deepspeed_env_for(argv, env, self.launcher))
+            if self.launcher == "openmpi" and os.geteuid() == 0:
+                env.update(OMPI_AS_ROOT)
         write_json_atomic(self.run_dir / "config.json", self.config.to_dict())
         write_json_atomic(self.run_dir / "ds_config.json", self.config.ds_config())
         # Private: they hold the variables labkit and the caller (`env=`) set, which may be tokens.
@@ -343,9 +360,12 @@ class Run:
             psutil.wait_procs(found, timeout=2)
         if self.config.hostfile:
             # Multi-node: the ranks on the other nodes are not ours to find here; end them over ssh.
-            from labkit.launch.multinode import stop_remote
+            from labkit.launch.multinode import launcher_of, ssh_hosts, stop_remote
 
-            stop_remote(self._dir, list(hostfile_slots(self.config.hostfile)))
+            launcher = launcher_of((read_json(self._dir / "launch.json") or {}).get("argv", []))
+            hosts = ssh_hosts(launcher, list(hostfile_slots(self.config.hostfile)))
+            if hosts:
+                stop_remote(self._dir, hosts)
         if self._supervisor is not None:
             try:
                 self._supervisor.wait(timeout=5)
