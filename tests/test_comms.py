@@ -94,10 +94,17 @@ def test_stage2_buckets_flush_before_the_parameter_that_would_overflow_them():
     assert [c.bytes for c in by(one_bucket, what="gradients")] == [55_510 * 4]
 
 
-def test_overlap_comm_makes_the_gradient_reduction_overlappable():
-    plain = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP)
-    overlapped = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP, overlap_comm=True)
-    assert not by(plain, what="gradients")[0].overlappable and by(overlapped, what="gradients")[0].overlappable
+def test_overlap_comm_hides_every_gradient_bucket_but_the_last():
+    plain = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP, reduce_bucket_size=5_600)
+    assert not any(c.overlappable for c in plain)
+    overlapped = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP, overlap_comm=True,
+                                   reduce_bucket_size=5_600)
+    # The first bucket (5,510 elements) is reduced while the backward goes on; the 50,000-element weight's two
+    # slices are the last bucket, reduced when the backward has ended.
+    assert sorted((c.bytes, c.overlappable) for c in by(overlapped, what="gradients")) == [
+        (5_510 * 4, True), (22_244 * 4, False), (27_756 * 4, False)]
+    one_bucket = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP, overlap_comm=True)
+    assert not by(one_bucket, what="gradients")[0].overlappable  # a model within one bucket hides nothing
 
 
 def test_offload_changes_only_who_computes_the_norm():
@@ -113,7 +120,7 @@ def test_stage3_keeps_small_parameters_whole_and_gathers_them_after_each_step():
     assert not by(cs, what="parameters")
     assert sorted(c.bytes for c in by(cs, what="persistent parameters")) == [40, 2_000, 20_000, 200_000]
     scatter = by(cs, op="reduce_scatter")
-    assert [(c.bytes, c.per, c.per_step, c.overlappable) for c in scatter] == [(222_040, "micro_step", 2, True)]
+    assert [(c.bytes, c.per, c.per_step, c.overlappable) for c in scatter] == [(222_040, "micro_step", 2, False)]
     assert by(cs, what="gradient norm")[0].bytes == 8  # fp64 on devices that have it
 
 
@@ -142,6 +149,16 @@ def test_stage3_pads_every_parameter_to_the_world_size():
     cs = comms.collectives(3, 1003, 4, precision="bf16", modules=[[1001, 2]], stage3_param_persistence_threshold=0)
     assert by(cs, what="parameters")[0].bytes == (4 * 251 + 4 * 1) * 2
     assert by(cs, op="reduce_scatter")[0].bytes == (4 * 251 + 4 * 1) * 2
+
+
+def test_stage3_prefetch_hides_every_gather_but_the_first_and_every_bucket_but_the_last():
+    settings = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 30_000,
+                "reduce_bucket_size": 6_000}
+    cs = comms.collectives(3, 55_510, 2, precision="fp32", modules=MLP, **settings)
+    # Parameters in trace order: 50,000 (a batch on its own, >= 30,000), then 500 + 5,000 + 10.
+    assert [(c.bytes, c.overlappable) for c in by(cs, what="parameters")] == [(200_000, False), (22_040, True)]
+    # Gradients in backward order: 10 + 5,000 + 500 in one bucket, then 50,000 flushed when the backward ends.
+    assert [(c.bytes, c.overlappable) for c in by(cs, op="reduce_scatter")] == [(22_040, True), (200_000, False)]
 
 
 def test_stage3_without_a_layout_regathers_the_parameters_with_more_than_half_the_reuse_distance_after_them():
@@ -207,6 +224,10 @@ ODD = dict(hidden=501, output_size=9, micro_batch=8, dataset_size=512, steps=4, 
 SPLIT_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 5_600}}  # the 50,100-element weight alone, split
 ZERO3_PARTITIONED = {"zero_optimization": {"stage3_param_persistence_threshold": 1000,  # the biases persist
                                            "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}}
+# Every parameter partitioned, gathered in prefetch batches of >= 30,000 elements: [50,100] then [501, 4,509, 9];
+# gradients reduce-scattered in 6,000-element buckets: [9, 4,509, 501] then [50,100].
+ZERO3_PREFETCH = {"zero_optimization": {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 30_000,
+                                        "reduce_bucket_size": 6_000}}
 REAL_RUNS = {
     "stage 0": dict(example="deepspeed", stage=0, grad_accum=2),
     "stage 1 bf16": dict(example="deepspeed", stage=1, grad_accum=2, precision="bf16"),
@@ -214,6 +235,7 @@ REAL_RUNS = {
     "stage 2 + offload": dict(example="offload", grad_accum=2),
     "stage 3": dict(example="zero3", grad_accum=2),
     "stage 3 partitioned": dict(example="zero3", ds_overrides=ZERO3_PARTITIONED),
+    "stage 3 prefetch batches": dict(example="zero3", grad_accum=2, ds_overrides=ZERO3_PREFETCH),
 }
 
 

@@ -76,8 +76,10 @@ class Collective:
 
     `bytes`: the message per rank as DeepSpeed hands it to torch.distributed: the whole tensor of
     an all-reduce or broadcast, the gathered OUTPUT of an all-gather, the INPUT of a reduce-scatter.
-    `overlappable`: whether it can run behind compute with DeepSpeed's defaults (overlap_comm on a
-    side stream, ZeRO-3's prefetch); the last bucket of a backward never hides entirely.
+    `overlappable`: whether it can run behind compute with DeepSpeed's settings (overlap_comm on a side
+    stream, ZeRO-3's prefetch). The last gradient bucket of a backward cannot (it is flushed when the
+    backward ends), nor the first parameter gather of a forward (nothing computes before it): a model
+    within one bucket hides nothing.
     """
 
     op: Op
@@ -272,10 +274,11 @@ def _stage0(out: list[Collective], numels: list[int], precision: str, grad_accum
               source=SRC + "runtime/engine.py:3511 -> runtime/utils.py:418")
 
 
-def _zero12_buckets(numels: list[int], order: list[int], world_size: int, bucket: int) -> list[int]:
-    """Elements of each all-reduce of stages 1-2: the ipg bucket flushes before a parameter that would
-    overflow it (stage_1_and_2.py:1422); its slices, split at partition boundaries and merged while they
-    go to one rank (:1640-1690), are all-reduced together, a new call once they exceed the bucket (:1568)."""
+def _zero12_buckets(numels: list[int], order: list[int], world_size: int, bucket: int) -> list[list[int]]:
+    """Elements of each all-reduce of stages 1-2, per bucket flush: the ipg bucket flushes before a parameter
+    that would overflow it (stage_1_and_2.py:1422) and once more when the backward ends; its slices, split at
+    partition boundaries and merged while they go to one rank (:1640-1690), are all-reduced together, a new
+    call once they exceed the bucket (:1568)."""
     aligned = math.ceil(sum(numels) / (ZERO12_ALIGNMENT * world_size)) * ZERO12_ALIGNMENT * world_size
     partition = aligned // world_size
     offsets = [0]
@@ -289,8 +292,9 @@ def _zero12_buckets(numels: list[int], order: list[int], world_size: int, bucket
             elements = 0
         ipg[-1].append(i)
         elements += numels[i]
-    calls = []
+    flushes = []
     for params in filter(None, ipg):
+        calls = []
         slices: list[tuple[int, int]] = []  # (owner rank, elements)
         for i in params:
             start, end = offsets[i], offsets[i] + numels[i]
@@ -310,7 +314,8 @@ def _zero12_buckets(numels: list[int], order: list[int], world_size: int, bucket
                 numel = 0
         if numel:
             calls.append(numel)
-    return calls
+        flushes.append(calls)
+    return flushes
 
 
 def _stage12(out: list[Collective], stage: int, numels: list[int], world_size: int, precision: str, grad_accum: int,
@@ -323,11 +328,14 @@ def _stage12(out: list[Collective], stage: int, numels: list[int], world_size: i
     # (:1695 -> allreduce_and_scatter -> allreduce_bucket's all_reduce, :2384).
     hooks = stage == 2 or cfg.overlap_comm
     order = list(range(len(numels)))[::-1] if hooks else list(range(len(numels)))
-    calls = _zero12_buckets(numels, order, world_size, int(cfg.reduce_bucket_size))
-    _emit(out, (c * size for c in calls), op="all_reduce", per="micro_step" if stage == 2 else "step",
-          grad_accum=grad_accum, phase="backward", dtype=precision, overlappable=bool(cfg.overlap_comm),
-          what="gradients", caller="allreduce_bucket",
-          source=SRC + "runtime/zero/stage_1_and_2.py:2294 -> :1695 -> :2384")
+    # With overlap_comm they run on a side stream while the backward goes on, except the last bucket's:
+    # it is flushed when the backward has ended (independent_gradient_partition_epilogue, :1016).
+    flushes = _zero12_buckets(numels, order, world_size, int(cfg.reduce_bucket_size))
+    for k, calls in enumerate(flushes):
+        _emit(out, (c * size for c in calls), op="all_reduce", per="micro_step" if stage == 2 else "step",
+              grad_accum=grad_accum, phase="backward", dtype=precision,
+              overlappable=bool(cfg.overlap_comm) and k < len(flushes) - 1, what="gradients",
+              caller="allreduce_bucket", source=SRC + "runtime/zero/stage_1_and_2.py:2294 -> :1695 -> :2384")
     # After the step every rank all-gathers the updated parameters: the whole flat buffer, padded to a multiple of
     # 2 x world size elements (:441), one all_gather_into_tensor per parameter group (:3155 -> runtime/utils.py:1016).
     pad = sum((-n) % (16 // math.gcd(16, size)) for n in numels[:-1]) if cfg.parameter_alignment else 0
@@ -420,12 +428,17 @@ def _stage3(out: list[Collective], modules: Sequence[Sequence[int]] | None, n_pa
             world_size: int, precision: str, grad_accum: int, offload: bool, cfg: Any) -> None:
     size = DTYPE_BYTES[precision]
     forward, backward, persistent = _stage3_gathers(modules, n_params, persistent_params, world_size, cfg)
-    common = {"op": "all_gather", "per": "micro_step", "grad_accum": grad_accum, "dtype": precision,
-              "overlappable": cfg.prefetch_bucket_size > 0, "what": "parameters", "caller": "allgather_fn"}
-    _emit(out, (c * size for c in forward), phase="forward", **common,
-          source=SRC + "runtime/zero/partitioned_param_coordinator.py:381/484 -> partition_parameters.py:1362")
-    _emit(out, (c * size for c in backward), phase="backward", **common,
-          source=SRC + "runtime/zero/partitioned_param_coordinator.py:658 (reuse distance) -> :381/484")
+    # Prefetched gathers run while earlier modules compute; the forward's first one has nothing before it.
+    common: dict[str, Any] = {"op": "all_gather", "per": "micro_step", "grad_accum": grad_accum,
+                              "dtype": precision, "what": "parameters", "caller": "allgather_fn"}
+    prefetching = cfg.prefetch_bucket_size > 0
+    gather = "partition_parameters.py:1362"
+    for batch, phase, hides, source in (
+            (forward[:1], "forward", False, f"partitioned_param_coordinator.py:381/484 -> {gather}"),
+            (forward[1:], "forward", prefetching, f"partitioned_param_coordinator.py:484 -> {gather}"),
+            (backward, "backward", prefetching, f"partitioned_param_coordinator.py:658 (reuse distance) -> {gather}")):
+        _emit(out, (c * size for c in batch), phase=phase, overlappable=hides, **common,
+              source=SRC + "runtime/zero/" + source)
     # Gradients: reduce-scattered in buckets of reduce_bucket_size elements in backward order, every micro-step
     # (stage3.py:1583 -> :1931 reduce_scatter_coalesced: each gradient padded to a multiple of N,
     # coalesced_collectives.py:95-128), on a side stream with overlap_comm (on by default at stage 3).
@@ -444,9 +457,11 @@ def _stage3(out: list[Collective], modules: Sequence[Sequence[int]] | None, n_pa
         calls = _split(_gathered(numels, world_size), bucket)
     elif current:
         calls.append(_gathered(current, world_size))
-    _emit(out, (c * size for c in calls), op="reduce_scatter", per="micro_step", grad_accum=grad_accum,
-          phase="backward", dtype=precision, overlappable=bool(cfg.overlap_comm), what="gradients",
-          caller="reduce_scatter_fn", source=SRC + "runtime/zero/stage3.py:1583 -> :1931")
+    # The last bucket is reduced when the backward has ended (engine.py:3086): it cannot hide.
+    for part, hides in ((calls[:-1], bool(cfg.overlap_comm)), (calls[-1:], False)):
+        _emit(out, (c * size for c in part), op="reduce_scatter", per="micro_step", grad_accum=grad_accum,
+              phase="backward", dtype=precision, overlappable=hides, what="gradients",
+              caller="reduce_scatter_fn", source=SRC + "runtime/zero/stage3.py:1583 -> :1931")
     if precision == "fp16":
         _emit(out, [1], op="all_reduce", per="step", grad_accum=grad_accum, phase="optimizer", dtype="uint8",
               overlappable=False, what="overflow check", caller="has_overflow",
@@ -549,7 +564,7 @@ def predicted_table(cs: Iterable[Collective], world_size: int) -> pd.DataFrame:
 def predicted_vs_measured(run_dir: str | os.PathLike, rank: int = 0) -> pd.DataFrame:
     """Per operation and what it moves: the formula's calls and bytes per optimizer step
     (`run_collectives`) beside what DeepSpeed's comms logger counted in the run's steady steps (3 on),
-    on `rank`. `ratio` is measured / predicted bytes; `sent_per_rank` the ring bytes one rank sends."""
+    on `rank`. `ratio` is measured / predicted bytes; `sent_per_rank_*` the ring bytes one rank sends."""
     from labkit.launch.config import RunConfig
 
     run_dir = Path(run_dir)
@@ -563,6 +578,9 @@ def predicted_vs_measured(run_dir: str | os.PathLike, rank: int = 0) -> pd.DataF
         ["calls_per_step", "bytes_per_step"]].sum()
     table = predicted.merge(steady, on=["op", "what"], how="outer", suffixes=("_predicted", "_measured"))
     table = table.fillna(0.0)
+    table["sent_per_rank_measured"] = [ring_factor(op, config.world_size) * b if op in OPS else 0.0
+                                       for op, b in zip(table["op"], table["bytes_per_step_measured"], strict=True)]
+    table = table.rename(columns={"sent_per_rank": "sent_per_rank_predicted"})
     table["ratio"] = [m / p if p else math.inf if m else 1.0
                       for m, p in zip(table["bytes_per_step_measured"], table["bytes_per_step_predicted"], strict=True)]
     table.attrs.update(stage=config.stage, world_size=config.world_size, precision=config.precision,
@@ -642,7 +660,7 @@ def fit_alpha_beta(op: str, world_size: int, sizes: Sequence[float], seconds: Se
 
 def _bench_rank(rank: int, world_size: int, port: int, backend: str, sizes: Sequence[int], ops: Sequence[str],
                 out: str) -> None:
-    """One rank of `measure_links` (a spawned process: never the notebook's kernel)."""
+    """One rank of `measure_links` (a process of its own: never the notebook's kernel)."""
     import warnings
     from datetime import timedelta
 
@@ -678,7 +696,8 @@ def _bench_rank(rank: int, world_size: int, port: int, backend: str, sizes: Sequ
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        Path(out).write_text(json.dumps(rows))
+        name = torch.cuda.get_device_name(rank) if backend == "nccl" else f"CPU ({os.cpu_count()} cores)"
+        Path(out).write_text(json.dumps({"device": name, "rows": rows}))
 
 
 def _bench_call(dist: Any, op: str, full: Any, part: Any) -> None:
@@ -694,54 +713,82 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = BENCH_SIZES, ops: 
                   backend: str | None = None, timeout_s: float = 300.0) -> LinkFit:
     """Time all-reduce, all-gather and reduce-scatter between `world_size` real processes on this machine
     (torch.distributed: gloo on CPU, NCCL on GPUs, one GPU per rank; loopback only) and fit the alpha-beta
-    model per operation. Spawned processes, never the calling one: safe from a notebook. About 15-30 s
-    on a 2-core CPU with the default sizes (1 KiB to 16 MiB, in the message convention of `Collective`)."""
+    model per operation. The ranks are processes of their own (`python -c`), never the calling one, and
+    nothing of the caller is re-imported in them: safe from a notebook or a script. About 15-30 s on a
+    2-core CPU with the default sizes (1 KiB to 16 MiB, in the message convention of `Collective`)."""
+    import contextlib
+    import subprocess
+    import sys
     import tempfile
 
-    import torch
-    import torch.multiprocessing as mp
-
     from labkit.launch.launcher import free_port
+    from labkit.runtime.devices import detect_devices
 
-    if not isinstance(world_size, int) or world_size < 2:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
         raise ValueError(f"world_size must be an integer >= 2 (a link needs two ends), got {world_size!r}")
     bad = [op for op in ops if op not in BENCH_OPS]
     if bad or not ops:
         raise ValueError(f"ops must be among {BENCH_OPS}, got {list(ops)}")
     if not sizes or any(not isinstance(s, int) or s < 4 * world_size for s in sizes):
         raise ValueError(f"sizes must be message bytes >= 4 x world_size, got {list(sizes)}")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
-    if backend not in ("gloo", "nccl"):
+    if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"nccl needs one GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPUs")
-    device = torch.cuda.get_device_name(0) if backend == "nccl" else f"CPU ({os.cpu_count()} cores)"
-    env = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    with tempfile.TemporaryDirectory() as tmp:
+    devices = detect_devices()  # asked in a child process: this one holds no GPU context
+    gpus = devices.device_count if devices.accelerator == "cuda" else 0
+    backend = backend or ("nccl" if gpus >= world_size else "gloo")
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(f"nccl needs one GPU per rank: {world_size} ranks, {gpus} GPUs")
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           # This checkout's labkit, installed or not.
+           "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
+                                                     os.environ.get("PYTHONPATH", "")) if p)}
+    code = "import json, sys; from labkit.study.comms import _bench_rank; _bench_rank(**json.loads(sys.argv[1]))"
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as logs:
         out = str(Path(tmp) / "timings.json")
-        os.environ.update(env)  # inherited by the spawned ranks
+        procs = []
         try:
-            context = mp.start_processes(_bench_rank, args=(world_size, free_port(), backend, list(sizes), list(ops),
-                                                            out), nprocs=world_size, join=False,
-                                         start_method="spawn")
+            for rank in range(world_size):
+                args = {"rank": rank, "world_size": world_size, "port": port, "backend": backend,
+                        "sizes": list(sizes), "ops": list(ops), "out": out}
+                log = logs.enter_context(open(Path(tmp) / f"rank{rank}.log", "wb"))
+                procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(args)], env=env,
+                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log))
             deadline = time.monotonic() + timeout_s
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    for process in context.processes:
-                        process.kill()
-                    raise TimeoutError(f"measure_links did not finish in {timeout_s:.0f} s")
+            while any(p.poll() is None for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
         finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-        raw = pd.DataFrame(json.loads(Path(out).read_text()))
+            for p in procs:  # only the ranks started here
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            tail = (Path(tmp) / f"rank{failed[0]}.log").read_text(errors="replace")[-2000:]
+            late = f" (timed out after {timeout_s:.0f} s)" if time.monotonic() > deadline else ""
+            raise RuntimeError(f"measure_links: rank {failed[0]} failed{late}:\n{tail}")
+        result = json.loads(Path(out).read_text())
+    raw = pd.DataFrame(result["rows"])
     raw["sent_per_rank"] = [ring_factor(op, world_size) * b for op, b in zip(raw["op"], raw["msg_bytes"], strict=True)]
     # The fastest of the timed calls: the link itself, not the moments other processes held the cores.
     fastest = raw.groupby(["op", "msg_bytes"], as_index=False)["seconds"].min()
     fits = {op: fit_alpha_beta(op, world_size, list(group["msg_bytes"]), list(group["seconds"]))
             for op, group in fastest.groupby("op", sort=False)}
-    return LinkFit(world_size=world_size, backend=backend, device=device, fits=fits, raw=raw)
+    return LinkFit(world_size=world_size, backend=backend, device=result["device"], fits=fits, raw=raw)
+
+
+def compare_runs(runs: Mapping[str, Any], rank: int = 0) -> pd.DataFrame:
+    """`predicted_vs_measured` for several runs (labkit `Run`s launched with comms_log=True), one block
+    per run label, bytes in MiB."""
+    tables = []
+    for label, run in runs.items():
+        table = predicted_vs_measured(run.run_dir, rank=rank)
+        table.insert(0, "run", label)
+        tables.append(table)
+    table = pd.concat(tables, ignore_index=True)
+    for column in [c for c in table.columns if c.startswith(("bytes_per_step", "sent_per_rank"))]:
+        table[column.replace("bytes", "MiB").replace("sent_per_rank", "sent_MiB_per_rank")] = table.pop(column) / 2**20
+    return table
