@@ -204,6 +204,17 @@ def test_comms_log_turns_deepspeed_comms_logger_on_and_is_refused_for_scripts(tm
         RunConfig(script=str(script), comms_log=True)
 
 
+def test_comms_log_must_be_a_bool_and_the_cli_flag_sets_it():
+    from labkit.cli import build_parser, config_from_args
+
+    with pytest.raises(ConfigError, match="comms_log"):
+        RunConfig(example="deepspeed", stage=2, comms_log="yes")
+    args = build_parser().parse_args(["run", "--example", "deepspeed", "--stage", "2", "--comms-log"])
+    assert config_from_args(args).comms_log is True
+    args = build_parser().parse_args(["run", "--example", "deepspeed", "--stage", "2"])
+    assert config_from_args(args).comms_log is False
+
+
 def test_measured_collectives_reads_the_files_in_this_modules_convention(tmp_path):
     record = {"section": "steady", "section_steps": 2, "op": "all_gather_into_tensor", "caller": "allgather_fn",
               "name": "all_gather_into_tensor | [Caller Func: allgather_fn]", "msg_bytes": 100, "count": 4,

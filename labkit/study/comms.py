@@ -51,15 +51,15 @@ GRADIENT_CLIPPING_DEFAULT = 1.0  # deepspeed/runtime/constants.py:203
 # The DeepSpeed function each collective's comms-log record names ("Caller Func"), and what it moves.
 CALLERS = {
     "allreduce_bucket": "gradients",                       # engine.py:3806, stage_1_and_2.py:2384
-    "reduce_scatter_fn": "gradients",                      # comm/comm.py:299 via coalesced_collectives.py:23
+    "reduce_scatter_fn": "gradients",                      # comm/comm.py:283 via coalesced_collectives.py:23
     "all_gather_into_tensor_dp_groups": "updated parameters",  # runtime/utils.py:1016
-    "allgather_fn": "parameters",                          # comm/comm.py:351 via partition_parameters.py:123
+    "allgather_fn": "parameters",                          # comm/comm.py:352 via partition_parameters.py:123
     "_allgather_params_coalesced": "persistent parameters",  # partition_parameters.py:2073
     "clip_grad_norm_": "gradient norm",                    # runtime/utils.py:418
     "get_grad_norm_direct": "gradient norm",               # stage_1_and_2.py:2693, stage3.py:2469
     "complete_grad_norm_calculation_for_cpu_offload": "gradient norm",  # stage_1_and_2.py:1945, stage3.py:1991
     "has_overflow": "overflow check",                      # stage_1_and_2.py:3242, stage3.py:3027
-    "_broadcast_model": "initial weights",                 # engine.py (_broadcast_model), setup only
+    "_broadcast_model": "initial weights",                 # engine.py:2038, setup only
     "_zero_init_param": "initial weights",                 # ZeRO-3's conversion of the model, setup only
     "assert_lst_len_same_as_other_ranks": "ZeRO-3 trace check",  # steps 1-2 only
     "get_lst_from_rank0": "ZeRO-3 trace check",
@@ -256,22 +256,26 @@ def _stage0(out: list[Collective], numels: list[int], precision: str, grad_accum
     # grads in parameters() order, closing a chunk once it exceeds 5e8 elements (engine.py:3834), one all-reduce each
     # in the communication dtype, the training dtype by default (engine.py:1719-1730, all_reduce at :3816).
     size = DTYPE_BYTES[precision]
-    chunks, numel = [], 0
-    for n in numels:
-        numel += n
-        if numel > ENGINE_ALLREDUCE_ELEMS:
-            chunks.append(numel)
-            numel = 0
-    if numel:
-        chunks.append(numel)
-    _emit(out, (c * size for c in chunks), op="all_reduce", per="step", grad_accum=grad_accum, phase="backward",
-          dtype=precision, overlappable=False, what="gradients", caller="allreduce_bucket",
-          source=SRC + "runtime/engine.py:3095 -> :3816")
+    _emit(out, (c * size for c in _chunks_over(numels, ENGINE_ALLREDUCE_ELEMS)), op="all_reduce", per="step",
+          grad_accum=grad_accum, phase="backward", dtype=precision, overlappable=False, what="gradients",
+          caller="allreduce_bucket", source=SRC + "runtime/engine.py:3095 -> :3816")
     if precision == "fp32" and clipping > 0:
         # _take_model_step clips fp32 grads without ZeRO (engine.py:3511): one fp32 norm all-reduced (utils.py:418).
         _emit(out, [4], op="all_reduce", per="step", grad_accum=grad_accum, phase="optimizer", dtype="fp32",
               overlappable=False, what="gradient norm", caller="clip_grad_norm_",
               source=SRC + "runtime/engine.py:3511 -> runtime/utils.py:418")
+
+
+def _chunks_over(numels: Iterable[int], limit: int) -> list[int]:
+    """DeepSpeed's "fill a chunk, send it once it exceeds the limit" loops (engine.py:3834,
+    stage_1_and_2.py:1568): elements per call."""
+    chunks, numel = [], 0
+    for n in numels:
+        numel += n
+        if numel > limit:
+            chunks.append(numel)
+            numel = 0
+    return chunks + ([numel] if numel else [])
 
 
 def _zero12_buckets(numels: list[int], order: list[int], world_size: int, bucket: int) -> list[list[int]]:
@@ -294,7 +298,6 @@ def _zero12_buckets(numels: list[int], order: list[int], world_size: int, bucket
         elements += numels[i]
     flushes = []
     for params in filter(None, ipg):
-        calls = []
         slices: list[tuple[int, int]] = []  # (owner rank, elements)
         for i in params:
             start, end = offsets[i], offsets[i] + numels[i]
@@ -306,15 +309,7 @@ def _zero12_buckets(numels: list[int], order: list[int], world_size: int, bucket
                 else:
                     slices.append((rank, stop - start))
                 start = stop
-        numel = 0
-        for _, n in slices:
-            numel += n
-            if numel > bucket:
-                calls.append(numel)
-                numel = 0
-        if numel:
-            calls.append(numel)
-        flushes.append(calls)
+        flushes.append(_chunks_over([n for _, n in slices], bucket))
     return flushes
 
 
