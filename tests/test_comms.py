@@ -157,8 +157,13 @@ def test_stage3_prefetch_hides_every_gather_but_the_first_and_every_bucket_but_t
     cs = comms.collectives(3, 55_510, 2, precision="fp32", modules=MLP, **settings)
     # Parameters in trace order: 50,000 (a batch on its own, >= 30,000), then 500 + 5,000 + 10.
     assert [(c.bytes, c.overlappable) for c in by(cs, what="parameters")] == [(200_000, False), (22_040, True)]
-    # Gradients in backward order: 10 + 5,000 + 500 in one bucket, then 50,000 flushed when the backward ends.
-    assert [(c.bytes, c.overlappable) for c in by(cs, op="reduce_scatter")] == [(22_040, True), (200_000, False)]
+    # Gradients as ZeRO-3's linear returns them: modules in reverse, weight before bias: 5,000 + 10 in one bucket;
+    # 50,000 alone; 500 flushed when the backward ends.
+    assert [(c.bytes, c.overlappable) for c in by(cs, op="reduce_scatter")] == [
+        (20_040, True), (200_000, True), (2_000, False)]
+    torch_linear = comms.collectives(3, 55_510, 2, precision="fp32", modules=MLP, memory_efficient_linear=False,
+                                     **settings)  # torch's linear: bias first, so 10 + 5,000 + 500, then 50,000
+    assert [c.bytes for c in by(torch_linear, op="reduce_scatter")] == [22_040, 200_000]
 
 
 def test_stage3_without_a_layout_regathers_the_parameters_with_more_than_half_the_reuse_distance_after_them():
@@ -174,7 +179,8 @@ def test_stage3_without_a_layout_regathers_the_parameters_with_more_than_half_th
 # -- bad input ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, message", [
     ({"stage": 4}, "stage"), ({"precision": "fp8"}, "precision"), ({"world_size": 0}, "world_size"),
-    ({"modules": [[1, 2]]}, "modules hold 3"),
+    ({"modules": [[1, 2]]}, "modules hold 3"), ({"persistent_params": 10**6}, "persistent_params"),
+    ({"stage": 3, "modules": MLP, "n_params": 55_510, "persistent_params": 10}, "persistent_params"),
     ({"stage": 2, "use_multi_rank_bucket_allreduce": False}, "use_multi_rank_bucket_allreduce"),
     ({"stage": 3, "zero_quantized_weights": True}, "zero_quantized_weights"),
     ({"stage": 0, "offload_optimizer": True}, "offload_optimizer"),
@@ -236,7 +242,7 @@ SPLIT_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 5_600}}  # the 50,1
 ZERO3_PARTITIONED = {"zero_optimization": {"stage3_param_persistence_threshold": 1000,  # the biases persist
                                            "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}}
 # Every parameter partitioned, gathered in prefetch batches of >= 30,000 elements: [50,100] then [501, 4,509, 9];
-# gradients reduce-scattered in 6,000-element buckets: [9, 4,509, 501] then [50,100].
+# gradients reduce-scattered in 6,000-element buckets as ZeRO-3's linear returns them: [4,509, 9], [50,100], [501].
 ZERO3_PREFETCH = {"zero_optimization": {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 30_000,
                                         "reduce_bucket_size": 6_000}}
 REAL_RUNS = {

@@ -50,7 +50,7 @@ GRADIENT_CLIPPING_DEFAULT = 1.0  # deepspeed/runtime/constants.py:203
 
 # The DeepSpeed function each collective's comms-log record names ("Caller Func"), and what it moves.
 CALLERS = {
-    "allreduce_bucket": "gradients",                       # engine.py:3806, stage_1_and_2.py:2384
+    "allreduce_bucket": "gradients",                       # engine.py:3811, stage_1_and_2.py:2384
     "reduce_scatter_fn": "gradients",                      # comm/comm.py:283 via coalesced_collectives.py:23
     "all_gather_into_tensor_dp_groups": "updated parameters",  # runtime/utils.py:1016
     "allgather_fn": "parameters",                          # comm/comm.py:352 via partition_parameters.py:123
@@ -179,7 +179,7 @@ def _refuse_unmodelled(stage: int, cfg: Any, offload_optimizer: bool) -> None:
 
 
 def _check_inputs(stage: int | None, n_params: int, world_size: int, precision: str, grad_accum: int,
-                  modules: Sequence[Sequence[int]] | None) -> list[int] | None:
+                  persistent_params: int, modules: Sequence[Sequence[int]] | None) -> list[int] | None:
     if stage not in (None, 0, 1, 2, 3):
         raise ValueError(f"stage must be None (plain PyTorch) or 0-3, got {stage!r}")
     for name, value in (("n_params", n_params), ("world_size", world_size), ("grad_accum", grad_accum)):
@@ -187,6 +187,12 @@ def _check_inputs(stage: int | None, n_params: int, world_size: int, precision: 
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if not isinstance(persistent_params, int) or not 0 <= persistent_params <= n_params:
+        raise ValueError(f"persistent_params must be an integer from 0 to n_params ({n_params}), "
+                         f"got {persistent_params!r}")
+    if modules is not None and persistent_params:
+        raise ValueError("persistent_params is for a model given without modules: with modules, ZeRO-3's "
+                         "stage3_param_persistence_threshold decides which parameters persist")
     if modules is None:
         return None
     numels = [int(n) for module in modules for n in module]
@@ -227,7 +233,7 @@ def collectives(stage: int | None, n_params: int, world_size: int, *, precision:
     with one all-reduce of the norm.
     One rank sends nothing: DeepSpeed still calls some collectives on a one-rank group, but they move no bytes.
     """
-    numels = _check_inputs(stage, n_params, world_size, precision, grad_accum, modules)
+    numels = _check_inputs(stage, n_params, world_size, precision, grad_accum, persistent_params, modules)
     if stage is None or world_size == 1:
         return []
     settings = dict(zero_settings)
@@ -243,9 +249,6 @@ def collectives(stage: int | None, n_params: int, world_size: int, *, precision:
     elif stage in (1, 2):
         _stage12(out, stage, numels or [n_params], world_size, precision, grad_accum, offload_optimizer, cfg)
     else:
-        if modules is not None and persistent_params:
-            raise ValueError("persistent_params is for a model given without modules: with modules, ZeRO-3's "
-                             "stage3_param_persistence_threshold decides which parameters persist")
         _stage3(out, modules, n_params, persistent_params, world_size, precision, grad_accum, offload_optimizer, cfg)
     return out
 
@@ -254,11 +257,12 @@ def _stage0(out: list[Collective], numels: list[int], precision: str, grad_accum
     # engine.backward -> _backward_epilogue -> allreduce_gradients (engine.py:3165) after the whole backward, at
     # the accumulation boundary only (engine.py:3095): buffered_allreduce_fallback -> allreduce_no_retain chunks the
     # grads in parameters() order, closing a chunk once it exceeds 5e8 elements (engine.py:3834), one all-reduce each
-    # in the communication dtype, the training dtype by default (engine.py:1719-1730, all_reduce at :3816).
+    # in the communication dtype, the training dtype by default (engine.py:1719-1730; the all_reduce at :3811,
+    # the gradients averaged after it by default).
     size = DTYPE_BYTES[precision]
     _emit(out, (c * size for c in _chunks_over(numels, ENGINE_ALLREDUCE_ELEMS)), op="all_reduce", per="step",
           grad_accum=grad_accum, phase="backward", dtype=precision, overlappable=False, what="gradients",
-          caller="allreduce_bucket", source=SRC + "runtime/engine.py:3095 -> :3816")
+          caller="allreduce_bucket", source=SRC + "runtime/engine.py:3095 -> :3811")
     if precision == "fp32" and clipping > 0:
         # _take_model_step clips fp32 grads without ZeRO (engine.py:3511): one fp32 norm all-reduced (utils.py:418).
         _emit(out, [4], op="all_reduce", per="step", grad_accum=grad_accum, phase="optimizer", dtype="fp32",
@@ -317,8 +321,9 @@ def _stage12(out: list[Collective], stage: int, numels: list[int], world_size: i
              offload: bool, cfg: Any) -> None:
     size = DTYPE_BYTES[precision]
     # Gradients: stage 2 reduces in the backward hooks of every micro-step, stage 1 at the boundary only
-    # (reduce_ready_partitions_and_remove_grads, stage_1_and_2.py:2294). Hooks fire in backward order; stage 1
-    # without overlap_comm loops over the parameters in order after the backward (reduce_gradients, :958-977).
+    # (reduce_ready_partitions_and_remove_grads, stage_1_and_2.py:2294). Hooks fire as gradients are ready: for
+    # torch's nn.Linear (addmm) the bias's before the weight's, modules in reverse, so the parameters in reverse;
+    # stage 1 without overlap_comm loops over the parameters in order after the backward (reduce_gradients, :958-977).
     # With use_multi_rank_bucket_allreduce (default) each bucket is ALL-REDUCED and every rank keeps its slice
     # (:1695 -> allreduce_and_scatter -> allreduce_bucket's all_reduce, :2384).
     hooks = stage == 2 or cfg.overlap_comm
@@ -415,7 +420,7 @@ def _stage3_gathers(modules: Sequence[Sequence[int]] | None, n_params: int, pers
     whole_model_queued = 0 < sum(map(sum, partitioned)) < window
     again = [part if part and 2 * sum(map(sum, modules[k + 1:])) >= reuse and not whole_model_queued else []
              for k, part in enumerate(partitioned)]
-    backward = [m[::-1] for m in again[::-1]]  # the backward walks the modules in reverse
+    backward = again[::-1]  # the backward walks the modules in reverse, each module's parameters in order
     return _gather_calls(partitioned, world_size, prefetch), _gather_calls(backward, world_size, prefetch), persistent
 
 
@@ -434,15 +439,19 @@ def _stage3(out: list[Collective], modules: Sequence[Sequence[int]] | None, n_pa
             (backward, "backward", prefetching, f"partitioned_param_coordinator.py:658 (reuse distance) -> {gather}")):
         _emit(out, (c * size for c in batch), phase=phase, overlappable=hides, **common,
               source=SRC + "runtime/zero/" + source)
-    # Gradients: reduce-scattered in buckets of reduce_bucket_size elements in backward order, every micro-step
-    # (stage3.py:1583 -> :1931 reduce_scatter_coalesced: each gradient padded to a multiple of N,
-    # coalesced_collectives.py:95-128), on a side stream with overlap_comm (on by default at stage 3).
-    numels = [n for m in modules for n in m] if modules is not None else [n_params]
+    # Gradients: reduce-scattered in buckets of reduce_bucket_size elements in the order they are ready, every
+    # micro-step (stage3.py:1583 -> :1931 reduce_scatter_coalesced: each gradient padded to a multiple of N,
+    # coalesced_collectives.py:95-128), on a side stream with overlap_comm (on by default at stage 3). Modules in
+    # reverse; within an nn.Linear, ZeRO-3's memory-efficient linear (memory_efficient_linear, on by default,
+    # partition_parameters.py:419) returns the weight's gradient before the bias's (linear.py:142), torch's own
+    # linear the bias's first. Other modules may order theirs otherwise: bucket edges move, bytes do not.
+    within = (lambda m: m) if cfg.memory_efficient_linear else (lambda m: m[::-1])
+    numels = [n for m in modules[::-1] for n in within(list(m))] if modules is not None else [n_params]
     bucket = int(cfg.reduce_bucket_size)
     calls: list[int] = []
     current: list[int] = []
     elements = 0
-    for n in reversed(numels):
+    for n in numels:
         if elements + n > bucket and elements > 0:
             calls.append(_gathered(current, world_size))
             current, elements = [], 0
