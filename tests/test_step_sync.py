@@ -19,9 +19,7 @@ paths are not exercised.)
 from __future__ import annotations
 
 import collections
-import os
 import sys
-from datetime import timedelta
 
 import pytest
 import torch
@@ -298,26 +296,6 @@ def test_the_ready_record_and_the_runs_device_peak_leave_out_initializes_transie
     assert set(peaks.values()) == {resident}, peaks
     summary = summarize(run_dir, config.to_dict(), status="finished", cause=None)
     assert summary["per_rank"]["0"]["device_peak_bytes"] == resident
-
-
-@pytest.fixture
-def one_gloo_rank(monkeypatch):
-    """A one-rank process group in this process, joined as the worker joins it (labkit.runtime.rendezvous)."""
-    import deepspeed
-
-    from labkit.launch.launcher import free_port
-    from labkit.runtime.rendezvous import init_distributed
-
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0", "LOCAL_SIZE": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    # This interpreter's ninja first, as the launcher does: DeepSpeed loads its ops (shm comm, Adam)
-    # with a JIT build, and another ninja than the one that built the cache rebuilds every op.
-    monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
-    init_distributed(get_accelerator().communication_backend_name(), timedelta(seconds=60))
-    yield
-    deepspeed.comm.destroy_process_group()
 
 
 @pytest.mark.parametrize("example,grad_accum", [("zero3", 2), ("offload", 1)])

@@ -365,7 +365,10 @@ class RunConfig:
             "train_batch_size": self.global_batch,
             "train_micro_batch_size_per_gpu": self.micro_batch,
             "gradient_accumulation_steps": self.grad_accum,
-            "optimizer": {"type": "Adam" if self.optimizer == "adam" else "SGD", "params": {"lr": self.peak_lr}},
+            # weight_decay explicit: without FusedAdam DeepSpeed's "Adam" is torch.optim.AdamW (runtime/engine.py:2382,
+            # 0.19.8), whose default is 0.01, while FusedAdam, CPU Adam, torch SGD and the plain loop's Adam use 0.
+            "optimizer": {"type": "Adam" if self.optimizer == "adam" else "SGD",
+                          "params": {"lr": self.peak_lr, "weight_decay": 0.0}},
             "zero_optimization": zero,
             "bf16": {"enabled": self.precision == "bf16"},
             "fp16": {"enabled": self.precision == "fp16"},

@@ -100,10 +100,12 @@ def train() -> None:
     n_params = count_parameters(model)
     from labkit.runtime import ops
 
-    # Without an nvcc matching torch's CUDA, DeepSpeed cannot build FusedAdam: torch's Adam instead.
+    # Without an nvcc matching torch's CUDA, DeepSpeed cannot build FusedAdam: torch's Adam instead. CPU Adam
+    # (offload) needs only a C++ compiler (labkit.runtime.ops).
     optimizer_impl = ops.choose_optimizer_impl(
         example=config.example, optimizer=config.optimizer, offload=bool(config.offload_optimizer),
-        accelerator=accelerator._name, cuda_ops=accelerator._name == "cuda" and ops.cuda_ops_buildable()[0])
+        accelerator=accelerator._name, cuda_ops=accelerator._name == "cuda" and ops.cuda_ops_buildable()[0],
+        cpu_ops=ops.host_compiler() is not None)
     trainer: PlainTrainer | DeepSpeedTrainer
     if config.example == "pytorch":
         trainer = PlainTrainer(model, config, torch.device(accelerator.device_name(args.local_rank)), loss_fn)

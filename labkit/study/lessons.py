@@ -127,6 +127,22 @@ def require(runs: Mapping[str, Run], status: str = "finished") -> None:
     if wrong:
         lines = [f"{label}: {run.status} ({run.cause}) in {run.run_dir}" for label, run in wrong.items()]
         raise RuntimeError(f"expected every run to be {status!r}:\n" + "\n".join(lines))
+    line = optimizer_line(runs)
+    if line:
+        print(line)
+
+
+def optimizer_line(runs: Mapping[str, Run]) -> str | None:
+    """Which optimizer each run ran (`optimizer_impl`: fused_adam, cpu_adam, torch_adam, torch_sgd), grouped:
+    an offload timing measures DeepSpeed's CPU Adam only where it says cpu_adam."""
+    by_impl: dict[str, list[str]] = {}
+    for label, run in runs.items():
+        impl = (run.summary or {}).get("optimizer_impl")
+        if impl:
+            by_impl.setdefault(impl, []).append(label)
+    if not by_impl:
+        return None
+    return "optimizer_impl: " + "; ".join(f"{impl} ({', '.join(labels)})" for impl, labels in by_impl.items())
 
 
 def config_error(**fields: Any) -> str | None:
