@@ -122,3 +122,63 @@ def test_gpu_ranks_get_their_share_of_the_cores(tmp_path):
     _, env = build_command(multi, tmp_path, master_port=1234, base_env={}, accelerator="cuda", cpu_count=16,
                            master_addr="10.0.0.1")
     assert env["OMP_NUM_THREADS"] == "4"  # the busiest node's 4 ranks share its 16 cores
+
+
+# How torch reports an out-of-memory inside NCCL (torch/csrc/distributed/c10d/NCCLUtils: "NCCL error in: ...",
+# ncclGetErrorWithVersion, then getNcclErrorDetailStr with NCCL's last error), raised in Python ...
+NCCL_OOM_RAISED = """[rank0]: Traceback (most recent call last):
+[rank0]:   File "labkit/launch/worker.py", line 301, in <module>
+[rank0]: torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, \
+unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.27.5
+[rank0]: ncclUnhandledCudaError: Call to CUDA function failed.
+[rank0]: Last error:
+[rank0]: Cuda failure 2 'out of memory'
+"""
+# ... or from NCCL's watchdog thread, which aborts the process from C++ (SIGABRT, no Python traceback).
+NCCL_OOM_WATCHDOG = """[rank0]:[E1124 07:31:02.000000000 ProcessGroupNCCL.cpp:1895] \
+[PG ID 0 PG GUID 0(default_pg) Rank 0] \
+Process group watchdog thread terminated with exception: CUDA error: out of memory
+terminate called after throwing an instance of 'c10::DistBackendError'
+  what():  [PG ID 0 PG GUID 0(default_pg) Rank 0] Process group watchdog thread terminated with exception: CUDA \
+error: out of memory
+"""
+NCCL_CALLOC = """Traceback (most recent call last):
+torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:2046, unhandled system error
+ncclSystemError: System call (e.g. socket, malloc) or external library call failed or device error.
+Last error:
+Failed to CUDA calloc 33554432 bytes
+"""
+
+
+@pytest.mark.parametrize("log,returncode", [(NCCL_OOM_RAISED, 1), (NCCL_OOM_WATCHDOG, -6), (NCCL_CALLOC, 1)])
+def test_an_out_of_memory_inside_nccl_is_out_of_memory(log, returncode):
+    """Issue 21 item 7: the supervisor read only the last 'SomeError: ...' line ("ncclUnhandledCudaError: Call to
+    CUDA function failed.", or nothing after a watchdog abort) and called the run failed; a max-batch probe
+    failing so stopped `labkit answer` before its report (labkit.study.sweep.settled)."""
+    from labkit.launch.failures import classify_exit
+    from labkit.study.sweep import settled
+
+    status, cause = classify_exit(log, returncode)
+    assert status == "oom", cause
+    assert "out of memory" in cause or "calloc" in cause
+    assert settled(status, cause)
+
+
+def test_other_failures_stay_failures():
+    from labkit.launch.failures import classify_exit
+
+    earlier_warning = "warning: the last run ran out of memory\nTraceback (most recent call last):\nValueError: bad\n"
+    assert classify_exit(earlier_warning, 1) == ("failed", "ValueError: bad")
+    assert classify_exit("Segmentation fault\n", -11) == ("failed", "killed by SIGSEGV")
+
+
+def test_stop_waits_long_enough_for_a_gpu_rank_to_free_its_memory():
+    """Issue 21 item 7: Stop gave every rank 3 s after SIGTERM and 2 s after SIGKILL, and Run.stop 6 s in all: a
+    CUDA context of tens of GB takes longer to tear down, and the run was reported with processes left."""
+    from labkit.launch.run import stop_timeout_s
+    from labkit.launch.supervisor import stop_timeouts
+
+    assert stop_timeouts("cpu") == (3.0, 2.0)
+    grace, kill_wait = stop_timeouts("cuda")
+    assert grace >= 10 and kill_wait >= 20
+    assert stop_timeout_s("cuda") > grace + kill_wait and stop_timeout_s("cpu") == 6.0

@@ -23,8 +23,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Subset, default_collate
+from torch.utils.data import Subset, default_collate
 
+from labkit.launch.batches import device_batches
 from labkit.launch.config import RunConfig
 from labkit.launch.failures import is_oom
 from labkit.launch.faults import FaultHooks
@@ -79,16 +80,8 @@ def train() -> None:
     # Each rank must read its own shard; distributed_sampler=False keeps the seed text's bug
     # switchable to measure it (every rank reads the whole dataset: an epoch never shrinks).
     sampler, samples_per_epoch = make_sampler(dataset, distributed_sampler=config.distributed_sampler,
-                                              world_size=world_size, rank=rank, seed=config.seed)
-    loader = DataLoader(dataset, batch_size=config.micro_batch, sampler=sampler, drop_last=True)
-
-    def batches():
-        epoch = 0
-        while True:
-            if isinstance(sampler, DistributedSampler):
-                sampler.set_epoch(epoch)
-            yield from loader
-            epoch += 1
+                                              world_size=world_size, rank=rank, seed=config.seed,
+                                              with_replacement=config.sample_with_replacement)
 
     # -- model and trainer -------------------------------------------------------------
     # MFU's numerator: ~6 x params per sample is the MLP's; any other model is measured by DeepSpeed's
@@ -124,7 +117,8 @@ def train() -> None:
     # No host-device synchronisation per step: phases are timed with device events (perf_counter on
     # CPU) and each step's record is written once its figures are ready, usually a step later.
     clock = StepClock(accelerator)
-    data = batches()
+    # Micro-batches gathered, pinned and copied non_blocking, each step's made before its clock starts.
+    data = device_batches(dataset, sampler, config.micro_batch, trainer.device, accelerator)
     timed_start, timed_steps = 0.0, 0
     census: dict[str, int] = {}
     telemetry_s = 0.0  # timed steps' census, memory readings and records: the instrumentation's own cost
@@ -166,6 +160,8 @@ def train() -> None:
 
         eval_inputs, eval_labels = make_eval_set(config.eval_samples, config.dataset_size, config.input_size,
                                                  config.output_size, config.seed).tensors
+    if config.eval_every:  # on the device once: the trainers' forward takes device tensors
+        eval_inputs, eval_labels = eval_inputs.to(trainer.device), eval_labels.to(trainer.device)
     for step in range(1, config.steps + 1):
         faults.at_step(step)
         if step == TIMED_FROM_STEP:
@@ -185,7 +181,6 @@ def train() -> None:
         def on_census(states: dict[str, int], saved: int, before: int = activation_bytes) -> None:
             _check_emulated_capacity(states, max(before, saved))  # the activation peak so far, or this step's
 
-        clock.begin()
         step_census, step_activation_bytes, census_s = train_step(
             trainer, data, clock, step=step, grad_accum=config.grad_accum, measure=measure, on_census=on_census)
         if measure:
