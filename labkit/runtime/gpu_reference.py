@@ -66,8 +66,8 @@ def step_commands(step: str, out: Path, python: str = sys.executable) -> list[li
         return [[python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-ra", "--nbval-lax",
                  "--junitxml", str(out / "notebooks-junit.xml"), *(f"notebooks/{n}.ipynb" for n in NOTEBOOKS)]]
     if step == "answer":
-        return [[python, "-m", "labkit", "answer", "--profile", PROFILE, "--out", str(REPO / "runs" / "answer-workshop"),
-                 "--reference", str(out)]]
+        return [[python, "-m", "labkit", "answer", "--profile", PROFILE,
+                 "--out", str(REPO / "runs" / f"answer-{PROFILE}"), "--reference", str(out)]]
     raise ValueError(f"unknown step {step!r}: one of {STEPS} or 'all'")
 
 
