@@ -12,6 +12,7 @@ import torch
 from labkit.launch.config import RunConfig
 from labkit.launch.launcher import build_command
 from labkit.runtime import ops
+from labkit.runtime.devices import Devices
 
 
 def test_deepspeed_cannot_parse_an_arch_specific_list_and_labkits_list_passes(monkeypatch):
@@ -182,3 +183,75 @@ def test_stop_waits_long_enough_for_a_gpu_rank_to_free_its_memory():
     grace, kill_wait = stop_timeouts("cuda")
     assert grace >= 10 and kill_wait >= 20
     assert stop_timeout_s("cuda") > grace + kill_wait and stop_timeout_s("cpu") == 6.0
+
+
+def _stand_in(count: int, bf16: bool, gib: int = 80) -> Devices:
+    return Devices("cuda", count, count, "nccl", bf16, True, "NVIDIA H100 80GB HBM3", gib * 2**30)
+
+
+def test_gpu_check_plans_every_stage_offload_and_a_real_oom_and_lists_what_one_gpu_cannot(monkeypatch):
+    """Issue 21 item 7: on one GPU gpu-check said "2-rank runs: skipped" and still counted "failures: 2";
+    it ran no ZeRO stage, no offload, no bf16 and no out-of-memory check."""
+    from labkit.runtime import devices as devices_module
+    from labkit.runtime.gpu_check import run_plan
+    from labkit.study.notebook_sizes import predicted_device_bytes
+
+    one = _stand_in(1, bf16=True)
+    monkeypatch.setattr(devices_module, "detect_devices", lambda: one)
+    plan = run_plan(one, cuda_ops=False, cpu_ops=True)
+    labels = [c.label for c in plan.checks]
+    assert [c.fields.get("stage") for c in plan.checks[:4]] == [0, 1, 2, 3] and "bf16" in labels[0]
+    assert {c.expect_impl for c in plan.checks[:4]} == {"torch_adam"}  # no nvcc: torch's Adam, said so
+    offload = next(c for c in plan.checks if c.fields["example"] == "offload")
+    assert offload.expect_impl == "cpu_adam"  # DeepSpeed's CPU Adam without nvcc
+    oom = next(c for c in plan.checks if c.expect_status == "oom")
+    config = RunConfig(**oom.fields)  # RunConfig takes it: a micro-batch past the dataset, sampled with replacement
+    assert predicted_device_bytes(config) > one.total_memory_bytes  # a real out-of-memory, by the memory model
+    assert len(plan.skipped) == 4 and all("needs 2 GPUs, 1 visible" in s for s in plan.skipped)
+    for item in plan.checks:
+        RunConfig(**item.fields)
+    two = _stand_in(2, bf16=False, gib=16)
+    monkeypatch.setattr(devices_module, "detect_devices", lambda: two)
+    plan = run_plan(two, cuda_ops=True, cpu_ops=True)
+    assert not plan.skipped and sum(c.fields["world_size"] == 2 for c in plan.checks) == 4
+    assert all(c.fields.get("precision") == "fp16" for c in plan.checks if "precision" in c.fields)  # a T4
+
+
+def test_gpu_check_report_counts_skips_apart_from_failures(tmp_path):
+    from labkit.runtime.gpu_check import _write_report
+
+    _write_report(tmp_path / "r.txt", ["SKIPPED 2-rank ZeRO-0: needs 2 GPUs, 1 visible"], [], skipped=4)
+    text = (tmp_path / "r.txt").read_text()
+    assert "failures: none (4 check(s) skipped: not run on this machine, listed above)" in text
+
+
+def test_an_unknown_gpus_peak_comes_from_a_large_matmul_timed_with_device_events():
+    """Issue 21 item 7: a 1024 x 1024 matmul timed with the host clock around asynchronous work measured launch
+    overhead. On a device (not synchronized) labkit now times an 8192 x 8192 product with its events."""
+    import time
+    from types import SimpleNamespace
+
+    from labkit.runtime.devices import MATMUL_SIZE_GPU, measured_matmul_flops
+
+    recorded = []
+
+    class Event:  # a device event on the host: its time when recorded (CPU ops are synchronous)
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            recorded.append(self)
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1000.0
+
+    device = SimpleNamespace(is_synchronized_device=lambda: False, Event=Event)
+    flops, how = measured_matmul_flops("cpu", "fp32", size=128, accelerator=device, seconds=0.05)
+    assert flops > 0 and recorded and "events" in how and "128x128" in how
+    assert MATMUL_SIZE_GPU >= 8192
+    cpu = SimpleNamespace(is_synchronized_device=lambda: True)
+    assert "1024x1024" in measured_matmul_flops("cpu", "fp32", accelerator=cpu, seconds=0.05)[1]

@@ -240,9 +240,11 @@ def train() -> None:
         from labkit.runtime.devices import datasheet_peak_flops, measured_matmul_flops, rank_device_name
 
         datasheet = datasheet_peak_flops(rank_device_name(accelerator._name, args.local_rank), config.precision)
-        peak = ({"peak_flops": datasheet, "peak_flops_source": "datasheet"} if datasheet else
-                {"peak_flops": measured_matmul_flops(str(trainer.device), config.precision),
-                 "peak_flops_source": "measured 1024x1024 matmul"})
+        if datasheet:
+            peak = {"peak_flops": datasheet, "peak_flops_source": "datasheet"}
+        else:
+            measured, how = measured_matmul_flops(str(trainer.device), config.precision)
+            peak = {"peak_flops": measured, "peak_flops_source": how}
     telemetry.event("done", steps=step, stopped_at_target=stopped_at_target, n_params=n_params,
                     optimizer_impl=optimizer_impl, **census,
                     **peak, **timed, **telemetry.memory())
