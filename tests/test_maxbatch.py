@@ -121,3 +121,33 @@ def test_the_search_passes_the_datasets_end_to_a_real_boundary(tmp_path, runs_ro
     assert result.max_micro_batch > 256
     beyond = [p for p in result.probes if p.micro_batch > 256]
     assert beyond and all(p.status in ("finished", "oom") for p in beyond)
+
+
+@pytest.mark.parametrize("profile,gib,count", [("workshop", 16, 1), ("workshop", 24, 4), ("workshop", 80, 1),
+                                               ("full", 80, 8)])
+@pytest.mark.parametrize("error", [0.6, 1.0, 1.5])  # the real boundary against the memory model's
+def test_each_gpu_profile_reaches_a_real_boundary_in_a_few_probes(monkeypatch, profile, gib, count, error) -> None:
+    """Issue 21 item 2: on 8x80 GB every strategy stopped at dataset_size // world_size after ~90 launches. Now the
+    limit lies past any boundary and the search starts near the predicted one: a handful of probes each."""
+    from labkit.runtime import devices as devices_module
+    from labkit.runtime.devices import Devices
+    from labkit.study.answer import PROFILES, maxbatch_templates
+    from labkit.study.maxbatch import predicted_start, search_limit
+    from labkit.study.notebook_sizes import predicted_device_bytes
+
+    gpus = Devices("cuda", count, count, "nccl", True, True, "stand-in GPU", gib * 2**30)
+    monkeypatch.setattr(devices_module, "detect_devices", lambda: gpus)
+    for template in maxbatch_templates(PROFILES[profile]):
+        limit, _ = search_limit(template)
+        start = predicted_start(template, limit)
+        predicted = start * 2  # within a factor 2 of the model's boundary, by construction of the start
+        boundary = max(1, int(error * predicted))
+        assert boundary < limit and template.dataset_size // template.world_size < limit
+        fits, asked = boundary_at(boundary)
+        low, high = find_boundary(fits, start=start, limit=limit, tolerance=PROFILES[profile].maxbatch_tolerance)
+        assert high is not None and low <= boundary < high  # a real out-of-memory, not the limit
+        assert len(asked) <= 7, (template.stage, asked)
+        import dataclasses
+
+        at_start = dataclasses.replace(template, micro_batch=start, sample_with_replacement=True)
+        assert predicted_device_bytes(at_start) <= gpus.total_memory_bytes  # the start itself should fit

@@ -176,6 +176,8 @@ def search(template: RunConfig, out: str | os.PathLike, *, start: int = 1, limit
     limit_reason = "given"
     if not limit:
         limit, limit_reason = search_limit(template)
+    if start <= 0:
+        start = predicted_start(template, limit)
     sweep_out = Path(out)
     result = MaxBatchResult(strategy=strategy_of(template), world_size=template.world_size,
                             budget_bytes=template.device_memory_budget_bytes,
@@ -224,6 +226,29 @@ def search_limit(template: RunConfig) -> tuple[int, str]:
         return per_rank, f"the dataset: {template.dataset_size} samples over {template.world_size} ranks"
     sample_bytes = 4 * template.input_size  # an fp32 input row (token ids: int64, but half as many per byte of text)
     return max(1, capacity // sample_bytes), f"where the input batch alone would fill {where}"
+
+
+def predicted_start(template: RunConfig, limit: int) -> int:
+    """A start for the doubling near the boundary (`search(start=0)`): the power of two at or below half the
+    micro-batch labkit's memory model predicts for the capacity (labkit.study.notebook_sizes.predicted_device_bytes:
+    states, bucket, activations of labkit's MLP, overhead). Doubling from 1 to a GPU's boundary took ~20 probes;
+    from here it takes 1-3 (a failing start bisects down)."""
+    from labkit.study.notebook_sizes import DEVICE_OVERHEAD_BYTES, predicted_device_bytes
+
+    capacity = template.device_memory_budget_bytes
+    emulated = capacity is not None  # the emulated check counts states and activations only: no overhead
+    if capacity is None:
+        from labkit.runtime.devices import detect_devices
+
+        devices = detect_devices()
+        capacity = None if devices.is_cpu else devices.total_memory_bytes
+    if capacity is None or template.model != "mlp":
+        return 1
+    one, two = (predicted_device_bytes(dataclasses.replace(template, micro_batch=m, sample_with_replacement=True))
+                for m in (1, 2))
+    per_sample, fixed = two - one, one - (two - one) - (DEVICE_OVERHEAD_BYTES if emulated else 0)
+    predicted = max(1, (capacity - fixed) // max(1, per_sample))
+    return int(min(limit, 2 ** max(0, math.floor(math.log2(max(1, predicted // 2))))))
 
 
 def memory_bound(maxbatch: pd.DataFrame) -> pd.DataFrame:
