@@ -255,3 +255,44 @@ def test_an_unknown_gpus_peak_comes_from_a_large_matmul_timed_with_device_events
     assert MATMUL_SIZE_GPU >= 8192
     cpu = SimpleNamespace(is_synchronized_device=lambda: True)
     assert "1024x1024" in measured_matmul_flops("cpu", "fp32", accelerator=cpu, seconds=0.05)[1]
+
+
+@pytest.mark.parametrize("name,count,slug", [("NVIDIA H100 80GB HBM3", 1, "h100-80gb"), ("Tesla T4", 4, "t4-x4"),
+                                             ("NVIDIA A100-SXM4-80GB", 8, "a100-80gb-x8"),
+                                             ("NVIDIA H100 NVL", 1, "h100-nvl"), ("NVIDIA A10G", 1, "a10g"),
+                                             ("NVIDIA L4", 2, "l4-x2")])
+def test_reference_directories_are_named_after_the_gpu(name, count, slug):
+    from labkit.runtime.gpu_reference import gpu_slug
+
+    assert gpu_slug(Devices("cuda", count, count, "nccl", True, True, name, 80 * 2**30)) == slug
+
+
+def test_reference_steps_are_resumable_and_separately_callable(tmp_path, monkeypatch):
+    """Issue 21 item 10: each step of the GPU reference run is its own command, recorded in steps.json; one that
+    passed is skipped when called again (a device call cut off by its time limit is simply repeated)."""
+    import json
+    import sys
+
+    from labkit.runtime import gpu_reference
+
+    commands = gpu_reference.step_commands("answer", tmp_path)
+    assert commands[0][-4:] == ["--out", str(gpu_reference.REPO / "runs" / "answer-workshop"), "--reference",
+                                str(tmp_path)] and "--profile" in commands[0]
+    assert "--nbval-lax" in gpu_reference.step_commands("notebooks", tmp_path)[0]
+    assert "labkit.runtime.gpu_check" in gpu_reference.step_commands("check", tmp_path)[0]
+    ran = []
+
+    def fake(step, out, python=sys.executable):
+        ran.append(step)
+        return [[python, "-c", "import os, sys; sys.exit(0 if os.environ['LABKIT_PROFILE'] == 'workshop' else 3)"]]
+
+    monkeypatch.setattr(gpu_reference, "step_commands", fake)
+    assert gpu_reference.run_step("check", tmp_path)["status"] == "passed"
+    assert gpu_reference.run_step("check", tmp_path)["status"] == "passed" and ran == ["check"]  # skipped
+    gpu_reference.run_step("check", tmp_path, force=True)
+    assert ran == ["check", "check"]
+    monkeypatch.setattr(gpu_reference, "step_commands", lambda step, out: [[sys.executable, "-c", "exit(3)"]])
+    assert gpu_reference.run_step("answer", tmp_path)["status"] == "failed (exit 3)"
+    steps = json.loads((tmp_path / "steps.json").read_text())
+    assert steps["check"]["status"] == "passed" and steps["answer"]["status"] == "failed (exit 3)"
+    assert gpu_reference.reference_dir(Devices("cpu", 1, 2, "gloo", True, False, "CPU", 2**30)) is None
