@@ -54,7 +54,8 @@ wheelhouse-proof: install
 	$(MAKE) --no-print-directory install VENV=$(PROOF)/venv PYTHON=$(PROOF)/node/bin/python \
 		WHEELHOUSE=$(PROOF)/wheelhouse EXTRAS=
 	$(PROOF)/venv/bin/python -c "import torch, sys; assert torch.__file__.startswith('$(PROOF)/node'), torch.__file__"
-	LABKIT_RUNS_DIR=$(PROOF)/runs $(PROOF)/venv/bin/python -m labkit run --example zero3 --world-size 2 \
+	LABKIT_RUNS_DIR=$(PROOF)/runs TORCH_EXTENSIONS_DIR=$(PROOF)/torch_extensions \
+		$(PROOF)/venv/bin/python -m labkit run --example zero3 --world-size 2 \
 		--micro-batch 8 --steps 3 --optimizer sgd
 
 # DeepSpeed JIT-compiles its ops on first use (30-90 s each); build them once, up front. On a GPU without an

@@ -189,6 +189,12 @@ def build(out: Path, *, python: str, platforms: tuple[str, ...], extras: list[st
              *map(Requirement, BUILD_REQUIREMENTS)]
     keep, from_node = keep_closure(roots, wheels, read_node_packages(node_file), target_environment(python),
                                    with_torch=with_torch)
+    # Build requirements are installed into pip's isolated build environment, which never sees the node's
+    # packages: always carried.
+    for requirement in map(Requirement, BUILD_REQUIREMENTS):
+        name = str(canonicalize_name(requirement.name))
+        keep.add(name)
+        from_node.pop(name, None)
     for name, wheel in wheels.items():
         if name not in keep:
             wheel.path.unlink()
