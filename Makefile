@@ -8,22 +8,55 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 LAB_PORT ?= 8888
 
-# NGC and cloud deep-learning images ship their own CUDA torch: the venv sees it and keeps it, and only the
-# other tested versions in constraints.txt apply. Elsewhere torch comes from PyPI at the tested version.
+# NGC and cloud deep-learning images ship their own CUDA torch: the venv keeps it (labkit/runtime/node_venv.py:
+# --system-site-packages, or a .pth to the node's own venv when PYTHON is itself a venv), and only the other
+# tested versions in constraints.txt apply. Elsewhere torch comes from PyPI at the tested version.
 SYSTEM_TORCH := $(shell $(PYTHON) -c "import torch" 2>/dev/null && echo yes)
-VENV_FLAGS   := $(if $(SYSTEM_TORCH),--system-site-packages,)
+# Which extras: all by default; a GPU node running the notebooks needs only `notebooks` (a kernel and nbval).
+EXTRAS ?= lab,test,hf,monitor
+# Offline (an air-gapped node): WHEELHOUSE=dir made by `make wheelhouse`; pip then never reaches an index.
+WHEELHOUSE ?=
+PIP_FROM := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)),)
 
-.PHONY: install ops lab test test-fast lint bench docs clean gpu-check
+.PHONY: install ops lab test test-fast lint bench docs clean gpu-check gpu-reference wheelhouse wheelhouse-proof
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+$(BIN)/python:
+	$(PYTHON) labkit/runtime/node_venv.py $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(if $(WHEELHOUSE),,$(BIN)/python -m pip install -q --upgrade pip)
 	$(if $(SYSTEM_TORCH),grep -v '^torch==' constraints.txt,cat constraints.txt) > $(VENV)/constraints.txt
-	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[lab,test,hf,monitor]'
+	$(BIN)/python -m pip install -q $(PIP_FROM) -c $(VENV)/constraints.txt -e '.$(if $(EXTRAS),[$(EXTRAS)])'
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+# Every wheel the lab needs on an air-gapped node, into $(WHEELHOUSE_DIR) (labkit/runtime/wheelhouse.py): labkit,
+# DeepSpeed built from its sdist, every dependency for WHEEL_PYTHON on manylinux x86-64, torch left to the node
+# (WITH_TORCH=1 carries it), and what the node has left out (NODE_PACKAGES=its `pip list --format=freeze`).
+# E.g. make wheelhouse WHEEL_PYTHON=3.12 EXTRAS=notebooks NODE_PACKAGES=node-freeze.txt
+WHEELHOUSE_DIR ?= $(or $(WHEELHOUSE),wheelhouse)
+WHEEL_PYTHON ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+wheelhouse: install
+	$(BIN)/python -m labkit.runtime.wheelhouse --out $(WHEELHOUSE_DIR) --python $(WHEEL_PYTHON) --extras '$(EXTRAS)' \
+		$(if $(NODE_PACKAGES),--node-packages $(NODE_PACKAGES)) $(if $(WITH_TORCH),--with-torch)
+
+# CI's proof of the offline install: a "node" venv holding torch only, a wheelhouse for it, a fresh venv made from
+# the node's Python installed with --no-index, and one 2-rank run in it.
+PROOF := $(CURDIR)/build/wheelhouse-proof
+wheelhouse-proof: install
+	rm -rf $(PROOF) && mkdir -p $(PROOF)
+	$(PYTHON) -m venv $(PROOF)/node
+	$(PROOF)/node/bin/python -m pip install -q --no-compile -c constraints.txt torch
+	$(PROOF)/node/bin/python -m pip list --format=freeze > $(PROOF)/node-freeze.txt
+	$(MAKE) --no-print-directory wheelhouse WHEELHOUSE=$(PROOF)/wheelhouse EXTRAS= NODE_PACKAGES=$(PROOF)/node-freeze.txt
+	$(MAKE) --no-print-directory install VENV=$(PROOF)/venv PYTHON=$(PROOF)/node/bin/python \
+		WHEELHOUSE=$(PROOF)/wheelhouse EXTRAS=
+	$(PROOF)/venv/bin/python -c "import torch, sys; assert torch.__file__.startswith('$(PROOF)/node'), torch.__file__"
+	LABKIT_RUNS_DIR=$(PROOF)/runs TORCH_EXTENSIONS_DIR=$(PROOF)/torch_extensions \
+		$(PROOF)/venv/bin/python -m labkit run --example zero3 --world-size 2 \
+		--micro-batch 8 --steps 3 --optimizer sgd
 
 # DeepSpeed JIT-compiles its ops on first use (30-90 s each); build them once, up front. On a GPU without an
 # nvcc matching torch's CUDA it builds none and says so (runs then use torch_adam); it clears stale build locks.
@@ -61,9 +94,16 @@ docs: ops
 	done
 	@echo "HTML with outputs in $(DOCS)/"
 
-# With a GPU, run this first: ops, GPU-marked tests, one 2-rank run per ZeRO stage; report in gpu-check-report.txt.
+# With a GPU, run this first: ops, GPU-marked tests, a run per ZeRO stage, offload, an OOM probe (2-rank runs on
+# 2+ GPUs); report in gpu-check-report.txt. About 3 minutes on one GPU with a warm op cache.
 gpu-check: install
 	$(BIN)/python -m labkit.runtime.gpu_check --report gpu-check-report.txt
 
+# The GPU reference (labkit/runtime/gpu_reference.py) into data/reference-<gpu>/: STEP=check, notebooks or answer
+# (each resumable, each under 10 minutes on one H100), or all.
+STEP ?= all
+gpu-reference: ops
+	$(BIN)/python -m labkit.runtime.gpu_reference $(STEP)
+
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) .cache runs wheelhouse build

@@ -76,3 +76,27 @@ def rank_file_reads(monkeypatch: pytest.MonkeyPatch) -> RankFileReads:
     monkeypatch.setattr(builtins, "open", counting_open)
     monkeypatch.setattr(io, "open", counting_open)
     return counter
+
+
+@pytest.fixture
+def one_gloo_rank(monkeypatch: pytest.MonkeyPatch):
+    """A one-rank process group in this process, joined as the worker joins it (labkit.runtime.rendezvous)."""
+    import sys
+    from datetime import timedelta
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from labkit.launch.launcher import free_port
+    from labkit.runtime.rendezvous import init_distributed
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "LOCAL_SIZE": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    # This interpreter's ninja first, as the launcher does: DeepSpeed loads its ops (shm comm, Adam)
+    # with a JIT build, and another ninja than the one that built the cache rebuilds every op.
+    monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    init_distributed(get_accelerator().communication_backend_name(), timedelta(seconds=60))
+    yield
+    deepspeed.comm.destroy_process_group()

@@ -21,6 +21,8 @@ def test_datasheet_peak_matches_whole_model_names_only():
         return Devices("cuda", 1, 1, "nccl", True, True, name, 0).peak_flops("bf16")
 
     assert peak("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak("NVIDIA H100 NVL") == 835e12 and peak("NVIDIA H100 PCIe") == 756e12  # not the SXM's peak
+    assert peak("NVIDIA H200 NVL") == 835e12 and peak("NVIDIA H200") == 989e12
     assert peak("NVIDIA L4") == 121e12
     assert peak("NVIDIA L40S") is None  # not the L4's figure: unknown parts measure a matmul instead
     assert peak("Tesla T4") is None  # no bf16 tensor cores on Turing
@@ -150,7 +152,7 @@ def test_torch_adam_replaces_deepspeeds_cuda_adam_without_nvcc():
                                      accelerator=accelerator, cuda_ops=cuda_ops)
 
     assert impl(True) == "fused_adam" and impl(True, offload=True) == "cpu_adam"
-    assert impl(False) == "torch_adam" and impl(False, offload=True) == "torch_adam"
+    assert impl(False) == "torch_adam" and impl(False, offload=True) == "cpu_adam"  # CPU Adam: g++, no nvcc
     assert impl(False, accelerator="cpu") == "fused_adam"  # CPU ops build with the host compiler
     assert impl(False, optimizer="sgd") == "torch_sgd"
     offload = RunConfig(example="offload", world_size=1).ds_config()

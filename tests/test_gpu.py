@@ -19,12 +19,16 @@ def test_probe_reports_bf16_only_where_native():
     assert detect_devices().bf16 == (out == "True")
 
 
-def test_one_gpu_run_leases_its_device_and_records_its_optimizer(tmp_path):
-    from labkit import Run, RunConfig
-    from labkit.runtime.ops import cuda_ops_buildable
+def test_peak_flops_from_the_datasheet_or_a_large_matmul_timed_with_events():
+    """The line `make gpu-check` copies into its report (run with -s): the device's peak, measured too."""
+    from labkit.runtime.devices import datasheet_peak_flops, measured_matmul_flops
 
-    run = Run(RunConfig(example="zero3", stage=2, world_size=1, micro_batch=8, steps=3, hidden=128,
-                        dataset_size=256), root=tmp_path).start()
-    assert run.device_ids and run.wait(timeout=600) == "finished", run.cause
-    expected = "fused_adam" if cuda_ops_buildable()[0] else "torch_adam"
-    assert run.summary["optimizer_impl"] == expected
+    devices = detect_devices()
+    precision = "bf16" if devices.bf16 else "fp16"
+    measured, how = measured_matmul_flops("cuda:0", precision)
+    datasheet = datasheet_peak_flops(devices.device_name, precision)
+    print(f"peak: {devices.device_name} {precision}: datasheet "
+          + (f"{datasheet / 1e12:.0f} TFLOP/s" if datasheet else "unknown") + f"; {how}: {measured / 1e12:.0f} TFLOP/s")
+    assert "8192x8192" in how and "events" in how and measured > 1e12
+    if datasheet:
+        assert measured < 1.1 * datasheet  # dense peak: a random-data matmul reaches 60-85% of it

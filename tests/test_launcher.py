@@ -31,10 +31,10 @@ def test_single_node_command_uses_deepspeed_launcher_on_loopback(tmp_path):
     assert again == (argv, env)
 
 
-def test_gpu_command_leaves_threads_alone(tmp_path):
+def test_gpu_command_gives_each_rank_its_share_of_the_cores(tmp_path):
     config = RunConfig(example="offload", world_size=1, max_world_size=8)
-    _, env = build_command(config, tmp_path, master_port=1234, base_env={}, accelerator="cuda")
-    assert "OMP_NUM_THREADS" not in env and env["DS_ACCELERATOR"] == "cuda"
+    _, env = build_command(config, tmp_path, master_port=1234, base_env={}, accelerator="cuda", cpu_count=16)
+    assert env["OMP_NUM_THREADS"] == "16" and env["DS_ACCELERATOR"] == "cuda"
 
 
 def test_multi_node_command_uses_hostfile(tmp_path):

@@ -172,6 +172,8 @@ class RunConfig:
     output_size: int = 10
     dataset_size: int = 8192
     distributed_sampler: bool = True      # False reproduces the seed's bug: every rank reads all data
+    sample_with_replacement: bool = False  # each rank draws its samples at random, with replacement: a micro-batch
+    #                                       may exceed the dataset (max-batch probes: memory, not the data, is the cap)
     seed: int = 0
     target_loss: float | None = None      # record the time this loss is first reached
     stop_at_target: bool = False          # end the run once target_loss is reached
@@ -252,7 +254,8 @@ class RunConfig:
             _require(self.train_batch == derived, "train_batch",
                      f"train_batch ({self.train_batch}) must equal micro_batch x grad_accum x world_size "
                      f"= {self.micro_batch} x {self.grad_accum} x {self.world_size} = {derived}")
-        _require(self.micro_batch <= self.dataset_size // self.world_size or not self.distributed_sampler,
+        _require(self.micro_batch <= self.dataset_size // self.world_size or not self.distributed_sampler
+                 or self.sample_with_replacement,
                  "micro_batch", f"micro_batch {self.micro_batch} exceeds the {self.dataset_size // self.world_size} "
                  f"samples each of {self.world_size} ranks gets from dataset_size {self.dataset_size}")
         if self.target_loss is not None:
@@ -371,7 +374,10 @@ class RunConfig:
             "train_batch_size": self.global_batch,
             "train_micro_batch_size_per_gpu": self.micro_batch,
             "gradient_accumulation_steps": self.grad_accum,
-            "optimizer": {"type": "Adam" if self.optimizer == "adam" else "SGD", "params": {"lr": self.peak_lr}},
+            # weight_decay explicit: without FusedAdam DeepSpeed's "Adam" is torch.optim.AdamW (runtime/engine.py:2382,
+            # 0.19.8), whose default is 0.01, while FusedAdam, CPU Adam, torch SGD and the plain loop's Adam use 0.
+            "optimizer": {"type": "Adam" if self.optimizer == "adam" else "SGD",
+                          "params": {"lr": self.peak_lr, "weight_decay": 0.0}},
             "zero_optimization": zero,
             "bf16": {"enabled": self.precision == "bf16"},
             "fp16": {"enabled": self.precision == "fp16"},

@@ -12,6 +12,11 @@ OOM_PATTERNS = (
     "cannot allocate memory",
     "defaultcpuallocator",
     "emulated device capacity",
+    # NCCL's own allocations on the device (its buffers, a communicator's setup): "Failed to CUDA calloc N bytes"
+    # in NCCL's last error, cudaErrorMemoryAllocation by name.
+    "failed to cuda calloc",
+    "failed to cuda malloc",
+    "cudaerrormemoryallocation",
 )
 
 # Errors a healthy rank raises because a peer died: not the root cause.
@@ -33,6 +38,31 @@ def is_oom(error_type: str, message: str) -> bool:
     if error_type in ("OutOfMemoryError", "MemoryError"):
         return True
     return any(pattern in message.lower() for pattern in OOM_PATTERNS)
+
+
+def oom_line(log_text: str, tail_lines: int = 40) -> str | None:
+    """The line of a rank's log that says the device ran out of memory, where that is why the rank ended: after
+    its last traceback, or in its last `tail_lines` lines when it has none (NCCL's watchdog aborts the process
+    from C++: "terminate called after throwing ... what(): ... CUDA error: out of memory", no Python traceback).
+    A multi-line exception puts it below the line `last_exception_line` finds: torch's NCCL errors read
+    "DistBackendError: NCCL error in: ..., unhandled cuda error ... / Last error: / Cuda failure 'out of memory'"."""
+    start = log_text.rfind("Traceback (most recent call last):")
+    lines = log_text[start:].splitlines() if start >= 0 else log_text.splitlines()[-tail_lines:]
+    found = [line.strip() for line in lines if is_oom("", line)]
+    return found[-1] if found else None
+
+
+def classify_exit(log_text: str, returncode: int) -> tuple[str, str]:
+    """(status, cause) of a rank that exited non-zero without an error record (not SIGKILL, which the
+    supervisor classifies from the kernel's OOM counter): "oom" when its log says the device ran out of memory
+    (an out-of-memory inside NCCL included), else "failed"; the cause is the exception line, with the OOM line."""
+    logged = last_exception_line(log_text)
+    oom = oom_line(log_text)
+    if logged is None:
+        return ("oom", oom) if oom else ("failed", describe_exit(returncode))
+    if oom and oom not in logged:
+        return "oom", f"{logged} ({oom})"
+    return ("oom" if oom or is_oom(logged.split(":")[0], logged) else "failed"), logged
 
 
 def is_knock_on(message: str) -> bool:

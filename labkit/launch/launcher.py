@@ -116,9 +116,18 @@ def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port:
     env.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
     if accelerator:
         env["DS_ACCELERATOR"] = accelerator
-    if accelerator == "cpu":
-        # Split the cores between ranks: oversubscribed OpenMP threads make CPU ranks crawl.
-        env["OMP_NUM_THREADS"] = str(threads_per_rank(config, cpu_count))
+    # Every rank its share of the node's cores, GPU ranks too: unset, each of 8 GPU ranks runs torch's
+    # intra-op pool and, under ZeRO-Offload, DeepSpeed's OpenMP CPU Adam on every core (8x oversubscribed).
+    # The same figure DeepSpeed's own --bind_cores_to_rank sets (launcher/launch.py:219-221, 0.19.8) without
+    # its numactl binding, which needs the numactl package (utils/numa.py:43-106) that containers often lack.
+    env["OMP_NUM_THREADS"] = str(threads_per_rank(config, cpu_count))
+    if accelerator == "cuda":
+        # The list `make ops` built with (labkit.runtime.ops): the ranks' JIT loads then find that build.
+        from labkit.runtime.ops import deepspeed_arch_list
+
+        arch_list, note = deepspeed_arch_list(env.get("TORCH_CUDA_ARCH_LIST"))
+        if note:
+            env["TORCH_CUDA_ARCH_LIST"] = arch_list or ""
     # Ranks must import this checkout of labkit even when it is not installed.
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
@@ -126,12 +135,20 @@ def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port:
 
 
 def threads_per_rank(config: RunConfig, cpu_count: int | None = None) -> int:
-    """OpenMP threads of each CPU rank: the config's `threads_per_rank`, else the cores split
+    """OpenMP threads of each rank: the config's `threads_per_rank`, else the cores this process may use split
     evenly between the ranks of a node (at least 1). Multi-node: the busiest node's ranks share its cores."""
     if config.threads_per_rank is not None:
         return config.threads_per_rank
     ranks_here = max(hostfile_slots(config.hostfile).values()) if config.hostfile else config.world_size
-    return max(1, (cpu_count or os.cpu_count() or 1) // ranks_here)
+    return max(1, (cpu_count or usable_cores()) // ranks_here)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask: a container's or a job's share), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or os.cpu_count() or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def command_text(argv: list[str], env: Mapping[str, str], base_env: Mapping[str, str] | None = None) -> str:

@@ -37,6 +37,16 @@ STOP_TIMEOUT_S = 6.0
 SUPERVISOR_EXIT_WAIT_S = 10.0  # wait() gives a done run's supervisor this long to exit (it may hold a lease longer)
 
 
+def stop_timeout_s(accelerator: str | None) -> float:
+    """How long `stop()` waits for the supervisor to end a run on `accelerator` (its DS_ACCELERATOR): its SIGTERM
+    grace and SIGKILL wait (labkit.launch.supervisor.stop_timeouts: GPU ranks tear down CUDA contexts), plus a
+    margin."""
+    from labkit.launch.supervisor import stop_timeouts
+
+    grace, kill_wait = stop_timeouts(accelerator)
+    return max(STOP_TIMEOUT_S, grace + kill_wait + 1.0)
+
+
 def run_name(config: RunConfig) -> str:
     stage = "torch" if config.stage is None else f"z{config.stage}"
     offload = "-off" if config.offload_optimizer else ""
@@ -309,13 +319,15 @@ class Run:
     # -- stopping ----------------------------------------------------------------------
     def stop(self, timeout: float | None = None) -> str:
         """End every process of the run (SIGTERM to the group, grace, SIGKILL); keep its records."""
+        if self.run_dir is None or self.summary:
+            return self.status
         if timeout is None:
             # Multi-node: the supervisor ends the remote ranks over ssh first; not cut short.
             from labkit.launch.multinode import REMOTE_STOP_TIMEOUT_S
 
-            timeout = STOP_TIMEOUT_S + (REMOTE_STOP_TIMEOUT_S if self.config.hostfile else 0.0)
-        if self.run_dir is None or self.summary:
-            return self.status
+            launch_env = (read_json(self.run_dir / "launch.json") or {}).get("env") or {}
+            accelerator = launch_env.get("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR"))
+            timeout = stop_timeout_s(accelerator) + (REMOTE_STOP_TIMEOUT_S if self.config.hostfile else 0.0)
         self._stop_requested = True
         pid = self._supervisor_pid()
         if pid and self._supervisor_alive():

@@ -1,4 +1,5 @@
-"""One optimizer step of the worker's loop, timed by a `StepClock` and never waiting for the device.
+"""One optimizer step of the worker's loop, timed by a `StepClock` and never waiting for the device (nor for
+its data: the step's micro-batches are made before its clock starts).
 
 Factored out of `labkit.launch.worker` (a script) so that a test can run the real loop, with a real model
 and trainer, and count the synchronising calls it makes (tests/test_step_sync.py).
@@ -17,18 +18,21 @@ from labkit.launch.trainers import SavedActivations, count_saved_activations
 from labkit.live.step_clock import SKIP, StepClock
 
 
-def train_step(trainer: Any, data: Iterator[tuple[torch.Tensor, torch.Tensor]], clock: StepClock, *,
+def train_step(trainer: Any, data: Iterator[tuple[torch.Tensor, ...]], clock: StepClock, *,
                step: int, grad_accum: int, measure: bool,
                on_census: Callable[[dict[str, int], int], None] = lambda census, activation_bytes: None,
                ) -> tuple[dict[str, int], int, float]:
-    """grad_accum micro-batches and the optimizer step. On `measure` steps (sampled: the census
+    """grad_accum micro-batches and the optimizer step, timed by `clock` from its first forward. The step's
+    micro-batches are taken from `data` (labkit.launch.batches: gathered, pinned, copied non_blocking) BEFORE the
+    clock starts: making them is not the step's time. On `measure` steps (sampled: the census
     is costly) the saved-tensor hooks count activation bytes and the model states are counted at
     the peak, gradients held, before the step; `on_census` sees them there.
     Returns (census or {}, activation bytes, seconds spent on the census and the hooks)."""
     census: dict[str, int] = {}
     activation_bytes, census_s = 0, 0.0
-    for micro in range(grad_accum):
-        inputs, labels = next(data)
+    micro_batches = [next(data) for _ in range(grad_accum)]
+    clock.begin()
+    for micro, (inputs, labels) in enumerate(micro_batches):
         boundary = micro == grad_accum - 1
         with count_saved_activations() if measure else contextlib.nullcontext(SavedActivations()) as saved:
             loss = trainer.forward(inputs, labels)

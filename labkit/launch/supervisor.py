@@ -36,21 +36,35 @@ from typing import Any
 
 import psutil
 
-from labkit.launch.failures import describe_exit, is_knock_on, is_oom, last_exception_line
+from labkit.launch.failures import classify_exit, describe_exit, is_knock_on, last_exception_line
 from labkit.launch.faults import supervisor_exit_delay_s
-from labkit.launch.launcher import is_multi_node
+from labkit.launch.launcher import DEFAULT_EXTENSIONS_DIR, is_multi_node
 from labkit.launch.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
 from labkit.launch.script import TEARDOWN_SIGNALS
 from labkit.launch.store import read_json, write_json_atomic
 from labkit.live.records import RecordTail, rank_log
 from labkit.live.telemetry import rank_file
+from labkit.runtime.build_locks import StaleLockSweeper
 
 POLL_S = 0.2
 SETTLE_S = 1.0        # after a first failure, wait this long for peers' records to name the root cause
-GRACE_S = 3.0         # SIGTERM -> SIGKILL
+GRACE_S = 3.0         # SIGTERM -> SIGKILL (CPU ranks)
+KILL_WAIT_S = 2.0     # after SIGKILL, how long to wait for the processes to be gone (CPU ranks)
+# GPU ranks: a process ends only once the driver has torn down its CUDA context; with tens of GB allocated
+# (a rank at its memory limit, the max-batch search's probes) that takes seconds, more under load. Stop waits
+# that long before it reports a process left (and before the device lease it holds is free for the next run).
+GPU_GRACE_S = 15.0
+GPU_KILL_WAIT_S = 30.0
 DONE_GRACE_S = 3.0    # after every rank's done record, how long the launcher may take to exit
 OOM_WINDOW_S = 3.0    # an oom_kill count rise this close to a rank's SIGKILL makes it an OOM kill
+LOCK_POLL_S = 1.0     # before the first step: how often to look for stale op-build locks
 PR_SET_CHILD_SUBREAPER = 36
+
+
+def stop_timeouts(accelerator: str | None) -> tuple[float, float]:
+    """(SIGTERM grace, wait after SIGKILL) for ranks on `accelerator` (DS_ACCELERATOR of the run; None: unknown,
+    treated as a GPU): a CUDA context of tens of GB needs seconds to tear down, a CPU rank none."""
+    return (GRACE_S, KILL_WAIT_S) if accelerator == "cpu" else (GPU_GRACE_S, GPU_KILL_WAIT_S)
 
 
 def log(message: str) -> None:
@@ -120,6 +134,9 @@ class Supervisor:
         self.oom_kills_seen = _cgroup_oom_kills()
         self.oom_kill_times: list[float] = []  # wall times at which a poll saw the count rise
         self.launch_py: psutil.Process | None = None
+        self.grace_s, self.kill_wait_s = stop_timeouts(self.env.get("DS_ACCELERATOR"))
+        self.lock_sweeper = StaleLockSweeper(self.env.get("TORCH_EXTENSIONS_DIR") or DEFAULT_EXTENSIONS_DIR)
+        self.next_lock_poll = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -192,7 +209,18 @@ class Supervisor:
             hung = self.hung_ranks(now)
             if hung:
                 return Outcome("hung", hung, None)
+            self.clear_stale_build_locks(now)
             time.sleep(POLL_S)
+
+    def clear_stale_build_locks(self, now: float) -> None:
+        """Before the first step, every LOCK_POLL_S: remove op-build locks no process holds (an interrupted build
+        left them; the ranks would wait on them forever), with a line saying so (labkit.runtime.build_locks)."""
+        if any(state.last_step for state in self.ranks) or now < self.next_lock_poll:
+            return
+        self.next_lock_poll = now + LOCK_POLL_S
+        for lock in self.lock_sweeper.poll(now):
+            log(f"removed a stale build lock {lock.path} (no process held it: an interrupted build of op "
+                f"{lock.op} left it, and the ranks would have waited on it forever)")
 
     def launch_py_died(self) -> bool:
         """DeepSpeed's launch.py (the runner's child, the ranks' parent) is gone while the runner
@@ -263,11 +291,11 @@ class Supervisor:
                     status, text = (self.classify_remote_sigkill() if self.multi_node
                                     else self.classify_sigkill(mtime))
                 else:
-                    logged = last_exception_line(self.rank_log(state.rank))
-                    text = logged or describe_exit(info["returncode"])
-                    if self.script_mode and not logged and info["returncode"] in TEARDOWN_SIGNALS:
+                    log_text = self.rank_log(state.rank)
+                    status, text = classify_exit(log_text, info["returncode"])
+                    if self.script_mode and status == "failed" and not last_exception_line(log_text) \
+                            and info["returncode"] in TEARDOWN_SIGNALS:
                         text += self.script_abort_hint(state)
-                    status = "oom" if logged and is_oom(logged.split(":")[0], logged) else "failed"
                 evidence.append((is_knock_on(text), mtime, state.rank, status, text))
             elif state.vanished_at is not None:
                 evidence.append((False, time.time(), state.rank, "failed",
@@ -399,14 +427,14 @@ class Supervisor:
                 # The grace is the ranks': a worker exits, its guard records how. DeepSpeed's
                 # launch.py does not exit on SIGTERM (0.19.8: it lingers until SIGKILL), so once
                 # no rank is left, what remains gets SIGKILL at once instead of after GRACE_S.
-                deadline = time.monotonic() + GRACE_S
+                deadline = time.monotonic() + self.grace_s
                 # mpirun and srun (multi-node, not pdsh) end their remote ranks on SIGTERM: they get the grace too.
                 waited = {p.pid for p in procs} if self.multi_node and not self.remote_stop else ranks
                 while time.monotonic() < deadline and any(p.pid in waited and _alive(p) for p in procs):
                     time.sleep(POLL_S / 4)
                 procs = [p for p in procs if _alive(p)]
             else:
-                _, procs = psutil.wait_procs(procs, timeout=2.0)
+                _, procs = psutil.wait_procs(procs, timeout=self.kill_wait_s)
             procs += [p for p in self.tree() if p not in procs and _alive(p)]
             if not procs:
                 break

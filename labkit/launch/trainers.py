@@ -88,7 +88,7 @@ class PlainTrainer:
         self._autocast = config.precision == "bf16"
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        # inputs and labels are on the device already (labkit.launch.batches): no copy, no wait here.
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
             return self.loss_fn(self.model, inputs, labels)
 
@@ -132,9 +132,10 @@ class DeepSpeedTrainer:
         self.dtype = _DTYPES[config.precision]
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # Floating inputs in the engine's precision; token ids and other integers as they are.
-        inputs = inputs.to(self.device, dtype=self.dtype if inputs.is_floating_point() else inputs.dtype)
-        labels = labels.to(self.device)
+        # On the device already (labkit.launch.batches). Floating inputs cast to the engine's precision there
+        # (a device op, no wait); token ids and other integers as they are.
+        if inputs.is_floating_point():
+            inputs = inputs.to(dtype=self.dtype)
         return self.loss_fn(self.engine, inputs, labels)
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -23,8 +23,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Subset, default_collate
+from torch.utils.data import Subset, default_collate
 
+from labkit.launch.batches import device_batches
 from labkit.launch.config import RunConfig
 from labkit.launch.failures import is_oom
 from labkit.launch.faults import FaultHooks
@@ -82,16 +83,8 @@ def train() -> None:
     # Each rank must read its own shard; distributed_sampler=False keeps the seed text's bug
     # switchable to measure it (every rank reads the whole dataset: an epoch never shrinks).
     sampler, samples_per_epoch = make_sampler(dataset, distributed_sampler=config.distributed_sampler,
-                                              world_size=world_size, rank=rank, seed=config.seed)
-    loader = DataLoader(dataset, batch_size=config.micro_batch, sampler=sampler, drop_last=True)
-
-    def batches():
-        epoch = 0
-        while True:
-            if isinstance(sampler, DistributedSampler):
-                sampler.set_epoch(epoch)
-            yield from loader
-            epoch += 1
+                                              world_size=world_size, rank=rank, seed=config.seed,
+                                              with_replacement=config.sample_with_replacement)
 
     # -- model and trainer -------------------------------------------------------------
     # MFU's numerator: ~6 x params per sample is the MLP's; any other model is measured by DeepSpeed's
@@ -103,10 +96,12 @@ def train() -> None:
     n_params = count_parameters(model)
     from labkit.runtime import ops
 
-    # Without an nvcc matching torch's CUDA, DeepSpeed cannot build FusedAdam: torch's Adam instead.
+    # Without an nvcc matching torch's CUDA, DeepSpeed cannot build FusedAdam: torch's Adam instead. CPU Adam
+    # (offload) needs only a C++ compiler (labkit.runtime.ops).
     optimizer_impl = ops.choose_optimizer_impl(
         example=config.example, optimizer=config.optimizer, offload=bool(config.offload_optimizer),
-        accelerator=accelerator._name, cuda_ops=accelerator._name == "cuda" and ops.cuda_ops_buildable()[0])
+        accelerator=accelerator._name, cuda_ops=accelerator._name == "cuda" and ops.cuda_ops_buildable()[0],
+        cpu_ops=ops.host_compiler() is not None)
     trainer: PlainTrainer | DeepSpeedTrainer
     if config.example == "pytorch":
         trainer = PlainTrainer(model, config, torch.device(accelerator.device_name(args.local_rank)), loss_fn)
@@ -126,7 +121,8 @@ def train() -> None:
     # No host-device synchronisation per step: phases are timed with device events (perf_counter on
     # CPU) and each step's record is written once its figures are ready, usually a step later.
     clock = StepClock(accelerator)
-    data = batches()
+    # Micro-batches gathered, pinned and copied non_blocking, each step's made before its clock starts.
+    data = device_batches(dataset, sampler, config.micro_batch, trainer.device, accelerator)
     timed_start, timed_steps = 0.0, 0
     census: dict[str, int] = {}
     telemetry_s = 0.0  # timed steps' census, memory readings and records: the instrumentation's own cost
@@ -168,6 +164,8 @@ def train() -> None:
 
         eval_inputs, eval_labels = make_eval_set(config.eval_samples, config.dataset_size, config.input_size,
                                                  config.output_size, config.seed).tensors
+    if config.eval_every:  # on the device once: the trainers' forward takes device tensors
+        eval_inputs, eval_labels = eval_inputs.to(trainer.device), eval_labels.to(trainer.device)
     for step in range(1, config.steps + 1):
         faults.at_step(step)
         if step == TIMED_FROM_STEP:
@@ -188,7 +186,6 @@ def train() -> None:
             _check_emulated_capacity(states, max(before, saved))  # the activation peak so far, or this step's
 
         comms.close(BETWEEN_STEPS)  # the previous step's eval and stop-at-target agreement
-        clock.begin()
         step_census, step_activation_bytes, census_s = train_step(
             trainer, data, clock, step=step, grad_accum=config.grad_accum, measure=measure, on_census=on_census)
         if measure:
@@ -249,9 +246,11 @@ def train() -> None:
         from labkit.runtime.devices import datasheet_peak_flops, measured_matmul_flops, rank_device_name
 
         datasheet = datasheet_peak_flops(rank_device_name(accelerator._name, args.local_rank), config.precision)
-        peak = ({"peak_flops": datasheet, "peak_flops_source": "datasheet"} if datasheet else
-                {"peak_flops": measured_matmul_flops(str(trainer.device), config.precision),
-                 "peak_flops_source": "measured 1024x1024 matmul"})
+        if datasheet:
+            peak = {"peak_flops": datasheet, "peak_flops_source": "datasheet"}
+        else:
+            measured, how = measured_matmul_flops(str(trainer.device), config.precision)
+            peak = {"peak_flops": measured, "peak_flops_source": how}
     comms.write(world_size=world_size, grad_accum=config.grad_accum, steps=step)
     telemetry.event("done", steps=step, stopped_at_target=stopped_at_target, n_params=n_params,
                     optimizer_impl=optimizer_impl, **census,

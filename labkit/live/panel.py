@@ -62,6 +62,9 @@ def status_line(status: str, *, step: int = 0, steps: int = 0, run_id: str = "",
         rate = summary.get("samples_per_s")
         loss = summary.get("final_loss")
         extra = (f" · {rate:.0f} samples/s" if rate else "") + (f" · final loss {loss:.4f}" if loss else "")
+        # Which optimizer ran (labkit.runtime.ops.OPTIMIZER_IMPLS): offload timings mean CPU Adam only if it ran.
+        impl = summary.get("optimizer_impl")
+        extra += f" · optimizer {impl}" if impl else ""
         return f"status: finished {summary.get('steps_completed', step)}/{steps} steps{extra}{where}"
     if status == "stopped":
         return f"status: stopped at step {summary.get('steps_completed', step)}/{steps}{where}"

@@ -42,14 +42,21 @@ def make_eval_set(eval_size: int, size: int, input_size: int, output_size: int, 
 
 
 def make_sampler(dataset: TensorDataset, *, distributed_sampler: bool, world_size: int, rank: int, seed: int,
-                 same_seed_every_rank: bool = False) -> tuple[Sampler[int], int]:
+                 same_seed_every_rank: bool = False, with_replacement: bool = False) -> tuple[Sampler[int], int]:
     """The sampler one rank reads with, and how many samples make its epoch.
 
     `distributed_sampler=True`: each rank its own shard (`dataset_size / world_size` samples).
     False reproduces the seed text's bug: every rank shuffles and reads the whole dataset, each
     with its own seed (`seed + rank`); `same_seed_every_rank=True` is the worse variant, where
     every rank draws the same order and so the same batches (only the lessons use it).
+    `with_replacement=True`: each rank draws `dataset_size / world_size` samples per epoch at random with
+    replacement, from its own generator (`seed + rank`), so a micro-batch may be larger than the dataset
+    (RunConfig.sample_with_replacement: the max-batch search's probes).
     """
+    if with_replacement:
+        per_rank = max(1, len(dataset) // world_size)
+        generator = torch.Generator().manual_seed(seed + rank)
+        return RandomSampler(dataset, replacement=True, num_samples=per_rank, generator=generator), per_rank
     if distributed_sampler:
         sampler: DistributedSampler[int] = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
                                                               shuffle=True, seed=seed, drop_last=True)

@@ -4,14 +4,20 @@ torch builds a JIT extension under a `lock` file in the op's folder (`torch.util
 builder creates it with O_EXCL and keeps it open, everyone else polls until it disappears. A build
 interrupted hard (Ctrl-C during `make lab`, a timeout's SIGKILL) leaves the file behind, and every later
 run then waits forever at step 0 with no message. A lock no process has open is stale: nothing will
-ever remove it. `make ops` clears stale locks; a run waiting on a build says so (`Run.waiting_on`).
+ever remove it. `make ops` clears stale locks; a run waiting on a build says so (`Run.waiting_on`), and
+its supervisor removes a lock it finds stale twice, STALE_CONFIRM_S apart (`StaleLockSweeper`), with a line in
+supervisor.log: torch's `FileBaton.release` closes the lock before it removes it, so one look can catch a
+finished build in between, whose own remove must not find the file gone.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+STALE_CONFIRM_S = 2.0  # a lock must look stale this long before a run removes it
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,8 @@ class BuildLock:
             return f"DeepSpeed is building op {self.op} (process {', '.join(map(str, self.holder_pids))}; {self.path})"
         if self.stale:
             return (f"stale build lock {self.path}: no process holds it (a build was interrupted); every run "
-                    f"needing op {self.op} waits on it forever. Remove it (`make ops` does)")
+                    f"needing op {self.op} would wait on it forever: a run's supervisor removes it within seconds "
+                    "(`make ops` too)")
         return f"build lock {self.path} for op {self.op}: held by a process this user cannot see, or stale"
 
 
@@ -78,3 +85,25 @@ def _open_files(targets: set[Path]) -> tuple[dict[Path, set[int]], bool]:
             if target in targets:
                 found.setdefault(target, set()).add(int(entry.name))
     return found, certain
+
+
+@dataclass
+class StaleLockSweeper:
+    """Removes the build locks under `extensions_dir` that no process holds, once each has looked stale on two
+    polls at least `confirm_s` apart. `poll()` returns the locks it removed (the caller says so)."""
+
+    extensions_dir: str | os.PathLike
+    confirm_s: float = STALE_CONFIRM_S
+    _first_seen: dict[Path, float] = field(default_factory=dict)
+
+    def poll(self, now: float | None = None) -> list[BuildLock]:
+        now = time.monotonic() if now is None else now
+        stale = {lock.path: lock for lock in find_build_locks(self.extensions_dir) if lock.stale}
+        self._first_seen = {path: self._first_seen.get(path, now) for path in stale}
+        removed = []
+        for path, since in list(self._first_seen.items()):
+            if now - since >= self.confirm_s:
+                path.unlink(missing_ok=True)
+                removed.append(stale[path])
+                del self._first_seen[path]
+        return removed

@@ -6,22 +6,29 @@ import functools
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from labkit.runtime.ds_import import import_deepspeed
 
-# Dense peak FLOP/s of common training GPUs (vendor datasheets; SXM parts, no sparsity),
-# by the precision the run uses. Unknown devices fall back to a measured matmul peak.
-# Any name containing "H100" maps to the SXM peak: an H100 PCIe peaks lower (about 756 TFLOP/s
-# dense bf16, 51 fp32: fewer SMs, lower clocks), so its utilisation reads low against this table.
-GPU_PEAK_FLOPS = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
-    "A10G": {"bf16": 70e12, "fp16": 70e12, "fp32": 31.2e12},
-    "T4": {"bf16": 0.0, "fp16": 65e12, "fp32": 8.1e12},  # Turing has no bf16 tensor cores
-    "V100": {"bf16": 0.0, "fp16": 125e12, "fp32": 15.7e12},
+# Dense peak FLOP/s of common training GPUs (vendor datasheets, tensor-core figures "with sparsity" halved), by
+# the precision the run uses. Variants first: a name is matched by all the words of a key, and an "NVIDIA H100
+# NVL" or "H100 PCIe" has fewer SMs and lower clocks than the SXM part (NVIDIA H100 datasheet: SXM 1,979 / NVL
+# 1,671 / PCIe 1,513 TFLOP/s bf16 with sparsity; FP32 67 / 60 / 51; the H200 NVL has the H100 NVL's figures).
+# Unknown devices fall back to a measured matmul peak (`measured_matmul_flops`).
+GPU_PEAK_FLOPS: dict[tuple[str, ...], dict[str, float]] = {
+    ("H100", "NVL"): {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12},
+    ("H100", "PCIe"): {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
+    ("H200", "NVL"): {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12},
+    ("H200",): {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    ("H100",): {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM (e.g. "NVIDIA H100 80GB HBM3")
+    ("A100",): {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    ("L4",): {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
+    ("A10G",): {"bf16": 70e12, "fp16": 70e12, "fp32": 31.2e12},
+    ("T4",): {"bf16": 0.0, "fp16": 65e12, "fp32": 8.1e12},  # Turing has no bf16 tensor cores
+    ("V100",): {"bf16": 0.0, "fp16": 125e12, "fp32": 15.7e12},
 }
+MATMUL_SIZE_GPU = 8192  # a measured peak needs a matmul big enough to fill the device (2 x 8192^3 = 1.1 TFLOP)
+MATMUL_SIZE_CPU = 1024
 
 
 @dataclass(frozen=True)
@@ -51,10 +58,10 @@ class Devices:
 
 def datasheet_peak_flops(device_name: str, precision: str) -> float | None:
     """Datasheet peak of a known GPU by its name, else None."""
-    # Whole words only: "L4" must not match an "NVIDIA L40S".
-    words = set(re.split(r"[^A-Za-z0-9]+", device_name))
+    # Whole words only: "L4" must not match an "NVIDIA L40S"; every word of a variant's key ("H100", "NVL").
+    words = {w.lower() for w in re.split(r"[^A-Za-z0-9]+", device_name)}
     for key, table in GPU_PEAK_FLOPS.items():
-        if key in words:
+        if all(k.lower() in words for k in key):
             return table.get(precision) or None
     return None
 
@@ -157,22 +164,47 @@ def _cpu_model() -> str:
     return "CPU"
 
 
-def measured_matmul_flops(device: str, dtype_name: str, seconds: float = 0.3) -> float:
-    """Dense matmul FLOP/s on `device`: the practical peak where no datasheet figure applies (CPUs)."""
+def measured_matmul_flops(device: str, dtype_name: str, *, size: int | None = None, accelerator: Any = None,
+                          seconds: float = 0.3) -> tuple[float, str]:
+    """(dense matmul FLOP/s on `device`, how it was measured): the practical peak where no datasheet figure applies.
+
+    On a GPU an 8192 x 8192 product (a small one leaves most SMs idle and measures launch overhead), timed with
+    the accelerator's events over enough products to last ~`seconds` (no host clock around asynchronous work);
+    on CPU a 1024 x 1024 one with the host clock (CPU ops are synchronous)."""
     import time
 
     import torch
-    from deepspeed.accelerator import get_accelerator
 
+    if accelerator is None:
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+    events = not accelerator.is_synchronized_device()
+    n = size or (MATMUL_SIZE_GPU if events else MATMUL_SIZE_CPU)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-    n = 1024
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up: first call pays for kernel selection
-    get_accelerator().synchronize()
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    for _ in range(3):
+        a @ b  # warm-up: kernel selection, clocks up
+    if events:
+        start, end = accelerator.Event(enable_timing=True), accelerator.Event(enable_timing=True)
+        start.record()
         a @ b
-        count += 1
-    get_accelerator().synchronize()
-    return 2 * n**3 * count / (time.perf_counter() - start)
+        end.record()
+        end.synchronize()
+        reps = max(3, min(200, int(seconds * 1000 / max(start.elapsed_time(end), 1e-3))))
+        start.record()
+        for _ in range(reps):
+            a @ b
+        end.record()
+        end.synchronize()
+        elapsed = start.elapsed_time(end) / 1000.0
+        how = f"measured {n}x{n} {dtype_name} matmul, {reps} timed with device events"
+    else:
+        reps, began = 0, time.perf_counter()
+        while time.perf_counter() - began < seconds:
+            a @ b
+            reps += 1
+        elapsed = time.perf_counter() - began
+        how = f"measured {n}x{n} {dtype_name} matmul"
+    return 2 * n**3 * reps / elapsed, how

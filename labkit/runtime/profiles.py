@@ -1,14 +1,33 @@
-"""Which size the notebooks and the sweep run at: `ci` (small, CPU, minutes) or `full` (GPU-sized).
+"""Which size the notebooks and `labkit answer` run at: `ci`, `workshop` or `full`.
 
-LABKIT_PROFILE picks it; without it, a machine with GPUs runs `full` and a CPU-only one `ci`.
-Each notebook's parameters cell reads it, so papermill (`-p profile full`) works too.
+- `ci`: small models on CPU ranks (or a GPU under 12 GiB), minutes; device capacity emulated where needed.
+- `workshop`: one node of 1-4 GPUs of 16-24 GB (T4, L4, A10G), fp16 or fp32 where bf16 is missing (T4).
+- `full`: a node of 80 GB GPUs (A100/H100 80GB); its multi-rank notebooks want several.
+
+LABKIT_PROFILE picks it, for the notebooks and the CLI alike (`labkit answer --profile` defaults to it);
+without it `default_profile` chooses from the GPUs' memory and count. Each notebook's parameters cell reads it,
+so papermill (`-p profile workshop`) works too; the sizes are in labkit.study.notebook_sizes.
 """
 
 from __future__ import annotations
 
 import os
 
-PROFILES = ("ci", "full")
+from labkit.runtime.devices import Devices
+
+PROFILES = ("ci", "workshop", "full")
+WORKSHOP_MIN_BYTES = 12 * 2**30  # a GPU smaller than this runs `ci` (with its emulated capacities)
+FULL_MIN_BYTES = 70 * 2**30      # 80 GB parts report 79-80 GiB; A100 40GB and 48 GB parts run `workshop`
+FULL_MIN_GPUS = 2                # `full` is sized for a node: one 80 GB GPU runs `workshop` (minutes, not an hour)
+
+
+def default_profile(devices: Devices) -> str:
+    """The profile for these devices: CPU -> ci; GPUs by their memory and count (module doc). Pure."""
+    if devices.is_cpu or devices.total_memory_bytes < WORKSHOP_MIN_BYTES:
+        return "ci"
+    if devices.total_memory_bytes >= FULL_MIN_BYTES and devices.device_count >= FULL_MIN_GPUS:
+        return "full"
+    return "workshop"
 
 
 def current_profile() -> str:
@@ -19,4 +38,4 @@ def current_profile() -> str:
         return chosen
     from labkit.runtime.devices import detect_devices
 
-    return "ci" if detect_devices().is_cpu else "full"
+    return default_profile(detect_devices())

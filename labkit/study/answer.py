@@ -93,7 +93,9 @@ PROFILES: dict[str, AnswerProfile] = {
         cpu_budget_bytes=6_500_000,
         parallel=2,
     ),
-    # GPU-sized: a ~135M-parameter MLP, batches 64..4096 on every GPU; real out-of-memory errors.
+    # GPU-sized: a ~135M-parameter MLP, batches 64..4096 on every GPU; real out-of-memory errors. The max-batch
+    # search starts near the memory model's boundary (maxbatch_start=0: labkit.study.maxbatch.predicted_start)
+    # and passes the dataset's end by sampling with replacement: ~5 probes per strategy, not ~90 at the dataset cap.
     "full": AnswerProfile(
         name="full",
         model=dict(hidden=4096, depth=8, input_size=1024, dataset_size=262144, optimizer="adam", lr=3e-4,
@@ -104,35 +106,37 @@ PROFILES: dict[str, AnswerProfile] = {
         world_sizes=None,
         lr_study_strategy="z0",
         maxbatch_strategies=tuple(STRATEGIES),
-        maxbatch_start=16,
-        maxbatch_tolerance=0.0,
+        maxbatch_start=0,
+        maxbatch_tolerance=0.125,
         cpu_budget_bytes=4_000_000_000,
         parallel=1,
         notes=("For one node of 80 GB GPUs (A100/H100 80GB).",
                "Untested: no run of this profile on such a GPU has been checked yet (labkit's GPU path was read, "
                "not run); treat this report as the first."),
     ),
-    # One node of 16-24 GB GPUs (T4, L4, A10G): a 54.6M-parameter MLP (0.87 GB of model states per rank at
-    # stage 0, 0.22 GB at ZeRO-3 on 4 GPUs), ~39 launches; estimated ~22 min, arithmetic in docs/answer.md.
+    # One node of 16-24 GB GPUs (T4, L4, A10G), and the reference run on one H100 (<= 6 min there: 12 sweep
+    # launches of ~10 s start-up plus seconds of training, and 2 searches of ~4 probes from the predicted boundary).
+    # A 50.7M-parameter MLP (0.81 GB of model states at stage 0) with 100 inputs: activations (~41 KB a sample in
+    # bf16) set the boundary, ~0.33M per rank on 16 GB and ~1.9M on 80 GB, where a probe's input batch is
+    # still under 1 GB of host memory. Two global batches; the LR study at both.
     "workshop": AnswerProfile(
         name="workshop",
-        model=dict(hidden=4096, depth=4, input_size=1024, dataset_size=262144, optimizer="adam", lr=3e-4,
-                   base_batch=256, warmup_samples=16384, target_loss=0.8, stop_at_target=True, steps=600,
-                   noise_scale_every=10, eval_every=10, eval_samples=8192, precision="bf16"),
-        strategies=("torch", "z0", "z2", "z3", "z2-offload"),
-        global_batches=(256, 1024, 4096),
+        model=dict(hidden=4096, depth=4, input_size=100, dataset_size=65536, optimizer="adam", lr=1e-3,
+                   base_batch=512, warmup_samples=16384, target_loss=0.8, stop_at_target=True, steps=300,
+                   noise_scale_every=20, eval_every=10, eval_samples=4096, precision="bf16"),
+        strategies=("torch", "z0", "z3", "z2-offload"),
+        global_batches=(512, 4096),
         world_sizes=None,
-        memory_only=("z1",),
         lr_study_strategy="z0",
         lr_study_batches=None,
         maxbatch_strategies=("torch", "z3"),
-        maxbatch_start=4096,
-        maxbatch_tolerance=0.25,
+        maxbatch_start=0,
+        maxbatch_tolerance=0.5,  # ~4 probes per strategy from the predicted start (each ~1M samples on 80 GB)
         cpu_budget_bytes=4_000_000_000,
         parallel=1,
         notes=("For one node of 16-24 GB GPUs (T4, L4, A10G); T4 has no bf16, so it runs fp32.",
-               "Untested: no run of this profile on such a GPU has been checked yet; its ~22 min is an estimate "
-               "from the CPU reference timings and the memory model (docs/answer.md), not a measurement."),
+               "Sized to finish in about 6 minutes on one H100 80GB (an estimate from ~10 s per launch and the "
+               "datasheet, not yet a measurement); several times longer on T4s."),
     ),
     # End-to-end check of the command in a couple of minutes (tests, a quick look): a tiny MLP,
     # both growth ways, the LR study, no max-batch search. Its numbers answer nothing.

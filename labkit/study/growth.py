@@ -223,6 +223,9 @@ def _maxbatch_credit(maxbatch: pd.DataFrame | None) -> str | None:
     """The largest micro-batch per rank of each ZeRO strategy against stage 0 at the same ranks."""
     if maxbatch is None or maxbatch.empty or "max_micro_batch" not in maxbatch:
         return None
+    from labkit.study.maxbatch import memory_bound
+
+    maxbatch = memory_bound(maxbatch)  # a search capped short of memory gives no ratio
     rows = {(r.strategy, int(r.world_size)): int(r.max_micro_batch) for r in maxbatch.itertuples()
             if not _nan(r.max_micro_batch)}
     parts = []

@@ -127,6 +127,22 @@ def require(runs: Mapping[str, Run], status: str = "finished") -> None:
     if wrong:
         lines = [f"{label}: {run.status} ({run.cause}) in {run.run_dir}" for label, run in wrong.items()]
         raise RuntimeError(f"expected every run to be {status!r}:\n" + "\n".join(lines))
+    line = optimizer_line(runs)
+    if line:
+        print(line)
+
+
+def optimizer_line(runs: Mapping[str, Run]) -> str | None:
+    """Which optimizer each run ran (`optimizer_impl`: fused_adam, cpu_adam, torch_adam, torch_sgd), grouped:
+    an offload timing measures DeepSpeed's CPU Adam only where it says cpu_adam."""
+    by_impl: dict[str, list[str]] = {}
+    for label, run in runs.items():
+        impl = (run.summary or {}).get("optimizer_impl")
+        if impl:
+            by_impl.setdefault(impl, []).append(label)
+    if not by_impl:
+        return None
+    return "optimizer_impl: " + "; ".join(f"{impl} ({', '.join(labels)})" for impl, labels in by_impl.items())
 
 
 def config_error(**fields: Any) -> str | None:
@@ -829,3 +845,22 @@ def reuse_distance_memory(runs: Mapping[str, Run], tensors: pd.DataFrame) -> pd.
     table.attrs["extra_MiB"] = (part.sum() - part.max()) / MiB if len(part) else 0.0
     table.attrs["gathered_MiB"] = part.sum() / MiB
     return table
+
+
+def skipped_multi_rank(world_sizes: Sequence[int], parts: Sequence[str], devices: Any = None) -> str | None:
+    """What a notebook's multi-rank half skips on this machine, and why, in one paragraph (None: nothing
+    skipped). `world_sizes`: the rank counts the notebook asks for; `parts`: its sections that need 2+ ranks."""
+    if devices is None:
+        from labkit.runtime.devices import detect_devices
+
+        devices = detect_devices()
+    skipped = sorted(w for w in world_sizes if w > devices.max_ranks)
+    if not skipped:
+        return None
+    text = (f"This machine has {devices.max_ranks} {devices.kind_plural}: the runs on {', '.join(map(str, skipped))} "
+            f"ranks are skipped (one rank per {'core' if devices.is_cpu else 'GPU'}).")
+    if devices.max_ranks < 2:
+        text += (" With one rank there is no second rank to partition across or to talk to, so these parts show "
+                 "no multi-rank result here: " + "; ".join(parts) + ". Run this notebook on 2+ "
+                 f"{'cores' if devices.is_cpu else 'GPUs'} to see them.")
+    return text

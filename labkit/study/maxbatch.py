@@ -81,6 +81,18 @@ class MaxBatchResult:
     max_micro_batch: int              # 0: not even `start`..1 fits
     first_oom: int | None             # smallest micro-batch seen to run out of memory (None: hit `limit`)
     probes: list[Probe] = field(default_factory=list)
+    limit: int | None = None          # the largest micro-batch the search would try
+    limit_reason: str = ""            # why the limit is what it is
+    stopped_by: str | None = None     # a probe that neither finished nor ran out of memory, which ended the search
+
+    @property
+    def capped_by(self) -> str | None:
+        """Why the boundary is not memory's, in words ("capped by <this>, not memory"); None: a real boundary."""
+        if self.stopped_by:
+            return f"a probe that neither finished nor ran out of memory ({self.stopped_by})"
+        if self.first_oom is None and self.limit is not None and self.max_micro_batch >= self.limit:
+            return f"the search's limit of {self.limit} per rank ({self.limit_reason})"
+        return None
 
     @property
     def launches(self) -> int:
@@ -144,7 +156,8 @@ class MaxBatchResult:
                 "state_bytes": self.state_bytes,
                 "activation_bytes_per_sample": (self.activation_fit() or (None, None))[1],
                 "consistent": self.consistent(),
-                "boundary_evidence": EMULATED_EVIDENCE if self.emulated else DEVICE_EVIDENCE}
+                "boundary_evidence": EMULATED_EVIDENCE if self.emulated else DEVICE_EVIDENCE,
+                "capped_by": self.capped_by}
 
     def probe_rows(self) -> list[dict[str, Any]]:
         return [{"strategy": self.strategy, "world_size": self.world_size, "order": i + 1,
@@ -155,29 +168,109 @@ def search(template: RunConfig, out: str | os.PathLike, *, start: int = 1, limit
            tolerance: float = 0.0, cancel: threading.Event | None = None) -> MaxBatchResult:
     """Find the largest micro-batch of `template` (its other fields unchanged) that fits.
 
+    The dataset is no cap: a probe larger than its share of the dataset samples with replacement
+    (RunConfig.sample_with_replacement). The limit is where the input batch alone would fill the device
+    (`search_limit`), so the search ends at a real out-of-memory below it. A probe that neither finishes nor runs
+    out of memory ends the search with what it found, `capped_by` saying so, rather than the caller's command.
     `cancel` (set from another thread) stops the probe in flight and raises `SweepCancelled`."""
-    limit = limit or (template.dataset_size // template.world_size)
+    limit_reason = "given"
+    if not limit:
+        limit, limit_reason = search_limit(template)
+    if start <= 0:
+        start = predicted_start(template, limit)
     sweep_out = Path(out)
     result = MaxBatchResult(strategy=strategy_of(template), world_size=template.world_size,
                             budget_bytes=template.device_memory_budget_bytes,
                             emulated=template.device_memory_budget_bytes is not None,
-                            max_micro_batch=0, first_oom=None)
+                            max_micro_batch=0, first_oom=None, limit=limit, limit_reason=limit_reason)
 
     def probe(micro_batch: int) -> bool:
-        config = dataclasses.replace(template, micro_batch=micro_batch, grad_accum=1, train_batch=None,
-                                     steps=PROBE_STEPS, stop_at_target=False, noise_scale_every=0)
+        config = dataclasses.replace(
+            template, micro_batch=micro_batch, grad_accum=1, train_batch=None, steps=PROBE_STEPS,
+            stop_at_target=False, noise_scale_every=0,
+            sample_with_replacement=template.sample_with_replacement
+            or micro_batch > template.dataset_size // template.world_size)
         sweep = Sweep([config], sweep_out, parallel=1, results_name=None, progress=False, cancel=cancel)
         row = sweep.run().iloc[0].to_dict()
         status = row["status"]
         if not settled(status, row.get("cause")):
-            raise MaxBatchError(f"{result.strategy} micro-batch {micro_batch}: probe {status}: {row.get('cause')} "
+            raise MaxBatchError(f"micro-batch {micro_batch}: probe {status}: {row.get('cause')} "
                                 f"(see {row.get('run_dir')})")
         result.probes.append(Probe(micro_batch, status, int_or_none(row.get("device_bytes")),
                                    int_or_none(row.get("activation_bytes")), row.get("run_id"), sweep.launched == 0))
         return status == "finished"
 
-    result.max_micro_batch, result.first_oom = find_boundary(probe, start=start, limit=limit, tolerance=tolerance)
+    try:
+        result.max_micro_batch, result.first_oom = find_boundary(probe, start=start, limit=limit,
+                                                                 tolerance=tolerance)
+    except MaxBatchError as exc:
+        fits = [p.micro_batch for p in result.probes if p.fits]
+        ooms = [p.micro_batch for p in result.probes if not p.fits]
+        result.max_micro_batch, result.first_oom = max(fits, default=0), min(ooms, default=None)
+        result.stopped_by = str(exc)
     return result
+
+
+def search_limit(template: RunConfig) -> tuple[int, str]:
+    """(largest micro-batch per rank worth probing, why): the one whose input batch alone fills the device (the
+    emulated capacity on CPU, the GPU's memory otherwise): a real boundary lies below it, whatever the model."""
+    capacity = template.device_memory_budget_bytes
+    where = "the emulated capacity"
+    if capacity is None:
+        from labkit.runtime.devices import detect_devices
+
+        devices = detect_devices()
+        capacity, where = (None, "") if devices.is_cpu else (devices.total_memory_bytes, "the device's memory")
+    if not capacity:
+        per_rank = template.dataset_size // template.world_size
+        return per_rank, f"the dataset: {template.dataset_size} samples over {template.world_size} ranks"
+    sample_bytes = 4 * template.input_size  # an fp32 input row (token ids: int64, but half as many per byte of text)
+    return max(1, capacity // sample_bytes), f"where the input batch alone would fill {where}"
+
+
+def predicted_start(template: RunConfig, limit: int) -> int:
+    """A start for the doubling near the boundary (`search(start=0)`): the power of two at or below half the
+    micro-batch labkit's memory model predicts for the capacity (labkit.study.notebook_sizes.predicted_device_bytes:
+    states, bucket, activations of labkit's MLP, overhead). Doubling from 1 to a GPU's boundary took ~20 probes;
+    from here it takes 1-3 (a failing start bisects down)."""
+    from labkit.study.notebook_sizes import DEVICE_OVERHEAD_BYTES, predicted_device_bytes
+
+    capacity = template.device_memory_budget_bytes
+    emulated = capacity is not None  # the emulated check counts states and activations only: no overhead
+    if capacity is None:
+        from labkit.runtime.devices import detect_devices
+
+        devices = detect_devices()
+        capacity = None if devices.is_cpu else devices.total_memory_bytes
+    if capacity is None or template.model != "mlp":
+        return 1
+    one, two = (predicted_device_bytes(dataclasses.replace(template, micro_batch=m, sample_with_replacement=True))
+                for m in (1, 2))
+    per_sample, fixed = two - one, one - (two - one) - (DEVICE_OVERHEAD_BYTES if emulated else 0)
+    predicted = max(1, (capacity - fixed) // max(1, per_sample))
+    return int(min(limit, 2 ** max(0, math.floor(math.log2(max(1, predicted // 2))))))
+
+
+def memory_bound(maxbatch: pd.DataFrame) -> pd.DataFrame:
+    """The rows of maxbatch.csv whose boundary is memory's (real or emulated): the only ones a ratio may be
+    computed from. Older files without `capped_by`: a row with no first out-of-memory stopped at the limit."""
+    if "capped_by" in maxbatch:
+        return maxbatch[maxbatch.capped_by.isna() | (maxbatch.capped_by.astype(str) == "")]
+    if "first_oom" in maxbatch:
+        return maxbatch[maxbatch.first_oom.notna()]
+    return maxbatch
+
+
+def capped_sentences(maxbatch: pd.DataFrame) -> list[str]:
+    """One sentence per strategy whose search ended without a memory boundary: "capped by ..., not memory"."""
+    capped = maxbatch.drop(memory_bound(maxbatch).index)
+    out = []
+    for r in capped.itertuples():
+        why = getattr(r, "capped_by", None)
+        why = why if isinstance(why, str) and why else "the search's limit"
+        out.append(f"{r.strategy} x{int(r.world_size)}: at least {int(r.max_micro_batch)} per rank, capped by {why}, "
+                   "not memory: no ratio is computed from it.")
+    return out
 
 
 def find_boundary(fits: Callable[[int], bool], *, start: int = 1, limit: int,

@@ -314,3 +314,14 @@ def activation_bytes(per_sample: float, micro_batch: int) -> int:
     if micro_batch < 0:
         raise ValueError("micro_batch must be >= 0")
     return round(per_sample * micro_batch)
+
+
+def mlp_activation_bytes_per_sample(input_size: int, hidden: int, depth: int, output_size: int,
+                                    element_bytes: int = 4) -> int:
+    """Activation bytes one sample of labkit's MLP keeps for backward, for sizing a run before it is launched:
+    what autograd saves (the input, each hidden layer's ReLU output, which is also the next Linear's input, and
+    the logits' log-softmax) plus the one pre-activation alive while its ReLU runs. A measured profile
+    (`activation_bytes_per_sample`) replaces it once a run has counted the real bytes."""
+    if depth < 1 or element_bytes < 1:
+        raise ValueError("depth and element_bytes must be >= 1")
+    return element_bytes * (input_size + (depth + 1) * hidden + 2 * output_size)

@@ -237,6 +237,10 @@ def _maxbatch_text(maxbatch: pd.DataFrame, machine: dict[str, Any] | None) -> li
     capacity = (f"an emulated device capacity of {mb(rows.budget_bytes.iloc[0])} per rank" if emulated
                 else "the real device memory")
     out.append(f"Largest micro-batch that fits {capacity} (doubling, then bisection): " + "; ".join(parts) + ".")
+    from labkit.study.maxbatch import capped_sentences, memory_bound
+
+    out.extend(capped_sentences(rows))
+    rows = memory_bound(rows)  # the ratio only between boundaries memory set
     if len(rows) >= 2 and rows.max_micro_batch.iloc[0] > 0:
         low, high = rows.iloc[0], rows.iloc[-1]
         out.append(f"{label(high.strategy)} fits {times(high.max_micro_batch / low.max_micro_batch)} "
@@ -267,6 +271,9 @@ def _bracket(r: Any) -> str:
     """Where the search left the boundary: the largest micro-batch that fit and the first that
     ran out of memory (the search stops within its tolerance, not always at adjacent sizes)."""
     fit, ranks = int(r.max_micro_batch), int(r.world_size)
+    capped = getattr(r, "capped_by", None)
+    if isinstance(capped, str) and capped:
+        return f"at least {fit} per rank ({fit * ranks} global; capped by {capped}, not memory)"
     if _nan(getattr(r, "first_oom", None)):
         return f"at least {fit} per rank ({fit * ranks} global; no OOM up to the search's limit)"
     oom = int(r.first_oom)

@@ -150,7 +150,8 @@ def point_key(config: RunConfig | dict[str, Any], measurement_version: int = MEA
     data = json.loads(json.dumps(data, default=str))  # the form config.json holds
     data.pop("max_world_size", None)
     # The default model leaves the key as it was before models were selectable: old points stay reusable.
-    for name, default in (("model", "mlp"), ("data", None), ("loss", None), ("script", None), ("script_args", [])):
+    for name, default in (("model", "mlp"), ("data", None), ("loss", None), ("script", None), ("script_args", []),
+                          ("sample_with_replacement", False)):
         if data.get(name, default) == default:
             data.pop(name, None)
     data["measurement_version"] = measurement_version

@@ -1,0 +1,170 @@
+"""Every notebook's sizes, per profile (`ci`, `workshop`, `full`: labkit.runtime.profiles), in one place.
+
+Each notebook's parameters cell reads its own: `SIZES = notebook_sizes.sizes_for("01")`, a dict keyed by
+profile, so `SIZES[profile]` works after papermill's `-p profile ...` too. Values that depend on the machine
+are resolved for its devices there:
+
+- `world_size="all"`: one rank per device; an int is capped at the devices present;
+- `precision="half"`: bf16 where the GPU computes it natively (compute capability 8.0+), else fp16 (a T4),
+  fp32 on CPU; `"bf16_or_fp32"` for the plain PyTorch loop, which has no loss scaler for fp16.
+
+`notebook_configs` builds the runs a notebook launches from its sizes (the same fields its cells pass to
+`RunConfig`), and `predicted_device_bytes` what one rank of such a run holds (labkit.study.memory's model
+states, DeepSpeed's reduce bucket, the MLP's activations and a working margin): tests/test_notebook_sizes.py
+checks every notebook's runs for every profile against stand-in GPUs of 16, 24 and 80 GB, with and without
+bf16, on 1, 4 and 8 GPUs.
+
+Notebooks 03b (communication) and 06 (the predictor) are written by others: add their sizes to NOTEBOOKS
+("03b": {"ci": ..., "workshop": ..., "full": ...}) and the runs they launch to `notebook_configs`, and the
+test checks them too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from labkit.launch.config import RunConfig
+from labkit.runtime.devices import Devices
+from labkit.runtime.profiles import PROFILES
+
+NOTEBOOKS: dict[str, dict[str, dict[str, Any]]] = {
+    "00": {
+        # one CPU rank, three steps of a small model: a smoke test of the whole chain.
+        "ci": dict(example="zero3", world_size=1, micro_batch=16, hidden=256, depth=1, steps=3, dataset_size=512),
+        # every GPU, a model that is still quick.
+        "workshop": dict(example="zero3", world_size="all", micro_batch=64, hidden=1024, depth=2, steps=10),
+        "full": dict(example="zero3", world_size="all", micro_batch=64, hidden=4096, depth=2, steps=10),
+    },
+    "01": {
+        # a 1.2M-parameter MLP on one CPU process, three micro-batches that fit the emulated capacity.
+        "ci": dict(hidden=1024, depth=2, steps=4, micro_batches=[64, 256, 1024],
+                   emulated_capacity_bytes=40 * 2**20),  # EMULATED device capacity (CPU has none per rank)
+        # a 3.3M-parameter MLP (53 MB of fp32 model states): activations dominate, so the boundary the notebook
+        # predicts is a micro-batch of ~0.9M on 16 GB and ~4.7M on 80 GB, and the 1.5x overshoot runs out of
+        # memory in its first forward. Its measured micro-batches need 1.1 GB at most.
+        "workshop": dict(hidden=1024, depth=4, steps=4, micro_batches=[4096, 16384, 65536],
+                         emulated_capacity_bytes=None),  # None: the GPU's own memory is the limit
+        # a ~0.8B-parameter MLP: ~13 GB of fp32 model states (16 bytes per parameter); micro-batches that fit 80 GB.
+        "full": dict(hidden=16384, depth=4, steps=4, micro_batches=[1024, 4096, 16384],
+                     emulated_capacity_bytes=None),
+    },
+    "02": {
+        # a 1.2M-parameter MLP, fp32, one CPU process.
+        "ci": dict(hidden=1024, depth=2, micro_batch=64, steps=6, precision="fp32"),
+        # a 118M-parameter MLP in half precision on one GPU: 1.9 GB of model states at stage 0, 1.4 GB of them
+        # the optimizer's, which offload moves to the host.
+        "workshop": dict(hidden=4096, depth=8, micro_batch=64, steps=10, precision="half"),
+        # a ~200M-parameter MLP: the optimizer states are GBs.
+        "full": dict(hidden=8192, depth=4, micro_batch=64, steps=10, precision="half"),
+    },
+    "03": {
+        # a 1.2M-parameter MLP, fp32, on 1 and 2 CPU ranks.
+        "ci": dict(hidden=1024, depth=2, micro_batch=32, steps=6, dataset_size=2048, precision="fp32",
+                   world_sizes=[1, 2], timing_steps=8),
+        # a 118M-parameter MLP in half precision on up to 4 GPUs (sizes above the GPU count are skipped):
+        # 1.9 GB of states and DeepSpeed's 1 GB reduce bucket on one 16 GB rank.
+        "workshop": dict(hidden=4096, depth=8, micro_batch=64, steps=10, dataset_size=16384, precision="half",
+                         world_sizes=[1, 2, 4], timing_steps=20),
+        # a ~470M-parameter MLP on up to 8 GPUs.
+        "full": dict(hidden=8192, depth=8, micro_batch=64, steps=10, dataset_size=65536, precision="half",
+                     world_sizes=[1, 2, 4, 8], timing_steps=20),
+    },
+    "05": {
+        # a few seconds of training on 2 CPU ranks (process start and DeepSpeed init dominate).
+        "ci": dict(example="zero3", world_size=2, micro_batch=32, steps=20, hidden=256, depth=1, dataset_size=2048),
+        # every GPU, a model big enough for ZeRO's savings to show.
+        "workshop": dict(example="zero3", world_size="all", micro_batch=64, steps=200, hidden=4096, depth=4,
+                         precision="half"),
+        "full": dict(example="zero3", world_size="all", micro_batch=64, steps=200, hidden=4096, depth=4,
+                     precision="half"),
+    },
+}
+# On top of what is predicted per rank: the CUDA context, cuBLAS's workspaces and the allocator's
+# fragmentation (typically 0.5-1 GB together on current GPUs), and the share of the device a run may plan for.
+DEVICE_OVERHEAD_BYTES = 2 * 2**30
+FIT_MARGIN = 0.8
+
+
+def precision_for(spec: str, devices: Devices) -> str:
+    """A precision spec of NOTEBOOKS resolved for `devices` (module doc)."""
+    if spec == "half":
+        if devices.is_cpu:
+            return "fp32"  # CPU ranks: no half-precision speed-up to teach with
+        return "bf16" if devices.bf16 else "fp16" if devices.fp16 else "fp32"
+    if spec == "bf16_or_fp32":
+        return "bf16" if devices.bf16 else "fp32"
+    return spec
+
+
+def resolve(sizes: dict[str, Any], devices: Devices) -> dict[str, Any]:
+    """One profile's sizes with `world_size` and `precision` resolved for `devices`."""
+    out = dict(sizes)
+    if "world_size" in out:
+        out["world_size"] = devices.max_ranks if out["world_size"] == "all" else min(out["world_size"],
+                                                                                     devices.max_ranks)
+    if "precision" in out:
+        out["precision"] = precision_for(out["precision"], devices)
+    return out
+
+
+def sizes_for(notebook: str, devices: Devices | None = None) -> dict[str, dict[str, Any]]:
+    """{profile: sizes} of `notebook` ("00", "01", ...), resolved for `devices` (default: this machine's)."""
+    if devices is None:
+        from labkit.runtime.devices import detect_devices
+
+        devices = detect_devices()
+    return {profile: resolve(NOTEBOOKS[notebook][profile], devices) for profile in PROFILES}
+
+
+def notebook_configs(notebook: str, sizes: dict[str, Any], devices: Devices) -> dict[str, RunConfig]:
+    """The runs `notebook` launches with one profile's resolved `sizes` (its cells' own RunConfig fields), on a
+    machine with `devices`. Needs `detect_devices()` to answer for those devices (RunConfig checks them)."""
+    if notebook in ("00", "05"):
+        return {notebook: RunConfig(**sizes)}
+    if notebook == "01":
+        largest = max(sizes["micro_batches"])
+        return {f"micro {mb}": RunConfig(example="pytorch", micro_batch=mb, hidden=sizes["hidden"],
+                                         depth=sizes["depth"], steps=sizes["steps"], dataset_size=largest,
+                                         device_memory_budget_bytes=sizes["emulated_capacity_bytes"])
+                for mb in sizes["micro_batches"]}
+    if notebook == "02":
+        model = dict(hidden=sizes["hidden"], depth=sizes["depth"], micro_batch=sizes["micro_batch"],
+                     steps=sizes["steps"], precision=sizes["precision"], world_size=1)
+        configs = {f"stage {s}": RunConfig(example="deepspeed", stage=s, **model) for s in (0, 1, 2)}
+        configs.update({f"stage {s} + offload": RunConfig(example="offload", stage=s, **model) for s in (1, 2, 3)})
+        return configs
+    if notebook == "03":
+        model = dict(hidden=sizes["hidden"], depth=sizes["depth"], micro_batch=sizes["micro_batch"],
+                     steps=sizes["steps"], dataset_size=sizes["dataset_size"], precision=sizes["precision"])
+        world_sizes = [w for w in sizes["world_sizes"] if w <= devices.max_ranks]
+        largest = max(world_sizes)
+        configs = {f"{w} rank(s)": RunConfig(example="zero3", world_size=w, **model) for w in world_sizes}
+        if largest > 1:
+            configs[f"{largest} ranks, no sampler"] = RunConfig(example="zero3", world_size=largest,
+                                                                distributed_sampler=False, **model)
+            configs.update({f"stage {s}, {largest} ranks": RunConfig(example="deepspeed", stage=s,
+                                                                     world_size=largest, **model)
+                            for s in (0, 1, 2)})
+        return configs
+    raise KeyError(f"no sizes for notebook {notebook!r}: NOTEBOOKS has {sorted(NOTEBOOKS)}")
+
+
+def predicted_device_bytes(config: RunConfig) -> int:
+    """What one rank of `config` (labkit's MLP) holds on its device at its peak, predicted before any launch:
+    model states (labkit.study.memory; plain PyTorch keeps fp32 states whatever its autocast), DeepSpeed's
+    reduce bucket, the activations of a micro-batch, and DEVICE_OVERHEAD_BYTES."""
+    from labkit.models import builders
+    from labkit.study import memory
+
+    numels = builders.param_numels(config)
+    plain = config.example == "pytorch"
+    precision = "fp32" if plain else config.precision
+    stage = 0 if plain else int(config.stage or 0)
+    persistent = builders.persistent_params(numels, config.zero_settings().param_persistence_threshold)
+    states = memory.model_state_bytes(sum(numels), stage, config.world_size, precision,
+                                      bool(config.offload_optimizer), persistent_params=persistent if stage == 3 else 0)
+    bucket = 0 if plain else memory.reduce_bucket_bytes(stage, precision)
+    element = 4 if precision == "fp32" else 2
+    activations = config.micro_batch * memory.mlp_activation_bytes_per_sample(
+        config.input_size, config.hidden, config.depth, config.output_size, element)
+    return states["device_bytes"] + bucket + activations + DEVICE_OVERHEAD_BYTES

@@ -1,0 +1,101 @@
+"""Issue 21 item 1: every notebook's runs, for every profile, against stand-in GPUs of the sizes people get.
+
+A stand-in is a `Devices` (what labkit.runtime.devices.detect_devices answers) with a GPU's memory, count and
+bf16 support: RunConfig validates each run against it, and labkit.study.memory's prediction of what one rank
+holds must fit the device with a margin. No GPU is needed: nothing launches.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from labkit.runtime import devices as devices_module
+from labkit.runtime.devices import Devices
+from labkit.runtime.profiles import PROFILES, default_profile
+from labkit.study import notebook_sizes
+from labkit.study.notebook_sizes import FIT_MARGIN, NOTEBOOKS, notebook_configs, predicted_device_bytes, sizes_for
+
+REPO = Path(__file__).resolve().parent.parent
+GiB = 2**30
+
+
+def gpu(memory_gib: float, count: int, bf16: bool) -> Devices:
+    name = {16: "Tesla T4" if not bf16 else "NVIDIA A16", 24: "NVIDIA L4" if bf16 else "Quadro RTX 6000",
+            80: "NVIDIA H100 80GB HBM3" if bf16 else "Tesla V100 80GB (stand-in)"}[memory_gib]
+    return Devices("cuda", count, count, "nccl", bf16, True, name, int(memory_gib * GiB) - 600 * 2**20)
+
+
+STAND_INS = [gpu(m, n, b) for m in (16, 24, 80) for n in (1, 4, 8) for b in (True, False)]
+
+
+def where_profile_runs(profile: str) -> list[Devices]:
+    """The stand-ins a GPU profile must fit: `workshop` every size (the lead runs it on an H100 too), `full` 80 GB."""
+    return [d for d in STAND_INS if profile == "workshop" or d.total_memory_bytes > 70 * GiB]
+
+
+@pytest.mark.parametrize("profile", ["workshop", "full"])
+@pytest.mark.parametrize("notebook", sorted(NOTEBOOKS))
+def test_every_notebooks_runs_are_accepted_and_fit_each_gpu(monkeypatch, profile, notebook):
+    for devices in where_profile_runs(profile):
+        monkeypatch.setattr(devices_module, "detect_devices", lambda devices=devices: devices)
+        sizes = sizes_for(notebook, devices)[profile]
+        configs = notebook_configs(notebook, sizes, devices)  # RunConfig accepts each against this device
+        assert configs
+        for label, config in configs.items():
+            if config.precision == "bf16":
+                assert devices.bf16, (notebook, label)  # never bf16 on a T4 (RunConfig refuses it too)
+            need = predicted_device_bytes(config)
+            assert need <= FIT_MARGIN * devices.total_memory_bytes, (
+                f"{notebook} {profile} {label} on {devices.device_name} x{devices.device_count}: "
+                f"{need / GiB:.1f} GiB predicted of {devices.total_memory_bytes / GiB:.1f} GiB")
+
+
+def test_half_precision_is_bf16_where_native_and_fp16_on_a_t4():
+    t4, l4, cpu = gpu(16, 1, False), gpu(24, 1, True), Devices("cpu", 1, 2, "gloo", True, False, "CPU", 24 * GiB)
+    assert sizes_for("02", t4)["workshop"]["precision"] == "fp16"
+    assert sizes_for("02", l4)["workshop"]["precision"] == "bf16"
+    assert notebook_sizes.precision_for("half", cpu) == "fp32"
+    assert sizes_for("00", gpu(24, 4, True))["workshop"]["world_size"] == 4  # "all": every GPU
+    assert sizes_for("05", Devices("cpu", 1, 1, "gloo", True, False, "CPU", GiB))["ci"]["world_size"] == 1
+
+
+def test_ci_runs_are_accepted_on_this_machine_class(monkeypatch):
+    cpu = Devices("cpu", 1, 2, "gloo", True, False, "CPU", 24 * GiB)  # the 2-core CI machine
+    monkeypatch.setattr(devices_module, "detect_devices", lambda: cpu)
+    for notebook in NOTEBOOKS:
+        assert notebook_configs(notebook, sizes_for(notebook, cpu)["ci"], cpu)
+
+
+def test_the_default_profile_follows_the_gpus_memory_and_count():
+    assert default_profile(Devices("cpu", 1, 2, "gloo", True, False, "CPU", 24 * GiB)) == "ci"
+    assert default_profile(gpu(16, 1, False)) == "workshop" and default_profile(gpu(24, 4, True)) == "workshop"
+    assert default_profile(gpu(80, 8, True)) == "full"
+    assert default_profile(gpu(80, 1, True)) == "workshop"  # one 80 GB GPU: full is sized for a node
+    small = Devices("cuda", 1, 1, "nccl", False, True, "GeForce GTX 1080", 8 * GiB)
+    assert default_profile(small) == "ci"
+
+
+def test_labkit_profile_workshop_is_accepted(monkeypatch):
+    from labkit.runtime.profiles import current_profile
+
+    monkeypatch.setenv("LABKIT_PROFILE", "workshop")
+    assert current_profile() == "workshop" and PROFILES == ("ci", "workshop", "full")
+    monkeypatch.setenv("LABKIT_PROFILE", "huge")
+    with pytest.raises(ValueError, match="LABKIT_PROFILE must be one of"):
+        current_profile()
+
+
+def test_parameters_cells_read_their_sizes_from_the_module():
+    """The notebooks keep `profile = current_profile()` in their parameters cell and take SIZES from here."""
+    for notebook in sorted(REPO.glob("notebooks/0[0-5]-*.ipynb")):
+        cells = json.loads(notebook.read_text())["cells"]
+        (parameters,) = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+        source = "".join(parameters["source"])
+        assert "profile = current_profile()" in source, notebook.name
+        key = notebook.name[:2]
+        if key in NOTEBOOKS:
+            assert f'SIZES = sizes_for("{key}")' in source, notebook.name
+            assert "dict(" not in source, notebook.name  # no sizes left in the cell
