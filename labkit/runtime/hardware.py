@@ -120,7 +120,7 @@ LINKS: dict[str, Link] = {link.name: link for link in (
     Link(name="pcie4", bytes_per_s=31.5 * GB, latency_s=5.7e-6, efficiency=LINK_EFFICIENCY, source=_PCIE),
     Link(name="pcie5", bytes_per_s=63 * GB, latency_s=5.7e-6, efficiency=LINK_EFFICIENCY, source=_PCIE),
 )}
-INTRA_LINKS = (*LINKS, "nvswitch")
+INTRA_LINKS = (*LINKS, "nvswitch", "auto")
 
 # The node's network, total Gb/s (a node with 8 HDR NICs: 8 x 200 = 1600). Named examples of one NIC each.
 NETWORK_GBPS = {"ib-edr": 100, "ib-hdr": 200, "ib-ndr": 400, "eth-25": 25, "eth-100": 100}
@@ -138,7 +138,10 @@ def gpu(name: str) -> GPU:
 
 
 def intra_link(name: str, gpu_kind: GPU) -> Link:
-    """The link inside a node; `nvswitch` is the NVLink of the GPU's own generation."""
+    """The link inside a node; `nvswitch` is the NVLink of the GPU's own generation; `auto` that where the GPU has
+    NVLink, else its PCIe generation."""
+    if name == "auto":
+        name = "nvswitch" if gpu_kind.nvlink else gpu_kind.host_link
     if name not in INTRA_LINKS:
         raise ValueError(f"unknown link {name!r}; known: {', '.join(INTRA_LINKS)}")
     if name == "nvswitch":
@@ -155,7 +158,7 @@ class Cluster:
     gpu: GPU
     gpus_per_node: int = 1
     nodes: int = 1
-    intra: str = "nvswitch"
+    intra: str = "auto"
     inter_gbps: float = 0.0
 
     def __post_init__(self) -> None:

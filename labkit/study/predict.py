@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from labkit.runtime.hardware import GB, GPU, GPUS, Cluster
+from labkit.runtime.hardware import gpu as find_gpu
 from labkit.study import flops, memory
+from labkit.study.verdict import FLAT_BAND, verdict
 
 HARDWARE = GPUS   # the GPU presets (labkit.runtime.hardware), as the issue names them
 
@@ -357,3 +359,436 @@ def b_crit_from(results_dir: str | os.PathLike) -> float | None:
     pooled = aggregate(noise[["grad_norm_small_sq", "grad_norm_big_sq", "noise_b_small", "noise_b_big"]]
                        .itertuples(index=False, name=None))
     return None if pooled is None else pooled.b_simple
+
+
+# -- the predicted answer card ---------------------------------------------------------------------------------
+WAYS = ("ranks", "micro_batch", "grad_accum")
+GRAD_ACCUM_RANGE = (1, 16)
+
+
+def _way_entry(before: Prediction, after: Prediction, kind: str, b_crit: float | None, condition: str) -> dict:
+    if kind == "per_step":
+        ratio = after.step_time_s / before.step_time_s
+    elif kind == "per_epoch":
+        ratio = (after.step_time_s / after.global_batch) / (before.step_time_s / before.global_batch)
+    else:
+        if b_crit is None:
+            return {"verdict": None, "ratio": None, "from_batch": before.global_batch, "to_batch": after.global_batch,
+                    "condition": "no critical batch: give --b-crit or --results DIR with noise.csv"}
+        ratio = (after.step_time_s * steps_to_target(after.global_batch, b_crit)) / (
+            before.step_time_s * steps_to_target(before.global_batch, b_crit))
+    return {"verdict": verdict(ratio), "ratio": ratio, "from_batch": before.global_batch,
+            "to_batch": after.global_batch, "condition": condition}
+
+
+def _conditions(before: Prediction, after: Prediction, b_crit: float | None) -> dict[str, str]:
+    hidden = after.comm_s - after.exposed_comm_s
+    step = (f"predicted: {after.exposed_comm_s:.3g} s of {after.comm_s:.3g} s communication exposed per step "
+            f"({hidden:.3g} s hidden behind compute), offload {after.offload_s:.3g} s, compute {after.compute_s:.3g} s")
+    rate = after.samples_per_s / before.samples_per_s
+    scale = after.global_batch / before.global_batch
+    epoch = (f"predicted samples/s x{rate:.2f} for a {scale:g}x batch: "
+             + ("the device is saturated (throughput no longer rises with the batch)" if rate < 1.1 else
+                "throughput still rises with the batch"))
+    if b_crit is None:
+        target = "no critical batch given"
+    else:
+        where = "above" if after.global_batch > b_crit else "below"
+        target = (f"S(B) = S_min (1 + B_crit/B) with B_crit = {b_crit:.4g}: batch {after.global_batch} is {where} "
+                  f"it (steps x{steps_to_target(after.global_batch, b_crit) / steps_to_target(before.global_batch, b_crit):.2f})")
+    return {"per_step": step, "per_epoch": epoch, "to_target": target}
+
+
+def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0", micro_batch: int = 8,
+                   micro_batch_range: tuple[int, int] | None = None, precision: str = "fp16",
+                   activation_checkpointing: bool = False, b_crit: float | None = None) -> dict[str, Any]:
+    """The answer card's shape (labkit.study.card: ways x per_step/per_epoch/to_target, each with verdict, ratio,
+    from_batch, to_batch, condition), PREDICTED for `cluster`. ranks: 1 GPU -> every GPU at `micro_batch`;
+    micro_batch: `micro_batch_range` (default micro_batch/4 -> micro_batch*4) on every GPU; grad_accum: 1 -> 16."""
+    def run(c: Cluster, m: int, a: int = 1) -> Prediction:
+        return predict(workload, c, strategy=strategy, micro_batch=m, grad_accum=a, precision=precision,
+                       activation_checkpointing=activation_checkpointing)
+
+    low, high = micro_batch_range or (max(1, micro_batch // 4), micro_batch * 4)
+    one = dataclasses.replace(cluster, gpus_per_node=1, nodes=1, inter_gbps=0.0)
+    pairs: dict[str, tuple[Prediction, Prediction] | None] = {
+        "ranks": None if cluster.world_size == 1 else (run(one, micro_batch), run(cluster, micro_batch)),
+        "micro_batch": (run(cluster, low), run(cluster, high)),
+        "grad_accum": (run(cluster, micro_batch, GRAD_ACCUM_RANGE[0]), run(cluster, micro_batch, GRAD_ACCUM_RANGE[1])),
+    }
+    ways: dict[str, Any] = {}
+    for way, pair in pairs.items():
+        if pair is None:
+            ways[way] = {kind: {"verdict": None, "ratio": None, "from_batch": None, "to_batch": None,
+                                "condition": "1 device: ranks cannot grow"} for kind in ("per_step", "per_epoch",
+                                                                                         "to_target")}
+            continue
+        before, after = pair
+        conditions = _conditions(before, after, b_crit)
+        ways[way] = {kind: _way_entry(before, after, kind, b_crit, conditions[kind])
+                     for kind in ("per_step", "per_epoch", "to_target")}
+    return {"ways": ways, "deepspeed": _deepspeed_line(workload, cluster, micro_batch, precision,
+                                                       activation_checkpointing),
+            "predicted": True, "flat_band": FLAT_BAND,
+            "predicted_for": {"hardware": cluster.describe(), "gpu": cluster.gpu.name, "world_size": cluster.world_size,
+                              "model": workload.name, "n_params": workload.n_params, "strategy": strategy,
+                              "precision": precision, "activation_checkpointing": activation_checkpointing,
+                              "b_crit": b_crit}}
+
+
+def _deepspeed_line(workload: Workload, cluster: Cluster, micro_batch: int, precision: str, ckpt: bool) -> str:
+    base = predict(workload, cluster, strategy="z0", micro_batch=micro_batch, precision=precision,
+                   activation_checkpointing=ckpt)
+    parts = []
+    for strategy in ("z1", "z2", "z3", "z2-offload"):
+        p = predict(workload, cluster, strategy=strategy, micro_batch=micro_batch, precision=precision,
+                    activation_checkpointing=ckpt)
+        parts.append(f"{strategy} {p.step_time_s / base.step_time_s:.2f}x the step, largest micro-batch "
+                     f"{p.max_micro_batch} (stage 0: {base.max_micro_batch})")
+    return "predicted against ZeRO stage 0 at micro-batch " + f"{micro_batch}: " + "; ".join(parts)
+
+
+# -- calibrated on the learner's own run ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MeasuredRun:
+    """What a finished run measured, per optimizer step (rank 0's medians after the first two steps)."""
+
+    run_dir: str
+    config: dict[str, Any]
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    step_time_s: float
+    steps: int
+
+    @property
+    def world_size(self) -> int:
+        return int(self.config["world_size"])
+
+    @property
+    def stage(self) -> int | None:
+        return None if self.config.get("example") == "pytorch" else int(self.config.get("stage") or 0)
+
+    @property
+    def offload(self) -> bool:
+        return bool(self.config.get("offload_optimizer"))
+
+    @property
+    def threads_per_rank(self) -> int:
+        return int(self.config.get("threads_per_rank") or max(1, (os.cpu_count() or 1) // self.world_size))
+
+
+SKIP_STEPS = 2
+
+
+def read_run(run_dir: str | os.PathLike) -> MeasuredRun:
+    """A finished labkit run directory (config.json + rank0.jsonl with per-step phase times)."""
+    import json
+    import statistics
+
+    from labkit.live.records import read_records
+
+    path = Path(run_dir)
+    if not (path / "config.json").exists():
+        raise ValueError(f"not a labkit run directory (no config.json): {run_dir}")
+    config = json.loads((path / "config.json").read_text())
+    steps = [r for r in read_records(path / "rank0.jsonl") if r.get("event") == "step" and "forward_s" in r]
+    steps = steps[SKIP_STEPS:] if len(steps) > SKIP_STEPS + 2 else steps
+    if not steps:
+        raise ValueError(f"{run_dir} has no per-step records with phase times (a run with telemetry on is needed)")
+
+    def median(key: str) -> float:
+        return float(statistics.median(float(r.get(key) or 0.0) for r in steps))
+
+    return MeasuredRun(str(path), config, median("forward_s"), median("backward_s"), median("optimizer_s"),
+                       median("step_time_s"), len(steps))
+
+
+def effective_cores(threads_per_rank: int, ranks: int, cores: int) -> float:
+    """Cores one CPU rank computes on: its threads, or its share of the machine's cores when ranks x threads
+    oversubscribe them (ranks on one machine share its cores: no fudge factor, the share)."""
+    return min(float(threads_per_rank), cores / ranks)
+
+
+@dataclass(frozen=True)
+class CpuDevice:
+    """This machine's per-thread FLOP/s, memory bandwidth and per-op dispatch cost, measured (for the cost of a
+    micro-batch of another size on CPU ranks: a roofline plus one dispatch per op)."""
+
+    flops_per_s: float
+    bytes_per_s: float
+    op_overhead_s: float
+
+    def seconds(self, ops: list[flops.Op]) -> float:
+        return float(sum(max(op.flops / self.flops_per_s, op.bytes / self.bytes_per_s) + self.op_overhead_s
+                         for op in ops))
+
+
+def measure_cpu_device(seconds: float = 0.2) -> CpuDevice:
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        a @ b
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            n += 1
+        flops_per_s = 2 * 512**3 * n / (time.perf_counter() - start)
+        big = torch.empty(8 << 20)
+        src = torch.randn(8 << 20)
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            big.copy_(src)
+            n += 1
+        bytes_per_s = 2 * big.numel() * 4 * n / (time.perf_counter() - start)
+        tiny = torch.zeros(1)
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            tiny.add_(1.0)
+            n += 1
+        overhead = (time.perf_counter() - start) / n
+    finally:
+        torch.set_num_threads(threads)
+    return CpuDevice(flops_per_s, bytes_per_s, overhead)
+
+
+def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None, micro_batch: int | None = None,
+               stage: int | None = None, cores: int | None = None, threads_per_rank: int | None = None,
+               device: CpuDevice | None = None) -> dict[str, Any]:
+    """The same training as `run`, PREDICTED at another world size, micro-batch or ZeRO stage on this machine:
+    the run's measured compute per micro-step (less the communication it had, predicted), the optimizer's measured
+    time over the parameters a rank owns, and DeepSpeed's collectives timed with `link_fit` (measure_links on this
+    machine). CPU ranks share the machine's cores: each computes on `effective_cores`."""
+    from labkit.launch.config import RunConfig
+
+    config = RunConfig.from_dict({k: v for k, v in run.config.items() if k in RunConfig.__dataclass_fields__})
+    old_n, new_n = run.world_size, world_size or run.world_size
+    old_stage = run.stage
+    new_stage = old_stage if stage is None else stage
+    if new_stage is not None and new_stage == 0 and run.offload:
+        raise ValueError("offload needs ZeRO stage >= 1")
+    accum = int(run.config.get("grad_accum") or 1)
+    old_m, new_m = int(run.config["micro_batch"]), micro_batch or int(run.config["micro_batch"])
+    cores = cores or os.cpu_count() or 1
+    new_threads = threads_per_rank or (config.threads_per_rank if world_size is None and config.threads_per_rank
+                                       else max(1, cores // new_n))
+    n_params = int(_n_params(config))
+    persistent = int(_persistent(config))
+    links = FittedLinks(link_fit)
+    precision = run.config.get("precision", "fp32")
+
+    def rows(stage_: int | None, n: int, m_accum: int) -> list[Any]:
+        return collective_rows(stage_, n_params, n, precision=precision, grad_accum=m_accum,
+                               offload_optimizer=run.offload, persistent_params=persistent)
+
+    # What the measured run spent communicating (predicted with the same link fit), taken out of its phases.
+    had = comm_time(rows(old_stage, old_n, accum), links, old_n, grad_accum=accum, hide_behind={})
+    compute_old = max(run.forward_s + run.backward_s + run.optimizer_s - had.total_s, 0.0)
+    optimizer_old = max(run.optimizer_s - sum(r["seconds_per_step"] for r in had.rows if r["phase"] == "optimizer"),
+                        0.0)
+    micro_old = max(compute_old - optimizer_old, 0.0) / accum
+    speed = effective_cores(run.threads_per_rank, old_n, cores) / effective_cores(new_threads, new_n, cores)
+    scale = 1.0
+    if new_m != old_m:
+        work = ModuleWorkload(config)
+        device = device or measure_cpu_device()
+        old_c, new_c = work.census(old_m, precision), work.census(new_m, precision)
+        scale = device.seconds(new_c.forward + new_c.backward) / device.seconds(old_c.forward + old_c.backward)
+    micro_new = micro_old * scale * speed
+    optimizer_new = optimizer_old * speed * _partition(old_stage, old_n) / _partition(new_stage, new_n)
+    spare = cores > new_n * new_threads
+    share = micro_new / 2  # forward ~ 1/3, backward ~ 2/3 of a micro-step; only used when a core is spare
+    comm = comm_time(rows(new_stage, new_n, accum), links, new_n, grad_accum=accum,
+                     hide_behind={"forward": share, "backward": share} if spare else {})
+    step = accum * micro_new + optimizer_new + comm.exposed_s
+    global_batch = new_m * accum * new_n
+    return {"predicted": True, "calibrated_from": run.run_dir, "world_size": new_n, "micro_batch": new_m,
+            "grad_accum": accum, "stage": new_stage, "offload_optimizer": run.offload, "threads_per_rank": new_threads,
+            "global_batch": global_batch, "step_time_s": step, "samples_per_s": global_batch / step,
+            "compute_s": accum * micro_new + optimizer_new, "optimizer_s": optimizer_new, "comm_s": comm.total_s,
+            "exposed_comm_s": comm.exposed_s, "offload_s": 0.0, "measured_step_time_s": run.step_time_s,
+            "collectives": comm.rows}
+
+
+def _n_params(config: Any) -> int:
+    from labkit.models import builders
+
+    return sum(builders.param_numels(config))
+
+
+def _persistent(config: Any) -> int:
+    from labkit.models import builders
+
+    return builders.persistent_params(builders.param_numels(config))
+
+
+# -- `labkit predict` ---------------------------------------------------------------------------------------------
+def measure_links(*args: Any, **kwargs: Any) -> Any:
+    """labkit.study.comms.measure_links: a short all-reduce / all-gather / reduce-scatter benchmark on this machine
+    (real processes; gloo on CPU, NCCL on GPU), fitted per op as alpha + bytes x beta."""
+    from labkit.study import comms
+
+    return comms.measure_links(*args, **kwargs)
+
+
+def _bad(field_name: str, message: str) -> Exception:
+    from labkit.launch.config import ConfigError
+
+    return ConfigError(field_name, message)
+
+
+def _cluster(args: Any) -> Cluster:
+    try:
+        kind = find_gpu(args.gpu)
+        return Cluster(gpu=kind, gpus_per_node=args.gpus_per_node, nodes=args.nodes, intra=args.intra,
+                       inter_gbps=args.inter_gbps)
+    except ValueError as exc:
+        raise _bad("hardware", str(exc)) from None
+
+
+def _strategy(args: Any) -> str:
+    if args.plain_pytorch:
+        if args.stage is not None or args.offload_optimizer:
+            raise _bad("plain_pytorch", "--plain-pytorch takes no --stage or --offload-optimizer")
+        return "torch"
+    stage = 0 if args.stage is None else args.stage
+    if args.offload_optimizer and stage == 0:
+        raise _bad("offload_optimizer", "DeepSpeed offloads the optimizer only with ZeRO stage >= 1 (--stage 1-3)")
+    return f"z{stage}" + ("-offload" if args.offload_optimizer else "")
+
+
+def _workload(args: Any) -> Workload:
+    if args.transformer:
+        try:
+            return TransformerWorkload(flops.Transformer.parse(args.transformer))
+        except ValueError as exc:
+            raise _bad("transformer", str(exc)) from None
+    from labkit.launch.config import RunConfig
+    from labkit.models import builders
+
+    values: dict[str, Any] = {"example": "deepspeed", "model": args.model}
+    for name in ("hidden", "depth", "input_size"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    config = RunConfig.from_dict(values)
+    builders.check_importable(config)
+    return ModuleWorkload(config)
+
+
+def _accumulation(args: Any, micro: int, world_size: int) -> int:
+    if args.global_batch is not None:
+        if args.grad_accum is not None:
+            raise _bad("global_batch", "give --global-batch or --grad-accum, not both")
+        accum, rest = divmod(args.global_batch, micro * world_size)
+        if accum < 1 or rest:
+            raise _bad("global_batch", f"--global-batch {args.global_batch} must be micro-batch {micro} x "
+                                       f"accumulation x {world_size} GPUs")
+        return accum
+    return args.grad_accum or 1
+
+
+def _b_crit(args: Any) -> float | None:
+    if args.b_crit is not None:
+        if args.b_crit <= 0:
+            raise _bad("b_crit", "--b-crit must be > 0")
+        return float(args.b_crit)
+    if args.results:
+        if not Path(args.results).is_dir():
+            raise _bad("results", f"no such results directory: {args.results}")
+        return b_crit_from(args.results)
+    return None
+
+
+def cli(args: Any) -> int:
+    """`labkit predict` (labkit.cli builds the parser). Every check runs before any counting or benchmark."""
+    import json
+
+    for name in ("gpus_per_node", "nodes", "micro_batch", "global_batch", "grad_accum", "world_size",
+                 "threads_per_rank"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise _bad(name, f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.from_run:
+        out = _cli_from_run(args)
+    else:
+        cluster, strategy, b_crit = _cluster(args), _strategy(args), _b_crit(args)
+        precision = args.precision or "fp16"
+        try:
+            cluster.gpu.peak(precision)
+        except ValueError as exc:
+            raise _bad("precision", str(exc)) from None
+        micro = args.micro_batch or 1
+        accum = _accumulation(args, micro, cluster.world_size)
+        workload = _workload(args)
+        try:
+            pred = predict(workload, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
+                           precision=precision, activation_checkpointing=args.activation_checkpointing,
+                           host_memory_gb_per_s=args.host_memory_gb_per_s or DEFAULT_HOST_MEMORY_GB_PER_S)
+        except ValueError as exc:
+            raise _bad("predict", str(exc)) from None
+        out = pred.to_dict()
+        out["model"], out["n_params"] = workload.name, workload.n_params
+        if b_crit is not None:
+            out["b_crit"] = b_crit
+            out["steps_to_target_over_s_min"] = steps_to_target(pred.global_batch, b_crit)
+        if args.card:
+            out["card"] = predicted_card(workload, cluster, strategy=strategy, micro_batch=micro, precision=precision,
+                                         activation_checkpointing=args.activation_checkpointing, b_crit=b_crit)
+    if args.format == "json":
+        print(json.dumps(out, indent=2, default=float))
+    else:
+        print(format_table(out))
+    return 0
+
+
+def _cli_from_run(args: Any) -> dict[str, Any]:
+    import json
+
+    if args.transformer or args.model:
+        raise _bad("from_run", "--from takes the model from the run")
+    if not Path(args.from_run).is_dir():
+        raise _bad("from_run", f"no such run directory: {args.from_run}")
+    try:
+        run = read_run(args.from_run)
+    except ValueError as exc:
+        raise _bad("from_run", str(exc)) from None
+    stage = args.stage
+    if args.offload_optimizer or args.plain_pytorch:
+        raise _bad("from_run", "--from keeps the run's offload and DeepSpeed: change --world-size, --micro-batch or "
+                               "--stage")
+    if stage == 0 and run.offload:
+        raise _bad("stage", "the run offloads its optimizer: stage 0 cannot")
+    if args.links:
+        if not Path(args.links).is_file():
+            raise _bad("links", f"no such link fit: {args.links}")
+        fit = json.loads(Path(args.links).read_text())
+    else:
+        fit = measure_links(world_size=max(2, args.world_size or run.world_size))
+    return calibrated(run, fit, world_size=args.world_size, micro_batch=args.micro_batch, stage=stage,
+                      threads_per_rank=args.threads_per_rank)
+
+
+def format_table(out: dict[str, Any]) -> str:
+    """The JSON as lines a person reads, every number labelled predicted."""
+    lines = [f"PREDICTED ({out.get('hardware') or 'calibrated on ' + str(out.get('calibrated_from'))})"]
+    for key in ("strategy", "world_size", "micro_batch", "grad_accum", "global_batch", "step_time_s", "samples_per_s",
+                "model_tflops_per_gpu", "hardware_tflops_per_gpu", "compute_s", "comm_s", "exposed_comm_s",
+                "offload_s", "device_bytes", "fits", "max_micro_batch", "measured_step_time_s",
+                "steps_to_target_over_s_min"):
+        if key in out:
+            value = out[key]
+            text = f"{value:.4g}" if isinstance(value, float) else str(value)
+            lines.append(f"  predicted {key:28s} {text}")
+    card = out.get("card")
+    if card:
+        lines.append("  predicted answer card (time at the larger batch / at the smaller):")
+        for way, kinds in card["ways"].items():
+            cells = [f"{kind} {e['verdict'] or '-'}" + (f" ({e['ratio']:.2f}x)" if e["ratio"] else "")
+                     for kind, e in kinds.items()]
+            lines.append(f"    {way:12s} " + ", ".join(cells))
+    return "\n".join(lines)
