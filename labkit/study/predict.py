@@ -130,11 +130,22 @@ class ModuleWorkload:
             dataset = builders.build_dataset(self.config)
             sample = default_collate([dataset[0]] * micro_batch)
             dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
-            with torch.device("meta"):
-                model = builders.build_model(self.config).to(dtype)
-            inputs, labels = (t.to("meta").to(dtype) if t.is_floating_point() else t.to("meta") for t in sample)
             loss_fn = builders.loss_function(self.config)
-            self._cache[key] = flops.module_census(model, lambda: loss_fn(model, inputs, labels).float())
+
+            def census_on(device: str) -> flops.Census:
+                with torch.device(device), torch.random.fork_rng(devices=[]):
+                    model = builders.build_model(self.config).to(dtype)
+                inputs, labels = (t.to(device).to(dtype) if t.is_floating_point() else t.to(device) for t in sample)
+                return flops.module_census(model, lambda: loss_fn(model, inputs, labels).float())
+
+            try:
+                self._cache[key] = census_on("meta")
+            except RuntimeError as exc:
+                # A model whose forward reads a value (Hugging Face's packed-sequence check calls .item()) cannot
+                # run on the meta device: count it on a real CPU copy instead (the lab's models are small).
+                if "meta" not in str(exc):
+                    raise
+                self._cache[key] = census_on("cpu")
         return self._cache[key]
 
     def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts:
@@ -792,3 +803,96 @@ def format_table(out: dict[str, Any]) -> str:
                      for kind, e in kinds.items()]
             lines.append(f"    {way:12s} " + ", ".join(cells))
     return "\n".join(lines)
+
+
+def cpu_comparison(data_dir: str | os.PathLike) -> Any:
+    """Every 2-rank point of `data_dir/runs.csv` PREDICTED from the 1-rank run of the same strategy and
+    micro-batch with the link fit `data_dir/links.json`, beside the measured 2-rank step time (a DataFrame)."""
+    import json
+
+    import pandas as pd
+
+    data = Path(data_dir)
+    runs = pd.read_csv(data / "runs.csv")
+    fit = json.loads((data / "links.json").read_text())
+    machine = json.loads((data / "machine.json").read_text()) if (data / "machine.json").exists() else {}
+    cores = int(machine.get("cpu_cores") or 2)
+    rows = []
+    for _, two in runs[runs["world_size"] == 2].iterrows():
+        one = runs[(runs["world_size"] == 1) & (runs["strategy"] == two["strategy"])
+                   & (runs["micro_batch"] == two["micro_batch"])]
+        if one.empty:
+            continue
+        base = one.iloc[0]
+        run = MeasuredRun(f"{base['strategy']}-w1-m{base['micro_batch']}", json.loads(base["config"]),
+                          float(base["forward_s"]), float(base["backward_s"]), float(base["optimizer_s"]),
+                          float(base["step_time_s"]), int(base["steps"]))
+        pred = calibrated(run, fit, world_size=2, cores=cores, threads_per_rank=1)
+        rows.append({"strategy": two["strategy"], "micro_batch": int(two["micro_batch"]),
+                     "measured_1_rank_s": float(base["step_time_s"]), "predicted_2_rank_s": pred["step_time_s"],
+                     "measured_2_rank_s": float(two["step_time_s"]),
+                     "predicted_comm_s": pred["exposed_comm_s"],
+                     "error": pred["step_time_s"] / float(two["step_time_s"]) - 1})
+    return pd.DataFrame(rows)
+
+
+# -- report.html's "predicted on other hardware" section -------------------------------------------------------------
+REPORT_CLUSTERS = (("one node of 8 A100-80GB (NVSwitch)", dict(gpus_per_node=8, nodes=1)),
+                   ("4 such nodes, 8 x 200 Gb/s HDR InfiniBand each", dict(gpus_per_node=8, nodes=4, inter_gbps=1600)))
+TINY_STEP_S = 1e-3  # below this a predicted GPU step is dominated by kernel launches, which the model leaves out
+
+
+def answer_workload(results_dir: str | os.PathLike) -> tuple[ModuleWorkload, int]:
+    """The model an answer's results dir measured (machine.json's profile and model) and its ranks-way micro-batch."""
+    import json
+
+    from labkit.launch.config import RunConfig
+    from labkit.study.answer import GPT_MODELS, PROFILES
+
+    machine = json.loads((Path(results_dir) / "machine.json").read_text())
+    profile = PROFILES[machine.get("profile") or "ci"]
+    values = {**profile.model, **(GPT_MODELS.get(profile.name, {}) if machine.get("model") == "gpt" else {})}
+    config = RunConfig.from_dict({"example": "deepspeed", **values})
+    micro = 64
+    results = Path(results_dir) / "results.csv"
+    if results.exists():
+        import pandas as pd
+
+        table = pd.read_csv(results)
+        ranks = table[table["growth"].astype(str).str.contains("ranks")] if "growth" in table else table.iloc[0:0]
+        if not ranks.empty:
+            micro = int(ranks["micro_batch"].iloc[0])
+    return ModuleWorkload(config), micro
+
+
+def report_section(results_dir: str | os.PathLike, *, precision: str = "bf16") -> str:
+    """HTML: the answer card PREDICTED for one node of 8 A100s and for 4 such nodes, for the model the answer in
+    `results_dir` measured, with its B_crit (noise.csv). Every number is labelled predicted."""
+    import html
+
+    workload, micro = answer_workload(results_dir)
+    b_crit = b_crit_from(results_dir)
+    parts = ["<section id='predicted-other-hardware'><h2>Predicted on other hardware (not measured)</h2>",
+             f"<p>What <code>labkit.study.predict</code> predicts for this answer's model ({html.escape(workload.name)}, "
+             f"{workload.n_params:,} parameters, {precision}, ZeRO stage 0) on GPUs this machine does not have. "
+             "Every number here is a <b>prediction</b> (docs/predict.md: the model, its sources, what it leaves out)"
+             + (f"; time to the same loss uses the measured B_simple = {b_crit:.4g}" if b_crit else "") + ".</p>"]
+    for title, shape in REPORT_CLUSTERS:
+        cluster = Cluster(gpu=find_gpu("A100-80GB"), intra="nvswitch", **shape)  # type: ignore[arg-type]
+        card = predicted_card(workload, cluster, micro_batch=micro, precision=precision, b_crit=b_crit)
+        step = predict(workload, cluster, strategy="z0", micro_batch=micro, precision=precision)
+        parts.append(f"<h3>{html.escape(title)}: predicted</h3><table><tr><th>way to grow the batch</th>"
+                     "<th>per step</th><th>per epoch</th><th>to the same loss</th></tr>")
+        for way, kinds in card["ways"].items():
+            cells = []
+            for entry in kinds.values():
+                text = "-" if entry["verdict"] is None else f"predicted {entry['verdict']} ({entry['ratio']:.2f}x)"
+                cells.append(f"<td title='{html.escape(entry['condition'])}'>{text}</td>")
+            parts.append(f"<tr><td>{way}</td>{''.join(cells)}</tr>")
+        parts.append("</table>")
+        note = (f" At {step.step_time_s * 1e6:.0f} us a step, kernel launches (not modelled) would dominate: this "
+                "model is too small for these GPUs." if step.step_time_s < TINY_STEP_S else "")
+        parts.append(f"<p>Predicted step at micro-batch {micro}: {step.step_time_s:.3g} s (compute "
+                     f"{step.compute_s:.3g} s, exposed communication {step.exposed_comm_s:.3g} s).{note}</p>")
+    parts.append("</section>")
+    return "\n".join(parts)
