@@ -42,8 +42,9 @@ def measure(out: Path) -> None:
     for strategy, (stage, offload) in STRATEGIES.items():
         for micro in MICRO_BATCHES:
             for world_size in (1, 2):
-                config = RunConfig(example="offload" if offload else "deepspeed", stage=stage, offload_optimizer=offload,
-                                   world_size=world_size, micro_batch=micro, steps=STEPS, threads_per_rank=1, **MODEL)
+                config = RunConfig(example="offload" if offload else "deepspeed", stage=stage,
+                                   offload_optimizer=offload, world_size=world_size, micro_batch=micro, steps=STEPS,
+                                   threads_per_rank=1, **MODEL)
                 run = Run(config, out=out / "runs" / f"{strategy}-w{world_size}-m{micro}").start()
                 status = run.wait()
                 if status != "finished":

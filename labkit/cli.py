@@ -284,7 +284,8 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
                       help="calibrate on a finished run and predict it at another --world-size/--micro-batch/--stage")
     for name in ("hidden", "depth", "input_size"):
         predict.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=_HELP[name])
-    predict.add_argument("--gpu", default="A100-80GB", help="GPU kind (labkit.study.predict.HARDWARE; default A100-80GB)")
+    predict.add_argument("--gpu", default="A100-80GB",
+                         help="GPU kind (labkit.study.predict.HARDWARE; default A100-80GB)")
     predict.add_argument("--gpus-per-node", type=int, default=1)
     predict.add_argument("--nodes", type=int, default=1)
     predict.add_argument("--intra", default="auto", help="link inside a node: nvlink2, nvlink3, nvlink4, nvswitch "

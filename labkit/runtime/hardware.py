@@ -48,7 +48,7 @@ _V100_SXM2 = "NVIDIA Tesla V100 datasheet (2020, SXM2): 125 TFLOPS tensor, 15.7 
 _V100_PCIE = "NVIDIA Tesla V100 datasheet (2020, PCIe): 112 TFLOPS tensor, 14 FP32, 900 GB/s HBM2, 80 SMs"
 _A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOPS BF16/FP16 dense, 19.5 FP32, 108 SMs; " \
         "40GB 1,555 GB/s; 80GB SXM 2,039 GB/s, 80GB PCIe 1,935 GB/s; NVLink 600 GB/s (12 links x 25 GB/s per direction)"
-_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023): SXM 989 TFLOPS BF16/FP16 dense (1,979 with sparsity), 67 FP32, " \
+_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023): SXM 989 TFLOPS BF16/FP16 dense (1,979 sparse), 67 FP32, " \
         "3.35 TB/s, 132 SMs, NVLink 900 GB/s (18 links x 25 GB/s per direction); PCIe 756 dense (1,513 sparse), " \
         "51 FP32, 2.0 TB/s, 114 SMs"
 _L4 = "NVIDIA L4 datasheet (2023): 121 TFLOPS BF16/FP16 dense (242 sparse), 30.3 FP32, 24 GB, 300 GB/s, 58 SMs, PCIe 4"

@@ -193,14 +193,15 @@ class Transformer:
         return self.layers * per_layer + (2 * h if h <= threshold else 0)
 
 
-def _gpt2(shape: Transformer, layers: int, dtype: torch.dtype) -> torch.nn.Module:
+def _gpt2(shape: Transformer, layers: int, dtype: torch.dtype) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=layers, n_embd=shape.hidden, n_head=shape.heads, n_positions=shape.seq,
-                        vocab_size=shape.vocab, attn_implementation="eager",
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    settings: dict[str, Any] = dict(n_layer=layers, n_embd=shape.hidden, n_head=shape.heads, n_positions=shape.seq,
+                                    vocab_size=shape.vocab, attn_implementation="eager", resid_pdrop=0.0,
+                                    embd_pdrop=0.0, attn_pdrop=0.0)
     with torch.device("meta"):
-        return GPT2LMHeadModel(config).to(dtype)
+        model: Any = GPT2LMHeadModel(GPT2Config(**settings))
+        return model.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,11 @@ def transformer_costs(shape: Transformer, micro_batch: int, dtype_name: str) -> 
     for layers in (1, 2):
         model = _gpt2(shape, layers, dtype)
         ids = torch.zeros(micro_batch, shape.seq, dtype=torch.long, device="meta")
-        censuses.append(count(lambda m=model, x=ids: m(input_ids=x, labels=x).loss, list(model.parameters())))
+
+        def step(m: Any = model, x: torch.Tensor = ids) -> torch.Tensor:
+            return m(input_ids=x, labels=x).loss
+
+        censuses.append(count(step, list(model.parameters())))
     return LayerCosts(*censuses)
 
 

@@ -54,9 +54,14 @@ HOST_MEMORY_EFFICIENCY = flops.MEMORY_EFFICIENCY
 
 
 class Workload(Protocol):
-    name: str
-    n_params: int
-    persistent_params: int
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def n_params(self) -> int: ...
+
+    @property
+    def persistent_params(self) -> int: ...
 
     def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts: ...
 
@@ -405,8 +410,9 @@ def _conditions(before: Prediction, after: Prediction, b_crit: float | None) -> 
         target = "no critical batch given"
     else:
         where = "above" if after.global_batch > b_crit else "below"
+        steps = steps_to_target(after.global_batch, b_crit) / steps_to_target(before.global_batch, b_crit)
         target = (f"S(B) = S_min (1 + B_crit/B) with B_crit = {b_crit:.4g}: batch {after.global_batch} is {where} "
-                  f"it (steps x{steps_to_target(after.global_batch, b_crit) / steps_to_target(before.global_batch, b_crit):.2f})")
+                  f"it (steps x{steps:.2f})")
     return {"per_step": step, "per_epoch": epoch, "to_target": target}
 
 
@@ -837,7 +843,8 @@ def cpu_comparison(data_dir: str | os.PathLike) -> Any:
 
 
 # -- report.html's "predicted on other hardware" section -------------------------------------------------------------
-REPORT_CLUSTERS = (("one node of 8 A100-80GB (NVSwitch)", dict(gpus_per_node=8, nodes=1)),
+REPORT_CLUSTERS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("one node of 8 A100-80GB (NVSwitch)", dict(gpus_per_node=8, nodes=1)),
                    ("4 such nodes, 8 x 200 Gb/s HDR InfiniBand each", dict(gpus_per_node=8, nodes=4, inter_gbps=1600)))
 TINY_STEP_S = 1e-3  # below this a predicted GPU step is dominated by kernel launches, which the model leaves out
 
@@ -873,12 +880,13 @@ def report_section(results_dir: str | os.PathLike, *, precision: str = "bf16") -
     workload, micro = answer_workload(results_dir)
     b_crit = b_crit_from(results_dir)
     parts = ["<section id='predicted-other-hardware'><h2>Predicted on other hardware (not measured)</h2>",
-             f"<p>What <code>labkit.study.predict</code> predicts for this answer's model ({html.escape(workload.name)}, "
+             "<p>What <code>labkit.study.predict</code> predicts for this answer's model "
+             f"({html.escape(workload.name)}, "
              f"{workload.n_params:,} parameters, {precision}, ZeRO stage 0) on GPUs this machine does not have. "
              "Every number here is a <b>prediction</b> (docs/predict.md: the model, its sources, what it leaves out)"
              + (f"; time to the same loss uses the measured B_simple = {b_crit:.4g}" if b_crit else "") + ".</p>"]
     for title, shape in REPORT_CLUSTERS:
-        cluster = Cluster(gpu=find_gpu("A100-80GB"), intra="nvswitch", **shape)  # type: ignore[arg-type]
+        cluster = Cluster(gpu=find_gpu("A100-80GB"), intra="nvswitch", **shape)
         card = predicted_card(workload, cluster, micro_batch=micro, precision=precision, b_crit=b_crit)
         step = predict(workload, cluster, strategy="z0", micro_batch=micro, precision=precision)
         parts.append(f"<h3>{html.escape(title)}: predicted</h3><table><tr><th>way to grow the batch</th>"

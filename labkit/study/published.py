@@ -75,8 +75,8 @@ def setup(row: Any) -> dict[str, Any]:
     offload = str(row["offload_optimizer"]).lower() == "true"
     strategy = f"z{int(row['stage'])}" + ("-offload" if offload else "")
     workload = P.TransformerWorkload(shape, name=str(row["model"]))
-    args = dict(workload=workload, cluster=cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
-                precision=str(row["precision"]))
+    args: dict[str, Any] = dict(workload=workload, cluster=cluster, strategy=strategy, micro_batch=micro,
+                                grad_accum=accum, precision=str(row["precision"]))
     ckpt = row["activation_checkpointing"]
     if _blank(ckpt):
         ckpt = not P.predict(**args, activation_checkpointing=False).fits
