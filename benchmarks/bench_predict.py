@@ -35,7 +35,6 @@ def measure(out: Path) -> None:
     from labkit.launch.config import RunConfig
     from labkit.launch.run import Run
     from labkit.study import comms
-    from labkit.study.predict import read_run
 
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -50,12 +49,8 @@ def measure(out: Path) -> None:
                 if status != "finished":
                     print(f"{strategy} w{world_size} m{micro}: {status} ({run.cause})", flush=True)
                     continue
-                measured = read_run(run.run_dir)
-                rows.append({"strategy": strategy, "world_size": world_size, "micro_batch": micro,
-                             "forward_s": measured.forward_s, "backward_s": measured.backward_s,
-                             "optimizer_s": measured.optimizer_s, "step_time_s": measured.step_time_s,
-                             "steps": measured.steps, "config": json.dumps(measured.config, sort_keys=True)})
-                print(f"{strategy} w{world_size} m{micro}: {measured.step_time_s * 1e3:.2f} ms", flush=True)
+                rows += run_rows(strategy, run.run_dir)
+                print(f"{strategy} w{world_size} m{micro}: {rows[-2]['step_time_s'] * 1e3:.2f} ms", flush=True)
     import pandas as pd
 
     pd.DataFrame(rows).to_csv(out / "runs.csv", index=False)
@@ -64,9 +59,29 @@ def measure(out: Path) -> None:
         (out / "links.json").write_text(json.dumps(_fit_json(fit), indent=2))
     else:
         print("labkit.study.comms has no measure_links yet: links.json not written", flush=True)
+    from labkit.study.predict import measure_zero3_fetch_s
+
+    host = measure_zero3_fetch_s()
+    host.update(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_average=list(__import__("os").getloadavg()))
+    (out / "host.json").write_text(json.dumps(host, indent=2))
     machine = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_average": list(__import__("os").getloadavg()),
                "cpu_cores": __import__("os").cpu_count(), "threads_per_rank": 1, "steps": STEPS}
     (out / "machine.json").write_text(json.dumps(machine, indent=2))
+
+
+def run_rows(strategy: str, run_dir: object) -> list[dict]:
+    """runs.csv's rows for one run: its phases by both statistics (median, p10)."""
+    from labkit.study.predict import STATISTICS, read_run
+
+    rows = []
+    for statistic in STATISTICS:
+        measured = read_run(str(run_dir), statistic)
+        rows.append({"strategy": strategy, "world_size": measured.world_size,
+                     "micro_batch": int(measured.config["micro_batch"]), "statistic": statistic,
+                     "forward_s": measured.forward_s, "backward_s": measured.backward_s,
+                     "optimizer_s": measured.optimizer_s, "step_time_s": measured.step_time_s,
+                     "steps": measured.steps, "config": json.dumps(measured.config, sort_keys=True)})
+    return rows
 
 
 def _fit_json(fit: object) -> dict:

@@ -301,3 +301,15 @@ def test_the_report_section_labels_every_number_predicted():
     assert "one node of 8 A100-80GB" in html and "4 such nodes" in html
     cells = [c for c in html.split("<td") if "x)</td>" in c]
     assert cells and all("predicted" in c for c in cells)
+
+
+def test_zero3_micro_steps_cannot_be_shorter_than_the_hosts_fetch_hooks():
+    tiny = flops.Transformer(layers=24, hidden=256, heads=4, seq=128, vocab=512)
+    cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
+    z0 = P.predict(P.TransformerWorkload(tiny), cluster, strategy="z0", micro_batch=1, precision="bf16")
+    z3 = P.predict(P.TransformerWorkload(tiny), cluster, strategy="z3", micro_batch=1, precision="bf16")
+    assert z0.host_overhead_s == 0
+    assert z3.host_overhead_s == pytest.approx(2 * tiny.param_modules() * P.zero3_fetch_s())
+    assert z3.forward_s + z3.backward_s == pytest.approx(z3.host_overhead_s)  # host-bound at micro-batch 1
+    big = P.predict(P.TransformerWorkload(GPT2_XL), cluster, strategy="z3", micro_batch=8, precision="bf16")
+    assert big.forward_s + big.backward_s > big.host_overhead_s  # the device's work hides the hooks

@@ -109,9 +109,22 @@ def measure_links(world_size: int = 2, sizes: tuple = (4_096, 65_536, 1_048_576,
     queue = ctx.Queue()
     procs = [ctx.Process(target=_bench_worker, args=(r, world_size, port, sizes, ops, repeats, queue))
              for r in range(world_size)]
+    import queue as queues
+    import time
+
     for p in procs:
         p.start()
-    rows = queue.get(timeout=300)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            rows = queue.get(timeout=1)
+            break
+        except queues.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"measure_links: a benchmark process failed (exit codes {failed})") from None
     for p in procs:
         p.join(timeout=60)
     fits: dict = {}

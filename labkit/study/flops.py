@@ -182,6 +182,11 @@ class Transformer:
         per_layer = 12 * h * h + 13 * h          # qkv + proj + 2 MLP matrices, their biases, 2 LayerNorms
         return self.layers * per_layer + v * h + s * h + 2 * h
 
+    def param_modules(self) -> int:
+        """Submodules holding parameters directly (ZeRO-3 fetches each before its forward and its backward):
+        per layer ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj; plus wte, wpe, ln_f (the LM head is tied)."""
+        return 6 * self.layers + 3
+
     def largest_param(self) -> int:
         return max(self.vocab * self.hidden, 4 * self.hidden * self.hidden)
 

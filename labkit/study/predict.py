@@ -50,6 +50,16 @@ ADAM_BYTES_PER_PARAM = 30
 # 2 x 6 x 21.3 GB/s = 256 GB/s (Intel ARK, Xeon Platinum 8168: the DGX-2's CPUs); pass --host-memory-gb-per-s
 # for yours. The node's host bandwidth is shared by its GPUs' ranks.
 DEFAULT_HOST_MEMORY_GB_PER_S = 256.0
+# ZeRO-3's host-side cost of one submodule fetch (DeepSpeed's pre-forward / pre-backward hooks, Python): measured
+# on this lab's machine by `measure_zero3_fetch_s` (data/predict-ci/host.json says when and at what load); the host
+# of a GPU node runs the same Python. A micro-step cannot be shorter than the host's work to issue it.
+HOST_JSON = Path(__file__).resolve().parents[2] / "data" / "predict-ci" / "host.json"
+
+
+def zero3_fetch_s() -> float:
+    import json
+
+    return float(json.loads(HOST_JSON.read_text())["zero3_fetch_s"]) if HOST_JSON.exists() else 0.0
 HOST_MEMORY_EFFICIENCY = flops.MEMORY_EFFICIENCY
 
 
@@ -62,6 +72,9 @@ class Workload(Protocol):
 
     @property
     def persistent_params(self) -> int: ...
+
+    @property
+    def param_modules(self) -> int: ...
 
     def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts: ...
 
@@ -87,6 +100,10 @@ class TransformerWorkload:
     @property
     def persistent_params(self) -> int:
         return self.shape.persistent_params()
+
+    @property
+    def param_modules(self) -> int:
+        return self.shape.param_modules()
 
     def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts:
         dtype = "fp32" if precision == "fp32" else precision
@@ -122,6 +139,8 @@ class ModuleWorkload:
         numels = builders.param_numels(self.config)
         self.n_params = sum(numels)
         self.persistent_params = builders.persistent_params(numels)
+        self.param_modules = sum(1 for m in builders.meta_model(self.config).modules()
+                                 if next(m.parameters(recurse=False), None) is not None)
         self.name = self.config.model
 
     def census(self, micro_batch: int, precision: str) -> flops.Census:
@@ -268,6 +287,7 @@ class Prediction:
     comm_s: float
     exposed_comm_s: float
     offload_s: float
+    host_overhead_s: float
     device_bytes: float
     activation_bytes: float
     fits: bool
@@ -299,6 +319,12 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     gpu, n = cluster.gpu, cluster.world_size
     gpu.peak(precision)  # a precision the GPU has no tensor cores for is refused here
     costs = workload.costs(micro_batch, gpu, precision, activation_checkpointing)
+    # The host issues the GPU's work asynchronously; ZeRO-3's per-module fetch hooks are host work, so a micro-step
+    # takes the longer of the device's compute and the host's hooks (2 fetches per module: forward and backward).
+    host_s = 2 * workload.param_modules * zero3_fetch_s() if stage == 3 else 0.0
+    if host_s > costs.forward_s + costs.backward_s:
+        scale = host_s / (costs.forward_s + costs.backward_s)
+        costs = dataclasses.replace(costs, forward_s=costs.forward_s * scale, backward_s=costs.backward_s * scale)
     owned = workload.n_params / _partition(stage, n)
     optimizer_s = 0.0 if offload else owned * ADAM_BYTES_PER_PARAM / (gpu.memory_bytes_per_s * flops.MEMORY_EFFICIENCY)
     compute_s = grad_accum * (costs.forward_s + costs.backward_s) + optimizer_s
@@ -318,6 +344,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         hardware_tflops_per_gpu=costs.hardware_flops * grad_accum / step / 1e12,
         compute_s=compute_s, forward_s=costs.forward_s, backward_s=costs.backward_s, optimizer_s=optimizer_s,
         comm_s=comm.total_s, exposed_comm_s=comm.exposed_s, offload_s=offload_s,
+        host_overhead_s=grad_accum * host_s,
         device_bytes=states + costs.activation_bytes, activation_bytes=costs.activation_bytes, fits=fits,
         max_micro_batch=max_micro, hardware=cluster.describe(), collectives=comm.rows)
 
@@ -496,10 +523,12 @@ class MeasuredRun:
 
 
 SKIP_STEPS = 2
+STATISTICS = ("median", "p10")  # p10: the fastest decile of steps, the least disturbed on a shared machine
 
 
-def read_run(run_dir: str | os.PathLike) -> MeasuredRun:
-    """A finished labkit run directory (config.json + rank0.jsonl with per-step phase times)."""
+def read_run(run_dir: str | os.PathLike, statistic: str = "median") -> MeasuredRun:
+    """A finished labkit run directory (config.json + rank0.jsonl with per-step phase times), each phase summarised
+    over the steps after the first two by `statistic` (median, or p10 on a machine other processes load)."""
     import json
     import statistics
 
@@ -514,11 +543,17 @@ def read_run(run_dir: str | os.PathLike) -> MeasuredRun:
     if not steps:
         raise ValueError(f"{run_dir} has no per-step records with phase times (a run with telemetry on is needed)")
 
-    def median(key: str) -> float:
-        return float(statistics.median(float(r.get(key) or 0.0) for r in steps))
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
 
-    return MeasuredRun(str(path), config, median("forward_s"), median("backward_s"), median("optimizer_s"),
-                       median("step_time_s"), len(steps))
+    def summary(key: str) -> float:
+        values = sorted(float(r.get(key) or 0.0) for r in steps)
+        if statistic == "p10":
+            return values[int(0.1 * (len(values) - 1))]
+        return float(statistics.median(values))
+
+    return MeasuredRun(str(path), config, summary("forward_s"), summary("backward_s"), summary("optimizer_s"),
+                       summary("step_time_s"), len(steps))
 
 
 def effective_cores(threads_per_rank: int, ranks: int, cores: int) -> float:
@@ -811,15 +846,17 @@ def format_table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cpu_comparison(data_dir: str | os.PathLike) -> Any:
+def cpu_comparison(data_dir: str | os.PathLike, statistic: str = "median") -> Any:
     """Every 2-rank point of `data_dir/runs.csv` PREDICTED from the 1-rank run of the same strategy and
-    micro-batch with the link fit `data_dir/links.json`, beside the measured 2-rank step time (a DataFrame)."""
+    micro-batch with the link fit `data_dir/links.json`, beside the measured 2-rank step time (a DataFrame).
+    `statistic`: the runs' per-step summary to compare (runs.csv has both: median, p10)."""
     import json
 
     import pandas as pd
 
     data = Path(data_dir)
     runs = pd.read_csv(data / "runs.csv")
+    runs = runs[runs["statistic"] == statistic] if "statistic" in runs else runs
     fit = json.loads((data / "links.json").read_text())
     machine = json.loads((data / "machine.json").read_text()) if (data / "machine.json").exists() else {}
     cores = int(machine.get("cpu_cores") or 2)
@@ -904,3 +941,57 @@ def report_section(results_dir: str | os.PathLike, *, precision: str = "bf16") -
                      f"{step.compute_s:.3g} s, exposed communication {step.exposed_comm_s:.3g} s).{note}</p>")
     parts.append("</section>")
     return "\n".join(parts)
+
+
+# A 1-rank DeepSpeed engine in a child process: a stack of small Linear modules timed at ZeRO-0 and ZeRO-3
+# (persistence threshold 0: every module is fetched); the difference per module fetch is the hooks' host cost.
+_FETCH_PROBE = """
+import json, os, sys, time
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import torch
+torch.set_num_threads(1)
+import deepspeed
+from torch import nn
+deepspeed.init_distributed("gloo", verbose=False)
+K, x, best = 64, torch.randn(1, 16), {}
+for stage in (0, 3):
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(K)])
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+              "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    times = []
+    for _ in range(40):
+        start = time.perf_counter()
+        engine.backward(engine(x).sum())
+        times.append(time.perf_counter() - start)
+    best[stage] = sorted(times[5:])[len(times[5:]) // 10]
+print(json.dumps({"zero3_fetch_s": (best[3] - best[0]) / (2 * K), "modules": K, "zero0_s": best[0],
+                  "zero3_s": best[3]}))
+"""
+
+
+def measure_zero3_fetch_s(repeats: int = 3) -> dict[str, Any]:
+    """ZeRO-3's host cost per submodule fetch on this machine (the fastest decile of 35 forward + backward passes of
+    64 small Linear modules, ZeRO-3 minus ZeRO-0, over 2 fetches per module), in a child process (~20 s each); the
+    least disturbed (minimum) of `repeats` probes, since other processes only ever slow it."""
+    probes = [_fetch_probe() for _ in range(repeats)]
+    best = min(probes, key=lambda p: p["zero3_fetch_s"])
+    return {**best, "observations_s": [p["zero3_fetch_s"] for p in probes]}
+
+
+def _fetch_probe() -> dict[str, Any]:
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _FETCH_PROBE, str(port)], capture_output=True, text=True,
+                          timeout=900, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"the ZeRO-3 fetch probe failed:\n{done.stderr[-2000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
