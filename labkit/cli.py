@@ -81,6 +81,9 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                         help="end the run once --target-loss is reached")
     parser.add_argument("--no-telemetry", dest="telemetry", action="store_false", default=None,
                         help="write only start/done records (benchmark baseline)")
+    parser.add_argument("--comms-log", dest="comms_log", action="store_true", default=None,
+                        help="record what DeepSpeed's collectives sent, per rank, into comms_rank<N>.json "
+                             "(DeepSpeed's comms logger; it makes every collective blocking on a GPU: not for timing)")
     parser.add_argument("--ds-override", dest="ds_overrides", action="append", default=None, metavar="JSON",
                         help='extra DeepSpeed config, e.g. \'{"gradient_clipping": 1.0}\' (checked by DeepSpeed\'s own '
                              'config; a key it never reads is refused)')
@@ -93,7 +96,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     values: dict[str, Any] = {"example": args.example or "zero3"}
     if script:
         values.update(script=script, script_args=list(getattr(args, "script_args", None) or []))
-    for name in (*_FLAG_FIELDS, "offload_optimizer", "distributed_sampler", "stop_at_target", "telemetry"):
+    for name in (*_FLAG_FIELDS, "offload_optimizer", "distributed_sampler", "stop_at_target", "telemetry",
+                 "comms_log"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.ds_overrides:

@@ -180,6 +180,8 @@ class RunConfig:
     startup_timeout_s: float = 900.0      # allowance for process start and JIT op builds
     device_memory_budget_bytes: int | None = None  # emulated device capacity (CPU); exceeding it is an OOM
     telemetry: bool = True                # per-step records; False writes only start/done (benchmark)
+    comms_log: bool = False               # DeepSpeed's comms logger -> comms_rank<N>.json (labkit.live.comms_log);
+                                          # it synchronizes the GPU after every collective: not for timed runs
     census_every: int = 10                # recount model-state bytes every N steps (they rarely change)
     noise_scale_every: int = 0            # estimate the gradient noise scale every N steps (0 = off)
     eval_every: int = 0                   # held-out eval loss every N steps, every step near the target (0 = off)
@@ -239,6 +241,10 @@ class RunConfig:
                      "optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 has no ZeRO optimizer to offload; "
                      "DeepSpeed would start, then CPU Adam would fail at the first step on GPU parameters)")
 
+        _require(isinstance(self.comms_log, bool), "comms_log", f"must be True or False, got {self.comms_log!r}")
+        _require(not (self.comms_log and self.script), "comms_log",
+                 "script mode runs the learner's script, not labkit's worker: nothing would capture the comms log "
+                 "(turn DeepSpeed's comms_logger on in the script's own ds_config)")
         if _CHECK_LOCAL_DEVICES.get():
             self._check_devices()
         derived = self.micro_batch * self.grad_accum * self.world_size
@@ -372,6 +378,10 @@ class RunConfig:
             "steps_per_print": 10**9,  # labkit records its own metrics
             "wall_clock_breakdown": False,
         }
+        if self.comms_log:
+            from labkit.live.comms_log import COMMS_LOGGER_CONFIG
+
+            config["comms_logger"] = dict(COMMS_LOGGER_CONFIG)
         if self.optimizer == "sgd":
             # DeepSpeed's ZeRO wrappers accept torch SGD only when asked explicitly.
             config["zero_allow_untested_optimizer"] = True

@@ -30,6 +30,7 @@ from labkit.launch.failures import is_oom
 from labkit.launch.faults import FaultHooks
 from labkit.launch.step_loop import train_step
 from labkit.launch.trainers import DeepSpeedTrainer, PlainTrainer
+from labkit.live.comms_log import BETWEEN_STEPS, SETUP, CommsLog
 from labkit.live.step_clock import StepClock
 from labkit.live.telemetry import RankTelemetry
 from labkit.models import builders
@@ -54,6 +55,8 @@ world_size = int(os.environ.get("WORLD_SIZE", "1"))
 telemetry = RankTelemetry(args.run_dir, rank, per_step=config.telemetry)
 telemetry.start(local_rank=args.local_rank, world_size=world_size)
 faults = FaultHooks(rank)
+# DeepSpeed's comms logger, per section of the run (config.comms_log; a no-op otherwise).
+comms = CommsLog(args.run_dir, rank, enabled=config.comms_log, steady_from=TIMED_FROM_STEP)
 
 
 def train() -> None:
@@ -114,6 +117,7 @@ def train() -> None:
     telemetry.begin_step()  # the ready record's device peak: not deepspeed.initialize's transients
     telemetry.event("ready", n_params=n_params, accelerator=accelerator._name, optimizer_impl=optimizer_impl, **flops,
                     backend=accelerator.communication_backend_name(), **telemetry.memory())
+    comms.close(SETUP)
 
     # -- the loop ----------------------------------------------------------------------
     # telemetry=False is the benchmark's baseline: the same loop, unobserved.
@@ -183,6 +187,7 @@ def train() -> None:
         def on_census(states: dict[str, int], saved: int, before: int = activation_bytes) -> None:
             _check_emulated_capacity(states, max(before, saved))  # the activation peak so far, or this step's
 
+        comms.close(BETWEEN_STEPS)  # the previous step's eval and stop-at-target agreement
         clock.begin()
         step_census, step_activation_bytes, census_s = train_step(
             trainer, data, clock, step=step, grad_accum=config.grad_accum, measure=measure, on_census=on_census)
@@ -200,6 +205,7 @@ def train() -> None:
             **census,
             **(telemetry.memory() if instrument else {}),
         )
+        comms.close_step(step)  # after the step's clock: the logger's bookkeeping is not the step's
         # After the step's clock has stopped: evaluation is never part of the step time.
         evaluated: dict[str, float] = {}
         if config.eval_every and _eval_due(step, eval_history):
@@ -246,6 +252,7 @@ def train() -> None:
         peak = ({"peak_flops": datasheet, "peak_flops_source": "datasheet"} if datasheet else
                 {"peak_flops": measured_matmul_flops(str(trainer.device), config.precision),
                  "peak_flops_source": "measured 1024x1024 matmul"})
+    comms.write(world_size=world_size, grad_accum=config.grad_accum, steps=step)
     telemetry.event("done", steps=step, stopped_at_target=stopped_at_target, n_params=n_params,
                     optimizer_impl=optimizer_impl, **census,
                     **peak, **timed, **telemetry.memory())
@@ -309,6 +316,10 @@ except BaseException as exc:
     telemetry.event("error", error_type=type(exc).__name__, message=message[:2000],
                     oom=is_oom(type(exc).__name__, message),
                     traceback=traceback.format_exc()[-4000:])
+    try:
+        comms.write(world_size=world_size, grad_accum=config.grad_accum, failed=True)  # what it had, kept
+    except Exception:
+        pass  # the error above is the one to report
     telemetry.close()
     raise
 telemetry.close()

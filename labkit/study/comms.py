@@ -1,52 +1,576 @@
-"""TEMPORARY STAND-IN, written on branch predict23 only because branch comms23 had not committed its module yet.
+"""What the ranks send each other: DeepSpeed 0.19.8's collectives per step, from its source and from its log.
 
-The real `labkit.study.comms` (what DeepSpeed 0.19.8 sends, with source lines, bucket counts, the comms-log
-reader and the link benchmark) is being written on branch comms23; `git merge comms23` REPLACES this file (take
-theirs on conflict). This stand-in keeps only the interface the predictor uses, with one aggregated collective per
-kind (count 1), from the facts in the team brief.
+    from labkit.study import comms
+    cs = comms.collectives(3, n_params, 8, precision="bf16", grad_accum=4, modules=comms.module_layout(model))
+    comms.bytes_per_rank_per_step(cs, 8)          # what one rank puts on the wire per optimizer step
+    comms.measured_collectives("runs/<run>")      # what DeepSpeed's comms logger counted (RunConfig(comms_log=True))
+    comms.predicted_vs_measured("runs/<run>")     # the two side by side, per operation
+    link = comms.measure_links()                  # an alpha-beta fit of this machine's all-reduce, all-gather, ...
+    link.seconds(cs[0], 8)                        # one call's time on that link with a ring algorithm
+
+`collectives` reads DeepSpeed's code paths, not the ZeRO paper: every `Collective` names the file and
+line (deepspeed 0.19.8, as installed) of the call it stands for, and the function the comms log
+names as its caller, so a measured run checks it record by record (`predicted_vs_measured`,
+tests/test_comms.py). Message sizes follow DeepSpeed's padding and bucketing exactly when the
+parameter layout is given (`modules`); without it the sizes are exact in bytes and approximate in
+counts. Settings this module does not model are refused with the setting named.
+
+The message-size convention (`Collective.bytes`): the bytes one rank hands to torch.distributed for
+the whole collective: the tensor of an all-reduce or broadcast, the *gathered output* of an
+all-gather, the *input* of a reduce-scatter (the full, padded gradient bucket). DeepSpeed's comms
+logger reports an all-gather's *input* (one rank's shard, `get_msg_size_from_args` reads the
+argument named `tensor`), so `measured_collectives` multiplies those by the world size.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pandas as pd
+
+Op = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "uint8": 1}
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+# -- DeepSpeed 0.19.8's constants (every one read from its source) ---------------------------
+SRC = "deepspeed 0.19.8: "
+# Stage 0 all-reduces gradients in chunks of this many elements; no config key sets it.
+ENGINE_ALLREDUCE_ELEMS = 500_000_000  # deepspeed/runtime/engine.py:151 (MEMORY_OPT_ALLREDUCE_SIZE)
+# Stages 1-2 pad the flat parameter buffer to a multiple of 2 x world size elements.
+ZERO12_ALIGNMENT = 2  # deepspeed/runtime/zero/stage_1_and_2.py:387 (nccl_start_alignment_factor), used at :441
+GRADIENT_CLIPPING_DEFAULT = 1.0  # deepspeed/runtime/constants.py:203
+
+# The DeepSpeed function each collective's comms-log record names ("Caller Func"), and what it moves.
+CALLERS = {
+    "allreduce_bucket": "gradients",                       # engine.py:3806, stage_1_and_2.py:2384
+    "reduce_scatter_fn": "gradients",                      # comm/comm.py:299 via coalesced_collectives.py:23
+    "all_gather_into_tensor_dp_groups": "updated parameters",  # runtime/utils.py:1016
+    "allgather_fn": "parameters",                          # comm/comm.py:351 via partition_parameters.py:123
+    "_allgather_params_coalesced": "persistent parameters",  # partition_parameters.py:2073
+    "clip_grad_norm_": "gradient norm",                    # runtime/utils.py:418
+    "get_grad_norm_direct": "gradient norm",               # stage_1_and_2.py:2693, stage3.py:2469
+    "complete_grad_norm_calculation_for_cpu_offload": "gradient norm",  # stage_1_and_2.py:1945, stage3.py:1991
+    "has_overflow": "overflow check",                      # stage_1_and_2.py:3242, stage3.py:3027
+    "_broadcast_model": "initial weights",                 # engine.py (_broadcast_model), setup only
+    "_zero_init_param": "initial weights",                 # ZeRO-3's conversion of the model, setup only
+    "assert_lst_len_same_as_other_ranks": "ZeRO-3 trace check",  # steps 1-2 only
+    "get_lst_from_rank0": "ZeRO-3 trace check",
+}
+# DeepSpeed's op names in its log, as this module's ops.
+_LOGGED_OPS = {"all_reduce": "all_reduce", "inference_all_reduce": "all_reduce", "all_gather": "all_gather",
+               "all_gather_into_tensor": "all_gather", "reduce_scatter": "reduce_scatter",
+               "reduce_scatter_tensor": "reduce_scatter", "broadcast": "broadcast", "barrier": "barrier"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Collective:
-    op: str            # all_reduce | all_gather | reduce_scatter
-    bytes: float       # all_reduce: the tensor; all_gather: the gathered output; reduce_scatter: the input
-    count: int
-    per: str           # micro_step | step
-    phase: str         # forward | backward | optimizer
-    dtype: str
+    """One kind of call DeepSpeed makes: `count` calls of `bytes` each, per micro-step or per step.
+
+    `bytes`: the message per rank as DeepSpeed hands it to torch.distributed: the whole tensor of
+    an all-reduce or broadcast, the gathered OUTPUT of an all-gather, the INPUT of a reduce-scatter.
+    `overlappable`: whether it can run behind compute with DeepSpeed's defaults (overlap_comm on a
+    side stream, ZeRO-3's prefetch); the last bucket of a backward never hides entirely.
+    """
+
+    op: Op
+    bytes: int
+    count: int              # calls per `per`
+    per: Literal["micro_step", "step"]
+    phase: Literal["forward", "backward", "optimizer"]
+    dtype: str              # of the message: fp32, bf16, fp16, fp64, uint8
     overlappable: bool
+    what: str               # gradients, updated parameters, parameters, gradient norm, ...
+    caller: str             # the DeepSpeed function the comms log names ("Caller Func")
+    source: str             # file:line of the call in DeepSpeed 0.19.8
+    per_step: int           # calls per optimizer step: count x grad_accum for micro-step collectives
+
+    @property
+    def bytes_per_step(self) -> int:
+        return self.bytes * self.per_step
 
 
-def collectives(stage: int, n_params: int, world_size: int, *, precision: str, grad_accum: int = 1,
-                offload_optimizer: bool = False, persistent_params: int = 0, **_: object) -> list[Collective]:
-    if world_size < 2:
-        return []
-    size = 4 if precision == "fp32" else 2
-    dtype = "fp32" if precision == "fp32" else precision
-    full = size * n_params
-    if stage == 0:
-        return [Collective("all_reduce", full, 1, "step", "backward", dtype, False)]
-    if stage in (1, 2):
-        per = "step" if stage == 1 else "micro_step"
-        return [Collective("all_reduce", full, 1, per, "backward", dtype, False),
-                Collective("all_gather", full, 1, "step", "optimizer", dtype, False)]
-    sharded = size * max(0, n_params - persistent_params)
-    return [Collective("all_gather", sharded, 1, "micro_step", "forward", dtype, True),
-            Collective("all_gather", sharded, 1, "micro_step", "backward", dtype, True),
-            Collective("reduce_scatter", full, 1, "micro_step", "backward", dtype, True)]
+# -- the ring model --------------------------------------------------------------------------
+def ring_steps(op: str, world_size: int) -> int:
+    """Latency terms of a ring algorithm: 2(N-1) for an all-reduce (reduce-scatter then all-gather),
+    N-1 for an all-gather, a reduce-scatter or a pipelined broadcast."""
+    n = world_size
+    return 2 * (n - 1) if op == "all_reduce" else n - 1
+
+
+def ring_factor(op: str, world_size: int) -> float:
+    """Bytes one rank sends per message byte with a ring: 2(N-1)/N for an all-reduce, (N-1)/N for an
+    all-gather (of its output), a reduce-scatter (of its input) or a broadcast (a pipelined ring,
+    averaged over the ranks: the last rank sends nothing)."""
+    if op not in OPS:
+        raise ValueError(f"unknown collective {op!r}; known: {OPS}")
+    n = world_size
+    return (2 * (n - 1) if op == "all_reduce" else n - 1) / n
 
 
 def ring_bytes_sent(c: Collective, world_size: int) -> float:
-    factor = 2 * (world_size - 1) / world_size if c.op == "all_reduce" else (world_size - 1) / world_size
-    return factor * c.bytes
+    """Bytes one rank sends for ONE call of `c` with a ring algorithm (NCCL's and gloo's for large
+    messages): 2(N-1)/N x size for an all-reduce, (N-1)/N x size for an all-gather or reduce-scatter."""
+    return ring_factor(c.op, world_size) * c.bytes
 
 
-# -- the link benchmark (stand-in too: comms23's measure_links replaces it) --------------------------------------------
+def bytes_per_rank_per_step(collectives: Iterable[Collective], world_size: int) -> float:
+    """Bytes one rank sends per optimizer step: every collective's ring bytes times its calls per step."""
+    return sum(ring_bytes_sent(c, world_size) * c.per_step for c in collectives)
+
+
+# -- what DeepSpeed 0.19.8 sends ---------------------------------------------------------------
+def module_layout(model: Any) -> list[list[int]]:
+    """Each module's own parameters' element counts, for every module that holds some, in
+    registration order (the forward order of the lab's models; check yours if it reuses modules).
+    ZeRO-3 gathers one module's parameters in one call; stages 0-2 flatten them in this order.
+    Works on the meta device."""
+    layout, seen = [], set()
+    for module in model.modules():
+        own = []
+        for param in module.parameters(recurse=False):
+            if id(param) not in seen:  # a shared parameter once, as model.parameters() yields it
+                seen.add(id(param))
+                own.append(param.numel())
+        if own:
+            layout.append(own)
+    return layout
+
+
+def _zero_config(stage: int, zero_settings: Mapping[str, Any]) -> Any:
+    """DeepSpeed's own model of the zero_optimization section: its defaults, aliases and checks."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    settings = {k: v for k, v in zero_settings.items() if k != "stage"}
+    try:
+        return DeepSpeedZeroConfig(stage=stage, **settings)
+    except Exception as exc:  # pydantic's ValidationError names the setting
+        raise ValueError(f"zero settings refused by DeepSpeed: {exc}") from None
+
+
+def _refuse_unmodelled(stage: int, cfg: Any, offload_optimizer: bool) -> None:
+    """Settings whose communication this module does not model: refused, the setting named."""
+    unmodelled = {
+        "zero_quantized_weights": cfg.zero_quantized_weights, "zero_quantized_gradients": cfg.zero_quantized_gradients,
+        "zero_quantized_nontrainable_weights": cfg.zero_quantized_nontrainable_weights,
+        "zero_hpz_partition_size": cfg.zero_hpz_partition_size > 1,
+        "contiguous_gradients": stage in (1, 2, 3) and not cfg.contiguous_gradients,
+        "use_multi_rank_bucket_allreduce": stage in (1, 2) and not cfg.use_multi_rank_bucket_allreduce,
+        "reduce_scatter": stage == 3 and not cfg.reduce_scatter,
+        "stage3_use_all_reduce_for_fetch_params": stage == 3 and cfg.use_all_reduce_for_fetch_params,
+        "stage3_allgather_sequential": stage == 3 and cfg.allgather_sequential,
+        "offload_param": stage == 3 and cfg.offload_param is not None,
+        "zenflow": cfg.zenflow is not None,
+    }
+    bad = [name for name, on in unmodelled.items() if on]
+    if bad:
+        raise ValueError(f"labkit.study.comms does not model the communication of {bad}")
+    if offload_optimizer and stage == 0:
+        raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3")
+
+
+def _check_inputs(stage: int | None, n_params: int, world_size: int, precision: str, grad_accum: int,
+                  modules: Sequence[Sequence[int]] | None) -> list[int] | None:
+    if stage not in (None, 0, 1, 2, 3):
+        raise ValueError(f"stage must be None (plain PyTorch) or 0-3, got {stage!r}")
+    for name, value in (("n_params", n_params), ("world_size", world_size), ("grad_accum", grad_accum)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if modules is None:
+        return None
+    numels = [int(n) for module in modules for n in module]
+    if sum(numels) != n_params or any(n < 1 for n in numels):
+        raise ValueError(f"modules hold {sum(numels)} parameters (sizes must be positive), n_params is {n_params}")
+    return numels
+
+
+def _grouped(sizes: Iterable[int]) -> list[tuple[int, int]]:
+    """(size, how many) in first-seen order: one Collective per distinct message size."""
+    counts: dict[int, int] = {}
+    for size in sizes:
+        counts[size] = counts.get(size, 0) + 1
+    return list(counts.items())
+
+
+def _emit(out: list[Collective], sizes: Iterable[int], *, per: str, grad_accum: int, **fields: Any) -> None:
+    for size, count in _grouped(sizes):
+        out.append(Collective(bytes=size, count=count, per=per,  # type: ignore[arg-type]
+                              per_step=count * (grad_accum if per == "micro_step" else 1), **fields))
+
+
+def collectives(stage: int | None, n_params: int, world_size: int, *, precision: str, grad_accum: int = 1,
+                offload_optimizer: bool = False, persistent_params: int = 0, reuse_distance: int | None = None,
+                bucket_elems: int | None = None, modules: Sequence[Sequence[int]] | None = None,
+                gradient_clipping: float = GRADIENT_CLIPPING_DEFAULT, **zero_settings: Any) -> list[Collective]:
+    """Every collective DeepSpeed 0.19.8 runs in a steady training step (step 3 onwards: ZeRO-3
+    records its module trace in the first steps), with its defaults unless `zero_settings` (the
+    `zero_optimization` keys, e.g. `overlap_comm=True`, `stage3_prefetch_bucket_size=0`) say otherwise.
+
+    `stage`: None is plain PyTorch (one process: sends nothing); 0 is DeepSpeed's data parallelism.
+    `modules`: each module's parameter sizes (`module_layout(model)`); with it, bucket boundaries,
+    padding, ZeRO-3's persistent parameters and its per-module gathers are exact. Without it the
+    model is one module: bytes stay right, call counts are a lower bound, and `persistent_params`
+    (elements ZeRO-3 keeps whole) is taken as one tensor.
+    `reuse_distance`, `bucket_elems`: `stage3_max_reuse_distance` and `reduce_bucket_size` (elements).
+    `gradient_clipping`: the top-level ds_config key (DeepSpeed's default 1.0); stage 0 in fp32 clips
+    with one all-reduce of the norm.
+    One rank sends nothing: DeepSpeed still calls some collectives on a one-rank group, but they move no bytes.
+    """
+    numels = _check_inputs(stage, n_params, world_size, precision, grad_accum, modules)
+    if stage is None or world_size == 1:
+        return []
+    settings = dict(zero_settings)
+    if reuse_distance is not None:
+        settings["stage3_max_reuse_distance"] = reuse_distance
+    if bucket_elems is not None:
+        settings["reduce_bucket_size"] = bucket_elems
+    cfg = _zero_config(stage, settings)
+    _refuse_unmodelled(stage, cfg, offload_optimizer)
+    out: list[Collective] = []
+    if stage == 0:
+        _stage0(out, numels or [n_params], precision, grad_accum, gradient_clipping)
+    elif stage in (1, 2):
+        _stage12(out, stage, numels or [n_params], world_size, precision, grad_accum, offload_optimizer, cfg)
+    else:
+        if modules is not None and persistent_params:
+            raise ValueError("persistent_params is for a model given without modules: with modules, ZeRO-3's "
+                             "stage3_param_persistence_threshold decides which parameters persist")
+        _stage3(out, modules, n_params, persistent_params, world_size, precision, grad_accum, offload_optimizer, cfg)
+    return out
+
+
+def _stage0(out: list[Collective], numels: list[int], precision: str, grad_accum: int, clipping: float) -> None:
+    # engine.backward -> _backward_epilogue -> allreduce_gradients (engine.py:3165) after the whole backward, at
+    # the accumulation boundary only (engine.py:3095): buffered_allreduce_fallback -> allreduce_no_retain chunks the
+    # grads in parameters() order, closing a chunk once it exceeds 5e8 elements (engine.py:3834), one all-reduce each
+    # in the communication dtype, the training dtype by default (engine.py:1719-1730, all_reduce at :3816).
+    size = DTYPE_BYTES[precision]
+    chunks, numel = [], 0
+    for n in numels:
+        numel += n
+        if numel > ENGINE_ALLREDUCE_ELEMS:
+            chunks.append(numel)
+            numel = 0
+    if numel:
+        chunks.append(numel)
+    _emit(out, (c * size for c in chunks), op="all_reduce", per="step", grad_accum=grad_accum, phase="backward",
+          dtype=precision, overlappable=False, what="gradients", caller="allreduce_bucket",
+          source=SRC + "runtime/engine.py:3095 -> :3816")
+    if precision == "fp32" and clipping > 0:
+        # _take_model_step clips fp32 grads without ZeRO (engine.py:3511): one fp32 norm all-reduced (utils.py:418).
+        _emit(out, [4], op="all_reduce", per="step", grad_accum=grad_accum, phase="optimizer", dtype="fp32",
+              overlappable=False, what="gradient norm", caller="clip_grad_norm_",
+              source=SRC + "runtime/engine.py:3511 -> runtime/utils.py:418")
+
+
+def _zero12_buckets(numels: list[int], order: list[int], world_size: int, bucket: int) -> list[int]:
+    """Elements of each all-reduce of stages 1-2: the ipg bucket flushes before a parameter that would
+    overflow it (stage_1_and_2.py:1422); its slices, split at partition boundaries and merged while they
+    go to one rank (:1640-1690), are all-reduced together, a new call once they exceed the bucket (:1568)."""
+    aligned = math.ceil(sum(numels) / (ZERO12_ALIGNMENT * world_size)) * ZERO12_ALIGNMENT * world_size
+    partition = aligned // world_size
+    offsets = [0]
+    for n in numels[:-1]:
+        offsets.append(offsets[-1] + n)
+    ipg: list[list[int]] = [[]]
+    elements = 0
+    for i in order:
+        if elements + numels[i] > bucket and elements > 0:
+            ipg.append([])
+            elements = 0
+        ipg[-1].append(i)
+        elements += numels[i]
+    calls = []
+    for params in filter(None, ipg):
+        slices: list[tuple[int, int]] = []  # (owner rank, elements)
+        for i in params:
+            start, end = offsets[i], offsets[i] + numels[i]
+            while start < end:
+                rank = start // partition
+                stop = min(end, (rank + 1) * partition)
+                if slices and slices[-1][0] == rank:
+                    slices[-1] = (rank, slices[-1][1] + stop - start)
+                else:
+                    slices.append((rank, stop - start))
+                start = stop
+        numel = 0
+        for _, n in slices:
+            numel += n
+            if numel > bucket:
+                calls.append(numel)
+                numel = 0
+        if numel:
+            calls.append(numel)
+    return calls
+
+
+def _stage12(out: list[Collective], stage: int, numels: list[int], world_size: int, precision: str, grad_accum: int,
+             offload: bool, cfg: Any) -> None:
+    size = DTYPE_BYTES[precision]
+    # Gradients: stage 2 reduces in the backward hooks of every micro-step, stage 1 at the boundary only
+    # (reduce_ready_partitions_and_remove_grads, stage_1_and_2.py:2294). Hooks fire in backward order; stage 1
+    # without overlap_comm loops over the parameters in order after the backward (reduce_gradients, :958-977).
+    # With use_multi_rank_bucket_allreduce (default) each bucket is ALL-REDUCED and every rank keeps its slice
+    # (:1695 -> allreduce_and_scatter -> allreduce_bucket's all_reduce, :2384).
+    hooks = stage == 2 or cfg.overlap_comm
+    order = list(range(len(numels)))[::-1] if hooks else list(range(len(numels)))
+    calls = _zero12_buckets(numels, order, world_size, int(cfg.reduce_bucket_size))
+    _emit(out, (c * size for c in calls), op="all_reduce", per="micro_step" if stage == 2 else "step",
+          grad_accum=grad_accum, phase="backward", dtype=precision, overlappable=bool(cfg.overlap_comm),
+          what="gradients", caller="allreduce_bucket",
+          source=SRC + "runtime/zero/stage_1_and_2.py:2294 -> :1695 -> :2384")
+    # After the step every rank all-gathers the updated parameters: the whole flat buffer, padded to a multiple of
+    # 2 x world size elements (:441), one all_gather_into_tensor per parameter group (:3155 -> runtime/utils.py:1016).
+    pad = sum((-n) % (16 // math.gcd(16, size)) for n in numels[:-1]) if cfg.parameter_alignment else 0
+    aligned = math.ceil((sum(numels) + pad) / (ZERO12_ALIGNMENT * world_size)) * ZERO12_ALIGNMENT * world_size
+    _emit(out, [aligned * size], op="all_gather", per="step", grad_accum=grad_accum, phase="optimizer",
+          dtype=precision, overlappable=False, what="updated parameters", caller="all_gather_into_tensor_dp_groups",
+          source=SRC + "runtime/zero/stage_1_and_2.py:3155 -> runtime/utils.py:1016")
+    if precision != "fp32":
+        # bf16/fp16 check the gradients for inf/NaN: one byte all-reduced per step (:3029 -> :3242).
+        _emit(out, [1], op="all_reduce", per="step", grad_accum=grad_accum, phase="optimizer", dtype="uint8",
+              overlappable=False, what="overflow check", caller="has_overflow",
+              source=SRC + "runtime/zero/stage_1_and_2.py:3242")
+    # The global gradient norm (compute_grad_norm, default on): one fp32 scalar per parameter group.
+    caller, line = (("complete_grad_norm_calculation_for_cpu_offload", 1945) if offload
+                    else ("get_grad_norm_direct", 2693))
+    _emit(out, [4], op="all_reduce", per="step", grad_accum=grad_accum, phase="optimizer", dtype="fp32",
+          overlappable=False, what="gradient norm", caller=caller,
+          source=SRC + f"runtime/zero/stage_1_and_2.py:{line}")
+
+
+def _persistent(modules: Sequence[Sequence[int]], cfg: Any) -> list[list[bool]]:
+    """ZeRO-3's persistent parameters: each of at most param_persistence_threshold elements, while the
+    total stays within model_persistence_threshold (parameter_offload.py:317-327, named_parameters order)."""
+    total, flags = 0, []
+    for module in modules:
+        row = []
+        for n in module:
+            keep = n + total <= cfg.model_persistence_threshold and n <= cfg.param_persistence_threshold
+            total += n if keep else 0
+            row.append(keep)
+        flags.append(row)
+    return flags
+
+
+def _gathered(numels: Iterable[int], world_size: int) -> int:
+    """Elements of a ZeRO-3 all-gather's output: each parameter's partition is ceil(n / N) elements
+    (partition_parameters.py:1690-1699), N of them."""
+    return world_size * sum(math.ceil(n / world_size) for n in numels)
+
+
+def _gather_calls(params: Sequence[Sequence[int]], world_size: int, prefetch: int) -> list[int]:
+    """Gathered elements per call, given the parameters each module fetches in trace order. Without
+    prefetching, one call per module (its parameters coalesced: partition_parameters.py:1601 -> :1362);
+    with a complete trace the prefetcher queues parameters until it has at least `prefetch` elements
+    (partitioned_param_coordinator.py:452-484) and gathers them in one call."""
+    if prefetch <= 0:
+        return [_gathered(m, world_size) for m in params if m]
+    calls, batch, numel = [], [], 0
+    for n in (n for m in params for n in m):
+        batch.append(n)
+        numel += n
+        if numel >= prefetch:
+            calls.append(_gathered(batch, world_size))
+            batch, numel = [], 0
+    return calls + ([_gathered(batch, world_size)] if batch else [])
+
+
+def _stage3_gathers(modules: Sequence[Sequence[int]] | None, n_params: int, persistent_params: int, world_size: int,
+                    cfg: Any) -> tuple[list[int], list[int], list[int]]:
+    """(forward calls, backward calls, persistent parameters) of ZeRO-3, in gathered elements.
+
+    A module is gathered again in the backward unless it stayed gathered since its forward. The
+    coordinator keeps it if it is used again within max_reuse_distance parameters
+    (partitioned_param_coordinator.py:658), counted from the module on over every module's parameters
+    (persistent ones too): the rest of the forward plus the backward back to it, 2 x the parameters
+    after it. It also keeps what the prefetcher already queued for the backward (:650): with the
+    partitioned model smaller than one prefetch bucket, the first prefetch scans the whole trace and
+    nothing is released. Without `modules`, parameters are spread evenly: those with more than
+    max_reuse_distance / 2 parameters after them are gathered again."""
+    prefetch = int(cfg.prefetch_bucket_size)
+    reuse = int(cfg.max_reuse_distance)
+    window = min(prefetch, int(cfg.max_live_parameters))
+    if modules is None:
+        mass = n_params - persistent_params
+        regather = 0 if 0 < mass < window else round(mass * max(0, n_params - reuse / 2) / n_params)
+        return (_split(_gathered([mass], world_size), prefetch),
+                _split(_gathered([regather], world_size), prefetch) if regather else [],
+                [persistent_params] if persistent_params else [])
+    flags = _persistent(modules, cfg)
+    partitioned = [[n for n, p in zip(m, f, strict=True) if not p] for m, f in zip(modules, flags, strict=True)]
+    persistent = [n for m, f in zip(modules, flags, strict=True) for n, p in zip(m, f, strict=True) if p]
+    whole_model_queued = 0 < sum(map(sum, partitioned)) < window
+    again = [part if part and 2 * sum(map(sum, modules[k + 1:])) >= reuse and not whole_model_queued else []
+             for k, part in enumerate(partitioned)]
+    backward = [m[::-1] for m in again[::-1]]  # the backward walks the modules in reverse
+    return _gather_calls(partitioned, world_size, prefetch), _gather_calls(backward, world_size, prefetch), persistent
+
+
+def _stage3(out: list[Collective], modules: Sequence[Sequence[int]] | None, n_params: int, persistent_params: int,
+            world_size: int, precision: str, grad_accum: int, offload: bool, cfg: Any) -> None:
+    size = DTYPE_BYTES[precision]
+    forward, backward, persistent = _stage3_gathers(modules, n_params, persistent_params, world_size, cfg)
+    common = {"op": "all_gather", "per": "micro_step", "grad_accum": grad_accum, "dtype": precision,
+              "overlappable": cfg.prefetch_bucket_size > 0, "what": "parameters", "caller": "allgather_fn"}
+    _emit(out, (c * size for c in forward), phase="forward", **common,
+          source=SRC + "runtime/zero/partitioned_param_coordinator.py:381/484 -> partition_parameters.py:1362")
+    _emit(out, (c * size for c in backward), phase="backward", **common,
+          source=SRC + "runtime/zero/partitioned_param_coordinator.py:658 (reuse distance) -> :381/484")
+    # Gradients: reduce-scattered in buckets of reduce_bucket_size elements in backward order, every micro-step
+    # (stage3.py:1583 -> :1931 reduce_scatter_coalesced: each gradient padded to a multiple of N,
+    # coalesced_collectives.py:95-128), on a side stream with overlap_comm (on by default at stage 3).
+    numels = [n for m in modules for n in m] if modules is not None else [n_params]
+    bucket = int(cfg.reduce_bucket_size)
+    calls: list[int] = []
+    current: list[int] = []
+    elements = 0
+    for n in reversed(numels):
+        if elements + n > bucket and elements > 0:
+            calls.append(_gathered(current, world_size))
+            current, elements = [], 0
+        current.append(n)
+        elements += n
+    if modules is None:  # one tensor: a call per bucket
+        calls = _split(_gathered(numels, world_size), bucket)
+    elif current:
+        calls.append(_gathered(current, world_size))
+    _emit(out, (c * size for c in calls), op="reduce_scatter", per="micro_step", grad_accum=grad_accum,
+          phase="backward", dtype=precision, overlappable=bool(cfg.overlap_comm), what="gradients",
+          caller="reduce_scatter_fn", source=SRC + "runtime/zero/stage3.py:1583 -> :1931")
+    if precision == "fp16":
+        _emit(out, [1], op="all_reduce", per="step", grad_accum=grad_accum, phase="optimizer", dtype="uint8",
+              overlappable=False, what="overflow check", caller="has_overflow",
+              source=SRC + "runtime/zero/stage3.py:2815 -> :3027")
+    # The gradient norm: fp64 where the device has it (zero/utils.py:59), fp32 with the optimizer offloaded.
+    caller, line, dtype = (("complete_grad_norm_calculation_for_cpu_offload", 1991, "fp32") if offload
+                           else ("get_grad_norm_direct", 2469, "fp64"))
+    _emit(out, [DTYPE_BYTES[dtype]], op="all_reduce", per="step", grad_accum=grad_accum, phase="optimizer",
+          dtype=dtype, overlappable=False, what="gradient norm", caller=caller,
+          source=SRC + f"runtime/zero/stage3.py:{line}")
+    # After the step the persistent parameters are gathered again from their updated shards, one call each
+    # (stage3.py:2841 -> partition_parameters.py:2073).
+    _emit(out, (_gathered([n], world_size) * size for n in persistent), op="all_gather", per="step",
+          grad_accum=grad_accum, phase="optimizer", dtype=precision, overlappable=False,
+          what="persistent parameters", caller="_allgather_params_coalesced",
+          source=SRC + "runtime/zero/stage3.py:2841 -> partition_parameters.py:2073")
+
+
+def _split(total: int, bucket: int) -> list[int]:
+    if total <= 0:
+        return []
+    if bucket <= 0:
+        return [total]
+    calls = [bucket] * (total // bucket)
+    return calls + ([total % bucket] if total % bucket else [])
+
+
+# -- what a run sent (DeepSpeed's comms logger, labkit.live.comms_log) ----------------------------
+def measured_collectives(run_dir: str | os.PathLike) -> pd.DataFrame:
+    """Every (rank, section, operation, caller, message size) DeepSpeed's comms logger counted in a run
+    launched with `RunConfig(comms_log=True)`: `count` calls, `msg_bytes` as the logger reports them and
+    `bytes` in this module's convention (an all-gather's gathered output: the logged shard x world size).
+    Sections: setup, step 1, step 2, steady (`section_steps` steps from step 3 on), between steps."""
+    from labkit.live.comms_log import comms_file
+
+    run_dir = Path(run_dir)
+    files = sorted(run_dir.glob("comms_rank*.json"), key=lambda p: int(p.stem.removeprefix("comms_rank")))
+    if not files:
+        raise FileNotFoundError(f"{run_dir} has no comms_rank<N>.json: launch the run with RunConfig(comms_log=True) "
+                                f"(labkit run --comms-log)")
+    rows = []
+    for path in files:
+        data = json.loads(path.read_text())
+        world = int(data.get("world_size", 1))
+        rank = int(data["rank"])
+        if path != comms_file(run_dir, rank):
+            raise ValueError(f"{path} holds rank {rank}'s log")
+        for record in data["records"]:
+            op = _LOGGED_OPS.get(record["op"], record["op"])
+            rows.append({"rank": rank, "section": record["section"], "section_steps": record["section_steps"],
+                         "op": op, "logged_op": record["op"], "caller": record["caller"],
+                         "what": CALLERS.get(record["caller"], record["caller"]), "msg_bytes": record["msg_bytes"],
+                         "bytes": record["msg_bytes"] * (world if op == "all_gather" else 1),
+                         "count": record["count"], "ms_total": record["ms_total"]})
+    columns = ["rank", "section", "section_steps", "op", "logged_op", "caller", "what", "msg_bytes", "bytes", "count",
+               "ms_total"]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def steady_per_step(measured: pd.DataFrame, rank: int = 0) -> pd.DataFrame:
+    """One rank's steady steps (3 on) per optimizer step, by operation, what it moved and message size."""
+    steady = measured[(measured["section"] == "steady") & (measured["rank"] == rank)]
+    if steady.empty:
+        return pd.DataFrame(columns=["op", "what", "bytes", "calls_per_step", "bytes_per_step"])
+    steps = int(steady["section_steps"].iloc[0])
+    table = steady.groupby(["op", "what", "bytes"], as_index=False)["count"].sum()
+    table["calls_per_step"] = table.pop("count") / steps
+    table["bytes_per_step"] = table["bytes"] * table["calls_per_step"]
+    return table
+
+
+def run_collectives(config: Any) -> list[Collective]:
+    """`collectives` for a labkit run's RunConfig: its stage, ranks, precision, accumulation and the
+    ZeRO settings its ds_config carries, with the parameter layout of its model (built on the meta device)."""
+    from labkit.models.builders import meta_model
+
+    if config.example == "pytorch":
+        return collectives(None, 1, 1, precision=config.precision)
+    ds_config = config.ds_config()
+    zero = dict(ds_config.get("zero_optimization", {}))
+    stage = int(zero.pop("stage", 0))
+    offload = zero.pop("offload_optimizer", None)
+    modules = module_layout(meta_model(config))
+    return collectives(stage, sum(map(sum, modules)), config.world_size, precision=config.precision,
+                       grad_accum=config.grad_accum,
+                       offload_optimizer=bool(offload) and offload.get("device", "none") != "none",
+                       modules=modules, gradient_clipping=ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT),
+                       **zero)
+
+
+def predicted_table(cs: Iterable[Collective], world_size: int) -> pd.DataFrame:
+    """Collectives per optimizer step by operation and what they move: calls, message bytes, and the
+    bytes one rank sends with a ring."""
+    rows = [{"op": c.op, "what": c.what, "calls_per_step": c.per_step, "bytes_per_step": c.bytes_per_step,
+             "sent_per_rank": ring_bytes_sent(c, world_size) * c.per_step} for c in cs]
+    table = pd.DataFrame(rows, columns=["op", "what", "calls_per_step", "bytes_per_step", "sent_per_rank"])
+    return table.groupby(["op", "what"], as_index=False, sort=False).sum()
+
+
+def predicted_vs_measured(run_dir: str | os.PathLike, rank: int = 0) -> pd.DataFrame:
+    """Per operation and what it moves: the formula's calls and bytes per optimizer step
+    (`run_collectives`) beside what DeepSpeed's comms logger counted in the run's steady steps (3 on),
+    on `rank`. `ratio` is measured / predicted bytes; `sent_per_rank` the ring bytes one rank sends."""
+    from labkit.launch.config import RunConfig
+
+    run_dir = Path(run_dir)
+    config = RunConfig.load(run_dir / "config.json")
+    measured = measured_collectives(run_dir)
+    if config.example != "pytorch" and config.world_size > 1 and \
+            measured[(measured["section"] == "steady") & (measured["rank"] == rank)].empty:
+        raise ValueError(f"{run_dir}: rank {rank} logged no steady step (steps 3 on): run at least 3 steps")
+    predicted = predicted_table(run_collectives(config), config.world_size)
+    steady = steady_per_step(measured, rank).groupby(["op", "what"], as_index=False)[
+        ["calls_per_step", "bytes_per_step"]].sum()
+    table = predicted.merge(steady, on=["op", "what"], how="outer", suffixes=("_predicted", "_measured"))
+    table = table.fillna(0.0)
+    table["ratio"] = [m / p if p else math.inf if m else 1.0
+                      for m, p in zip(table["bytes_per_step_measured"], table["bytes_per_step_predicted"], strict=True)]
+    table.attrs.update(stage=config.stage, world_size=config.world_size, precision=config.precision,
+                       grad_accum=config.grad_accum, offload_optimizer=bool(config.offload_optimizer))
+    return table
+
+
+# == STAND-IN (branch predict23, not comms23): the link benchmark the predictor needs. comms23 owns this ==
+# module and had no measure_links when predict23 merged it; replace this block with theirs when it lands.
 @dataclass(frozen=True)
 class LinkFit:
     world_size: int
@@ -130,14 +654,14 @@ def measure_links(world_size: int = 2, sizes: tuple = (4_096, 65_536, 1_048_576,
     fits: dict = {}
     raw = []
     for op in ops:
-        pts = [(Collective(op, b, 1, "step", "backward", "fp32", False), t) for o, b, t in rows if o == op]
+        pts = [(b, t) for o, b, t in rows if o == op]
         if len(pts) < 2:
             continue
-        xs = [ring_bytes_sent(c, world_size) for c, _ in pts]
+        xs = [ring_factor(op, world_size) * b for b, _ in pts]
         ys = [t for _, t in pts]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
         alpha = max(my - beta * mx, 0.0)
         fits[op] = {"alpha_s": alpha, "beta_s_per_byte": beta, "bus_gbps": 8 / beta / 1e9 if beta > 0 else None}
-        raw += [(op, c.bytes, x, t) for (c, t), x in zip(pts, xs, strict=True)]
+        raw += [(op, b, x, t) for (b, t), x in zip(pts, xs, strict=True)]
     return LinkFit(world_size, backend or "gloo", fits, raw)

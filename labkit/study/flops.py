@@ -187,6 +187,13 @@ class Transformer:
         per layer ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj; plus wte, wpe, ln_f (the LM head is tied)."""
         return 6 * self.layers + 3
 
+    def module_layout(self) -> list[list[int]]:
+        """Each parameter-holding module's parameter sizes, in GPT2LMHeadModel's order (comms.module_layout's shape):
+        wte, wpe, then per layer ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj, then ln_f (the LM head is tied)."""
+        h = self.hidden
+        layer = [[h, h], [3 * h * h, 3 * h], [h * h, h], [h, h], [4 * h * h, 4 * h], [4 * h * h, h]]
+        return [[self.vocab * h], [self.seq * h], *(layer * self.layers), [h, h]]
+
     def largest_param(self) -> int:
         return max(self.vocab * self.hidden, 4 * self.hidden * self.hidden)
 

@@ -76,6 +76,8 @@ class Workload(Protocol):
     @property
     def param_modules(self) -> int: ...
 
+    def module_layout(self) -> list[list[int]]: ...
+
     def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts: ...
 
 
@@ -104,6 +106,9 @@ class TransformerWorkload:
     @property
     def param_modules(self) -> int:
         return self.shape.param_modules()
+
+    def module_layout(self) -> list[list[int]]:
+        return self.shape.module_layout()
 
     def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts:
         dtype = "fp32" if precision == "fp32" else precision
@@ -139,9 +144,14 @@ class ModuleWorkload:
         numels = builders.param_numels(self.config)
         self.n_params = sum(numels)
         self.persistent_params = builders.persistent_params(numels)
-        self.param_modules = sum(1 for m in builders.meta_model(self.config).modules()
-                                 if next(m.parameters(recurse=False), None) is not None)
+        from labkit.study import comms
+
+        self.layout = comms.module_layout(builders.meta_model(self.config))
+        self.param_modules = len(self.layout)
         self.name = self.config.model
+
+    def module_layout(self) -> list[list[int]]:
+        return self.layout
 
     def census(self, micro_batch: int, precision: str) -> flops.Census:
         key = (micro_batch, precision)
@@ -211,25 +221,21 @@ def _fit_for(fit: Any, op: str) -> tuple[float, float]:
     return float(entry["alpha_s"]), float(entry["beta_s_per_byte"])
 
 
-def collective_rows(stage: int | None, n_params: int, world_size: int, *, precision: str, grad_accum: int,
-                    offload_optimizer: bool, persistent_params: int) -> list[Any]:
-    """DeepSpeed 0.19.8's collectives for one rank (comms.collectives); plain PyTorch DDP sends stage 0's
-    gradient all-reduce, but in buckets during the backward (overlapped: torch's DDP docs)."""
+def collective_rows(stage: int | None, workload: Workload, world_size: int, *, precision: str, grad_accum: int,
+                    offload_optimizer: bool) -> list[Any]:
+    """DeepSpeed 0.19.8's collectives for one rank (comms.collectives, with the model's module layout: exact
+    buckets, per-module ZeRO-3 gathers); plain PyTorch DDP sends stage 0's gradient all-reduce, but in buckets
+    during the backward (overlapped: torch's DDP docs)."""
     if world_size < 2:
         return []
     from labkit.study import comms
 
-    zero_stage = 0 if stage is None else stage
-    rows = comms.collectives(zero_stage, n_params, world_size, precision=_comms_precision(precision),
+    rows = comms.collectives(0 if stage is None else stage, workload.n_params, world_size, precision=precision,
                              grad_accum=grad_accum, offload_optimizer=offload_optimizer,
-                             persistent_params=persistent_params)
+                             modules=workload.module_layout())
     if stage is None:
         rows = [dataclasses.replace(c, overlappable=True, phase="backward") for c in rows]
     return list(rows)
-
-
-def _comms_precision(precision: str) -> str:
-    return precision
 
 
 @dataclass(frozen=True)
@@ -253,7 +259,7 @@ def comm_time(rows: Iterable[Any], links: Any, world_size: int, *, grad_accum: i
     per_phase: dict[str, float] = {}
     table = []
     for c in rows:
-        repeats = c.count * (grad_accum if c.per == "micro_step" else 1)
+        repeats = c.per_step
         one = links.seconds(c.op, comms.ring_bytes_sent(c, world_size), world_size)
         seconds = repeats * one
         total += seconds
@@ -328,8 +334,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     owned = workload.n_params / _partition(stage, n)
     optimizer_s = 0.0 if offload else owned * ADAM_BYTES_PER_PARAM / (gpu.memory_bytes_per_s * flops.MEMORY_EFFICIENCY)
     compute_s = grad_accum * (costs.forward_s + costs.backward_s) + optimizer_s
-    rows = collective_rows(stage, workload.n_params, n, precision=precision, grad_accum=grad_accum,
-                           offload_optimizer=offload, persistent_params=workload.persistent_params)
+    rows = collective_rows(stage, workload, n, precision=precision, grad_accum=grad_accum, offload_optimizer=offload)
     comm = comm_time(rows, ClusterLinks(cluster), n, grad_accum=grad_accum,
                      hide_behind={"forward": costs.forward_s, "backward": costs.backward_s})
     offload_s = _offload_s(stage, offload, owned, grad_accum, cluster, precision, host_memory_gb_per_s)
@@ -629,14 +634,20 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
     cores = cores or os.cpu_count() or 1
     new_threads = threads_per_rank or (config.threads_per_rank if world_size is None and config.threads_per_rank
                                        else max(1, cores // new_n))
-    n_params = int(_n_params(config))
-    persistent = int(_persistent(config))
     links = FittedLinks(link_fit)
     precision = run.config.get("precision", "fp32")
 
     def rows(stage_: int | None, n: int, m_accum: int) -> list[Any]:
-        return collective_rows(stage_, n_params, n, precision=precision, grad_accum=m_accum,
-                               offload_optimizer=run.offload, persistent_params=persistent)
+        """The run's own config (its ds_config's ZeRO settings, its model's layout) at `n` ranks and `stage_`."""
+        from labkit.launch.config import without_local_device_checks
+        from labkit.study import comms
+
+        if n < 2:
+            return []
+        values = {**run.config, "world_size": n, "stage": 0 if stage_ is None else stage_, "grad_accum": m_accum}
+        with without_local_device_checks():
+            variant = RunConfig.from_dict({k: v for k, v in values.items() if k in RunConfig.__dataclass_fields__})
+        return comms.run_collectives(variant)
 
     # What the measured run spent communicating (predicted with the same link fit), taken out of its phases.
     had = comm_time(rows(old_stage, old_n, accum), links, old_n, grad_accum=accum, hide_behind={})
@@ -665,18 +676,6 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
             "compute_s": accum * micro_new + optimizer_new, "optimizer_s": optimizer_new, "comm_s": comm.total_s,
             "exposed_comm_s": comm.exposed_s, "offload_s": 0.0, "measured_step_time_s": run.step_time_s,
             "collectives": comm.rows}
-
-
-def _n_params(config: Any) -> int:
-    from labkit.models import builders
-
-    return sum(builders.param_numels(config))
-
-
-def _persistent(config: Any) -> int:
-    from labkit.models import builders
-
-    return builders.persistent_params(builders.param_numels(config))
 
 
 # -- `labkit predict` ---------------------------------------------------------------------------------------------

@@ -1,0 +1,201 @@
+"""What the ranks send each other (labkit.study.comms, labkit.live.comms_log).
+
+The unit tests check the formulas on layouts worked out by hand from DeepSpeed 0.19.8's source;
+the `slow` ones check them against DeepSpeed's own comms logger on real 2-rank runs, record by
+record, with a model whose odd sizes exercise the padding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from labkit.launch.config import ConfigError, RunConfig
+from labkit.live.comms_log import per_call_ms, split_name
+from labkit.models.mlp import SimpleModel
+from labkit.study import comms
+
+MLP = comms.module_layout(SimpleModel())  # [[50000, 500], [5000, 10]]: 55,510 parameters
+
+
+def by(cs: list[comms.Collective], **match: object) -> list[comms.Collective]:
+    return [c for c in cs if all(getattr(c, k) == v for k, v in match.items())]
+
+
+# -- the ring --------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 4, 8, 64])
+def test_ring_sends_2_n_minus_1_over_n_for_all_reduce_and_half_that_for_gathers(n):
+    def one(op: str) -> comms.Collective:
+        return comms.Collective(op=op, bytes=1_000_000, count=1, per="step", phase="backward", dtype="fp32",
+                                overlappable=False, what="x", caller="x", source="x", per_step=1)
+
+    assert comms.ring_bytes_sent(one("all_reduce"), n) == pytest.approx(2 * (n - 1) / n * 1e6)
+    assert comms.ring_bytes_sent(one("all_gather"), n) == pytest.approx((n - 1) / n * 1e6)
+    assert comms.ring_bytes_sent(one("reduce_scatter"), n) == pytest.approx((n - 1) / n * 1e6)
+    assert comms.ring_steps("all_reduce", n) == 2 * (n - 1) and comms.ring_steps("all_gather", n) == n - 1
+
+
+def test_per_step_bytes_count_micro_step_collectives_once_per_micro_step():
+    cs = comms.collectives(2, 55_510, 2, precision="fp32", grad_accum=4, modules=MLP)
+    grads = by(cs, what="gradients")[0]
+    assert (grads.per, grads.count, grads.per_step) == ("micro_step", 1, 4)
+    expected = 4 * 222_040 * 2 * 1 / 2 + 222_048 * 1 / 2 + 4 * 2 * 1 / 2  # 4 all-reduces, 1 all-gather, the norm
+    assert comms.bytes_per_rank_per_step(cs, 2) == pytest.approx(expected)
+
+
+# -- plain PyTorch and one rank --------------------------------------------------------------
+def test_plain_pytorch_and_a_single_rank_send_nothing():
+    assert comms.collectives(None, 55_510, 1, precision="fp32") == []
+    assert comms.collectives(3, 55_510, 1, precision="fp32", modules=MLP) == []
+
+
+# -- stage 0 ---------------------------------------------------------------------------------
+def test_stage0_all_reduces_every_gradient_once_per_step_after_the_backward():
+    cs = comms.collectives(0, 55_510, 8, precision="fp32", grad_accum=3, modules=MLP)
+    grads = by(cs, what="gradients")
+    assert [(c.op, c.bytes, c.per, c.per_step, c.overlappable) for c in grads] == [
+        ("all_reduce", 55_510 * 4, "step", 1, False)]
+    assert by(cs, what="gradient norm")[0].bytes == 4  # fp32 clipping (gradient_clipping defaults to 1.0)
+    assert not by(comms.collectives(0, 55_510, 8, precision="fp32", gradient_clipping=0.0), what="gradient norm")
+    bf16 = comms.collectives(0, 55_510, 8, precision="bf16", modules=MLP)
+    assert [(c.what, c.bytes) for c in bf16] == [("gradients", 55_510 * 2)]
+
+
+def test_stage0_chunks_close_once_they_exceed_5e8_elements():
+    big = [[300_000_000], [300_000_000], [100_000_000]]
+    cs = comms.collectives(0, 700_000_000, 2, precision="bf16", modules=big, gradient_clipping=0.0)
+    assert sorted(c.bytes for c in cs) == [100_000_000 * 2, 600_000_000 * 2]
+
+
+# -- stages 1 and 2 --------------------------------------------------------------------------
+def test_stage1_reduces_at_the_boundary_and_stage2_every_micro_step_then_both_gather_the_parameters():
+    for stage, per, per_step in ((1, "step", 1), (2, "micro_step", 4)):
+        cs = comms.collectives(stage, 55_510, 2, precision="fp32", grad_accum=4, modules=MLP)
+        grads = by(cs, what="gradients")
+        assert [(c.op, c.bytes, c.per, c.per_step) for c in grads] == [("all_reduce", 222_040, per, per_step)]
+        gather = by(cs, what="updated parameters")
+        # 55,510 padded to a multiple of 2 x world size = 4: 55,512 elements.
+        assert [(c.op, c.bytes, c.per, c.phase) for c in gather] == [("all_gather", 222_048, "step", "optimizer")]
+
+
+def test_stage12_all_gather_pads_to_twice_the_world_size():
+    cs = comms.collectives(1, 1001, 8, precision="bf16", modules=[[1001]])
+    assert by(cs, what="updated parameters")[0].bytes == 1008 * 2  # ceil(1001 / 16) x 16
+    assert by(cs, what="overflow check")[0].bytes == 1  # bf16 checks for inf/NaN
+
+
+def test_stage2_buckets_flush_before_the_parameter_that_would_overflow_them():
+    # Backward order: 10, 5000, 500 (5,510 elements, all in rank 1's partition: one call), then the 50,000-element
+    # weight alone. It is larger than the 5,600-element bucket and spans both partitions (27,756 elements each):
+    # its slice for each rank exceeds the bucket, so each goes in a call of its own (stage_1_and_2.py:1568).
+    cs = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP, reduce_bucket_size=5_600)
+    assert sorted(c.bytes for c in by(cs, what="gradients")) == [5_510 * 4, 22_244 * 4, 27_756 * 4]
+    one_bucket = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP, reduce_bucket_size=55_510)
+    assert [c.bytes for c in by(one_bucket, what="gradients")] == [55_510 * 4]
+
+
+def test_overlap_comm_makes_the_gradient_reduction_overlappable():
+    plain = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP)
+    overlapped = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP, overlap_comm=True)
+    assert not by(plain, what="gradients")[0].overlappable and by(overlapped, what="gradients")[0].overlappable
+
+
+def test_offload_changes_only_who_computes_the_norm():
+    cs = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP, offload_optimizer=True)
+    assert by(cs, what="gradient norm")[0].caller == "complete_grad_norm_calculation_for_cpu_offload"
+    plain = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP)
+    assert [(c.op, c.bytes) for c in cs] == [(c.op, c.bytes) for c in plain]
+
+
+# -- stage 3 ---------------------------------------------------------------------------------
+def test_stage3_keeps_small_parameters_whole_and_gathers_them_after_each_step():
+    cs = comms.collectives(3, 55_510, 2, precision="fp32", grad_accum=2, modules=MLP)  # all below 1e5: persistent
+    assert not by(cs, what="parameters")
+    assert sorted(c.bytes for c in by(cs, what="persistent parameters")) == [40, 2_000, 20_000, 200_000]
+    scatter = by(cs, op="reduce_scatter")
+    assert [(c.bytes, c.per, c.per_step, c.overlappable) for c in scatter] == [(222_040, "micro_step", 2, True)]
+    assert by(cs, what="gradient norm")[0].bytes == 8  # fp64 on devices that have it
+
+
+def test_stage3_within_one_prefetch_bucket_gathers_the_model_once_per_micro_step_whatever_the_reuse_distance():
+    for reuse in (0, 10**9):
+        cs = comms.collectives(3, 55_510, 2, precision="fp32", modules=MLP, reuse_distance=reuse,
+                               stage3_param_persistence_threshold=0)
+        assert [(c.bytes, c.count, c.phase) for c in by(cs, what="parameters")] == [(222_040, 1, "forward")]
+
+
+def test_stage3_without_prefetch_gathers_each_module_and_again_in_backward_past_the_reuse_distance():
+    settings = {"stage3_param_persistence_threshold": 1000, "stage3_prefetch_bucket_size": 0}
+    cs = comms.collectives(3, 55_510, 2, precision="fp32", modules=MLP, reuse_distance=0, **settings)
+    gathers = [(c.phase, c.bytes) for c in by(cs, what="parameters")]
+    assert gathers == [("forward", 200_000), ("forward", 20_000), ("backward", 20_000), ("backward", 200_000)]
+    assert sorted(c.bytes for c in by(cs, what="persistent parameters")) == [40, 2_000]  # the biases
+    # The default reuse distance (1e9) keeps a module gathered while 2 x the parameters after it < 1e9.
+    kept = comms.collectives(3, 55_510, 2, precision="fp32", modules=MLP, **settings)
+    assert [c.phase for c in by(kept, what="parameters")] == ["forward", "forward"]
+    # Reuse distance 10,020 = 2 x the 5,010 parameters after the first layer: the first layer is gathered again.
+    edge = comms.collectives(3, 55_510, 2, precision="fp32", modules=MLP, reuse_distance=10_020, **settings)
+    assert [(c.phase, c.bytes) for c in by(edge, what="parameters", phase="backward")] == [("backward", 200_000)]
+
+
+def test_stage3_pads_every_parameter_to_the_world_size():
+    cs = comms.collectives(3, 1003, 4, precision="bf16", modules=[[1001, 2]], stage3_param_persistence_threshold=0)
+    assert by(cs, what="parameters")[0].bytes == (4 * 251 + 4 * 1) * 2
+    assert by(cs, op="reduce_scatter")[0].bytes == (4 * 251 + 4 * 1) * 2
+
+
+def test_stage3_without_a_layout_regathers_the_parameters_with_more_than_half_the_reuse_distance_after_them():
+    n = 2_000_000_000
+    cs = comms.collectives(3, n, 8, precision="bf16")  # default reuse distance 1e9, prefetch bucket 5e7
+    forward = sum(c.bytes * c.count for c in by(cs, what="parameters", phase="forward"))
+    backward = sum(c.bytes * c.count for c in by(cs, what="parameters", phase="backward"))
+    assert forward == n * 2 and backward == pytest.approx((n - 5e8) * 2, rel=1e-6)
+    assert comms.collectives(3, 400_000_000, 8, precision="bf16") and not by(
+        comms.collectives(3, 400_000_000, 8, precision="bf16"), what="parameters", phase="backward")
+
+
+# -- bad input ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, message", [
+    ({"stage": 4}, "stage"), ({"precision": "fp8"}, "precision"), ({"world_size": 0}, "world_size"),
+    ({"modules": [[1, 2]]}, "modules hold 3"),
+    ({"stage": 2, "use_multi_rank_bucket_allreduce": False}, "use_multi_rank_bucket_allreduce"),
+    ({"stage": 3, "zero_quantized_weights": True}, "zero_quantized_weights"),
+    ({"stage": 0, "offload_optimizer": True}, "offload_optimizer"),
+    ({"stage": 2, "no_such_setting": 1}, "no_such_setting"),
+])
+def test_bad_input_is_refused_with_the_setting_named(kwargs, message):
+    args = {"stage": 2, "n_params": 55_510, "world_size": 2, "precision": "fp32", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        comms.collectives(args.pop("stage"), args.pop("n_params"), args.pop("world_size"), **args)
+
+
+# -- the rank side ---------------------------------------------------------------------------
+def test_deepspeed_cumulative_latencies_become_per_call_times():
+    # DeepSpeed 0.19.8 logs each call as the running total of that name's calls (any size).
+    assert per_call_ms({8: [1.0, 6.0], 4: [3.0]}) == {8: [1.0, 3.0], 4: [2.0]}
+    assert split_name("all_reduce | [Caller Func: allreduce_bucket]") == ("all_reduce", "allreduce_bucket")
+
+
+def test_comms_log_turns_deepspeed_comms_logger_on_and_is_refused_for_scripts(tmp_path):
+    config = RunConfig(example="deepspeed", stage=2, world_size=1, comms_log=True)
+    assert config.ds_config()["comms_logger"] == {"enabled": True, "prof_all": True, "debug": True,
+                                                  "verbose": False}
+    assert "comms_logger" not in RunConfig(example="deepspeed", stage=2, world_size=1).ds_config()
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(ConfigError, match="comms_log"):
+        RunConfig(script=str(script), comms_log=True)
+
+
+def test_measured_collectives_reads_the_files_in_this_modules_convention(tmp_path):
+    record = {"section": "steady", "section_steps": 2, "op": "all_gather_into_tensor", "caller": "allgather_fn",
+              "name": "all_gather_into_tensor | [Caller Func: allgather_fn]", "msg_bytes": 100, "count": 4,
+              "ms_total": 1.0, "ms": [0.25] * 4}
+    (tmp_path / "comms_rank0.json").write_text(json.dumps({"rank": 0, "world_size": 4, "records": [record]}))
+    table = comms.measured_collectives(tmp_path)
+    assert table[["op", "what", "msg_bytes", "bytes", "count"]].values.tolist() == [
+        ["all_gather", "parameters", 100, 400, 4]]
+    steady = comms.steady_per_step(table)
+    assert steady[["calls_per_step", "bytes_per_step"]].values.tolist() == [[2.0, 800.0]]
+    with pytest.raises(FileNotFoundError, match="comms_log"):
+        comms.measured_collectives(tmp_path / "nothing")
