@@ -290,8 +290,8 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
         predict.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=_HELP[name])
     predict.add_argument("--gpu", default="A100-80GB",
                          help="GPU kind (labkit.study.predict.HARDWARE; default A100-80GB)")
-    predict.add_argument("--gpus-per-node", type=int, default=1)
-    predict.add_argument("--nodes", type=int, default=1)
+    predict.add_argument("--gpus-per-node", type=int, default=1, help="GPUs in one node (default 1)")
+    predict.add_argument("--nodes", type=int, default=1, help="nodes (default 1); several need --inter-gbps")
     predict.add_argument("--intra", default="auto", help="link inside a node: nvlink2, nvlink3, nvlink4, nvswitch "
                          "(the NVSwitch of the GPU's generation), pcie3, pcie4, pcie5; auto (default): NVSwitch "
                          "where the GPU has NVLink, else its PCIe")
@@ -315,7 +315,8 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
     predict.add_argument("--threads-per-rank", type=int, default=None, help="--from: CPU threads per rank")
     predict.add_argument("--links", default=None, metavar="JSON",
                          help="--from: a saved link fit (default: measure_links on this machine, ~30 s)")
-    predict.add_argument("--format", choices=("table", "json"), default="table")
+    predict.add_argument("--format", choices=("table", "json"), default="table",
+                         help="table: for people; json: every key (step_time_s, samples_per_s, ...), for scripts")
     predict.set_defaults(func=cmd_predict)
 
 
