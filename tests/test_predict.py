@@ -313,3 +313,18 @@ def test_zero3_micro_steps_cannot_be_shorter_than_the_hosts_fetch_hooks():
     assert z3.forward_s + z3.backward_s == pytest.approx(z3.host_overhead_s)  # host-bound at micro-batch 1
     big = P.predict(P.TransformerWorkload(GPT2_XL), cluster, strategy="z3", micro_batch=8, precision="bf16")
     assert big.forward_s + big.backward_s > big.host_overhead_s  # the device's work hides the hooks
+
+
+def test_from_a_run_on_the_command_line_labels_the_measured_step_measured(tmp_path, capsys):
+    config = {**CONFIG, "example": "deepspeed", "stage": 2, "dataset_size": 8192}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    records = [{"event": "step", "step": i, "forward_s": 0.001, "backward_s": 0.002, "optimizer_s": 0.0005,
+                "step_time_s": 0.0035} for i in range(10)]
+    (tmp_path / "rank0.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    links = tmp_path / "links.json"
+    links.write_text(json.dumps(FIT))
+    assert main(["predict", "--from", str(tmp_path), "--world-size", "2", "--links", str(links)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:2] == ["measured", "measured_step_time_s"] for line in lines)
+    assert any(line.split()[:2] == ["predicted", "step_time_s"] for line in lines)
+    assert main(["predict", "--from", str(tmp_path), "--links", str(tmp_path / "none.json")]) == 2

@@ -827,14 +827,16 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
 def format_table(out: dict[str, Any]) -> str:
     """The JSON as lines a person reads, every number labelled predicted."""
     lines = [f"PREDICTED ({out.get('hardware') or 'calibrated on ' + str(out.get('calibrated_from'))})"]
-    for key in ("strategy", "world_size", "micro_batch", "grad_accum", "global_batch", "step_time_s", "samples_per_s",
+    for key in ("strategy", "stage", "world_size", "micro_batch", "grad_accum", "global_batch", "step_time_s",
+                "samples_per_s",
                 "model_tflops_per_gpu", "hardware_tflops_per_gpu", "compute_s", "comm_s", "exposed_comm_s",
                 "offload_s", "device_bytes", "fits", "max_micro_batch", "measured_step_time_s",
                 "steps_to_target_over_s_min"):
         if key in out:
             value = out[key]
             text = f"{value:.4g}" if isinstance(value, float) else str(value)
-            lines.append(f"  predicted {key:28s} {text}")
+            label = "measured " if key.startswith("measured_") else "predicted"  # the run it was calibrated on
+            lines.append(f"  {label} {key:28s} {text}")
     card = out.get("card")
     if card:
         lines.append("  predicted answer card (time at the larger batch / at the smaller):")
