@@ -649,9 +649,10 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
             variant = RunConfig.from_dict({k: v for k, v in values.items() if k in RunConfig.__dataclass_fields__})
         return comms.run_collectives(variant)
 
-    # What the measured run spent communicating (predicted with the same link fit), taken out of its phases.
+    # What the measured run spent communicating (predicted with the same link fit), taken out of its step time (the
+    # step, not the sum of its phases: one statistic over whole steps, the same one the prediction is compared with).
     had = comm_time(rows(old_stage, old_n, accum), links, old_n, grad_accum=accum, hide_behind={})
-    compute_old = max(run.forward_s + run.backward_s + run.optimizer_s - had.total_s, 0.0)
+    compute_old = max(run.step_time_s - had.total_s, 0.0)
     optimizer_old = max(run.optimizer_s - sum(r["seconds_per_step"] for r in had.rows if r["phase"] == "optimizer"),
                         0.0)
     micro_old = max(compute_old - optimizer_old, 0.0) / accum
