@@ -59,7 +59,7 @@ def measure(out: Path) -> None:
         (out / "links.json").write_text(json.dumps(_fit_json(fit), indent=2))
     else:
         print("labkit.study.comms has no measure_links yet: links.json not written", flush=True)
-    from labkit.study.predict import measure_zero3_fetch_s
+    from labkit.study.calibrate import measure_zero3_fetch_s
 
     host = measure_zero3_fetch_s()
     host.update(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_average=list(__import__("os").getloadavg()))
@@ -71,7 +71,7 @@ def measure(out: Path) -> None:
 
 def run_rows(strategy: str, run_dir: object) -> list[dict]:
     """runs.csv's rows for one run: its phases by both statistics (median, p10)."""
-    from labkit.study.predict import STATISTICS, read_run
+    from labkit.study.calibrate import STATISTICS, read_run
 
     rows = []
     for statistic in STATISTICS:
@@ -93,7 +93,7 @@ def _fit_json(fit: object) -> dict:
 def cpu_check(data: Path = DATA) -> object:
     """predicted / measured for every 2-rank point, calibrated on the 1-rank run of the same strategy and
     micro-batch (a DataFrame)."""
-    from labkit.study.predict import cpu_comparison
+    from labkit.study.calibrate import cpu_comparison
 
     return cpu_comparison(data)
 

@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from labkit.cli import main
 from labkit.runtime import hardware as hw
+from labkit.study import calibrate as C
 from labkit.study import flops
 from labkit.study import predict as P
 from labkit.study.verdict import verdict
@@ -210,30 +211,30 @@ CONFIG = {"example": "deepspeed", "stage": 0, "world_size": 1, "micro_batch": 64
 
 
 def _run(**config):
-    return P.MeasuredRun("synthetic", {**CONFIG, **config}, 0.001, 0.002, 0.0005, 0.0035, 20)
+    return C.MeasuredRun("synthetic", {**CONFIG, **config}, 0.001, 0.002, 0.0005, 0.0035, 20)
 
 
 def test_calibration_adds_the_collectives_of_more_ranks_and_splits_the_optimizer():
-    one = P.calibrated(_run(), FIT, world_size=1, cores=2, threads_per_rank=1)
-    two = P.calibrated(_run(), FIT, world_size=2, cores=2, threads_per_rank=1)
+    one = C.calibrated(_run(), FIT, world_size=1, cores=2, threads_per_rank=1)
+    two = C.calibrated(_run(), FIT, world_size=2, cores=2, threads_per_rank=1)
     assert one["comm_s"] == 0 and one["step_time_s"] == pytest.approx(0.0035)
     assert two["comm_s"] > 0 and two["exposed_comm_s"] == two["comm_s"]  # no spare core to hide it behind
-    z2 = P.calibrated(_run(stage=2), FIT, world_size=2, cores=2, threads_per_rank=1)
+    z2 = C.calibrated(_run(stage=2), FIT, world_size=2, cores=2, threads_per_rank=1)
     assert z2["optimizer_s"] == pytest.approx(0.0005 / 2)  # each rank updates half
     assert two["predicted"] is True
 
 
 def test_ranks_that_oversubscribe_the_cores_compute_on_their_share():
-    assert P.effective_cores(2, 2, 2) == 1.0 and P.effective_cores(1, 2, 2) == 1.0
-    fast = P.calibrated(_run(threads_per_rank=2), FIT, world_size=1, cores=2)
-    shared = P.calibrated(_run(threads_per_rank=2), FIT, world_size=2, cores=2, threads_per_rank=2)
+    assert C.effective_cores(2, 2, 2) == 1.0 and C.effective_cores(1, 2, 2) == 1.0
+    fast = C.calibrated(_run(threads_per_rank=2), FIT, world_size=1, cores=2)
+    shared = C.calibrated(_run(threads_per_rank=2), FIT, world_size=2, cores=2, threads_per_rank=2)
     assert shared["compute_s"] == pytest.approx(2 * fast["compute_s"])
 
 
 def test_calibration_to_another_micro_batch_follows_the_counted_cost():
-    device = P.CpuDevice(flops_per_s=5e10, bytes_per_s=1e10, op_overhead_s=5e-6)
-    base = P.calibrated(_run(), FIT, cores=2, device=device)
-    bigger = P.calibrated(_run(), FIT, micro_batch=256, cores=2, device=device)
+    device = C.CpuDevice(flops_per_s=5e10, bytes_per_s=1e10, op_overhead_s=5e-6)
+    base = C.calibrated(_run(), FIT, cores=2, device=device)
+    bigger = C.calibrated(_run(), FIT, micro_batch=256, cores=2, device=device)
     assert base["step_time_s"] < bigger["step_time_s"] < 4 * base["step_time_s"]
 
 
@@ -242,10 +243,10 @@ def test_read_run_takes_the_medians_after_the_first_steps(tmp_path):
     records = [{"event": "step", "step": i, "forward_s": 1.0 if i < 2 else 0.1, "backward_s": 0.2,
                 "optimizer_s": 0.05, "step_time_s": 0.35} for i in range(10)]
     (tmp_path / "rank0.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    run = P.read_run(tmp_path)
+    run = C.read_run(tmp_path)
     assert run.forward_s == 0.1 and run.steps == 8 and run.world_size == 1
     with pytest.raises(ValueError, match=r"config\.json"):
-        P.read_run(tmp_path / "missing")
+        C.read_run(tmp_path / "missing")
 
 
 # -- the command line --------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from labkit.study import calibrate as C
 from labkit.study import predict as P
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "predict-ci"
@@ -17,7 +18,7 @@ GOAL_MEDIAN, GOAL_MAX = 0.15, 0.30
 
 def test_the_calibration_data_has_every_strategy_and_micro_batch_at_1_and_2_ranks():
     runs = pd.read_csv(DATA / "runs.csv")
-    for statistic in P.STATISTICS:
+    for statistic in C.STATISTICS:
         table = runs[runs["statistic"] == statistic]
         assert set(table["strategy"]) == {"z0", "z1", "z2", "z3", "z2-offload"}
         for (_, _), group in table.groupby(["strategy", "micro_batch"]):
@@ -27,9 +28,9 @@ def test_the_calibration_data_has_every_strategy_and_micro_batch_at_1_and_2_rank
     assert {"all_reduce", "all_gather"} <= set(fit["ops"])
 
 
-@pytest.mark.parametrize("statistic", P.STATISTICS)
+@pytest.mark.parametrize("statistic", C.STATISTICS)
 def test_every_2_rank_point_is_predicted(statistic):
-    table = P.cpu_comparison(DATA, statistic)
+    table = C.cpu_comparison(DATA, statistic)
     assert len(table) == 15
     assert (table["predicted_2_rank_s"] > table["predicted_comm_s"]).all()
     assert (table["predicted_comm_s"] > 0).all()
@@ -40,7 +41,7 @@ def test_every_2_rank_point_is_predicted(statistic):
                    "DeepSpeed's collectives timed with the measured gloo link fit (docs/predict.md). strict: "
                    "re-measured to the goal, this fails and the mark must go")
 def test_the_issues_goal_on_this_machine():
-    errors = P.cpu_comparison(DATA, "p10")["error"].abs()
+    errors = C.cpu_comparison(DATA, "p10")["error"].abs()
     assert errors.median() <= GOAL_MEDIAN and errors.max() <= GOAL_MAX
 
 
