@@ -50,6 +50,7 @@ ADAM_BYTES_PER_PARAM = 30
 # 2 x 6 x 21.3 GB/s = 256 GB/s (Intel ARK, Xeon Platinum 8168: the DGX-2's CPUs); pass --host-memory-gb-per-s
 # for yours. The node's host bandwidth is shared by its GPUs' ranks.
 DEFAULT_HOST_MEMORY_GB_PER_S = 256.0
+HOST_MEMORY_EFFICIENCY = flops.MEMORY_EFFICIENCY
 # ZeRO-3's host-side cost of one submodule fetch (DeepSpeed's pre-forward / pre-backward hooks, Python): measured
 # on this lab's machine by `measure_zero3_fetch_s` (data/predict-ci/host.json says when and at what load); the host
 # of a GPU node runs the same Python. A micro-step cannot be shorter than the host's work to issue it.
@@ -57,10 +58,11 @@ HOST_JSON = Path(__file__).resolve().parents[2] / "data" / "predict-ci" / "host.
 
 
 def zero3_fetch_s() -> float:
+    """The measured host cost of one ZeRO-3 module fetch (0 where none was measured: the term is then left out)."""
     import json
 
     return float(json.loads(HOST_JSON.read_text())["zero3_fetch_s"]) if HOST_JSON.exists() else 0.0
-HOST_MEMORY_EFFICIENCY = flops.MEMORY_EFFICIENCY
+
 
 
 class Workload(Protocol):
@@ -140,12 +142,11 @@ class ModuleWorkload:
 
     def __post_init__(self) -> None:
         from labkit.models import builders
+        from labkit.study import comms
 
         numels = builders.param_numels(self.config)
         self.n_params = sum(numels)
         self.persistent_params = builders.persistent_params(numels)
-        from labkit.study import comms
-
         self.layout = comms.module_layout(builders.meta_model(self.config))
         self.param_modules = len(self.layout)
         self.name = self.config.model
