@@ -54,11 +54,9 @@ def measure(out: Path) -> None:
     import pandas as pd
 
     pd.DataFrame(rows).to_csv(out / "runs.csv", index=False)
-    if hasattr(comms, "measure_links"):
-        fit = comms.measure_links(world_size=2)
-        (out / "links.json").write_text(json.dumps(_fit_json(fit), indent=2))
-    else:
-        print("labkit.study.comms has no measure_links yet: links.json not written", flush=True)
+    from labkit.study.predict import link_fit_json
+
+    (out / "links.json").write_text(json.dumps(link_fit_json(comms.measure_links(world_size=2)), indent=2))
     from labkit.study.calibrate import measure_zero3_fetch_s
 
     host = measure_zero3_fetch_s()
@@ -84,18 +82,12 @@ def run_rows(strategy: str, run_dir: object) -> list[dict]:
     return rows
 
 
-def _fit_json(fit: object) -> dict:
-    import dataclasses
-
-    return fit if isinstance(fit, dict) else dataclasses.asdict(fit)  # type: ignore[call-overload]
-
-
 def cpu_check(data: Path = DATA) -> object:
     """predicted / measured for every 2-rank point, calibrated on the 1-rank run of the same strategy and
-    micro-batch (a DataFrame)."""
+    micro-batch, each run summarised by its fastest decile of steps (p10; a DataFrame)."""
     from labkit.study.calibrate import cpu_comparison
 
-    return cpu_comparison(data)
+    return cpu_comparison(data, "p10")
 
 
 def main() -> int:
@@ -119,7 +111,7 @@ def main() -> int:
           f"{s['points']} points, {s['sources']} sources, {s['gpu_kinds']} GPU kinds")
     if (Path(args.out) / "runs.csv").exists():
         cpu = cpu_check(Path(args.out))
-        print("\nThis machine: 2-rank points predicted from 1-rank runs (PREDICTED / measured)")
+        print("\nThis machine: 2-rank points predicted from 1-rank runs (PREDICTED / measured; p10 of each run)")
         print(cpu.to_string(index=False, float_format=lambda v: f"{v:.4g}"))  # type: ignore[attr-defined]
         errors = cpu["error"].abs()  # type: ignore[index]
         print(f"median |error| {statistics.median(errors):.1%} (goal <= 15%), max {max(errors):.1%} (goal <= 30%)")

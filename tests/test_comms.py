@@ -199,3 +199,121 @@ def test_measured_collectives_reads_the_files_in_this_modules_convention(tmp_pat
     assert steady[["calls_per_step", "bytes_per_step"]].values.tolist() == [[2.0, 800.0]]
     with pytest.raises(FileNotFoundError, match="comms_log"):
         comms.measured_collectives(tmp_path / "nothing")
+
+
+# -- the formulas against DeepSpeed's own log, on real runs ----------------------------------------
+# Odd sizes exercise the padding: 100 -> 501 -> 9 is 50,100 + 501 + 4,509 + 9 = 55,119 parameters.
+ODD = dict(hidden=501, output_size=9, micro_batch=8, dataset_size=512, steps=4, comms_log=True)
+SPLIT_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 5_600}}  # the 50,100-element weight alone, split
+ZERO3_PARTITIONED = {"zero_optimization": {"stage3_param_persistence_threshold": 1000,  # the biases persist
+                                           "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}}
+REAL_RUNS = {
+    "stage 0": dict(example="deepspeed", stage=0, grad_accum=2),
+    "stage 1 bf16": dict(example="deepspeed", stage=1, grad_accum=2, precision="bf16"),
+    "stage 2 small buckets": dict(example="deepspeed", stage=2, grad_accum=2, ds_overrides=SPLIT_BUCKETS),
+    "stage 2 + offload": dict(example="offload", grad_accum=2),
+    "stage 3": dict(example="zero3", grad_accum=2),
+    "stage 3 partitioned": dict(example="zero3", ds_overrides=ZERO3_PARTITIONED),
+}
+
+
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory) -> dict[str, object]:
+    """Each configuration once on 2 ranks with the comms log on (plain PyTorch on 1, and a run whose
+    rank 1 fails at step 3), launched together and awaited."""
+    from labkit.launch.run import Run
+
+    root = tmp_path_factory.mktemp("comms")
+    configs = {label: RunConfig(world_size=2, **ODD, **fields) for label, fields in REAL_RUNS.items()}
+    configs["plain PyTorch"] = RunConfig(example="pytorch", **ODD)
+    runs = {label: Run(config, root=root).start() for label, config in configs.items()}
+    runs["failing"] = Run(RunConfig(example="deepspeed", stage=2, world_size=2, **{**ODD, "steps": 50}), root=root,
+                          env={"LABKIT_FAULT": "raise@rank1:step3"}).start()
+    for run in runs.values():
+        run.wait(timeout=900)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(REAL_RUNS))
+def test_the_formula_matches_deepspeeds_log_byte_for_byte(real_runs, label):
+    run = real_runs[label]
+    assert run.status == "finished", run.cause
+    for rank in (0, 1):
+        table = comms.predicted_vs_measured(run.run_dir, rank=rank)
+        assert len(table) >= 2
+        mismatched = table[(table["ratio"] != 1.0)
+                           | (table["calls_per_step_predicted"] != table["calls_per_step_measured"])]
+        assert mismatched.empty, f"rank {rank}:\n{table.to_string()}"
+    # And message size by message size, not only in total.
+    predicted: dict[tuple, float] = {}
+    for c in comms.run_collectives(run.config):
+        predicted[(c.op, c.what, c.bytes)] = predicted.get((c.op, c.what, c.bytes), 0.0) + c.per_step
+    steady = comms.steady_per_step(comms.measured_collectives(run.run_dir))
+    assert {(op, what, size): calls for op, what, size, calls in
+            zip(steady["op"], steady["what"], steady["bytes"], steady["calls_per_step"], strict=True)} == predicted
+
+
+@pytest.mark.slow
+def test_stage3_records_its_trace_in_the_first_steps_and_every_rank_logs_the_same(real_runs):
+    measured = comms.measured_collectives(real_runs["stage 3 partitioned"].run_dir)
+    first = measured[measured["section"] == "step 1"]
+    assert "ZeRO-3 trace check" in set(first["what"])  # broadcasts that compare the ranks' module traces
+    assert "ZeRO-3 trace check" not in set(measured.loc[measured["section"] == "steady", "what"])
+    columns = ["section", "op", "caller", "bytes", "count"]
+    ranks = [measured[measured["rank"] == r][columns].sort_values(columns).values.tolist() for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    setup = measured[measured["section"] == "setup"]
+    assert {"initial weights"} <= set(setup["what"])  # deepspeed.initialize broadcasts rank 0's weights
+
+
+@pytest.mark.slow
+def test_plain_pytorch_sends_nothing_and_a_failed_rank_keeps_its_log(real_runs):
+    plain = real_runs["plain PyTorch"]
+    assert plain.status == "finished", plain.cause
+    data = json.loads((plain.run_dir / "comms_rank0.json").read_text())
+    assert data["deepspeed_logger"] is False and data["records"] == []
+    assert comms.predicted_vs_measured(plain.run_dir).empty
+    failing = real_runs["failing"]
+    assert failing.status == "failed"
+    log = json.loads((failing.run_dir / "comms_rank1.json").read_text())
+    assert log["failed"] is True
+    sections = {r["section"] for r in log["records"]}
+    assert {"setup", "step 1", "step 2"} <= sections  # what it sent before the fault at step 3 is kept
+
+
+# -- the link benchmark ------------------------------------------------------------------------
+def test_alpha_beta_fit_recovers_a_known_link():
+    alpha, beta, n = 20e-6, 1 / 5e9, 4  # 20 us per ring step, 5 GB/s per rank
+    sizes = [4**k * 1024 for k in range(8)]
+    times = [comms.ring_steps("all_reduce", n) * alpha + comms.ring_factor("all_reduce", n) * s * beta for s in sizes]
+    fit = comms.fit_alpha_beta("all_reduce", n, sizes, times)
+    assert fit.alpha_s == pytest.approx(alpha, rel=1e-6) and fit.beta_s_per_byte == pytest.approx(beta, rel=1e-6)
+    assert fit.bus_gbps == pytest.approx(40.0) and fit.median_error < 1e-9
+
+
+def test_link_fit_times_a_collective_with_the_ring_model():
+    fit = comms.OpFit(op="all_reduce", alpha_s=1e-5, beta_s_per_byte=1e-9, median_error=0.0)
+    link = comms.LinkFit(world_size=2, backend="gloo", device="cpu", fits={"all_reduce": fit}, raw=None)
+    cs = comms.collectives(0, 55_510, 8, precision="fp32", modules=MLP)
+    grads = by(cs, what="gradients")[0]
+    assert link.seconds(grads, 8) == pytest.approx(14 * 1e-5 + 2 * 7 / 8 * 222_040 * 1e-9)
+    parts = link.step_seconds(cs, 8)
+    assert parts["overlappable_s"] == 0 and parts["total_s"] == pytest.approx(parts["blocking_s"])
+
+
+@pytest.mark.parametrize("kwargs, message", [({"world_size": 1}, "world_size"), ({"ops": ["all_to_all"]}, "ops"),
+                                             ({"sizes": [3]}, "sizes"), ({"backend": "mpi"}, "backend")])
+def test_measure_links_refuses_bad_input_before_starting_anything(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        comms.measure_links(**kwargs)
+
+
+@pytest.mark.slow
+def test_measure_links_times_real_processes_and_keeps_every_timing():
+    link = comms.measure_links(sizes=(4096, 1 << 20), ops=("all_reduce", "all_gather"))
+    assert link.backend == "gloo" and set(link.fits) == {"all_reduce", "all_gather"}
+    assert len(link.raw) == 2 * 2 * comms.BENCH_REPS and (link.raw["seconds"] > 0).all()
+    assert set(link.raw["msg_bytes"]) == {4096, 1 << 20}
+    for fit in link.fits.values():
+        assert fit.alpha_s >= 0 and fit.beta_s_per_byte >= 0 and fit.alpha_s + fit.beta_s_per_byte > 0

@@ -203,7 +203,7 @@ def test_the_predicted_card_has_the_measured_cards_shape_and_its_verdicts_agree_
 
 
 # -- calibrated on a run -----------------------------------------------------------------------------------------------
-FIT = {"ops": {"all_reduce": {"alpha_s": 3e-4, "beta_s_per_byte": 2e-9},
+FIT = {"fits": {"all_reduce": {"alpha_s": 3e-4, "beta_s_per_byte": 2e-9},
                "all_gather": {"alpha_s": 2e-4, "beta_s_per_byte": 1e-9},
                "reduce_scatter": {"alpha_s": 2e-4, "beta_s_per_byte": 1e-9}}}
 CONFIG = {"example": "deepspeed", "stage": 0, "world_size": 1, "micro_batch": 64, "grad_accum": 1,

@@ -25,7 +25,7 @@ def test_the_calibration_data_has_every_strategy_and_micro_batch_at_1_and_2_rank
             assert sorted(group["world_size"]) == [1, 2]
         assert all(json.loads(c)["threads_per_rank"] == 1 for c in table["config"])  # one core per rank
     fit = json.loads((DATA / "links.json").read_text())
-    assert {"all_reduce", "all_gather"} <= set(fit["ops"])
+    assert {"all_reduce", "all_gather"} <= set(fit["fits"])
 
 
 @pytest.mark.parametrize("statistic", C.STATISTICS)
@@ -37,7 +37,7 @@ def test_every_2_rank_point_is_predicted(statistic):
 
 
 @pytest.mark.xfail(strict=True, reason="not met with the data in data/predict-ci/: measured at load average 16-29 "
-                   "(five other engineers' test suites on the 2 cores); 2 ranks pay ~1.5-3 ms per step more than "
+                   "(five other engineers' test suites on the 2 cores); 2 ranks pay ~2-8 ms per step more than "
                    "DeepSpeed's collectives timed with the measured gloo link fit (docs/predict.md). strict: "
                    "re-measured to the goal, this fails and the mark must go")
 def test_the_issues_goal_on_this_machine():

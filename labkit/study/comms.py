@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -569,99 +570,178 @@ def predicted_vs_measured(run_dir: str | os.PathLike, rank: int = 0) -> pd.DataF
     return table
 
 
-# == STAND-IN (branch predict23, not comms23): the link benchmark the predictor needs. comms23 owns this ==
-# module and had no measure_links when predict23 merged it; replace this block with theirs when it lands.
-@dataclass(frozen=True)
+# -- this machine's links: an alpha-beta fit -------------------------------------------------------
+BENCH_SIZES = tuple(4**k * 1024 for k in range(8))  # 1 KiB to 16 MiB messages
+BENCH_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+BENCH_REPS = 5  # timed calls per (op, size), after BENCH_WARMUP untimed ones
+BENCH_WARMUP = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpFit:
+    """t = ring_steps(op, N) x alpha_s + ring bytes sent per rank x beta_s_per_byte (weighted least squares,
+    relative errors: a 1 KiB and a 16 MiB message count alike)."""
+
+    op: str
+    alpha_s: float            # per ring step (a message's latency)
+    beta_s_per_byte: float    # per byte one rank sends
+    median_error: float       # |fit / measured - 1|, median over the sizes
+
+    @property
+    def bus_gbps(self) -> float:
+        """1 / beta in Gbit/s: NCCL-tests' "bus bandwidth" (ring bytes per rank over time), for large messages."""
+        return 8 / self.beta_s_per_byte / 1e9 if self.beta_s_per_byte > 0 else math.inf
+
+
+@dataclass(frozen=True, kw_only=True)
 class LinkFit:
+    """`measure_links`' result: a fit per operation to the fastest of each size's calls, and every timing
+    (`raw`: one row per timed call, seconds on rank 0 between a barrier and the call's return)."""
+
     world_size: int
     backend: str
-    ops: dict          # op -> {"alpha_s", "beta_s_per_byte", "bus_gbps"}
-    raw: list          # (op, message bytes, ring bytes, seconds) per timing
+    device: str
+    fits: dict[str, OpFit]
+    raw: pd.DataFrame
+
+    def seconds(self, c: Collective, world_size: int | None = None) -> float:
+        """One call of `c` on this link at `world_size` ranks (the measured one by default), ring model."""
+        n = world_size or self.world_size
+        fit = self.fits.get(c.op) or self.fits["all_reduce"]
+        return ring_steps(c.op, n) * fit.alpha_s + ring_bytes_sent(c, n) * fit.beta_s_per_byte
+
+    def step_seconds(self, cs: Iterable[Collective], world_size: int | None = None) -> dict[str, float]:
+        """Communication per optimizer step: `total_s`, and the part that can hide behind compute
+        (`overlappable_s`) or cannot (`blocking_s`)."""
+        parts = {"overlappable_s": 0.0, "blocking_s": 0.0}
+        for c in cs:
+            parts["overlappable_s" if c.overlappable else "blocking_s"] += self.seconds(c, world_size) * c.per_step
+        return {"total_s": parts["overlappable_s"] + parts["blocking_s"], **parts}
+
+    def table(self) -> pd.DataFrame:
+        return pd.DataFrame([{"op": f.op, "alpha_us": f.alpha_s * 1e6, "beta_ns_per_byte": f.beta_s_per_byte * 1e9,
+                              "bus_gbps": f.bus_gbps, "median_error": f.median_error} for f in self.fits.values()])
 
 
-def _bench_worker(rank: int, world_size: int, port: int, sizes: tuple, ops: tuple, repeats: int, queue: object) -> None:
-    import os
-    import time
+def fit_alpha_beta(op: str, world_size: int, sizes: Sequence[float], seconds: Sequence[float]) -> OpFit:
+    """The alpha-beta fit of one operation's times (`seconds`, one per size) at message sizes `sizes`."""
+    import numpy as np
+
+    steps = ring_steps(op, world_size)
+    sent = np.array([ring_factor(op, world_size) * s for s in sizes], dtype=float)
+    t = np.array(seconds, dtype=float)
+    design = np.column_stack([np.full_like(sent, steps), sent]) / t[:, None]  # rows weighted by 1 / t
+    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if alpha < 0:  # latency below resolution: bandwidth only
+        alpha, beta = 0.0, float(np.sum(sent * t / t**2) / np.sum(sent**2 / t**2))
+    elif beta < 0:
+        alpha, beta = float(np.sum(t * steps / t**2) / np.sum(steps**2 / t**2)), 0.0
+    errors = np.abs((steps * alpha + sent * beta) / t - 1)
+    return OpFit(op=op, alpha_s=float(alpha), beta_s_per_byte=float(beta), median_error=float(np.median(errors)))
+
+
+def _bench_rank(rank: int, world_size: int, port: int, backend: str, sizes: Sequence[int], ops: Sequence[str],
+                out: str) -> None:
+    """One rank of `measure_links` (a spawned process: never the notebook's kernel)."""
+    import warnings
+    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames *_into_tensor; same call
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=120))
+    sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
     rows = []
-    for op in ops:
-        for size in sizes:
-            n = max(world_size, size // 4 // world_size * world_size)
-            full, part = torch.ones(n), torch.ones(n // world_size)
-            def run(op: str = op, f: torch.Tensor = full, p: torch.Tensor = part) -> None:
-                if op == "all_reduce":
-                    dist.all_reduce(f)
-                elif op == "all_gather":
-                    dist.all_gather_into_tensor(f, p)
-                else:
-                    dist.reduce_scatter_tensor(p, f)
-            try:
-                run()
-            except (RuntimeError, ValueError):
-                break  # the backend lacks this collective
-            times = []
-            for _ in range(repeats):
-                dist.barrier()
-                start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
-            rows.append((op, n * 4, sorted(times)[len(times) // 2]))
+    try:
+        for op in ops:
+            for size in sizes:
+                elements = max(world_size, size // 4 // world_size * world_size)  # fp32, divisible by N
+                full = torch.ones(elements, device=device)
+                part = torch.empty(elements // world_size, device=device)
+
+                for rep in range(BENCH_WARMUP + BENCH_REPS):
+                    dist.barrier()
+                    sync()
+                    start = time.perf_counter()
+                    _bench_call(dist, op, full, part)
+                    sync()
+                    if rep >= BENCH_WARMUP:
+                        rows.append({"op": op, "msg_bytes": elements * 4, "rep": rep - BENCH_WARMUP,
+                                     "seconds": time.perf_counter() - start})
+    finally:
+        dist.destroy_process_group()
     if rank == 0:
-        queue.put(rows)  # type: ignore[attr-defined]
-    dist.destroy_process_group()
+        Path(out).write_text(json.dumps(rows))
 
 
-def measure_links(world_size: int = 2, sizes: tuple = (4_096, 65_536, 1_048_576, 4_194_304),
-                  ops: tuple = ("all_reduce", "all_gather", "reduce_scatter"), backend: str | None = None,
-                  repeats: int = 9) -> LinkFit:
-    """Time each collective at each message size in `world_size` real processes (gloo on loopback), and fit
-    time = alpha + ring bytes x beta per op (least squares)."""
-    import socket
+def _bench_call(dist: Any, op: str, full: Any, part: Any) -> None:
+    if op == "all_reduce":
+        dist.all_reduce(full)
+    elif op == "all_gather":
+        dist.all_gather_into_tensor(full, part)
+    else:
+        dist.reduce_scatter_tensor(part, full)
 
+
+def measure_links(world_size: int = 2, sizes: Sequence[int] = BENCH_SIZES, ops: Sequence[str] = BENCH_OPS,
+                  backend: str | None = None, timeout_s: float = 300.0) -> LinkFit:
+    """Time all-reduce, all-gather and reduce-scatter between `world_size` real processes on this machine
+    (torch.distributed: gloo on CPU, NCCL on GPUs, one GPU per rank; loopback only) and fit the alpha-beta
+    model per operation. Spawned processes, never the calling one: safe from a notebook. About 15-30 s
+    on a 2-core CPU with the default sizes (1 KiB to 16 MiB, in the message convention of `Collective`)."""
+    import tempfile
+
+    import torch
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_bench_worker, args=(r, world_size, port, sizes, ops, repeats, queue))
-             for r in range(world_size)]
-    import queue as queues
-    import time
+    from labkit.launch.launcher import free_port
 
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 300
-    while True:
+    if not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"world_size must be an integer >= 2 (a link needs two ends), got {world_size!r}")
+    bad = [op for op in ops if op not in BENCH_OPS]
+    if bad or not ops:
+        raise ValueError(f"ops must be among {BENCH_OPS}, got {list(ops)}")
+    if not sizes or any(not isinstance(s, int) or s < 4 * world_size for s in sizes):
+        raise ValueError(f"sizes must be message bytes >= 4 x world_size, got {list(sizes)}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"nccl needs one GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPUs")
+    device = torch.cuda.get_device_name(0) if backend == "nccl" else f"CPU ({os.cpu_count()} cores)"
+    env = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "timings.json")
+        os.environ.update(env)  # inherited by the spawned ranks
         try:
-            rows = queue.get(timeout=1)
-            break
-        except queues.Empty:
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"measure_links: a benchmark process failed (exit codes {failed})") from None
-    for p in procs:
-        p.join(timeout=60)
-    fits: dict = {}
-    raw = []
-    for op in ops:
-        pts = [(b, t) for o, b, t in rows if o == op]
-        if len(pts) < 2:
-            continue
-        xs = [ring_factor(op, world_size) * b for b, _ in pts]
-        ys = [t for _, t in pts]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-        alpha = max(my - beta * mx, 0.0)
-        fits[op] = {"alpha_s": alpha, "beta_s_per_byte": beta, "bus_gbps": 8 / beta / 1e9 if beta > 0 else None}
-        raw += [(op, b, x, t) for (b, t), x in zip(pts, xs, strict=True)]
-    return LinkFit(world_size, backend or "gloo", fits, raw)
+            context = mp.start_processes(_bench_rank, args=(world_size, free_port(), backend, list(sizes), list(ops),
+                                                            out), nprocs=world_size, join=False,
+                                         start_method="spawn")
+            deadline = time.monotonic() + timeout_s
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+                    raise TimeoutError(f"measure_links did not finish in {timeout_s:.0f} s")
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        raw = pd.DataFrame(json.loads(Path(out).read_text()))
+    raw["sent_per_rank"] = [ring_factor(op, world_size) * b for op, b in zip(raw["op"], raw["msg_bytes"], strict=True)]
+    # The fastest of the timed calls: the link itself, not the moments other processes held the cores.
+    fastest = raw.groupby(["op", "msg_bytes"], as_index=False)["seconds"].min()
+    fits = {op: fit_alpha_beta(op, world_size, list(group["msg_bytes"]), list(group["seconds"]))
+            for op, group in fastest.groupby("op", sort=False)}
+    return LinkFit(world_size=world_size, backend=backend, device=device, fits=fits, raw=raw)

@@ -205,21 +205,24 @@ class ClusterLinks:
 
 @dataclass(frozen=True)
 class FittedLinks:
-    """A link fit measured on this machine (`measure_links`): per op, alpha + ring bytes x beta."""
+    """A link fit measured on this machine (`comms.measure_links`, or its JSON form `link_fit_json`): per op,
+    comms' ring model, ring steps x alpha + ring bytes x beta (an op the fit lacks uses all_reduce's)."""
 
     fit: Any
 
     def seconds(self, op: str, ring_bytes: float, world_size: int) -> float:
-        alpha, beta = _fit_for(self.fit, op)
-        return alpha + ring_bytes * beta
+        from labkit.study import comms
+
+        fits = self.fit["fits"] if isinstance(self.fit, dict) else link_fit_json(self.fit)["fits"]
+        entry = fits.get(op) or fits["all_reduce"]
+        return comms.ring_steps(op, world_size) * float(entry["alpha_s"]) + ring_bytes * float(entry["beta_s_per_byte"])
 
 
-def _fit_for(fit: Any, op: str) -> tuple[float, float]:
-    """(alpha_s, beta_s_per_byte) of one op from a comms.LinkFit or its JSON dict (falls back to all_reduce's)."""
-    table = fit if isinstance(fit, dict) else dataclasses.asdict(fit)
-    ops = table.get("ops", table)
-    entry = ops.get(op) or ops.get("all_reduce") or next(iter(ops.values()))
-    return float(entry["alpha_s"]), float(entry["beta_s_per_byte"])
+def link_fit_json(fit: Any) -> dict[str, Any]:
+    """A comms.LinkFit as JSON (what `--links FILE` reads): its per-op fits, without the raw timings."""
+    return {"world_size": fit.world_size, "backend": fit.backend, "device": fit.device,
+            "fits": {op: {"alpha_s": f.alpha_s, "beta_s_per_byte": f.beta_s_per_byte, "bus_gbps": f.bus_gbps,
+                          "median_error": f.median_error} for op, f in fit.fits.items()}}
 
 
 def collective_rows(stage: int | None, workload: Workload, world_size: int, *, precision: str, grad_accum: int,
