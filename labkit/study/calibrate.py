@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from labkit.study import flops
-from labkit.study.predict import FittedLinks, ModuleWorkload, _partition, comm_time
+from labkit.study.predict import FittedLinks, ModuleWorkload, comm_time, partition_ranks
 
 
 @dataclass(frozen=True)
 class MeasuredRun:
-    """What a finished run measured, per optimizer step (rank 0's medians after the first two steps)."""
+    """What a finished run measured, per optimizer step (rank 0's steps after the first two, summarised by read_run)."""
 
     run_dir: str
     config: dict[str, Any]
@@ -180,7 +180,7 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
         old_c, new_c = work.census(old_m, precision), work.census(new_m, precision)
         scale = device.seconds(new_c.forward + new_c.backward) / device.seconds(old_c.forward + old_c.backward)
     micro_new = micro_old * scale * speed
-    optimizer_new = optimizer_old * speed * _partition(old_stage, old_n) / _partition(new_stage, new_n)
+    optimizer_new = optimizer_old * speed * partition_ranks(old_stage, old_n) / partition_ranks(new_stage, new_n)
     spare = cores > new_n * new_threads
     share = micro_new / 2  # forward ~ 1/3, backward ~ 2/3 of a micro-step; only used when a core is spare
     comm = comm_time(rows(new_stage, new_n, accum), links, new_n, grad_accum=accum,

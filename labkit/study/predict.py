@@ -311,7 +311,8 @@ class Prediction:
         return out
 
 
-def _partition(stage: int | None, world_size: int) -> int:
+def partition_ranks(stage: int | None, world_size: int) -> int:
+    """Ranks that share the optimizer's states and update (1 at stage 0 and in plain PyTorch)."""
     return world_size if stage is not None and stage >= 1 else 1
 
 
@@ -335,7 +336,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     if host_s > costs.forward_s + costs.backward_s:
         scale = host_s / (costs.forward_s + costs.backward_s)
         costs = dataclasses.replace(costs, forward_s=costs.forward_s * scale, backward_s=costs.backward_s * scale)
-    owned = workload.n_params / _partition(stage, n)
+    owned = workload.n_params / partition_ranks(stage, n)
     optimizer_s = 0.0 if offload else owned * ADAM_BYTES_PER_PARAM / (gpu.memory_bytes_per_s * flops.MEMORY_EFFICIENCY)
     compute_s = grad_accum * (costs.forward_s + costs.backward_s) + optimizer_s
     rows = collective_rows(stage, workload, n, precision=precision, grad_accum=grad_accum, offload_optimizer=offload)
