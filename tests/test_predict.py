@@ -285,6 +285,8 @@ def test_a_bad_transformer_spec_and_a_missing_run_exit_2(capsys):
     assert "missing" in capsys.readouterr().err
     assert main(["predict", "--from", "/nonexistent/run"]) == 2
     assert "no such run directory" in capsys.readouterr().err
+    assert main(["predict", "--model", "mlp", "--activation-checkpointing"]) == 2
+    assert "--transformer shapes" in capsys.readouterr().err
 
 
 def test_the_lab_mlp_and_the_card_on_the_command_line(capsys):

@@ -599,6 +599,9 @@ def cli(args: Any) -> int:
             raise _bad("precision", str(exc)) from None
         micro = args.micro_batch or 1
         accum = _accumulation(args, micro, cluster.world_size)
+        if args.model and args.activation_checkpointing:
+            raise _bad("activation_checkpointing", "--activation-checkpointing is modelled for --transformer shapes "
+                                                   "(the lab's models do not checkpoint)")
         workload = _workload(args)
         try:
             pred = predict(workload, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
