@@ -31,12 +31,20 @@ STEPS = 40
 
 
 def measure(out: Path) -> None:
-    """1-rank and 2-rank runs of every strategy x micro-batch, one at a time (no two share a core), alternating."""
+    """One pass: 1-rank and 2-rank runs of every strategy x micro-batch, one at a time (no two share a core),
+    alternating. Each pass is added to runs_all.csv; runs.csv keeps, per configuration, the fastest pass (other
+    processes only ever slow a run down), and host.json the least of every ZeRO-3 fetch probe."""
+    import os
+
+    import pandas as pd
+
     from labkit.launch.config import RunConfig
     from labkit.launch.run import Run
     from labkit.study import comms
 
     out.mkdir(parents=True, exist_ok=True)
+    previous = pd.read_csv(out / "runs_all.csv") if (out / "runs_all.csv").exists() else None
+    this_pass = 1 if previous is None else int(previous["pass"].max()) + 1
     rows = []
     for strategy, (stage, offload) in STRATEGIES.items():
         for micro in MICRO_BATCHES:
@@ -44,26 +52,34 @@ def measure(out: Path) -> None:
                 config = RunConfig(example="offload" if offload else "deepspeed", stage=stage,
                                    offload_optimizer=offload, world_size=world_size, micro_batch=micro, steps=STEPS,
                                    threads_per_rank=1, **MODEL)
-                run = Run(config, out=out / "runs" / f"{strategy}-w{world_size}-m{micro}").start()
+                name = f"pass{this_pass}-{strategy}-w{world_size}-m{micro}"
+                run = Run(config, out=out / "runs" / name).start()
                 status = run.wait()
                 if status != "finished":
                     print(f"{strategy} w{world_size} m{micro}: {status} ({run.cause})", flush=True)
                     continue
                 rows += run_rows(strategy, run.run_dir)
                 print(f"{strategy} w{world_size} m{micro}: {rows[-2]['step_time_s'] * 1e3:.2f} ms", flush=True)
-    import pandas as pd
-
-    pd.DataFrame(rows).to_csv(out / "runs.csv", index=False)
+    every = pd.concat([previous, pd.DataFrame(rows).assign(**{"pass": this_pass})], ignore_index=True)
+    every.to_csv(out / "runs_all.csv", index=False)
+    keys = ["strategy", "world_size", "micro_batch", "statistic"]
+    every.loc[every.groupby(keys)["step_time_s"].idxmin()].sort_values(keys).to_csv(out / "runs.csv", index=False)
     from labkit.study.predict import link_fit_json
 
-    (out / "links.json").write_text(json.dumps(link_fit_json(comms.measure_links(world_size=2)), indent=2))
+    if not (out / "links.json").exists():  # the first pass's fit is kept: no choosing among fits
+        (out / "links.json").write_text(json.dumps(link_fit_json(comms.measure_links(world_size=2)), indent=2))
     from labkit.study.calibrate import measure_zero3_fetch_s
 
     host = measure_zero3_fetch_s()
-    host.update(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_average=list(__import__("os").getloadavg()))
+    if (out / "host.json").exists():
+        host["observations_s"] = json.loads((out / "host.json").read_text())["observations_s"] + host["observations_s"]
+        host["zero3_fetch_s"] = min(host["observations_s"])
+    host.update(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_average=list(os.getloadavg()))
     (out / "host.json").write_text(json.dumps(host, indent=2))
-    machine = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_average": list(__import__("os").getloadavg()),
-               "cpu_cores": __import__("os").cpu_count(), "threads_per_rank": 1, "steps": STEPS}
+    machine = json.loads((out / "machine.json").read_text()) if (out / "machine.json").exists() else {}
+    machine.setdefault("passes", []).append({"pass": this_pass, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                             "load_average_at_end": list(os.getloadavg())})
+    machine.update(cpu_cores=os.cpu_count(), threads_per_rank=1, steps=STEPS)
     (out / "machine.json").write_text(json.dumps(machine, indent=2))
 
 
