@@ -331,3 +331,16 @@ def test_from_a_run_on_the_command_line_labels_the_measured_step_measured(tmp_pa
     assert any(line.split()[:2] == ["measured", "measured_step_time_s"] for line in lines)
     assert any(line.split()[:2] == ["predicted", "step_time_s"] for line in lines)
     assert main(["predict", "--from", str(tmp_path), "--links", str(tmp_path / "none.json")]) == 2
+
+
+def test_the_lab_gpt_is_counted_as_the_transformer_it_is():
+    from labkit.launch.config import RunConfig
+    from labkit.models import builders
+    from labkit.models.gpt import SIZES
+    from labkit.study import comms
+
+    config = RunConfig.from_dict({"example": "deepspeed", **SIZES["ci"]})
+    work = P.lab_workload(config)
+    assert isinstance(work, P.TransformerWorkload)
+    assert work.n_params == sum(builders.param_numels(config))
+    assert work.module_layout() == comms.module_layout(builders.meta_model(config))

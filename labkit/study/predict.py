@@ -192,6 +192,20 @@ class ModuleWorkload:
         return PhaseCosts(fwd, bwd, c.flops(), c.flops(), c.saved_bytes)
 
 
+def lab_workload(config: Any) -> Workload:
+    """The workload of a RunConfig's model: the lab's byte-level GPT is Hugging Face's GPT2LMHeadModel of a known
+    shape (labkit.models.gpt), counted as that transformer on the meta device (its own forward reads a value, which
+    the meta device cannot give, and a CPU copy of a GPT-2-small-sized model is slow to count); any other model is
+    built from the config and counted as it is."""
+    if config.model == "gpt":
+        from labkit.models.gpt import VOCAB_SIZE, n_heads
+
+        shape = flops.Transformer(layers=config.depth, hidden=config.hidden, heads=n_heads(config.hidden),
+                                  seq=config.input_size, vocab=VOCAB_SIZE)
+        return TransformerWorkload(shape, name="gpt")
+    return ModuleWorkload(config)
+
+
 # -- communication time ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ClusterLinks:
@@ -552,7 +566,7 @@ def _workload(args: Any) -> Workload:
             values[name] = getattr(args, name)
     config = RunConfig.from_dict(values)
     builders.check_importable(config)
-    return ModuleWorkload(config)
+    return lab_workload(config)
 
 
 def _accumulation(args: Any, micro: int, world_size: int) -> int:
@@ -683,7 +697,7 @@ REPORT_CLUSTERS: tuple[tuple[str, dict[str, Any]], ...] = (
 TINY_STEP_S = 1e-3  # below this a predicted GPU step is dominated by kernel launches, which the model leaves out
 
 
-def answer_workload(results_dir: str | os.PathLike) -> tuple[ModuleWorkload, int]:
+def answer_workload(results_dir: str | os.PathLike) -> tuple[Workload, int]:
     """The model an answer's results dir measured (machine.json's profile and model) and its ranks-way micro-batch."""
     import json
 
@@ -703,7 +717,7 @@ def answer_workload(results_dir: str | os.PathLike) -> tuple[ModuleWorkload, int
         ranks = table[table["growth"].astype(str).str.contains("ranks")] if "growth" in table else table.iloc[0:0]
         if not ranks.empty:
             micro = int(ranks["micro_batch"].iloc[0])
-    return ModuleWorkload(config), micro
+    return lab_workload(config), micro
 
 
 def report_section(results_dir: str | os.PathLike, *, precision: str = "bf16") -> str:

@@ -37,7 +37,7 @@ def workload(name: str) -> P.Workload:
     if name == "lab GPT (ci size)":
         from labkit.models.gpt import SIZES
 
-        return P.ModuleWorkload(RunConfig.from_dict({"example": "deepspeed", **SIZES["ci"]}))
+        return P.lab_workload(RunConfig.from_dict({"example": "deepspeed", **SIZES["ci"]}))
     if name == "lab MLP (ci answer)":
         return P.ModuleWorkload(RunConfig.from_dict({"example": "deepspeed", "hidden": 512, "depth": 2}))
     raise ValueError(f"unknown model {name!r}; known: {', '.join((*SHAPES, *LAB_MODELS))}")
