@@ -94,10 +94,17 @@ def test_stage2_buckets_flush_before_the_parameter_that_would_overflow_them():
     assert [c.bytes for c in by(one_bucket, what="gradients")] == [55_510 * 4]
 
 
-def test_overlap_comm_makes_the_gradient_reduction_overlappable():
-    plain = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP)
-    overlapped = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP, overlap_comm=True)
-    assert not by(plain, what="gradients")[0].overlappable and by(overlapped, what="gradients")[0].overlappable
+def test_overlap_comm_hides_every_gradient_bucket_but_the_last():
+    plain = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP, reduce_bucket_size=5_600)
+    assert not any(c.overlappable for c in plain)
+    overlapped = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP, overlap_comm=True,
+                                   reduce_bucket_size=5_600)
+    # The first bucket (5,510 elements) is reduced while the backward goes on; the 50,000-element weight's two
+    # slices are the last bucket, reduced when the backward has ended.
+    assert sorted((c.bytes, c.overlappable) for c in by(overlapped, what="gradients")) == [
+        (5_510 * 4, True), (22_244 * 4, False), (27_756 * 4, False)]
+    one_bucket = comms.collectives(2, 55_510, 2, precision="fp32", modules=MLP, overlap_comm=True)
+    assert not by(one_bucket, what="gradients")[0].overlappable  # a model within one bucket hides nothing
 
 
 def test_offload_changes_only_who_computes_the_norm():
@@ -113,7 +120,7 @@ def test_stage3_keeps_small_parameters_whole_and_gathers_them_after_each_step():
     assert not by(cs, what="parameters")
     assert sorted(c.bytes for c in by(cs, what="persistent parameters")) == [40, 2_000, 20_000, 200_000]
     scatter = by(cs, op="reduce_scatter")
-    assert [(c.bytes, c.per, c.per_step, c.overlappable) for c in scatter] == [(222_040, "micro_step", 2, True)]
+    assert [(c.bytes, c.per, c.per_step, c.overlappable) for c in scatter] == [(222_040, "micro_step", 2, False)]
     assert by(cs, what="gradient norm")[0].bytes == 8  # fp64 on devices that have it
 
 
@@ -144,6 +151,21 @@ def test_stage3_pads_every_parameter_to_the_world_size():
     assert by(cs, op="reduce_scatter")[0].bytes == (4 * 251 + 4 * 1) * 2
 
 
+def test_stage3_prefetch_hides_every_gather_but_the_first_and_every_bucket_but_the_last():
+    settings = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 30_000,
+                "reduce_bucket_size": 6_000}
+    cs = comms.collectives(3, 55_510, 2, precision="fp32", modules=MLP, **settings)
+    # Parameters in trace order: 50,000 (a batch on its own, >= 30,000), then 500 + 5,000 + 10.
+    assert [(c.bytes, c.overlappable) for c in by(cs, what="parameters")] == [(200_000, False), (22_040, True)]
+    # Gradients as ZeRO-3's linear returns them: modules in reverse, weight before bias: 5,000 + 10 in one bucket;
+    # 50,000 alone; 500 flushed when the backward ends.
+    assert [(c.bytes, c.overlappable) for c in by(cs, op="reduce_scatter")] == [
+        (20_040, True), (200_000, True), (2_000, False)]
+    torch_linear = comms.collectives(3, 55_510, 2, precision="fp32", modules=MLP, memory_efficient_linear=False,
+                                     **settings)  # torch's linear: bias first, so 10 + 5,000 + 500, then 50,000
+    assert [c.bytes for c in by(torch_linear, op="reduce_scatter")] == [22_040, 200_000]
+
+
 def test_stage3_without_a_layout_regathers_the_parameters_with_more_than_half_the_reuse_distance_after_them():
     n = 2_000_000_000
     cs = comms.collectives(3, n, 8, precision="bf16")  # default reuse distance 1e9, prefetch bucket 5e7
@@ -157,7 +179,8 @@ def test_stage3_without_a_layout_regathers_the_parameters_with_more_than_half_th
 # -- bad input ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, message", [
     ({"stage": 4}, "stage"), ({"precision": "fp8"}, "precision"), ({"world_size": 0}, "world_size"),
-    ({"modules": [[1, 2]]}, "modules hold 3"),
+    ({"modules": [[1, 2]]}, "modules hold 3"), ({"persistent_params": 10**6}, "persistent_params"),
+    ({"stage": 3, "modules": MLP, "n_params": 55_510, "persistent_params": 10}, "persistent_params"),
     ({"stage": 2, "use_multi_rank_bucket_allreduce": False}, "use_multi_rank_bucket_allreduce"),
     ({"stage": 3, "zero_quantized_weights": True}, "zero_quantized_weights"),
     ({"stage": 0, "offload_optimizer": True}, "offload_optimizer"),
@@ -187,6 +210,17 @@ def test_comms_log_turns_deepspeed_comms_logger_on_and_is_refused_for_scripts(tm
         RunConfig(script=str(script), comms_log=True)
 
 
+def test_comms_log_must_be_a_bool_and_the_cli_flag_sets_it():
+    from labkit.cli import build_parser, config_from_args
+
+    with pytest.raises(ConfigError, match="comms_log"):
+        RunConfig(example="deepspeed", stage=2, comms_log="yes")
+    args = build_parser().parse_args(["run", "--example", "deepspeed", "--stage", "2", "--comms-log"])
+    assert config_from_args(args).comms_log is True
+    args = build_parser().parse_args(["run", "--example", "deepspeed", "--stage", "2"])
+    assert config_from_args(args).comms_log is False
+
+
 def test_measured_collectives_reads_the_files_in_this_modules_convention(tmp_path):
     record = {"section": "steady", "section_steps": 2, "op": "all_gather_into_tensor", "caller": "allgather_fn",
               "name": "all_gather_into_tensor | [Caller Func: allgather_fn]", "msg_bytes": 100, "count": 4,
@@ -207,6 +241,10 @@ ODD = dict(hidden=501, output_size=9, micro_batch=8, dataset_size=512, steps=4, 
 SPLIT_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 5_600}}  # the 50,100-element weight alone, split
 ZERO3_PARTITIONED = {"zero_optimization": {"stage3_param_persistence_threshold": 1000,  # the biases persist
                                            "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}}
+# Every parameter partitioned, gathered in prefetch batches of >= 30,000 elements: [50,100] then [501, 4,509, 9];
+# gradients reduce-scattered in 6,000-element buckets as ZeRO-3's linear returns them: [4,509, 9], [50,100], [501].
+ZERO3_PREFETCH = {"zero_optimization": {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 30_000,
+                                        "reduce_bucket_size": 6_000}}
 REAL_RUNS = {
     "stage 0": dict(example="deepspeed", stage=0, grad_accum=2),
     "stage 1 bf16": dict(example="deepspeed", stage=1, grad_accum=2, precision="bf16"),
@@ -214,6 +252,7 @@ REAL_RUNS = {
     "stage 2 + offload": dict(example="offload", grad_accum=2),
     "stage 3": dict(example="zero3", grad_accum=2),
     "stage 3 partitioned": dict(example="zero3", ds_overrides=ZERO3_PARTITIONED),
+    "stage 3 prefetch batches": dict(example="zero3", grad_accum=2, ds_overrides=ZERO3_PREFETCH),
 }
 
 

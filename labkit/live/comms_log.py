@@ -3,7 +3,7 @@
 With `RunConfig(comms_log=True)` the ranks' ds_config turns DeepSpeed's comms logger on
 (`"comms_logger": {"enabled": true, "prof_all": true, "debug": true}`): every collective that goes
 through `deepspeed.comm` is counted by operation, DeepSpeed function that called it and message size
-(`deepspeed.comm.comm.comms_logger.comms_dict`, deepspeed/utils/comms_logging.py:107 in 0.19.8).
+(`deepspeed.comm.comm.comms_logger.comms_dict`, filled by deepspeed/utils/comms_logging.py:104 in 0.19.8).
 The worker closes a *section* at a few points, and this module moves what the logger holds into
 that section:
 

@@ -50,16 +50,16 @@ GRADIENT_CLIPPING_DEFAULT = 1.0  # deepspeed/runtime/constants.py:203
 
 # The DeepSpeed function each collective's comms-log record names ("Caller Func"), and what it moves.
 CALLERS = {
-    "allreduce_bucket": "gradients",                       # engine.py:3806, stage_1_and_2.py:2384
-    "reduce_scatter_fn": "gradients",                      # comm/comm.py:299 via coalesced_collectives.py:23
+    "allreduce_bucket": "gradients",                       # engine.py:3811, stage_1_and_2.py:2384
+    "reduce_scatter_fn": "gradients",                      # comm/comm.py:283 via coalesced_collectives.py:23
     "all_gather_into_tensor_dp_groups": "updated parameters",  # runtime/utils.py:1016
-    "allgather_fn": "parameters",                          # comm/comm.py:351 via partition_parameters.py:123
+    "allgather_fn": "parameters",                          # comm/comm.py:352 via partition_parameters.py:123
     "_allgather_params_coalesced": "persistent parameters",  # partition_parameters.py:2073
     "clip_grad_norm_": "gradient norm",                    # runtime/utils.py:418
     "get_grad_norm_direct": "gradient norm",               # stage_1_and_2.py:2693, stage3.py:2469
     "complete_grad_norm_calculation_for_cpu_offload": "gradient norm",  # stage_1_and_2.py:1945, stage3.py:1991
     "has_overflow": "overflow check",                      # stage_1_and_2.py:3242, stage3.py:3027
-    "_broadcast_model": "initial weights",                 # engine.py (_broadcast_model), setup only
+    "_broadcast_model": "initial weights",                 # engine.py:2038, setup only
     "_zero_init_param": "initial weights",                 # ZeRO-3's conversion of the model, setup only
     "assert_lst_len_same_as_other_ranks": "ZeRO-3 trace check",  # steps 1-2 only
     "get_lst_from_rank0": "ZeRO-3 trace check",
@@ -76,8 +76,10 @@ class Collective:
 
     `bytes`: the message per rank as DeepSpeed hands it to torch.distributed: the whole tensor of
     an all-reduce or broadcast, the gathered OUTPUT of an all-gather, the INPUT of a reduce-scatter.
-    `overlappable`: whether it can run behind compute with DeepSpeed's defaults (overlap_comm on a
-    side stream, ZeRO-3's prefetch); the last bucket of a backward never hides entirely.
+    `overlappable`: whether it can run behind compute with DeepSpeed's settings (overlap_comm on a side
+    stream, ZeRO-3's prefetch). The last gradient bucket of a backward cannot (it is flushed when the
+    backward ends), nor the first parameter gather of a forward (nothing computes before it): a model
+    within one bucket hides nothing.
     """
 
     op: Op
@@ -177,7 +179,7 @@ def _refuse_unmodelled(stage: int, cfg: Any, offload_optimizer: bool) -> None:
 
 
 def _check_inputs(stage: int | None, n_params: int, world_size: int, precision: str, grad_accum: int,
-                  modules: Sequence[Sequence[int]] | None) -> list[int] | None:
+                  persistent_params: int, modules: Sequence[Sequence[int]] | None) -> list[int] | None:
     if stage not in (None, 0, 1, 2, 3):
         raise ValueError(f"stage must be None (plain PyTorch) or 0-3, got {stage!r}")
     for name, value in (("n_params", n_params), ("world_size", world_size), ("grad_accum", grad_accum)):
@@ -185,6 +187,12 @@ def _check_inputs(stage: int | None, n_params: int, world_size: int, precision: 
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if not isinstance(persistent_params, int) or not 0 <= persistent_params <= n_params:
+        raise ValueError(f"persistent_params must be an integer from 0 to n_params ({n_params}), "
+                         f"got {persistent_params!r}")
+    if modules is not None and persistent_params:
+        raise ValueError("persistent_params is for a model given without modules: with modules, ZeRO-3's "
+                         "stage3_param_persistence_threshold decides which parameters persist")
     if modules is None:
         return None
     numels = [int(n) for module in modules for n in module]
@@ -225,7 +233,7 @@ def collectives(stage: int | None, n_params: int, world_size: int, *, precision:
     with one all-reduce of the norm.
     One rank sends nothing: DeepSpeed still calls some collectives on a one-rank group, but they move no bytes.
     """
-    numels = _check_inputs(stage, n_params, world_size, precision, grad_accum, modules)
+    numels = _check_inputs(stage, n_params, world_size, precision, grad_accum, persistent_params, modules)
     if stage is None or world_size == 1:
         return []
     settings = dict(zero_settings)
@@ -241,9 +249,6 @@ def collectives(stage: int | None, n_params: int, world_size: int, *, precision:
     elif stage in (1, 2):
         _stage12(out, stage, numels or [n_params], world_size, precision, grad_accum, offload_optimizer, cfg)
     else:
-        if modules is not None and persistent_params:
-            raise ValueError("persistent_params is for a model given without modules: with modules, ZeRO-3's "
-                             "stage3_param_persistence_threshold decides which parameters persist")
         _stage3(out, modules, n_params, persistent_params, world_size, precision, grad_accum, offload_optimizer, cfg)
     return out
 
@@ -252,19 +257,12 @@ def _stage0(out: list[Collective], numels: list[int], precision: str, grad_accum
     # engine.backward -> _backward_epilogue -> allreduce_gradients (engine.py:3165) after the whole backward, at
     # the accumulation boundary only (engine.py:3095): buffered_allreduce_fallback -> allreduce_no_retain chunks the
     # grads in parameters() order, closing a chunk once it exceeds 5e8 elements (engine.py:3834), one all-reduce each
-    # in the communication dtype, the training dtype by default (engine.py:1719-1730, all_reduce at :3816).
+    # in the communication dtype, the training dtype by default (engine.py:1719-1730; the all_reduce at :3811,
+    # the gradients averaged after it by default).
     size = DTYPE_BYTES[precision]
-    chunks, numel = [], 0
-    for n in numels:
-        numel += n
-        if numel > ENGINE_ALLREDUCE_ELEMS:
-            chunks.append(numel)
-            numel = 0
-    if numel:
-        chunks.append(numel)
-    _emit(out, (c * size for c in chunks), op="all_reduce", per="step", grad_accum=grad_accum, phase="backward",
-          dtype=precision, overlappable=False, what="gradients", caller="allreduce_bucket",
-          source=SRC + "runtime/engine.py:3095 -> :3816")
+    _emit(out, (c * size for c in _chunks_over(numels, ENGINE_ALLREDUCE_ELEMS)), op="all_reduce", per="step",
+          grad_accum=grad_accum, phase="backward", dtype=precision, overlappable=False, what="gradients",
+          caller="allreduce_bucket", source=SRC + "runtime/engine.py:3095 -> :3811")
     if precision == "fp32" and clipping > 0:
         # _take_model_step clips fp32 grads without ZeRO (engine.py:3511): one fp32 norm all-reduced (utils.py:418).
         _emit(out, [4], op="all_reduce", per="step", grad_accum=grad_accum, phase="optimizer", dtype="fp32",
@@ -272,10 +270,23 @@ def _stage0(out: list[Collective], numels: list[int], precision: str, grad_accum
               source=SRC + "runtime/engine.py:3511 -> runtime/utils.py:418")
 
 
-def _zero12_buckets(numels: list[int], order: list[int], world_size: int, bucket: int) -> list[int]:
-    """Elements of each all-reduce of stages 1-2: the ipg bucket flushes before a parameter that would
-    overflow it (stage_1_and_2.py:1422); its slices, split at partition boundaries and merged while they
-    go to one rank (:1640-1690), are all-reduced together, a new call once they exceed the bucket (:1568)."""
+def _chunks_over(numels: Iterable[int], limit: int) -> list[int]:
+    """DeepSpeed's "fill a chunk, send it once it exceeds the limit" loops (engine.py:3834,
+    stage_1_and_2.py:1568): elements per call."""
+    chunks, numel = [], 0
+    for n in numels:
+        numel += n
+        if numel > limit:
+            chunks.append(numel)
+            numel = 0
+    return chunks + ([numel] if numel else [])
+
+
+def _zero12_buckets(numels: list[int], order: list[int], world_size: int, bucket: int) -> list[list[int]]:
+    """Elements of each all-reduce of stages 1-2, per bucket flush: the ipg bucket flushes before a parameter
+    that would overflow it (stage_1_and_2.py:1422) and once more when the backward ends; its slices, split at
+    partition boundaries and merged while they go to one rank (:1640-1690), are all-reduced together, a new
+    call once they exceed the bucket (:1568)."""
     aligned = math.ceil(sum(numels) / (ZERO12_ALIGNMENT * world_size)) * ZERO12_ALIGNMENT * world_size
     partition = aligned // world_size
     offsets = [0]
@@ -289,7 +300,7 @@ def _zero12_buckets(numels: list[int], order: list[int], world_size: int, bucket
             elements = 0
         ipg[-1].append(i)
         elements += numels[i]
-    calls = []
+    flushes = []
     for params in filter(None, ipg):
         slices: list[tuple[int, int]] = []  # (owner rank, elements)
         for i in params:
@@ -302,32 +313,29 @@ def _zero12_buckets(numels: list[int], order: list[int], world_size: int, bucket
                 else:
                     slices.append((rank, stop - start))
                 start = stop
-        numel = 0
-        for _, n in slices:
-            numel += n
-            if numel > bucket:
-                calls.append(numel)
-                numel = 0
-        if numel:
-            calls.append(numel)
-    return calls
+        flushes.append(_chunks_over([n for _, n in slices], bucket))
+    return flushes
 
 
 def _stage12(out: list[Collective], stage: int, numels: list[int], world_size: int, precision: str, grad_accum: int,
              offload: bool, cfg: Any) -> None:
     size = DTYPE_BYTES[precision]
     # Gradients: stage 2 reduces in the backward hooks of every micro-step, stage 1 at the boundary only
-    # (reduce_ready_partitions_and_remove_grads, stage_1_and_2.py:2294). Hooks fire in backward order; stage 1
-    # without overlap_comm loops over the parameters in order after the backward (reduce_gradients, :958-977).
+    # (reduce_ready_partitions_and_remove_grads, stage_1_and_2.py:2294). Hooks fire as gradients are ready: for
+    # torch's nn.Linear (addmm) the bias's before the weight's, modules in reverse, so the parameters in reverse;
+    # stage 1 without overlap_comm loops over the parameters in order after the backward (reduce_gradients, :958-977).
     # With use_multi_rank_bucket_allreduce (default) each bucket is ALL-REDUCED and every rank keeps its slice
     # (:1695 -> allreduce_and_scatter -> allreduce_bucket's all_reduce, :2384).
     hooks = stage == 2 or cfg.overlap_comm
     order = list(range(len(numels)))[::-1] if hooks else list(range(len(numels)))
-    calls = _zero12_buckets(numels, order, world_size, int(cfg.reduce_bucket_size))
-    _emit(out, (c * size for c in calls), op="all_reduce", per="micro_step" if stage == 2 else "step",
-          grad_accum=grad_accum, phase="backward", dtype=precision, overlappable=bool(cfg.overlap_comm),
-          what="gradients", caller="allreduce_bucket",
-          source=SRC + "runtime/zero/stage_1_and_2.py:2294 -> :1695 -> :2384")
+    # With overlap_comm they run on a side stream while the backward goes on, except the last bucket's:
+    # it is flushed when the backward has ended (independent_gradient_partition_epilogue, :1016).
+    flushes = _zero12_buckets(numels, order, world_size, int(cfg.reduce_bucket_size))
+    for k, calls in enumerate(flushes):
+        _emit(out, (c * size for c in calls), op="all_reduce", per="micro_step" if stage == 2 else "step",
+              grad_accum=grad_accum, phase="backward", dtype=precision,
+              overlappable=bool(cfg.overlap_comm) and k < len(flushes) - 1, what="gradients",
+              caller="allreduce_bucket", source=SRC + "runtime/zero/stage_1_and_2.py:2294 -> :1695 -> :2384")
     # After the step every rank all-gathers the updated parameters: the whole flat buffer, padded to a multiple of
     # 2 x world size elements (:441), one all_gather_into_tensor per parameter group (:3155 -> runtime/utils.py:1016).
     pad = sum((-n) % (16 // math.gcd(16, size)) for n in numels[:-1]) if cfg.parameter_alignment else 0
@@ -412,7 +420,7 @@ def _stage3_gathers(modules: Sequence[Sequence[int]] | None, n_params: int, pers
     whole_model_queued = 0 < sum(map(sum, partitioned)) < window
     again = [part if part and 2 * sum(map(sum, modules[k + 1:])) >= reuse and not whole_model_queued else []
              for k, part in enumerate(partitioned)]
-    backward = [m[::-1] for m in again[::-1]]  # the backward walks the modules in reverse
+    backward = again[::-1]  # the backward walks the modules in reverse, each module's parameters in order
     return _gather_calls(partitioned, world_size, prefetch), _gather_calls(backward, world_size, prefetch), persistent
 
 
@@ -420,21 +428,30 @@ def _stage3(out: list[Collective], modules: Sequence[Sequence[int]] | None, n_pa
             world_size: int, precision: str, grad_accum: int, offload: bool, cfg: Any) -> None:
     size = DTYPE_BYTES[precision]
     forward, backward, persistent = _stage3_gathers(modules, n_params, persistent_params, world_size, cfg)
-    common = {"op": "all_gather", "per": "micro_step", "grad_accum": grad_accum, "dtype": precision,
-              "overlappable": cfg.prefetch_bucket_size > 0, "what": "parameters", "caller": "allgather_fn"}
-    _emit(out, (c * size for c in forward), phase="forward", **common,
-          source=SRC + "runtime/zero/partitioned_param_coordinator.py:381/484 -> partition_parameters.py:1362")
-    _emit(out, (c * size for c in backward), phase="backward", **common,
-          source=SRC + "runtime/zero/partitioned_param_coordinator.py:658 (reuse distance) -> :381/484")
-    # Gradients: reduce-scattered in buckets of reduce_bucket_size elements in backward order, every micro-step
-    # (stage3.py:1583 -> :1931 reduce_scatter_coalesced: each gradient padded to a multiple of N,
-    # coalesced_collectives.py:95-128), on a side stream with overlap_comm (on by default at stage 3).
-    numels = [n for m in modules for n in m] if modules is not None else [n_params]
+    # Prefetched gathers run while earlier modules compute; the forward's first one has nothing before it.
+    common: dict[str, Any] = {"op": "all_gather", "per": "micro_step", "grad_accum": grad_accum,
+                              "dtype": precision, "what": "parameters", "caller": "allgather_fn"}
+    prefetching = cfg.prefetch_bucket_size > 0
+    gather = "partition_parameters.py:1362"
+    for batch, phase, hides, source in (
+            (forward[:1], "forward", False, f"partitioned_param_coordinator.py:381/484 -> {gather}"),
+            (forward[1:], "forward", prefetching, f"partitioned_param_coordinator.py:484 -> {gather}"),
+            (backward, "backward", prefetching, f"partitioned_param_coordinator.py:658 (reuse distance) -> {gather}")):
+        _emit(out, (c * size for c in batch), phase=phase, overlappable=hides, **common,
+              source=SRC + "runtime/zero/" + source)
+    # Gradients: reduce-scattered in buckets of reduce_bucket_size elements in the order they are ready, every
+    # micro-step (stage3.py:1583 -> :1931 reduce_scatter_coalesced: each gradient padded to a multiple of N,
+    # coalesced_collectives.py:95-128), on a side stream with overlap_comm (on by default at stage 3). Modules in
+    # reverse; within an nn.Linear, ZeRO-3's memory-efficient linear (memory_efficient_linear, on by default,
+    # partition_parameters.py:419) returns the weight's gradient before the bias's (linear.py:142), torch's own
+    # linear the bias's first. Other modules may order theirs otherwise: bucket edges move, bytes do not.
+    within = (lambda m: m) if cfg.memory_efficient_linear else (lambda m: m[::-1])
+    numels = [n for m in modules[::-1] for n in within(list(m))] if modules is not None else [n_params]
     bucket = int(cfg.reduce_bucket_size)
     calls: list[int] = []
     current: list[int] = []
     elements = 0
-    for n in reversed(numels):
+    for n in numels:
         if elements + n > bucket and elements > 0:
             calls.append(_gathered(current, world_size))
             current, elements = [], 0
@@ -444,9 +461,11 @@ def _stage3(out: list[Collective], modules: Sequence[Sequence[int]] | None, n_pa
         calls = _split(_gathered(numels, world_size), bucket)
     elif current:
         calls.append(_gathered(current, world_size))
-    _emit(out, (c * size for c in calls), op="reduce_scatter", per="micro_step", grad_accum=grad_accum,
-          phase="backward", dtype=precision, overlappable=bool(cfg.overlap_comm), what="gradients",
-          caller="reduce_scatter_fn", source=SRC + "runtime/zero/stage3.py:1583 -> :1931")
+    # The last bucket is reduced when the backward has ended (engine.py:3086): it cannot hide.
+    for part, hides in ((calls[:-1], bool(cfg.overlap_comm)), (calls[-1:], False)):
+        _emit(out, (c * size for c in part), op="reduce_scatter", per="micro_step", grad_accum=grad_accum,
+              phase="backward", dtype=precision, overlappable=hides, what="gradients",
+              caller="reduce_scatter_fn", source=SRC + "runtime/zero/stage3.py:1583 -> :1931")
     if precision == "fp16":
         _emit(out, [1], op="all_reduce", per="step", grad_accum=grad_accum, phase="optimizer", dtype="uint8",
               overlappable=False, what="overflow check", caller="has_overflow",
@@ -549,7 +568,7 @@ def predicted_table(cs: Iterable[Collective], world_size: int) -> pd.DataFrame:
 def predicted_vs_measured(run_dir: str | os.PathLike, rank: int = 0) -> pd.DataFrame:
     """Per operation and what it moves: the formula's calls and bytes per optimizer step
     (`run_collectives`) beside what DeepSpeed's comms logger counted in the run's steady steps (3 on),
-    on `rank`. `ratio` is measured / predicted bytes; `sent_per_rank` the ring bytes one rank sends."""
+    on `rank`. `ratio` is measured / predicted bytes; `sent_per_rank_*` the ring bytes one rank sends."""
     from labkit.launch.config import RunConfig
 
     run_dir = Path(run_dir)
@@ -563,6 +582,9 @@ def predicted_vs_measured(run_dir: str | os.PathLike, rank: int = 0) -> pd.DataF
         ["calls_per_step", "bytes_per_step"]].sum()
     table = predicted.merge(steady, on=["op", "what"], how="outer", suffixes=("_predicted", "_measured"))
     table = table.fillna(0.0)
+    table["sent_per_rank_measured"] = [ring_factor(op, config.world_size) * b if op in OPS else 0.0
+                                       for op, b in zip(table["op"], table["bytes_per_step_measured"], strict=True)]
+    table = table.rename(columns={"sent_per_rank": "sent_per_rank_predicted"})
     table["ratio"] = [m / p if p else math.inf if m else 1.0
                       for m, p in zip(table["bytes_per_step_measured"], table["bytes_per_step_predicted"], strict=True)]
     table.attrs.update(stage=config.stage, world_size=config.world_size, precision=config.precision,
@@ -642,7 +664,7 @@ def fit_alpha_beta(op: str, world_size: int, sizes: Sequence[float], seconds: Se
 
 def _bench_rank(rank: int, world_size: int, port: int, backend: str, sizes: Sequence[int], ops: Sequence[str],
                 out: str) -> None:
-    """One rank of `measure_links` (a spawned process: never the notebook's kernel)."""
+    """One rank of `measure_links` (a process of its own: never the notebook's kernel)."""
     import warnings
     from datetime import timedelta
 
@@ -678,7 +700,8 @@ def _bench_rank(rank: int, world_size: int, port: int, backend: str, sizes: Sequ
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        Path(out).write_text(json.dumps(rows))
+        name = torch.cuda.get_device_name(rank) if backend == "nccl" else f"CPU ({os.cpu_count()} cores)"
+        Path(out).write_text(json.dumps({"device": name, "rows": rows}))
 
 
 def _bench_call(dist: Any, op: str, full: Any, part: Any) -> None:
@@ -694,54 +717,82 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = BENCH_SIZES, ops: 
                   backend: str | None = None, timeout_s: float = 300.0) -> LinkFit:
     """Time all-reduce, all-gather and reduce-scatter between `world_size` real processes on this machine
     (torch.distributed: gloo on CPU, NCCL on GPUs, one GPU per rank; loopback only) and fit the alpha-beta
-    model per operation. Spawned processes, never the calling one: safe from a notebook. About 15-30 s
-    on a 2-core CPU with the default sizes (1 KiB to 16 MiB, in the message convention of `Collective`)."""
+    model per operation. The ranks are processes of their own (`python -c`), never the calling one, and
+    nothing of the caller is re-imported in them: safe from a notebook or a script. About 15-30 s on a
+    2-core CPU with the default sizes (1 KiB to 16 MiB, in the message convention of `Collective`)."""
+    import contextlib
+    import subprocess
+    import sys
     import tempfile
 
-    import torch
-    import torch.multiprocessing as mp
-
     from labkit.launch.launcher import free_port
+    from labkit.runtime.devices import detect_devices
 
-    if not isinstance(world_size, int) or world_size < 2:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
         raise ValueError(f"world_size must be an integer >= 2 (a link needs two ends), got {world_size!r}")
     bad = [op for op in ops if op not in BENCH_OPS]
     if bad or not ops:
         raise ValueError(f"ops must be among {BENCH_OPS}, got {list(ops)}")
     if not sizes or any(not isinstance(s, int) or s < 4 * world_size for s in sizes):
         raise ValueError(f"sizes must be message bytes >= 4 x world_size, got {list(sizes)}")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
-    if backend not in ("gloo", "nccl"):
+    if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"nccl needs one GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPUs")
-    device = torch.cuda.get_device_name(0) if backend == "nccl" else f"CPU ({os.cpu_count()} cores)"
-    env = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    with tempfile.TemporaryDirectory() as tmp:
+    devices = detect_devices()  # asked in a child process: this one holds no GPU context
+    gpus = devices.device_count if devices.accelerator == "cuda" else 0
+    backend = backend or ("nccl" if gpus >= world_size else "gloo")
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(f"nccl needs one GPU per rank: {world_size} ranks, {gpus} GPUs")
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           # This checkout's labkit, installed or not.
+           "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
+                                                     os.environ.get("PYTHONPATH", "")) if p)}
+    code = "import json, sys; from labkit.study.comms import _bench_rank; _bench_rank(**json.loads(sys.argv[1]))"
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as logs:
         out = str(Path(tmp) / "timings.json")
-        os.environ.update(env)  # inherited by the spawned ranks
+        procs = []
         try:
-            context = mp.start_processes(_bench_rank, args=(world_size, free_port(), backend, list(sizes), list(ops),
-                                                            out), nprocs=world_size, join=False,
-                                         start_method="spawn")
+            for rank in range(world_size):
+                args = {"rank": rank, "world_size": world_size, "port": port, "backend": backend,
+                        "sizes": list(sizes), "ops": list(ops), "out": out}
+                log = logs.enter_context(open(Path(tmp) / f"rank{rank}.log", "wb"))
+                procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(args)], env=env,
+                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log))
             deadline = time.monotonic() + timeout_s
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    for process in context.processes:
-                        process.kill()
-                    raise TimeoutError(f"measure_links did not finish in {timeout_s:.0f} s")
+            while any(p.poll() is None for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
         finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-        raw = pd.DataFrame(json.loads(Path(out).read_text()))
+            for p in procs:  # only the ranks started here
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            tail = (Path(tmp) / f"rank{failed[0]}.log").read_text(errors="replace")[-2000:]
+            late = f" (timed out after {timeout_s:.0f} s)" if time.monotonic() > deadline else ""
+            raise RuntimeError(f"measure_links: rank {failed[0]} failed{late}:\n{tail}")
+        result = json.loads(Path(out).read_text())
+    raw = pd.DataFrame(result["rows"])
     raw["sent_per_rank"] = [ring_factor(op, world_size) * b for op, b in zip(raw["op"], raw["msg_bytes"], strict=True)]
     # The fastest of the timed calls: the link itself, not the moments other processes held the cores.
     fastest = raw.groupby(["op", "msg_bytes"], as_index=False)["seconds"].min()
     fits = {op: fit_alpha_beta(op, world_size, list(group["msg_bytes"]), list(group["seconds"]))
             for op, group in fastest.groupby("op", sort=False)}
-    return LinkFit(world_size=world_size, backend=backend, device=device, fits=fits, raw=raw)
+    return LinkFit(world_size=world_size, backend=backend, device=result["device"], fits=fits, raw=raw)
+
+
+def compare_runs(runs: Mapping[str, Any], rank: int = 0) -> pd.DataFrame:
+    """`predicted_vs_measured` for several runs (labkit `Run`s launched with comms_log=True), one block
+    per run label, bytes in MiB."""
+    tables = []
+    for label, run in runs.items():
+        table = predicted_vs_measured(run.run_dir, rank=rank)
+        table.insert(0, "run", label)
+        tables.append(table)
+    table = pd.concat(tables, ignore_index=True)
+    for column in [c for c in table.columns if c.startswith(("bytes_per_step", "sent_per_rank"))]:
+        table[column.replace("bytes", "MiB").replace("sent_per_rank", "sent_MiB_per_rank")] = table.pop(column) / 2**20
+    return table
