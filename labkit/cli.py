@@ -205,6 +205,14 @@ def cmd_export_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_predict(args: argparse.Namespace) -> int:
+    """Predicted step time on hardware this machine does not have, or calibrated on a finished run
+    (labkit.study.predict)."""
+    from labkit.study.predict import cli
+
+    return cli(args)
+
+
 def cmd_answer(args: argparse.Namespace) -> int:
     """Max-batch search + batch-size sweep + report (labkit.study.answer)."""
     from labkit.study.answer import cli
@@ -220,6 +228,9 @@ EPILOG = """examples:
   labkit export-metrics runs/<run> --tensorboard tb/ --csv csv/
   labkit answer --profile ci --model gpt --strict
   labkit runs --format csv
+  labkit predict --transformer layers=48,hidden=1600,heads=16,seq=1024 --gpu V100-32GB --gpus-per-node 16 \
+      --nodes 4 --intra nvswitch --inter-gbps 800 --stage 1 --micro-batch 8 --global-batch 2048 --format json
+  labkit predict --from runs/<a 1-rank run> --world-size 2
 
 exit codes:
   0 finished   1 failed (cause printed; answer --strict: a point did not finish)   2 bad arguments or config
@@ -284,7 +295,51 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("model", "data", "loss"):
         answer.add_argument("--" + name, default=None, help=_HELP[name] + " (default: the profile's MLP)")
     answer.set_defaults(func=cmd_answer)
+    _add_predict_parser(sub.add_parser("predict", **tail, help="PREDICTED step time on GPUs you don't have, or on "
+                                       "another world size / micro-batch / stage calibrated on a finished run"))
     return parser
+
+
+def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
+    what = predict.add_mutually_exclusive_group(required=True)
+    what.add_argument("--transformer", metavar="SPEC", help="a GPT-2-style model by its shape: "
+                      "layers=48,hidden=1600,heads=16,seq=1024[,vocab=50257]")
+    what.add_argument("--model", help="a lab model: 'mlp', 'gpt' or 'package.module:build_model' (counted on the "
+                      "meta device; sized by --hidden/--depth/--input-size)")
+    what.add_argument("--from", dest="from_run", metavar="RUN_DIR",
+                      help="calibrate on a finished run and predict it at another --world-size/--micro-batch/--stage")
+    for name in ("hidden", "depth", "input_size"):
+        predict.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=_HELP[name])
+    predict.add_argument("--gpu", default="A100-80GB",
+                         help="GPU kind (labkit.study.predict.HARDWARE; default A100-80GB)")
+    predict.add_argument("--gpus-per-node", type=int, default=1, help="GPUs in one node (default 1)")
+    predict.add_argument("--nodes", type=int, default=1, help="nodes (default 1); several need --inter-gbps")
+    predict.add_argument("--intra", default="auto", help="link inside a node: nvlink2, nvlink3, nvlink4, nvswitch "
+                         "(the NVSwitch of the GPU's generation), pcie3, pcie4, pcie5; auto (default): NVSwitch "
+                         "where the GPU has NVLink, else its PCIe")
+    predict.add_argument("--inter-gbps", type=float, default=0.0,
+                         help="the node's total network bandwidth in Gb/s (8 HDR links: 1600; one EDR: 100)")
+    predict.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage (default 0)")
+    predict.add_argument("--plain-pytorch", action="store_true", help="plain PyTorch DDP instead of DeepSpeed")
+    predict.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload (stages 1-3)")
+    predict.add_argument("--micro-batch", type=int, default=None, help="samples per GPU per forward/backward")
+    predict.add_argument("--global-batch", type=int, default=None, help="sets the accumulation: micro x accum x GPUs")
+    predict.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step (or --global-batch)")
+    predict.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default=None, help="default fp16")
+    predict.add_argument("--activation-checkpointing", action="store_true", help="recompute the forward in backward")
+    predict.add_argument("--host-memory-gb-per-s", type=float, default=None,
+                         help="a node's host memory bandwidth for CPU Adam (default 256: 2 sockets x 6 DDR4-2666)")
+    predict.add_argument("--b-crit", type=float, default=None, help="critical batch for time to the same loss")
+    predict.add_argument("--results", default=None, help="an answer's results dir: B_crit from its noise.csv")
+    predict.add_argument("--card", action="store_true", help="print the predicted answer card (both ways to grow "
+                         "the batch, per step, per epoch, to the same loss)")
+    predict.add_argument("--world-size", type=int, default=None, help="--from: ranks to predict")
+    predict.add_argument("--threads-per-rank", type=int, default=None, help="--from: CPU threads per rank")
+    predict.add_argument("--links", default=None, metavar="JSON",
+                         help="--from: a saved link fit (default: measure_links on this machine, ~30 s)")
+    predict.add_argument("--format", choices=("table", "json"), default="table",
+                         help="table: for people; json: every key (step_time_s, samples_per_s, ...), for scripts")
+    predict.set_defaults(func=cmd_predict)
 
 
 def main(argv: list[str] | None = None) -> int:

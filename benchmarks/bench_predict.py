@@ -1,0 +1,138 @@
+"""The step-time predictor against measurements it was not fitted to (labkit.study.predict, docs/predict.md).
+
+    python benchmarks/bench_predict.py                 # both checks from committed data (seconds)
+    python benchmarks/bench_predict.py --measure       # re-measure the CPU runs here first (~10 min, quiet machine)
+
+1. Published GPU points (data/published/points.csv): predicted / published per point; goals: median |error| <= 25%,
+   every point <= 40% (tests/test_predict_published.py holds what the model reaches today).
+2. This machine: calibrated on 1-rank runs (the answer's ci MLP, every strategy, micro-batch 16/64/256, one thread
+   per rank), the 2-rank points predicted with the link fit measured here (labkit.study.comms.measure_links) and
+   set against 2-rank runs of the same configs, measured in alternating 1-rank / 2-rank pairs. Goal: median
+   |error| <= 15%, every point <= 30%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DATA = ROOT / "data" / "predict-ci"
+STRATEGIES = {"z0": (0, False), "z1": (1, False), "z2": (2, False), "z3": (3, False), "z2-offload": (2, True)}
+MICRO_BATCHES = (16, 64, 256)
+MODEL = dict(hidden=512, depth=2, dataset_size=8192, optimizer="adam", lr=2e-3)  # the answer's ci profile MLP
+STEPS = 40
+
+
+def measure(out: Path) -> None:
+    """One pass: 1-rank and 2-rank runs of every strategy x micro-batch, one at a time (no two share a core),
+    alternating. Each pass is added to runs_all.csv; runs.csv keeps, per configuration, the fastest pass (other
+    processes only ever slow a run down), and host.json the least of every ZeRO-3 fetch probe."""
+    import os
+
+    import pandas as pd
+
+    from labkit.launch.config import RunConfig
+    from labkit.launch.run import Run
+    from labkit.study import comms
+
+    out.mkdir(parents=True, exist_ok=True)
+    previous = pd.read_csv(out / "runs_all.csv") if (out / "runs_all.csv").exists() else None
+    this_pass = 1 if previous is None else int(previous["pass"].max()) + 1
+    rows = []
+    for strategy, (stage, offload) in STRATEGIES.items():
+        for micro in MICRO_BATCHES:
+            for world_size in (1, 2):
+                config = RunConfig(example="offload" if offload else "deepspeed", stage=stage,
+                                   offload_optimizer=offload, world_size=world_size, micro_batch=micro, steps=STEPS,
+                                   threads_per_rank=1, **MODEL)
+                name = f"pass{this_pass}-{strategy}-w{world_size}-m{micro}"
+                run = Run(config, out=out / "runs" / name).start()
+                status = run.wait()
+                if status != "finished":
+                    print(f"{strategy} w{world_size} m{micro}: {status} ({run.cause})", flush=True)
+                    continue
+                rows += run_rows(strategy, run.run_dir)
+                print(f"{strategy} w{world_size} m{micro}: {rows[-2]['step_time_s'] * 1e3:.2f} ms", flush=True)
+    every = pd.concat([previous, pd.DataFrame(rows).assign(**{"pass": this_pass})], ignore_index=True)
+    every.to_csv(out / "runs_all.csv", index=False)
+    keys = ["strategy", "world_size", "micro_batch", "statistic"]
+    every.loc[every.groupby(keys)["step_time_s"].idxmin()].sort_values(keys).to_csv(out / "runs.csv", index=False)
+    from labkit.study.predict import link_fit_json
+
+    if not (out / "links.json").exists():  # the first pass's fit is kept: no choosing among fits
+        (out / "links.json").write_text(json.dumps(link_fit_json(comms.measure_links(world_size=2)), indent=2))
+    from labkit.study.calibrate import measure_zero3_fetch_s
+
+    host = measure_zero3_fetch_s()
+    if (out / "host.json").exists():
+        host["observations_s"] = json.loads((out / "host.json").read_text())["observations_s"] + host["observations_s"]
+        host["zero3_fetch_s"] = min(host["observations_s"])
+    host.update(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_average=list(os.getloadavg()))
+    (out / "host.json").write_text(json.dumps(host, indent=2))
+    machine = json.loads((out / "machine.json").read_text()) if (out / "machine.json").exists() else {}
+    machine.setdefault("passes", []).append({"pass": this_pass, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                             "load_average_at_end": list(os.getloadavg())})
+    machine.update(cpu_cores=os.cpu_count(), threads_per_rank=1, steps=STEPS)
+    (out / "machine.json").write_text(json.dumps(machine, indent=2))
+
+
+def run_rows(strategy: str, run_dir: object) -> list[dict]:
+    """runs.csv's rows for one run: its phases by both statistics (median, p10)."""
+    from labkit.study.calibrate import STATISTICS, read_run
+
+    rows = []
+    for statistic in STATISTICS:
+        measured = read_run(str(run_dir), statistic)
+        rows.append({"strategy": strategy, "world_size": measured.world_size,
+                     "micro_batch": int(measured.config["micro_batch"]), "statistic": statistic,
+                     "forward_s": measured.forward_s, "backward_s": measured.backward_s,
+                     "optimizer_s": measured.optimizer_s, "step_time_s": measured.step_time_s,
+                     "steps": measured.steps, "config": json.dumps(measured.config, sort_keys=True)})
+    return rows
+
+
+def cpu_check(data: Path = DATA) -> object:
+    """predicted / measured for every 2-rank point, calibrated on the 1-rank run of the same strategy and
+    micro-batch, each run summarised by its fastest decile of steps (p10; a DataFrame)."""
+    from labkit.study.calibrate import cpu_comparison
+
+    return cpu_comparison(data, "p10")
+
+
+def main() -> int:
+    import pandas as pd
+
+    from labkit.study import published
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--measure", action="store_true", help="re-measure the CPU runs into data/predict-ci first")
+    parser.add_argument("--out", default=str(DATA))
+    args = parser.parse_args()
+    pd.set_option("display.width", 200)
+    if args.measure:
+        measure(Path(args.out))
+    table = published.compare()
+    print("Published GPU points: predicted / published (every figure on the predicted side is PREDICTED)")
+    print(table[["point_id", "gpu", "gpus", "strategy", "micro_batch", "metric", "published", "predicted",
+                 "error"]].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    s = published.summary(table)
+    print(f"median |error| {s['median_abs_error']:.1%} (goal <= 25%), max {s['max_abs_error']:.1%} (goal <= 40%); "
+          f"{s['points']} points, {s['sources']} sources, {s['gpu_kinds']} GPU kinds")
+    if (Path(args.out) / "runs.csv").exists():
+        cpu = cpu_check(Path(args.out))
+        print("\nThis machine: 2-rank points predicted from 1-rank runs (PREDICTED / measured; p10 of each run)")
+        print(cpu.to_string(index=False, float_format=lambda v: f"{v:.4g}"))  # type: ignore[attr-defined]
+        errors = cpu["error"].abs()  # type: ignore[index]
+        print(f"median |error| {statistics.median(errors):.1%} (goal <= 15%), max {max(errors):.1%} (goal <= 30%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Hardware presets for predicting a step on GPUs this machine does not have: GPU kinds, links inside a
+node, node networks, and a cluster made of them.
+
+Every figure comes from the vendor's datasheet (cited beside it). Peaks are DENSE tensor-core figures
+(no 2:4 sparsity); `fp32` is the plain (non-TF32) FP32 peak, what an fp32 run gets without TF32. Link
+bandwidths are per GPU and per direction (what a ring sends through), not the "bidirectional" totals
+datasheets headline. Nothing here is fitted to any measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPU:
+    name: str
+    peak_flops: dict[str, float]        # dense FLOP/s by precision: "fp16", "bf16", "fp32"
+    memory_bytes: float                 # device memory
+    memory_bytes_per_s: float           # HBM/GDDR bandwidth
+    sms: int                            # streaming multiprocessors (GEMM wave quantization, flops.py)
+    nvlink: str | None                  # its NVLink generation (the `nvswitch` link of its generation)
+    host_link: str                      # PCIe generation to the host (offload traffic)
+    source: str
+    # Volta/Turing (the cuBLAS 10 era): fp16 GEMMs use tensor cores only when M, N and K are multiples of 8,
+    # else the CUDA cores (NVIDIA's Matrix Multiplication Background User's Guide, DU-09799-001, sec. 2.2);
+    # Ampere and later use tensor cores for any shape (cuBLAS >= 11).
+    tensor_core_alignment: int = 1
+
+    def peak(self, precision: str) -> float:
+        dtype = "fp16" if precision == "mixed" else precision
+        value = self.peak_flops.get(dtype, 0.0)
+        if not value:
+            raise ValueError(f"{self.name} has no {dtype} tensor-core peak (datasheet); use "
+                             f"{', '.join(k for k, v in self.peak_flops.items() if v)}")
+        return value
+
+    def cuda_core_peak(self, precision: str) -> float:
+        """What a GEMM gets without tensor cores: the FP32 CUDA-core peak (fp16 math on Volta/Turing CUDA cores
+        runs at twice it; fp16 GEMMs accumulate in fp32, so the fp32 figure is the honest bound)."""
+        return self.peak_flops["fp32"]
+
+
+_V100_SXM2 = "NVIDIA Tesla V100 datasheet (2020, SXM2): 125 TFLOPS tensor, 15.7 FP32, 900 GB/s HBM2, 80 SMs, " \
+             "NVLink 300 GB/s (6 links x 25 GB/s per direction)"
+_V100_PCIE = "NVIDIA Tesla V100 datasheet (2020, PCIe): 112 TFLOPS tensor, 14 FP32, 900 GB/s HBM2, 80 SMs"
+_A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOPS BF16/FP16 dense, 19.5 FP32, 108 SMs; " \
+        "40GB 1,555 GB/s; 80GB SXM 2,039 GB/s, 80GB PCIe 1,935 GB/s; NVLink 600 GB/s (12 links x 25 GB/s per direction)"
+_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023): SXM 989 TFLOPS BF16/FP16 dense (1,979 sparse), 67 FP32, " \
+        "3.35 TB/s, 132 SMs, NVLink 900 GB/s (18 links x 25 GB/s per direction); PCIe 756 dense (1,513 sparse), " \
+        "51 FP32, 2.0 TB/s, 114 SMs"
+_L4 = "NVIDIA L4 datasheet (2023): 121 TFLOPS BF16/FP16 dense (242 sparse), 30.3 FP32, 24 GB, 300 GB/s, 58 SMs, PCIe 4"
+_T4 = "NVIDIA T4 datasheet (2019): 65 TFLOPS FP16 mixed, 8.1 FP32, 16 GB, 320 GB/s, 40 SMs, PCIe 3 (no bf16)"
+_A10G = "AWS G5 (A10G, 24 GB, 600 GB/s, 80 SMs, PCIe 4): AWS publishes no dense tensor peak; 70 TFLOPS BF16/FP16 " \
+        "dense and 31.2 FP32 as labkit.runtime.devices has used (NVIDIA's A10 datasheet: 125 dense, 31.2 FP32; " \
+        "the A10G is a lower-clocked cloud variant): the least certain preset here"
+
+GPUS: dict[str, GPU] = {g.name: g for g in (
+    GPU(name="V100-16GB", peak_flops={"fp16": 125e12, "bf16": 0.0, "fp32": 15.7e12}, memory_bytes=16 * GB,
+        memory_bytes_per_s=900 * GB, sms=80, nvlink="nvlink2", host_link="pcie3",
+        source=_V100_SXM2, tensor_core_alignment=8),
+    GPU(name="V100-32GB", peak_flops={"fp16": 125e12, "bf16": 0.0, "fp32": 15.7e12}, memory_bytes=32 * GB,
+        memory_bytes_per_s=900 * GB, sms=80, nvlink="nvlink2", host_link="pcie3",
+        source=_V100_SXM2, tensor_core_alignment=8),
+    GPU(name="V100-16GB-PCIE", peak_flops={"fp16": 112e12, "bf16": 0.0, "fp32": 14e12}, memory_bytes=16 * GB,
+        memory_bytes_per_s=900 * GB, sms=80, nvlink=None, host_link="pcie3",
+        source=_V100_PCIE, tensor_core_alignment=8),
+    GPU(name="V100-32GB-PCIE", peak_flops={"fp16": 112e12, "bf16": 0.0, "fp32": 14e12}, memory_bytes=32 * GB,
+        memory_bytes_per_s=900 * GB, sms=80, nvlink=None, host_link="pcie3",
+        source=_V100_PCIE, tensor_core_alignment=8),
+    GPU(name="A100-40GB", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=40 * GB,
+        memory_bytes_per_s=1555 * GB, sms=108, nvlink="nvlink3", host_link="pcie4", source=_A100),
+    GPU(name="A100-80GB", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=80 * GB,
+        memory_bytes_per_s=2039 * GB, sms=108, nvlink="nvlink3", host_link="pcie4", source=_A100),
+    GPU(name="A100-40GB-PCIE", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=40 * GB,
+        memory_bytes_per_s=1555 * GB, sms=108, nvlink=None, host_link="pcie4", source=_A100),
+    GPU(name="A100-80GB-PCIE", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=80 * GB,
+        memory_bytes_per_s=1935 * GB, sms=108, nvlink=None, host_link="pcie4", source=_A100),
+    GPU(name="H100-SXM", peak_flops={"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, memory_bytes=80 * GB,
+        memory_bytes_per_s=3350 * GB, sms=132, nvlink="nvlink4", host_link="pcie5", source=_H100),
+    GPU(name="H100-PCIE", peak_flops={"fp16": 756e12, "bf16": 756e12, "fp32": 51e12}, memory_bytes=80 * GB,
+        memory_bytes_per_s=2000 * GB, sms=114, nvlink=None, host_link="pcie5", source=_H100),
+    GPU(name="L4", peak_flops={"fp16": 121e12, "bf16": 121e12, "fp32": 30.3e12}, memory_bytes=24 * GB,
+        memory_bytes_per_s=300 * GB, sms=58, nvlink=None, host_link="pcie4", source=_L4),
+    GPU(name="T4", peak_flops={"fp16": 65e12, "bf16": 0.0, "fp32": 8.1e12}, memory_bytes=16 * GB,
+        memory_bytes_per_s=320 * GB, sms=40, nvlink=None, host_link="pcie3", source=_T4, tensor_core_alignment=8),
+    GPU(name="A10G", peak_flops={"fp16": 70e12, "bf16": 70e12, "fp32": 31.2e12}, memory_bytes=24 * GB,
+        memory_bytes_per_s=600 * GB, sms=80, nvlink=None, host_link="pcie4", source=_A10G),
+)}
+# Where a part comes as SXM and PCIe, the plain name is the SXM part (the issue's naming).
+ALIASES = {"V100": "V100-32GB", "A100": "A100-80GB", "H100": "H100-SXM", "V100-32GB-SXM2": "V100-32GB",
+           "A100-80GB-SXM4": "A100-80GB", "A100-40GB-SXM4": "A100-40GB"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    name: str
+    bytes_per_s: float      # per GPU, per direction
+    latency_s: float        # per ring step (alpha)
+    efficiency: float       # achievable fraction of bytes_per_s for large messages
+    source: str
+
+
+# Per-direction bandwidth per GPU. NVSwitch gives every GPU its full NVLink bandwidth to any other: `nvswitch`
+# resolves to the NVLink generation of the GPU (DGX-2: V100 + NVSwitch gen 1, DGX A100: gen 2, DGX H100: gen 3).
+# Latencies: NCCL's own tuning model for a ring with its Simple protocol (NVIDIA/nccl@5067397, src/graph/tuning.cc,
+# ncclTunerConstantsDefaults): 8.4 us per collective, 3.4 us per NVLink ring step, 5.7 per PCIe step, 14 per
+# network step. LINK_EFFICIENCY is an assumption of this model, global, not fitted to any point: NCCL's bus
+# bandwidth reaches ~80% of the wire (nccl-tests' PERFORMANCE.md defines bus bandwidth as the figure comparable
+# to the link's peak); PCIe payload efficiency ~80% after TLP overheads.
+_PCIE = "PCI-SIG: PCIe 3.0 8 GT/s x16 = 15.75 GB/s per direction, 4.0 = 31.5, 5.0 = 63 (128b/130b encoding)"
+LINK_EFFICIENCY = 0.8
+LINKS: dict[str, Link] = {link.name: link for link in (
+    Link(name="nvlink2", bytes_per_s=150 * GB, latency_s=3.4e-6, efficiency=LINK_EFFICIENCY, source=_V100_SXM2),
+    Link(name="nvlink3", bytes_per_s=300 * GB, latency_s=3.4e-6, efficiency=LINK_EFFICIENCY, source=_A100),
+    Link(name="nvlink4", bytes_per_s=450 * GB, latency_s=3.4e-6, efficiency=LINK_EFFICIENCY, source=_H100),
+    Link(name="pcie3", bytes_per_s=15.75 * GB, latency_s=5.7e-6, efficiency=LINK_EFFICIENCY, source=_PCIE),
+    Link(name="pcie4", bytes_per_s=31.5 * GB, latency_s=5.7e-6, efficiency=LINK_EFFICIENCY, source=_PCIE),
+    Link(name="pcie5", bytes_per_s=63 * GB, latency_s=5.7e-6, efficiency=LINK_EFFICIENCY, source=_PCIE),
+)}
+INTRA_LINKS = (*LINKS, "nvswitch", "auto")
+
+# The node's network, total Gb/s (a node with 8 HDR NICs: 8 x 200 = 1600). Named examples of one NIC each.
+NETWORK_GBPS = {"ib-edr": 100, "ib-hdr": 200, "ib-ndr": 400, "eth-25": 25, "eth-100": 100}
+NETWORK_LATENCY_S = 14e-6      # one inter-node ring step (tuning.cc, NET / Ring / Simple)
+COLLECTIVE_LATENCY_S = 8.4e-6  # every collective's base (tuning.cc, baseLatencies Ring / Simple)
+
+
+def gpu(name: str) -> GPU:
+    """The preset named `name` (case-insensitive; SXM is the default where both exist), else a ValueError naming
+    every known one."""
+    key = {k.lower(): k for k in (*GPUS, *ALIASES)}.get(name.lower())
+    if key is None:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+    return GPUS[ALIASES.get(key, key)]
+
+
+def intra_link(name: str, gpu_kind: GPU) -> Link:
+    """The link inside a node; `nvswitch` is the NVLink of the GPU's own generation; `auto` that where the GPU has
+    NVLink, else its PCIe generation."""
+    if name == "auto":
+        name = "nvswitch" if gpu_kind.nvlink else gpu_kind.host_link
+    if name not in INTRA_LINKS:
+        raise ValueError(f"unknown link {name!r}; known: {', '.join(INTRA_LINKS)}")
+    if name == "nvswitch":
+        if gpu_kind.nvlink is None:
+            raise ValueError(f"{gpu_kind.name} has no NVLink (a PCIe card): use {gpu_kind.host_link}")
+        name = gpu_kind.nvlink
+    return LINKS[name]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """GPUs per node x GPU kind + the link inside a node + the node's network (total Gb/s)."""
+
+    gpu: GPU
+    gpus_per_node: int = 1
+    nodes: int = 1
+    intra: str = "auto"
+    inter_gbps: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1 or self.nodes < 1:
+            raise ValueError("gpus_per_node and nodes must be >= 1")
+        if self.nodes > 1 and self.inter_gbps <= 0:
+            raise ValueError("several nodes need --inter-gbps, the node's network bandwidth in Gb/s")
+        intra_link(self.intra, self.gpu)  # validates the name
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def link(self) -> Link:
+        return intra_link(self.intra, self.gpu)
+
+    def bus_bytes_per_s(self, ranks: int | None = None) -> float:
+        """The bus bandwidth a ring over `ranks` GPUs (default: all) gets: inside one node, the intra link;
+        across nodes, the slower of the intra link and the node's whole network (a ring of NCCL's per NIC: every
+        node sends the full ring volume through its NICs together, so the node's total is the limit)."""
+        ranks = self.world_size if ranks is None else ranks
+        link = self.link()
+        intra = link.bytes_per_s * link.efficiency
+        if ranks <= self.gpus_per_node or self.nodes == 1:
+            return intra
+        return min(intra, self.inter_gbps / 8 * GB * LINK_EFFICIENCY)
+
+    def ring_latency_s(self, op: str, ranks: int | None = None) -> float:
+        """NCCL's latency of one ring collective (tuning.cc): base + intra-node steps x the link's step latency +
+        inter-node steps x the network's (a ring crosses each node boundary once per pass; all-reduce passes twice)."""
+        ranks = self.world_size if ranks is None else ranks
+        passes = 2 if op == "all_reduce" else 1
+        nodes = min(self.nodes, -(-ranks // self.gpus_per_node))
+        inter = passes * (nodes - 1)
+        intra = passes * (ranks - 1) - inter
+        return COLLECTIVE_LATENCY_S + intra * self.link().latency_s + inter * NETWORK_LATENCY_S
+
+    def host_link(self) -> Link:
+        return LINKS[self.gpu.host_link]
+
+    def describe(self) -> str:
+        net = f", {self.nodes} nodes over {self.inter_gbps:g} Gb/s each" if self.nodes > 1 else ""
+        return f"{self.gpus_per_node} x {self.gpu.name} per node ({self.intra}){net}"

@@ -1,0 +1,283 @@
+"""Calibrated on this machine: a finished run's measured step, the link fit and the host's costs, for predicting the
+same training at another world size, micro-batch or ZeRO stage (`labkit predict --from RUN_DIR`), and the check of
+that against 2-rank runs (`cpu_comparison`, data/predict-ci/). Every figure it returns is a PREDICTION.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from labkit.study import flops
+from labkit.study.predict import FittedLinks, ModuleWorkload, comm_time, partition_ranks
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """What a finished run measured, per optimizer step (rank 0's steps after the first two, summarised by read_run)."""
+
+    run_dir: str
+    config: dict[str, Any]
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    step_time_s: float
+    steps: int
+
+    @property
+    def world_size(self) -> int:
+        return int(self.config["world_size"])
+
+    @property
+    def stage(self) -> int | None:
+        return None if self.config.get("example") == "pytorch" else int(self.config.get("stage") or 0)
+
+    @property
+    def offload(self) -> bool:
+        return bool(self.config.get("offload_optimizer"))
+
+    @property
+    def threads_per_rank(self) -> int:
+        return int(self.config.get("threads_per_rank") or max(1, (os.cpu_count() or 1) // self.world_size))
+
+
+SKIP_STEPS = 2
+STATISTICS = ("median", "p10")  # p10: the fastest decile of steps, the least disturbed on a shared machine
+
+
+def read_run(run_dir: str | os.PathLike, statistic: str = "median") -> MeasuredRun:
+    """A finished labkit run directory (config.json + rank0.jsonl with per-step phase times), each phase summarised
+    over the steps after the first two by `statistic` (median, or p10 on a machine other processes load)."""
+    import json
+
+    from labkit.live.records import read_records
+
+    path = Path(run_dir)
+    if not (path / "config.json").exists():
+        raise ValueError(f"not a labkit run directory (no config.json): {run_dir}")
+    config = json.loads((path / "config.json").read_text())
+    steps = [r for r in read_records(path / "rank0.jsonl") if r.get("event") == "step" and "forward_s" in r]
+    steps = steps[SKIP_STEPS:] if len(steps) > SKIP_STEPS + 2 else steps
+    if not steps:
+        raise ValueError(f"{run_dir} has no per-step records with phase times (a run with telemetry on is needed)")
+
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
+
+    def summary(key: str) -> float:
+        values = sorted(float(r.get(key) or 0.0) for r in steps)
+        if statistic == "p10":
+            return values[int(0.1 * (len(values) - 1))]
+        return float(statistics.median(values))
+
+    return MeasuredRun(str(path), config, summary("forward_s"), summary("backward_s"), summary("optimizer_s"),
+                       summary("step_time_s"), len(steps))
+
+
+def effective_cores(threads_per_rank: int, ranks: int, cores: int) -> float:
+    """Cores one CPU rank computes on: its threads, or its share of the machine's cores when ranks x threads
+    oversubscribe them (ranks on one machine share its cores: no fudge factor, the share)."""
+    return min(float(threads_per_rank), cores / ranks)
+
+
+@dataclass(frozen=True)
+class CpuDevice:
+    """This machine's per-thread FLOP/s, memory bandwidth and per-op dispatch cost, measured (for the cost of a
+    micro-batch of another size on CPU ranks: a roofline plus one dispatch per op)."""
+
+    flops_per_s: float
+    bytes_per_s: float
+    op_overhead_s: float
+
+    def seconds(self, ops: list[flops.Op]) -> float:
+        return float(sum(max(op.flops / self.flops_per_s, op.bytes / self.bytes_per_s) + self.op_overhead_s
+                         for op in ops))
+
+
+def measure_cpu_device(seconds: float = 0.2) -> CpuDevice:
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        a @ b
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            n += 1
+        flops_per_s = 2 * 512**3 * n / (time.perf_counter() - start)
+        big = torch.empty(8 << 20)
+        src = torch.randn(8 << 20)
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            big.copy_(src)
+            n += 1
+        bytes_per_s = 2 * big.numel() * 4 * n / (time.perf_counter() - start)
+        tiny = torch.zeros(1)
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            tiny.add_(1.0)
+            n += 1
+        overhead = (time.perf_counter() - start) / n
+    finally:
+        torch.set_num_threads(threads)
+    return CpuDevice(flops_per_s, bytes_per_s, overhead)
+
+
+def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None, micro_batch: int | None = None,
+               stage: int | None = None, cores: int | None = None, threads_per_rank: int | None = None,
+               device: CpuDevice | None = None) -> dict[str, Any]:
+    """The same training as `run`, PREDICTED at another world size, micro-batch or ZeRO stage on this machine:
+    the run's measured compute per micro-step (less the communication it had, predicted), the optimizer's measured
+    time over the parameters a rank owns, and DeepSpeed's collectives timed with `link_fit` (measure_links on this
+    machine). CPU ranks share the machine's cores: each computes on `effective_cores`."""
+    from labkit.launch.config import RunConfig
+
+    config = RunConfig.from_dict({k: v for k, v in run.config.items() if k in RunConfig.__dataclass_fields__})
+    old_n, new_n = run.world_size, world_size or run.world_size
+    old_stage = run.stage
+    new_stage = old_stage if stage is None else stage
+    if new_stage is not None and new_stage == 0 and run.offload:
+        raise ValueError("offload needs ZeRO stage >= 1")
+    accum = int(run.config.get("grad_accum") or 1)
+    old_m, new_m = int(run.config["micro_batch"]), micro_batch or int(run.config["micro_batch"])
+    cores = cores or os.cpu_count() or 1
+    new_threads = threads_per_rank or (config.threads_per_rank if world_size is None and config.threads_per_rank
+                                       else max(1, cores // new_n))
+    links = FittedLinks(link_fit)
+    precision = run.config.get("precision", "fp32")
+
+    def rows(stage_: int | None, n: int, m_accum: int) -> list[Any]:
+        """The run's own config (its ds_config's ZeRO settings, its model's layout) at `n` ranks and `stage_`."""
+        from labkit.launch.config import without_local_device_checks
+        from labkit.study import comms
+
+        if n < 2:
+            return []
+        values = {**run.config, "world_size": n, "stage": 0 if stage_ is None else stage_, "grad_accum": m_accum}
+        with without_local_device_checks():
+            variant = RunConfig.from_dict({k: v for k, v in values.items() if k in RunConfig.__dataclass_fields__})
+        return comms.run_collectives(variant)
+
+    # What the measured run spent communicating (predicted with the same link fit), taken out of its step time (the
+    # step, not the sum of its phases: one statistic over whole steps, the same one the prediction is compared with).
+    had = comm_time(rows(old_stage, old_n, accum), links, old_n, grad_accum=accum, hide_behind={})
+    compute_old = max(run.step_time_s - had.total_s, 0.0)
+    optimizer_old = max(run.optimizer_s - sum(r["seconds_per_step"] for r in had.rows if r["phase"] == "optimizer"),
+                        0.0)
+    micro_old = max(compute_old - optimizer_old, 0.0) / accum
+    speed = effective_cores(run.threads_per_rank, old_n, cores) / effective_cores(new_threads, new_n, cores)
+    scale = 1.0
+    if new_m != old_m:
+        work = ModuleWorkload(config)
+        device = device or measure_cpu_device()
+        old_c, new_c = work.census(old_m, precision), work.census(new_m, precision)
+        scale = device.seconds(new_c.forward + new_c.backward) / device.seconds(old_c.forward + old_c.backward)
+    micro_new = micro_old * scale * speed
+    optimizer_new = optimizer_old * speed * partition_ranks(old_stage, old_n) / partition_ranks(new_stage, new_n)
+    spare = cores > new_n * new_threads
+    share = micro_new / 2  # forward ~ 1/3, backward ~ 2/3 of a micro-step; only used when a core is spare
+    comm = comm_time(rows(new_stage, new_n, accum), links, new_n, grad_accum=accum,
+                     hide_behind={"forward": share, "backward": share} if spare else {})
+    step = accum * micro_new + optimizer_new + comm.exposed_s
+    global_batch = new_m * accum * new_n
+    return {"predicted": True, "calibrated_from": run.run_dir, "world_size": new_n, "micro_batch": new_m,
+            "grad_accum": accum, "stage": new_stage, "offload_optimizer": run.offload, "threads_per_rank": new_threads,
+            "global_batch": global_batch, "step_time_s": step, "samples_per_s": global_batch / step,
+            "compute_s": accum * micro_new + optimizer_new, "optimizer_s": optimizer_new, "comm_s": comm.total_s,
+            "exposed_comm_s": comm.exposed_s, "offload_s": 0.0, "measured_step_time_s": run.step_time_s,
+            "collectives": comm.rows}
+
+
+def cpu_comparison(data_dir: str | os.PathLike, statistic: str = "median") -> Any:
+    """Every 2-rank point of `data_dir/runs.csv` PREDICTED from the 1-rank run of the same strategy and
+    micro-batch with the link fit `data_dir/links.json`, beside the measured 2-rank step time (a DataFrame).
+    `statistic`: the runs' per-step summary to compare (runs.csv has both: median, p10)."""
+    import json
+
+    import pandas as pd
+
+    data = Path(data_dir)
+    runs = pd.read_csv(data / "runs.csv")
+    runs = runs[runs["statistic"] == statistic] if "statistic" in runs else runs
+    fit = json.loads((data / "links.json").read_text())
+    machine = json.loads((data / "machine.json").read_text()) if (data / "machine.json").exists() else {}
+    cores = int(machine.get("cpu_cores") or 2)
+    rows = []
+    for _, two in runs[runs["world_size"] == 2].iterrows():
+        one = runs[(runs["world_size"] == 1) & (runs["strategy"] == two["strategy"])
+                   & (runs["micro_batch"] == two["micro_batch"])]
+        if one.empty:
+            continue
+        base = one.iloc[0]
+        run = MeasuredRun(f"{base['strategy']}-w1-m{base['micro_batch']}", json.loads(base["config"]),
+                          float(base["forward_s"]), float(base["backward_s"]), float(base["optimizer_s"]),
+                          float(base["step_time_s"]), int(base["steps"]))
+        pred = calibrated(run, fit, world_size=2, cores=cores, threads_per_rank=1)
+        rows.append({"strategy": two["strategy"], "micro_batch": int(two["micro_batch"]),
+                     "measured_1_rank_s": float(base["step_time_s"]), "predicted_2_rank_s": pred["step_time_s"],
+                     "measured_2_rank_s": float(two["step_time_s"]),
+                     "predicted_comm_s": pred["exposed_comm_s"],
+                     "error": pred["step_time_s"] / float(two["step_time_s"]) - 1})
+    return pd.DataFrame(rows)
+
+
+
+# A 1-rank DeepSpeed engine in a child process: a stack of small Linear modules timed at ZeRO-0 and ZeRO-3
+# (persistence threshold 0: every module is fetched); the difference per module fetch is the hooks' host cost.
+_FETCH_PROBE = """
+import json, os, sys, time
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import torch
+torch.set_num_threads(1)
+import deepspeed
+from torch import nn
+deepspeed.init_distributed("gloo", verbose=False)
+K, x, best = 64, torch.randn(1, 16), {}
+for stage in (0, 3):
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(K)])
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+              "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    times = []
+    for _ in range(40):
+        start = time.perf_counter()
+        engine.backward(engine(x).sum())
+        times.append(time.perf_counter() - start)
+    best[stage] = sorted(times[5:])[len(times[5:]) // 10]
+print(json.dumps({"zero3_fetch_s": (best[3] - best[0]) / (2 * K), "modules": K, "zero0_s": best[0],
+                  "zero3_s": best[3]}))
+"""
+
+
+def measure_zero3_fetch_s(repeats: int = 3) -> dict[str, Any]:
+    """ZeRO-3's host cost per submodule fetch on this machine (the fastest decile of 35 forward + backward passes of
+    64 small Linear modules, ZeRO-3 minus ZeRO-0, over 2 fetches per module), in a child process (~20 s each); the
+    least disturbed (minimum) of `repeats` probes, since other processes only ever slow it."""
+    probes = [_fetch_probe() for _ in range(repeats)]
+    best = min(probes, key=lambda p: p["zero3_fetch_s"])
+    return {**best, "observations_s": [p["zero3_fetch_s"] for p in probes]}
+
+
+def _fetch_probe() -> dict[str, Any]:
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _FETCH_PROBE, str(port)], capture_output=True, text=True,
+                          timeout=900, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"the ZeRO-3 fetch probe failed:\n{done.stderr[-2000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))

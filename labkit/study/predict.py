@@ -1,0 +1,754 @@
+"""Predicted step time of DeepSpeed 0.19.8 on hardware this machine does not have ("What about my GPUs?").
+
+One optimizer step of one rank, per strategy (plain PyTorch DDP, ZeRO 0-3, ZeRO-Offload), as a sum of parts the
+learner can see (docs/predict.md states the model, its sources and what it leaves out):
+
+* compute: every op of the real model's forward and backward (+ the recomputed forward under activation
+  checkpointing), counted on the meta device and timed with a roofline on the GPU kind (`labkit.study.flops`);
+  the optimizer's update as memory traffic over the parameters the rank owns;
+* communication: what DeepSpeed sends per micro-step and per step (`labkit.study.comms.collectives`, with the
+  source lines there), timed with an alpha-beta ring over the slowest link each collective crosses
+  (`labkit.runtime.hardware.Cluster.bus_bytes_per_s`); what DeepSpeed can overlap (`Collective.overlappable`)
+  hides behind the compute of the phase it runs in, the rest is exposed;
+* offload: gradients down in fp32 and parameters up in the training dtype over the GPU's PCIe link, and CPU
+  Adam's pass over the rank's fp32 states in host memory;
+* memory: `labkit.study.memory` for the model states plus the activations counted on the meta device: fits,
+  and the largest micro-batch that fits;
+* time to the same loss: steps from S(B) = S_min (1 + B_crit / B).
+
+Every number this module returns is a PREDICTION; `Prediction.to_dict()` says so (`"predicted": true`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from labkit.runtime.hardware import GB, GPU, GPUS, Cluster
+from labkit.runtime.hardware import gpu as find_gpu
+from labkit.study import flops, memory
+from labkit.study.verdict import FLAT_BAND, verdict
+
+HARDWARE = GPUS   # the GPU presets (labkit.runtime.hardware), as the issue names them
+
+# strategy -> (ZeRO stage or None for plain PyTorch DDP, optimizer offloaded to the host)
+STRATEGIES: dict[str, tuple[int | None, bool]] = {
+    "torch": (None, False), "z0": (0, False), "z1": (1, False), "z2": (2, False), "z3": (3, False),
+    "z1-offload": (1, True), "z2-offload": (2, True), "z3-offload": (3, True),
+}
+PRECISIONS = ("fp16", "bf16", "fp32")
+
+# The optimizer's pass over each parameter it updates, in bytes of memory traffic. DeepSpeed's fused Adam (GPU)
+# and its CPU Adam (csrc/adam/cpu_adam_impl.cpp, 0.19.8) read the fp32 master, gradient, exp_avg and exp_avg_sq
+# (16 B) and write master, exp_avg, exp_avg_sq (12 B) and the training-dtype copy of the parameter (2 B).
+ADAM_BYTES_PER_PARAM = 30
+# CPU Adam is memory-bound on the host. Default host: a 2-socket server with 6 channels of DDR4-2666 per socket,
+# 2 x 6 x 21.3 GB/s = 256 GB/s (Intel ARK, Xeon Platinum 8168: the DGX-2's CPUs); pass --host-memory-gb-per-s
+# for yours. The node's host bandwidth is shared by its GPUs' ranks.
+DEFAULT_HOST_MEMORY_GB_PER_S = 256.0
+HOST_MEMORY_EFFICIENCY = flops.MEMORY_EFFICIENCY
+# ZeRO-3's host-side cost of one submodule fetch (DeepSpeed's pre-forward / pre-backward hooks, Python): measured
+# on this lab's machine by `measure_zero3_fetch_s` (data/predict-ci/host.json says when and at what load); the host
+# of a GPU node runs the same Python. A micro-step cannot be shorter than the host's work to issue it.
+HOST_JSON = Path(__file__).resolve().parents[2] / "data" / "predict-ci" / "host.json"
+
+
+def zero3_fetch_s() -> float:
+    """The measured host cost of one ZeRO-3 module fetch (0 where none was measured: the term is then left out)."""
+    import json
+
+    return float(json.loads(HOST_JSON.read_text())["zero3_fetch_s"]) if HOST_JSON.exists() else 0.0
+
+
+
+class Workload(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def n_params(self) -> int: ...
+
+    @property
+    def persistent_params(self) -> int: ...
+
+    @property
+    def param_modules(self) -> int: ...
+
+    def module_layout(self) -> list[list[int]]: ...
+
+    def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts: ...
+
+
+@dataclass(frozen=True)
+class PhaseCosts:
+    forward_s: float          # one micro-batch's forward
+    backward_s: float         # its backward (+ the recomputed forward under activation checkpointing)
+    model_flops: float        # forward + backward, no recomputation
+    hardware_flops: float     # what the GPU executes (recomputation counted, as Megatron-LM's SC21 paper does)
+    activation_bytes: float   # saved for the backward
+
+
+@dataclass(frozen=True)
+class TransformerWorkload:
+    shape: flops.Transformer
+    name: str = "transformer"
+
+    @property
+    def n_params(self) -> int:
+        return self.shape.n_params()
+
+    @property
+    def persistent_params(self) -> int:
+        return self.shape.persistent_params()
+
+    @property
+    def param_modules(self) -> int:
+        return self.shape.param_modules()
+
+    def module_layout(self) -> list[list[int]]:
+        return self.shape.module_layout()
+
+    def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts:
+        dtype = "fp32" if precision == "fp32" else precision
+        layers = self.shape.layers
+        c = flops.transformer_costs(self.shape, micro_batch, dtype)
+        fwd = c.scaled(lambda x: flops.roofline_s(x.forward, gpu, precision), layers)
+        bwd = c.scaled(lambda x: flops.roofline_s(x.backward, gpu, precision), layers)
+        f_fwd = c.scaled(lambda x: x.flops("forward"), layers)
+        f_bwd = c.scaled(lambda x: x.flops("backward"), layers)
+        saved = c.scaled(lambda x: x.saved_bytes, layers)
+        if checkpointing:
+            # Full recomputation (Megatron-LM's --checkpoint-activations): each layer keeps only its input and the
+            # backward recomputes one layer's forward at a time.
+            per_layer = c.ops2.saved_bytes - c.ops1.saved_bytes
+            base = c.ops1.saved_bytes - per_layer
+            size = 4 if precision == "fp32" else 2
+            saved = base + layers * micro_batch * self.shape.seq * self.shape.hidden * size + per_layer
+            return PhaseCosts(fwd, bwd + fwd, f_fwd + f_bwd, 2 * f_fwd + f_bwd, saved)
+        return PhaseCosts(fwd, bwd, f_fwd + f_bwd, f_fwd + f_bwd, saved)
+
+
+@dataclass
+class ModuleWorkload:
+    """A lab model (`mlp`, `gpt`, `pkg.mod:build_model`) built from a RunConfig on the meta device."""
+
+    config: Any
+    name: str = "model"
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        from labkit.models import builders
+        from labkit.study import comms
+
+        numels = builders.param_numels(self.config)
+        self.n_params = sum(numels)
+        self.persistent_params = builders.persistent_params(numels)
+        self.layout = comms.module_layout(builders.meta_model(self.config))
+        self.param_modules = len(self.layout)
+        self.name = self.config.model
+
+    def module_layout(self) -> list[list[int]]:
+        return self.layout
+
+    def census(self, micro_batch: int, precision: str) -> flops.Census:
+        key = (micro_batch, precision)
+        if key not in self._cache:
+            import torch
+            from torch.utils.data import default_collate
+
+            from labkit.models import builders
+
+            dataset = builders.build_dataset(self.config)
+            sample = default_collate([dataset[0]] * micro_batch)
+            dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+            loss_fn = builders.loss_function(self.config)
+
+            def census_on(device: str) -> flops.Census:
+                with torch.device(device), torch.random.fork_rng(devices=[]):
+                    model = builders.build_model(self.config).to(dtype)
+                inputs, labels = (t.to(device).to(dtype) if t.is_floating_point() else t.to(device) for t in sample)
+                return flops.module_census(model, lambda: loss_fn(model, inputs, labels).float())
+
+            try:
+                self._cache[key] = census_on("meta")
+            except RuntimeError as exc:
+                # A model whose forward reads a value (Hugging Face's packed-sequence check calls .item()) cannot
+                # run on the meta device: count it on a real CPU copy instead (the lab's models are small).
+                if "meta" not in str(exc):
+                    raise
+                self._cache[key] = census_on("cpu")
+        return self._cache[key]
+
+    def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts:
+        if checkpointing:
+            raise ValueError("--activation-checkpointing is modelled for --transformer shapes (the lab's models "
+                             "do not checkpoint)")
+        c = self.census(micro_batch, precision)
+        fwd, bwd = flops.roofline_s(c.forward, gpu, precision), flops.roofline_s(c.backward, gpu, precision)
+        return PhaseCosts(fwd, bwd, c.flops(), c.flops(), c.saved_bytes)
+
+
+def lab_workload(config: Any) -> Workload:
+    """The workload of a RunConfig's model: the lab's byte-level GPT is Hugging Face's GPT2LMHeadModel of a known
+    shape (labkit.models.gpt), counted as that transformer on the meta device (its own forward reads a value, which
+    the meta device cannot give, and a CPU copy of a GPT-2-small-sized model is slow to count); any other model is
+    built from the config and counted as it is."""
+    if config.model == "gpt":
+        from labkit.models.gpt import VOCAB_SIZE, n_heads
+
+        shape = flops.Transformer(layers=config.depth, hidden=config.hidden, heads=n_heads(config.hidden),
+                                  seq=config.input_size, vocab=VOCAB_SIZE)
+        return TransformerWorkload(shape, name="gpt")
+    return ModuleWorkload(config)
+
+
+# -- communication time ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClusterLinks:
+    """Alpha-beta ring on a cluster's links: NCCL's ring latency + ring bytes / bus bandwidth."""
+
+    cluster: Cluster
+
+    def seconds(self, op: str, ring_bytes: float, world_size: int) -> float:
+        return self.cluster.ring_latency_s(op, world_size) + ring_bytes / self.cluster.bus_bytes_per_s(world_size)
+
+
+@dataclass(frozen=True)
+class FittedLinks:
+    """A link fit measured on this machine (`comms.measure_links`, or its JSON form `link_fit_json`): per op,
+    comms' ring model, ring steps x alpha + ring bytes x beta (an op the fit lacks uses all_reduce's)."""
+
+    fit: Any
+
+    def seconds(self, op: str, ring_bytes: float, world_size: int) -> float:
+        from labkit.study import comms
+
+        fits = self.fit["fits"] if isinstance(self.fit, dict) else link_fit_json(self.fit)["fits"]
+        entry = fits.get(op) or fits["all_reduce"]
+        return comms.ring_steps(op, world_size) * float(entry["alpha_s"]) + ring_bytes * float(entry["beta_s_per_byte"])
+
+
+def link_fit_json(fit: Any) -> dict[str, Any]:
+    """A comms.LinkFit as JSON (what `--links FILE` reads): its per-op fits, without the raw timings."""
+    return {"world_size": fit.world_size, "backend": fit.backend, "device": fit.device,
+            "fits": {op: {"alpha_s": f.alpha_s, "beta_s_per_byte": f.beta_s_per_byte, "bus_gbps": f.bus_gbps,
+                          "median_error": f.median_error} for op, f in fit.fits.items()}}
+
+
+def collective_rows(stage: int | None, workload: Workload, world_size: int, *, precision: str, grad_accum: int,
+                    offload_optimizer: bool) -> list[Any]:
+    """DeepSpeed 0.19.8's collectives for one rank (comms.collectives, with the model's module layout: exact
+    buckets, per-module ZeRO-3 gathers); plain PyTorch DDP sends stage 0's gradient all-reduce, but in buckets
+    during the backward (overlapped: torch's DDP docs)."""
+    if world_size < 2:
+        return []
+    from labkit.study import comms
+
+    rows = comms.collectives(0 if stage is None else stage, workload.n_params, world_size, precision=precision,
+                             grad_accum=grad_accum, offload_optimizer=offload_optimizer,
+                             modules=workload.module_layout())
+    if stage is None:
+        rows = [dataclasses.replace(c, overlappable=True, phase="backward") for c in rows]
+    return list(rows)
+
+
+@dataclass(frozen=True)
+class CommTime:
+    total_s: float
+    exposed_s: float
+    rows: list[dict[str, Any]]
+
+
+def comm_time(rows: Iterable[Any], links: Any, world_size: int, *, grad_accum: int,
+              hide_behind: dict[str, float]) -> CommTime:
+    """Seconds per optimizer step: every collective's count x (alpha-beta time of its ring bytes); overlappable
+    ones hide behind the compute of their phase per micro-step (`hide_behind`: phase -> seconds per micro-step),
+    the rest is exposed."""
+    rows = list(rows)
+    if not rows:
+        return CommTime(0.0, 0.0, [])
+    from labkit.study import comms
+
+    total = exposed = 0.0
+    per_phase: dict[str, float] = {}
+    table = []
+    for c in rows:
+        repeats = c.per_step
+        one = links.seconds(c.op, comms.ring_bytes_sent(c, world_size), world_size)
+        seconds = repeats * one
+        total += seconds
+        if c.overlappable and c.phase in hide_behind:
+            per_phase[c.phase] = per_phase.get(c.phase, 0.0) + seconds / grad_accum
+        else:
+            exposed += seconds
+        table.append({"op": c.op, "phase": c.phase, "per": c.per, "count": c.count, "bytes": c.bytes,
+                      "overlappable": bool(c.overlappable), "seconds_per_step": seconds})
+    for phase, seconds in per_phase.items():
+        exposed += grad_accum * max(0.0, seconds - hide_behind[phase])
+    return CommTime(total, exposed, table)
+
+
+# -- the prediction ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    strategy: str
+    world_size: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    step_time_s: float
+    samples_per_s: float
+    model_tflops_per_gpu: float
+    hardware_tflops_per_gpu: float
+    compute_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    comm_s: float
+    exposed_comm_s: float
+    offload_s: float
+    host_overhead_s: float
+    device_bytes: float
+    activation_bytes: float
+    fits: bool
+    max_micro_batch: int
+    hardware: str
+    collectives: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["predicted"] = True
+        return out
+
+
+def partition_ranks(stage: int | None, world_size: int) -> int:
+    """Ranks that share the optimizer's states and update (1 at stage 0 and in plain PyTorch)."""
+    return world_size if stage is not None and stage >= 1 else 1
+
+
+def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch: int, grad_accum: int = 1,
+            precision: str = "fp16", activation_checkpointing: bool = False,
+            host_memory_gb_per_s: float = DEFAULT_HOST_MEMORY_GB_PER_S) -> Prediction:
+    """One optimizer step of one rank of `workload` on `cluster` (module doc). Every figure is predicted."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if micro_batch < 1 or grad_accum < 1:
+        raise ValueError("micro_batch and grad_accum must be >= 1")
+    stage, offload = STRATEGIES[strategy]
+    gpu, n = cluster.gpu, cluster.world_size
+    gpu.peak(precision)  # a precision the GPU has no tensor cores for is refused here
+    costs = workload.costs(micro_batch, gpu, precision, activation_checkpointing)
+    # The host issues the GPU's work asynchronously; ZeRO-3's per-module fetch hooks are host work, so a micro-step
+    # takes the longer of the device's compute and the host's hooks (2 fetches per module: forward and backward).
+    host_s = 2 * workload.param_modules * zero3_fetch_s() if stage == 3 else 0.0
+    if host_s > costs.forward_s + costs.backward_s:
+        scale = host_s / (costs.forward_s + costs.backward_s)
+        costs = dataclasses.replace(costs, forward_s=costs.forward_s * scale, backward_s=costs.backward_s * scale)
+    owned = workload.n_params / partition_ranks(stage, n)
+    optimizer_s = 0.0 if offload else owned * ADAM_BYTES_PER_PARAM / (gpu.memory_bytes_per_s * flops.MEMORY_EFFICIENCY)
+    compute_s = grad_accum * (costs.forward_s + costs.backward_s) + optimizer_s
+    rows = collective_rows(stage, workload, n, precision=precision, grad_accum=grad_accum, offload_optimizer=offload)
+    comm = comm_time(rows, ClusterLinks(cluster), n, grad_accum=grad_accum,
+                     hide_behind={"forward": costs.forward_s, "backward": costs.backward_s})
+    offload_s = _offload_s(stage, offload, owned, grad_accum, cluster, precision, host_memory_gb_per_s)
+    step = compute_s + comm.exposed_s + offload_s
+    global_batch = micro_batch * grad_accum * n
+    states, fits, max_micro = _memory(workload, cluster, stage, offload, precision, micro_batch,
+                                      activation_checkpointing)
+    return Prediction(
+        strategy=strategy, world_size=n, micro_batch=micro_batch, grad_accum=grad_accum, global_batch=global_batch,
+        step_time_s=step, samples_per_s=global_batch / step,
+        model_tflops_per_gpu=costs.model_flops * grad_accum / step / 1e12,
+        hardware_tflops_per_gpu=costs.hardware_flops * grad_accum / step / 1e12,
+        compute_s=compute_s, forward_s=costs.forward_s, backward_s=costs.backward_s, optimizer_s=optimizer_s,
+        comm_s=comm.total_s, exposed_comm_s=comm.exposed_s, offload_s=offload_s,
+        host_overhead_s=grad_accum * host_s,
+        device_bytes=states + costs.activation_bytes, activation_bytes=costs.activation_bytes, fits=fits,
+        max_micro_batch=max_micro, hardware=cluster.describe(), collectives=comm.rows)
+
+
+def _offload_s(stage: int | None, offload: bool, owned: float, grad_accum: int, cluster: Cluster, precision: str,
+               host_memory_gb_per_s: float) -> float:
+    """ZeRO-Offload, not overlapped (DeepSpeed's default): the rank's gradient partition goes down in fp32 (stages
+    2-3 every micro-step, stage 1 at the boundary), CPU Adam runs over it on the host, and the updated parameters
+    come back up in the training dtype."""
+    if not offload:
+        return 0.0
+    host = cluster.host_link()
+    pcie = host.bytes_per_s * host.efficiency
+    downs = grad_accum if stage in (2, 3) else 1
+    param_size = 4 if precision == "fp32" else 2
+    host_bw = host_memory_gb_per_s * GB * HOST_MEMORY_EFFICIENCY / cluster.gpus_per_node
+    return downs * 4 * owned / pcie + owned * ADAM_BYTES_PER_PARAM / host_bw + param_size * owned / pcie
+
+
+def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bool, precision: str,
+            micro_batch: int, checkpointing: bool) -> tuple[float, bool, int]:
+    """(device bytes of the model states + bucket, fits, the largest micro-batch that fits): states from
+    labkit.study.memory (DeepSpeed 0.19.8's accounting), activations counted on the meta device (linear in the
+    micro-batch: measured at 1 sample)."""
+    n = cluster.world_size
+    mem_precision = "fp32" if precision == "fp32" else precision
+    zero = 0 if stage is None else stage
+    states = memory.model_state_bytes(workload.n_params, zero, n, mem_precision, offload,
+                                      persistent_params=workload.persistent_params if zero == 3 else 0)
+    device = states["device_bytes"] + (memory.reduce_bucket_bytes(zero, mem_precision) if stage else 0)
+    per_sample = workload.costs(1, cluster.gpu, precision, checkpointing).activation_bytes
+    room = cluster.gpu.memory_bytes - device
+    max_micro = max(0, int(room // per_sample)) if per_sample > 0 else 0
+    return device, micro_batch <= max_micro, max_micro
+
+
+# -- time to the same loss --------------------------------------------------------------------------------------
+def steps_to_target(global_batch: float, b_crit: float, s_min: float = 1.0) -> float:
+    """S(B) = S_min (1 + B_crit / B) (McCandlish et al. 2018, eq. 2.11)."""
+    if global_batch <= 0 or b_crit < 0:
+        raise ValueError("global_batch must be > 0 and b_crit >= 0")
+    return s_min * (1.0 + b_crit / global_batch)
+
+
+def b_crit_from(results_dir: str | os.PathLike) -> float | None:
+    """The lab's measured B_simple (pooled gradient noise scale over every probe of noise.csv), else None."""
+    import pandas as pd
+
+    from labkit.study.noise_scale import aggregate
+
+    path = Path(results_dir) / "noise.csv"
+    if not path.exists():
+        return None
+    noise = pd.read_csv(path)
+    pooled = aggregate(noise[["grad_norm_small_sq", "grad_norm_big_sq", "noise_b_small", "noise_b_big"]]
+                       .itertuples(index=False, name=None))
+    return None if pooled is None else pooled.b_simple
+
+
+# -- the predicted answer card ---------------------------------------------------------------------------------
+WAYS = ("ranks", "micro_batch", "grad_accum")
+GRAD_ACCUM_RANGE = (1, 16)
+
+
+def _way_entry(before: Prediction, after: Prediction, kind: str, b_crit: float | None, condition: str) -> dict:
+    if kind == "per_step":
+        ratio = after.step_time_s / before.step_time_s
+    elif kind == "per_epoch":
+        ratio = (after.step_time_s / after.global_batch) / (before.step_time_s / before.global_batch)
+    else:
+        if b_crit is None:
+            return {"verdict": None, "ratio": None, "from_batch": before.global_batch, "to_batch": after.global_batch,
+                    "condition": "no critical batch: give --b-crit or --results DIR with noise.csv"}
+        ratio = (after.step_time_s * steps_to_target(after.global_batch, b_crit)) / (
+            before.step_time_s * steps_to_target(before.global_batch, b_crit))
+    return {"verdict": verdict(ratio), "ratio": ratio, "from_batch": before.global_batch,
+            "to_batch": after.global_batch, "condition": condition}
+
+
+def _conditions(before: Prediction, after: Prediction, b_crit: float | None) -> dict[str, str]:
+    hidden = after.comm_s - after.exposed_comm_s
+    step = (f"predicted: {after.exposed_comm_s:.3g} s of {after.comm_s:.3g} s communication exposed per step "
+            f"({hidden:.3g} s hidden behind compute), offload {after.offload_s:.3g} s, compute {after.compute_s:.3g} s")
+    rate = after.samples_per_s / before.samples_per_s
+    scale = after.global_batch / before.global_batch
+    epoch = (f"predicted samples/s x{rate:.2f} for a {scale:g}x batch: "
+             + ("the device is saturated (throughput no longer rises with the batch)" if rate < 1.1 else
+                "throughput still rises with the batch"))
+    if b_crit is None:
+        target = "no critical batch given"
+    else:
+        where = "above" if after.global_batch > b_crit else "below"
+        steps = steps_to_target(after.global_batch, b_crit) / steps_to_target(before.global_batch, b_crit)
+        target = (f"S(B) = S_min (1 + B_crit/B) with B_crit = {b_crit:.4g}: batch {after.global_batch} is {where} "
+                  f"it (steps x{steps:.2f})")
+    return {"per_step": step, "per_epoch": epoch, "to_target": target}
+
+
+def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0", micro_batch: int = 8,
+                   micro_batch_range: tuple[int, int] | None = None, precision: str = "fp16",
+                   activation_checkpointing: bool = False, b_crit: float | None = None) -> dict[str, Any]:
+    """The answer card's shape (labkit.study.card: ways x per_step/per_epoch/to_target, each with verdict, ratio,
+    from_batch, to_batch, condition), PREDICTED for `cluster`. ranks: 1 GPU -> every GPU at `micro_batch`;
+    micro_batch: `micro_batch_range` (default micro_batch/4 -> micro_batch*4) on every GPU; grad_accum: 1 -> 16."""
+    def run(c: Cluster, m: int, a: int = 1) -> Prediction:
+        return predict(workload, c, strategy=strategy, micro_batch=m, grad_accum=a, precision=precision,
+                       activation_checkpointing=activation_checkpointing)
+
+    low, high = micro_batch_range or (max(1, micro_batch // 4), micro_batch * 4)
+    one = dataclasses.replace(cluster, gpus_per_node=1, nodes=1, inter_gbps=0.0)
+    pairs: dict[str, tuple[Prediction, Prediction] | None] = {
+        "ranks": None if cluster.world_size == 1 else (run(one, micro_batch), run(cluster, micro_batch)),
+        "micro_batch": (run(cluster, low), run(cluster, high)),
+        "grad_accum": (run(cluster, micro_batch, GRAD_ACCUM_RANGE[0]), run(cluster, micro_batch, GRAD_ACCUM_RANGE[1])),
+    }
+    ways: dict[str, Any] = {}
+    for way, pair in pairs.items():
+        if pair is None:
+            ways[way] = {kind: {"verdict": None, "ratio": None, "from_batch": None, "to_batch": None,
+                                "condition": "1 device: ranks cannot grow"} for kind in ("per_step", "per_epoch",
+                                                                                         "to_target")}
+            continue
+        before, after = pair
+        conditions = _conditions(before, after, b_crit)
+        ways[way] = {kind: _way_entry(before, after, kind, b_crit, conditions[kind])
+                     for kind in ("per_step", "per_epoch", "to_target")}
+    return {"ways": ways, "deepspeed": _deepspeed_line(workload, cluster, micro_batch, precision,
+                                                       activation_checkpointing),
+            "predicted": True, "flat_band": FLAT_BAND,
+            "predicted_for": {"hardware": cluster.describe(), "gpu": cluster.gpu.name, "world_size": cluster.world_size,
+                              "model": workload.name, "n_params": workload.n_params, "strategy": strategy,
+                              "precision": precision, "activation_checkpointing": activation_checkpointing,
+                              "b_crit": b_crit}}
+
+
+def _deepspeed_line(workload: Workload, cluster: Cluster, micro_batch: int, precision: str, ckpt: bool) -> str:
+    base = predict(workload, cluster, strategy="z0", micro_batch=micro_batch, precision=precision,
+                   activation_checkpointing=ckpt)
+    parts = []
+    for strategy in ("z1", "z2", "z3", "z2-offload"):
+        p = predict(workload, cluster, strategy=strategy, micro_batch=micro_batch, precision=precision,
+                    activation_checkpointing=ckpt)
+        parts.append(f"{strategy} {p.step_time_s / base.step_time_s:.2f}x the step, largest micro-batch "
+                     f"{p.max_micro_batch} (stage 0: {base.max_micro_batch})")
+    return "predicted against ZeRO stage 0 at micro-batch " + f"{micro_batch}: " + "; ".join(parts)
+
+
+# -- `labkit predict` ---------------------------------------------------------------------------------------------
+def measure_links(*args: Any, **kwargs: Any) -> Any:
+    """labkit.study.comms.measure_links: a short all-reduce / all-gather / reduce-scatter benchmark on this machine
+    (real processes; gloo on CPU, NCCL on GPU), fitted per op as alpha + bytes x beta."""
+    from labkit.study import comms
+
+    return comms.measure_links(*args, **kwargs)
+
+
+def _bad(field_name: str, message: str) -> Exception:
+    from labkit.launch.config import ConfigError
+
+    return ConfigError(field_name, message)
+
+
+def _cluster(args: Any) -> Cluster:
+    try:
+        kind = find_gpu(args.gpu)
+        return Cluster(gpu=kind, gpus_per_node=args.gpus_per_node, nodes=args.nodes, intra=args.intra,
+                       inter_gbps=args.inter_gbps)
+    except ValueError as exc:
+        raise _bad("hardware", str(exc)) from None
+
+
+def _strategy(args: Any) -> str:
+    if args.plain_pytorch:
+        if args.stage is not None or args.offload_optimizer:
+            raise _bad("plain_pytorch", "--plain-pytorch takes no --stage or --offload-optimizer")
+        return "torch"
+    stage = 0 if args.stage is None else args.stage
+    if args.offload_optimizer and stage == 0:
+        raise _bad("offload_optimizer", "DeepSpeed offloads the optimizer only with ZeRO stage >= 1 (--stage 1-3)")
+    return f"z{stage}" + ("-offload" if args.offload_optimizer else "")
+
+
+def _workload(args: Any) -> Workload:
+    if args.transformer:
+        try:
+            return TransformerWorkload(flops.Transformer.parse(args.transformer))
+        except ValueError as exc:
+            raise _bad("transformer", str(exc)) from None
+    from labkit.launch.config import RunConfig
+    from labkit.models import builders
+
+    values: dict[str, Any] = {"example": "deepspeed", "model": args.model}
+    for name in ("hidden", "depth", "input_size"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    config = RunConfig.from_dict(values)
+    builders.check_importable(config)
+    return lab_workload(config)
+
+
+def _accumulation(args: Any, micro: int, world_size: int) -> int:
+    if args.global_batch is not None:
+        if args.grad_accum is not None:
+            raise _bad("global_batch", "give --global-batch or --grad-accum, not both")
+        accum, rest = divmod(args.global_batch, micro * world_size)
+        if accum < 1 or rest:
+            raise _bad("global_batch", f"--global-batch {args.global_batch} must be micro-batch {micro} x "
+                                       f"accumulation x {world_size} GPUs")
+        return accum
+    return args.grad_accum or 1
+
+
+def _b_crit(args: Any) -> float | None:
+    if args.b_crit is not None:
+        if args.b_crit <= 0:
+            raise _bad("b_crit", "--b-crit must be > 0")
+        return float(args.b_crit)
+    if args.results:
+        if not Path(args.results).is_dir():
+            raise _bad("results", f"no such results directory: {args.results}")
+        return b_crit_from(args.results)
+    return None
+
+
+def cli(args: Any) -> int:
+    """`labkit predict` (labkit.cli builds the parser). Every check runs before any counting or benchmark."""
+    import json
+
+    for name in ("gpus_per_node", "nodes", "micro_batch", "global_batch", "grad_accum", "world_size",
+                 "threads_per_rank"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise _bad(name, f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.from_run:
+        out = _cli_from_run(args)
+    else:
+        cluster, strategy, b_crit = _cluster(args), _strategy(args), _b_crit(args)
+        precision = args.precision or "fp16"
+        try:
+            cluster.gpu.peak(precision)
+        except ValueError as exc:
+            raise _bad("precision", str(exc)) from None
+        micro = args.micro_batch or 1
+        accum = _accumulation(args, micro, cluster.world_size)
+        if args.model and args.activation_checkpointing:
+            raise _bad("activation_checkpointing", "--activation-checkpointing is modelled for --transformer shapes "
+                                                   "(the lab's models do not checkpoint)")
+        workload = _workload(args)
+        try:
+            pred = predict(workload, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
+                           precision=precision, activation_checkpointing=args.activation_checkpointing,
+                           host_memory_gb_per_s=args.host_memory_gb_per_s or DEFAULT_HOST_MEMORY_GB_PER_S)
+        except ValueError as exc:
+            raise _bad("predict", str(exc)) from None
+        out = pred.to_dict()
+        out["model"], out["n_params"] = workload.name, workload.n_params
+        if b_crit is not None:
+            out["b_crit"] = b_crit
+            out["steps_to_target_over_s_min"] = steps_to_target(pred.global_batch, b_crit)
+        if args.card:
+            out["card"] = predicted_card(workload, cluster, strategy=strategy, micro_batch=micro, precision=precision,
+                                         activation_checkpointing=args.activation_checkpointing, b_crit=b_crit)
+    if args.format == "json":
+        print(json.dumps(out, indent=2, default=float))
+    else:
+        print(format_table(out))
+    return 0
+
+
+def _cli_from_run(args: Any) -> dict[str, Any]:
+    import json
+
+    if args.transformer or args.model:
+        raise _bad("from_run", "--from takes the model from the run")
+    from labkit.study.calibrate import calibrated, read_run
+
+    if not Path(args.from_run).is_dir():
+        raise _bad("from_run", f"no such run directory: {args.from_run}")
+    try:
+        run = read_run(args.from_run)
+    except ValueError as exc:
+        raise _bad("from_run", str(exc)) from None
+    stage = args.stage
+    if args.offload_optimizer or args.plain_pytorch:
+        raise _bad("from_run", "--from keeps the run's offload and DeepSpeed: change --world-size, --micro-batch or "
+                               "--stage")
+    if stage == 0 and run.offload:
+        raise _bad("stage", "the run offloads its optimizer: stage 0 cannot")
+    if args.links:
+        if not Path(args.links).is_file():
+            raise _bad("links", f"no such link fit: {args.links}")
+        fit = json.loads(Path(args.links).read_text())
+    else:
+        fit = measure_links(world_size=max(2, args.world_size or run.world_size))
+    return calibrated(run, fit, world_size=args.world_size, micro_batch=args.micro_batch, stage=stage,
+                      threads_per_rank=args.threads_per_rank)
+
+
+def format_table(out: dict[str, Any]) -> str:
+    """The JSON as lines a person reads, every number labelled predicted."""
+    lines = [f"PREDICTED ({out.get('hardware') or 'calibrated on ' + str(out.get('calibrated_from'))})"]
+    for key in ("strategy", "stage", "world_size", "micro_batch", "grad_accum", "global_batch", "step_time_s",
+                "samples_per_s",
+                "model_tflops_per_gpu", "hardware_tflops_per_gpu", "compute_s", "comm_s", "exposed_comm_s",
+                "offload_s", "device_bytes", "fits", "max_micro_batch", "measured_step_time_s",
+                "steps_to_target_over_s_min"):
+        if key in out:
+            value = out[key]
+            text = f"{value:.4g}" if isinstance(value, float) else str(value)
+            label = "measured " if key.startswith("measured_") else "predicted"  # the run it was calibrated on
+            lines.append(f"  {label} {key:28s} {text}")
+    card = out.get("card")
+    if card:
+        lines.append("  predicted answer card (time at the larger batch / at the smaller):")
+        for way, kinds in card["ways"].items():
+            cells = [f"{kind} {e['verdict'] or '-'}" + (f" ({e['ratio']:.2f}x)" if e["ratio"] else "")
+                     for kind, e in kinds.items()]
+            lines.append(f"    {way:12s} " + ", ".join(cells))
+    return "\n".join(lines)
+
+
+# -- report.html's "predicted on other hardware" section -------------------------------------------------------------
+REPORT_CLUSTERS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("one node of 8 A100-80GB (NVSwitch)", dict(gpus_per_node=8, nodes=1)),
+                   ("4 such nodes, 8 x 200 Gb/s HDR InfiniBand each", dict(gpus_per_node=8, nodes=4, inter_gbps=1600)))
+TINY_STEP_S = 1e-3  # below this a predicted GPU step is dominated by kernel launches, which the model leaves out
+
+
+def answer_workload(results_dir: str | os.PathLike) -> tuple[Workload, int]:
+    """The model an answer's results dir measured (machine.json's profile and model) and its ranks-way micro-batch."""
+    import json
+
+    from labkit.launch.config import RunConfig
+    from labkit.study.answer import GPT_MODELS, PROFILES
+
+    machine = json.loads((Path(results_dir) / "machine.json").read_text())
+    profile = PROFILES[machine.get("profile") or "ci"]
+    values = {**profile.model, **(GPT_MODELS.get(profile.name, {}) if machine.get("model") == "gpt" else {})}
+    config = RunConfig.from_dict({"example": "deepspeed", **values})
+    micro = 64
+    results = Path(results_dir) / "results.csv"
+    if results.exists():
+        import pandas as pd
+
+        table = pd.read_csv(results)
+        ranks = table[table["growth"].astype(str).str.contains("ranks")] if "growth" in table else table.iloc[0:0]
+        if not ranks.empty:
+            micro = int(ranks["micro_batch"].iloc[0])
+    return lab_workload(config), micro
+
+
+def report_section(results_dir: str | os.PathLike, *, precision: str = "bf16") -> str:
+    """HTML: the answer card PREDICTED for one node of 8 A100s and for 4 such nodes, for the model the answer in
+    `results_dir` measured, with its B_crit (noise.csv). Every number is labelled predicted."""
+    import html
+
+    workload, micro = answer_workload(results_dir)
+    b_crit = b_crit_from(results_dir)
+    parts = ["<section id='predicted-other-hardware'><h2>Predicted on other hardware (not measured)</h2>",
+             "<p>What <code>labkit.study.predict</code> predicts for this answer's model "
+             f"({html.escape(workload.name)}, "
+             f"{workload.n_params:,} parameters, {precision}, ZeRO stage 0) on GPUs this machine does not have. "
+             "Every number here is a <b>prediction</b> (docs/predict.md: the model, its sources, what it leaves out)"
+             + (f"; time to the same loss uses the measured B_simple = {b_crit:.4g}" if b_crit else "") + ".</p>"]
+    for title, shape in REPORT_CLUSTERS:
+        cluster = Cluster(gpu=find_gpu("A100-80GB"), intra="nvswitch", **shape)
+        card = predicted_card(workload, cluster, micro_batch=micro, precision=precision, b_crit=b_crit)
+        step = predict(workload, cluster, strategy="z0", micro_batch=micro, precision=precision)
+        parts.append(f"<h3>{html.escape(title)}: predicted</h3><table><tr><th>way to grow the batch</th>"
+                     "<th>per step</th><th>per epoch</th><th>to the same loss</th></tr>")
+        for way, kinds in card["ways"].items():
+            cells = []
+            for entry in kinds.values():
+                text = "-" if entry["verdict"] is None else f"predicted {entry['verdict']} ({entry['ratio']:.2f}x)"
+                cells.append(f"<td title='{html.escape(entry['condition'])}'>{text}</td>")
+            parts.append(f"<tr><td>{way}</td>{''.join(cells)}</tr>")
+        parts.append("</table>")
+        note = (f" At {step.step_time_s * 1e6:.0f} us a step, kernel launches (not modelled) would dominate: this "
+                "model is too small for these GPUs." if step.step_time_s < TINY_STEP_S else "")
+        parts.append(f"<p>Predicted step at micro-batch {micro}: {step.step_time_s:.3g} s (compute "
+                     f"{step.compute_s:.3g} s, exposed communication {step.exposed_comm_s:.3g} s).{note}</p>")
+    parts.append("</section>")
+    return "\n".join(parts)

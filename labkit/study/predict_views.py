@@ -1,0 +1,146 @@
+"""Tables, figures and the widget binding of notebook 06 ("What about my GPUs?"): plain functions over
+`labkit.study.predict`, so the notebook only binds controls to them. Every predicted figure says "predicted".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from labkit.runtime.hardware import GPUS, INTRA_LINKS, NETWORK_GBPS, Cluster
+from labkit.runtime.hardware import gpu as find_gpu
+from labkit.study import flops
+from labkit.study import predict as P
+
+# Transformer shapes a learner may pick (GPT-2 sizes, Hugging Face's configs; GPT-3 sizes from Brown et al. 2020,
+# Table 2.1) beside the lab's own models.
+SHAPES: dict[str, flops.Transformer] = {
+    "GPT-2 small (124M)": flops.Transformer(layers=12, hidden=768, heads=12, seq=1024),
+    "GPT-2 medium (355M)": flops.Transformer(layers=24, hidden=1024, heads=16, seq=1024),
+    "GPT-2 large (774M)": flops.Transformer(layers=36, hidden=1280, heads=20, seq=1024),
+    "GPT-2 XL (1.5B)": flops.Transformer(layers=48, hidden=1600, heads=25, seq=1024),
+    "GPT-3 2.7B": flops.Transformer(layers=32, hidden=2560, heads=32, seq=2048),
+    "GPT-3 6.7B": flops.Transformer(layers=32, hidden=4096, heads=32, seq=2048),
+}
+LAB_MODELS = ("lab GPT (ci size)", "lab MLP (ci answer)")
+STRATEGY_LABELS = {"torch": "plain PyTorch DDP", "z0": "ZeRO-0", "z1": "ZeRO-1", "z2": "ZeRO-2", "z3": "ZeRO-3",
+                   "z2-offload": "ZeRO-2 + offload", "z3-offload": "ZeRO-3 + offload"}
+
+
+def workload(name: str) -> P.Workload:
+    """A transformer shape from SHAPES, or one of the lab's models (built on the meta device)."""
+    if name in SHAPES:
+        return P.TransformerWorkload(SHAPES[name], name=name)
+    from labkit.launch.config import RunConfig
+
+    if name == "lab GPT (ci size)":
+        from labkit.models.gpt import SIZES
+
+        return P.lab_workload(RunConfig.from_dict({"example": "deepspeed", **SIZES["ci"]}))
+    if name == "lab MLP (ci answer)":
+        return P.ModuleWorkload(RunConfig.from_dict({"example": "deepspeed", "hidden": 512, "depth": 2}))
+    raise ValueError(f"unknown model {name!r}; known: {', '.join((*SHAPES, *LAB_MODELS))}")
+
+
+def card_table(card: dict[str, Any]) -> pd.DataFrame:
+    """The (predicted) answer card as a table: one row per way, one column per time."""
+    rows = []
+    for way, kinds in card["ways"].items():
+        row: dict[str, Any] = {"way": way}
+        for kind, entry in kinds.items():
+            row[kind] = "-" if entry["verdict"] is None else f"predicted {entry['verdict']} ({entry['ratio']:.2f}x)"
+        row["batch"] = f"{kinds['per_step']['from_batch']} -> {kinds['per_step']['to_batch']}"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def strategy_parts(work: P.Workload, cluster: Cluster, *, micro_batch: int, precision: str = "bf16",
+                   strategies: tuple[str, ...] = ("torch", "z0", "z1", "z2", "z3", "z2-offload"),
+                   activation_checkpointing: bool = False) -> pd.DataFrame:
+    """Predicted seconds per step of each strategy, split into compute, exposed communication and offload."""
+    rows = []
+    for strategy in strategies:
+        p = P.predict(work, cluster, strategy=strategy, micro_batch=micro_batch, precision=precision,
+                      activation_checkpointing=activation_checkpointing)
+        rows.append({"strategy": STRATEGY_LABELS[strategy], "compute_s": p.compute_s,
+                     "exposed_comm_s": p.exposed_comm_s, "hidden_comm_s": p.comm_s - p.exposed_comm_s,
+                     "offload_s": p.offload_s, "step_time_s": p.step_time_s, "fits": p.fits,
+                     "max_micro_batch": p.max_micro_batch})
+    return pd.DataFrame(rows)
+
+
+def parts_figure(parts: pd.DataFrame, title: str) -> Any:
+    """A stacked bar per strategy: compute, exposed communication, offload (predicted seconds per step)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for column, name in (("compute_s", "compute"), ("exposed_comm_s", "exposed communication"),
+                         ("offload_s", "offload")):
+        fig.add_bar(x=parts["strategy"], y=parts[column], name=name)
+    fig.update_layout(barmode="stack", title=f"Predicted: {title}", yaxis_title="predicted seconds per step",
+                      height=380, margin=dict(l=60, r=20, t=60, b=40))
+    return fig
+
+
+def published_figure(comparison: pd.DataFrame) -> Any:
+    """Predicted against published, one marker per point (log-log), with the y = x line and +-25% / +-40% bands."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    low = float(min(comparison["published"].min(), comparison["predicted"].min())) * 0.5
+    high = float(max(comparison["published"].max(), comparison["predicted"].max())) * 2
+    for factor, dash in ((1.0, "solid"), (1.25, "dot"), (0.75, "dot"), (1.4, "dash"), (0.6, "dash")):
+        fig.add_scatter(x=[low, high], y=[low * factor, high * factor], mode="lines", showlegend=False,
+                        line=dict(color="gray", dash=dash, width=1))
+    for source, group in comparison.groupby("source"):
+        fig.add_scatter(x=group["published"], y=group["predicted"], mode="markers", name=str(source),
+                        text=group["point_id"] + " (" + group["metric"] + ")", marker=dict(size=9))
+    fig.update_layout(title="Published measurements against the model's prediction",
+                      xaxis=dict(title="published (the source's metric)", type="log"),
+                      yaxis=dict(title="predicted (same metric)", type="log"), height=460)
+    return fig
+
+
+def cpu_figure(table: pd.DataFrame) -> Any:
+    """This machine: predicted 2-rank step time (calibrated on the 1-rank run) against the measured one."""
+    import plotly.graph_objects as go
+
+    labels = table["strategy"] + " micro " + table["micro_batch"].astype(str)
+    fig = go.Figure()
+    fig.add_bar(x=labels, y=table["measured_1_rank_s"] * 1e3, name="measured, 1 rank")
+    fig.add_bar(x=labels, y=table["predicted_2_rank_s"] * 1e3, name="predicted, 2 ranks")
+    fig.add_bar(x=labels, y=table["measured_2_rank_s"] * 1e3, name="measured, 2 ranks")
+    fig.update_layout(barmode="group", title="This machine: 2 ranks predicted from 1-rank runs",
+                      yaxis_title="step time (ms)", height=400)
+    return fig
+
+
+def explore(*, gpu: str, gpus_per_node: int, nodes: int, intra: str, inter_gbps: float, model: str,
+            strategy: str, micro_batch: int, precision: str = "bf16", b_crit: float | None = None,
+            activation_checkpointing: bool = False) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """What the widgets show: the predicted card (both ways to grow the batch, and accumulation), the strategies'
+    stacked parts, and a one-line summary. Raises ValueError with the reason for a choice that cannot be."""
+    kind = find_gpu(gpu)
+    if precision == "bf16" and not kind.peak_flops.get("bf16"):
+        precision = "fp16"  # V100 and T4 have no bf16 tensor cores
+    cluster = Cluster(gpu=kind, gpus_per_node=gpus_per_node, nodes=nodes, intra=intra,
+                      inter_gbps=inter_gbps if nodes > 1 else 0.0)
+    work = workload(model)
+    card = P.predicted_card(work, cluster, strategy=strategy, micro_batch=micro_batch, precision=precision,
+                            activation_checkpointing=activation_checkpointing, b_crit=b_crit)
+    parts = strategy_parts(work, cluster, micro_batch=micro_batch, precision=precision,
+                           activation_checkpointing=activation_checkpointing)
+    one = P.predict(work, cluster, strategy=strategy, micro_batch=micro_batch, precision=precision,
+                    activation_checkpointing=activation_checkpointing)
+    summary = (f"Predicted for {cluster.describe()}, {work.name}, {STRATEGY_LABELS[strategy]}, {precision}: "
+               f"{one.step_time_s:.3g} s per step, {one.samples_per_s:.4g} samples/s, "
+               f"{one.hardware_tflops_per_gpu:.3g} TFLOP/s per GPU; fits: {one.fits} (largest micro-batch "
+               f"{one.max_micro_batch})")
+    return card_table(card), parts, summary
+
+
+def controls() -> dict[str, Any]:
+    """The choices the widgets offer (tested: every one is accepted by `explore`)."""
+    return {"gpu": list(GPUS), "intra": list(INTRA_LINKS), "model": [*SHAPES, *LAB_MODELS],
+            "strategy": [s for s in P.STRATEGIES if s in STRATEGY_LABELS], "network_gbps": dict(NETWORK_GBPS)}

@@ -1,0 +1,60 @@
+"""The predictor against published DeepSpeed measurements (data/published/): what the set covers, that every point
+is cited, and the error the model reaches (docs/predict.md says why the goal is not met)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from labkit.study import published
+
+GOAL_MEDIAN, GOAL_MAX = 0.25, 0.40
+
+
+@pytest.fixture(scope="module")
+def points():
+    return published.load()
+
+
+@pytest.fixture(scope="module")
+def comparison(points):
+    return published.compare(points)
+
+
+def test_the_published_set_covers_what_the_issue_asks(points):
+    assert len(points) >= 10
+    assert points["source"].nunique() >= 4
+    assert (points["nodes"] == 1).any() and (points["nodes"] > 1).any()
+    assert points["stage"].isin([1, 2]).any() and (points["stage"] == 3).any()
+    assert (points["offload_optimizer"].astype(str) == "True").any()
+    assert points["point_id"].is_unique
+
+
+def test_every_point_is_cited_with_a_commit_or_a_table(points):
+    for _, row in points.iterrows():
+        locator = str(row["locator"])
+        assert re.search(r"@[0-9a-f]{40}", locator) or "Table" in locator, row["point_id"]
+        assert float(row["value"]) > 0
+
+
+def test_every_point_is_predicted_in_its_own_metric(comparison):
+    assert len(comparison) == len(published.load())
+    assert (comparison["predicted"] > 0).all()
+    assert comparison["error"].notna().all()
+
+
+def test_the_megatron_flop_formula_matches_the_papers_eq_3():
+    # 96 B s l h^2 (1 + s/6h + V/16lh) for B = 1
+    per_sample = published.megatron_flops_per_sample(96, 12288, 2048, 51200)
+    assert per_sample == pytest.approx(96 * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * 96 * 12288)))
+
+
+@pytest.mark.xfail(strict=True, reason="the model does not reach the issue's goal on the published points "
+                   "(median <= 25%, every point <= 40%): ZeRO-3 at small micro-batches and at 384-2240 GPUs, and "
+                   "the Hugging Face stage-2 autotuning points, run far slower than the roofline + NCCL model "
+                   "predicts (per-module fetch overheads it leaves out); docs/predict.md lists the errors. strict: "
+                   "this test fails the day the model meets the goal, so the goal is then enforced here")
+def test_the_issues_goal_on_the_published_points(comparison):
+    errors = comparison["error"].abs()
+    assert errors.median() <= GOAL_MEDIAN and errors.max() <= GOAL_MAX
