@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import Run
+from labkit import Run, RunConfig
 from labkit.study import examples, lessons
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,6 +99,39 @@ def test_script_config_is_the_command_a_learner_types(tmp_path):
     variant = examples.config_variant("ex3_ds_config.json", tmp_path, bf16={"enabled": True})
     assert json.loads(variant.read_text())["bf16"] == {"enabled": True}
     assert json.loads((EXAMPLES / "ex3_ds_config.json").read_text())["bf16"] == {"enabled": False}  # untouched
+
+
+def test_script_twin_trains_what_the_script_would(tmp_path):
+    """The twin reads the script's arguments and the DeepSpeed config it would load (the committed one, or the
+    copy --deepspeed_config names)."""
+    plain = examples.script_twin(examples.script_config("ex3_zero3.py", world_size=2, steps=8))
+    assert (plain.example, plain.stage, plain.precision, plain.micro_batch, plain.grad_accum) == (
+        "zero3", 3, "fp32", 64, 1)
+    assert (plain.hidden, plain.depth, plain.dataset_size, plain.world_size, plain.steps) == (500, 1, 1000, 2, 8)
+    variant = examples.config_variant("ex3_ds_config.json", tmp_path, bf16={"enabled": True},
+                                      gradient_accumulation_steps=2)
+    sized = examples.script_twin(examples.script_config("ex3_zero3.py", world_size=1, steps=4, args=[
+        "--hidden", "256", "--depth", "3", "--num-samples", "4096", "--deepspeed_config", str(variant)]))
+    assert (sized.precision, sized.grad_accum, sized.hidden, sized.depth, sized.dataset_size) == (
+        "bf16", 2, 256, 3, 4096)
+    offload = examples.script_twin(examples.script_config("ex2_zero_offload.py", world_size=1, steps=4))
+    assert (offload.example, offload.stage, offload.offload_optimizer) == ("offload", 2, True)
+    pytorch = examples.script_twin(examples.script_config("ex1_pytorch.py", world_size=1, steps=4,
+                                                          args=["--batch-size", "128"]))
+    assert (pytorch.example, pytorch.micro_batch) == ("pytorch", 128)
+    with pytest.raises(ValueError, match="no twin for script"):
+        examples.script_twin(RunConfig(script=str(EXAMPLES / "simple_model.py")))
+
+
+@pytest.mark.parametrize("name", sorted(examples.SCRIPTS.values()))
+def test_script_defaults_are_the_scripts_own(name):
+    source = (EXAMPLES / name).read_text()
+    for option, default in examples.SCRIPT_DEFAULTS.items():
+        declared = re.search(rf'add_argument\("--{option}", type=int, default=(\d+)', source)
+        if declared:  # Example 1 has --batch-size, the DeepSpeed scripts take it from their config
+            assert int(declared[1]) == default, (name, option)
+        else:
+            assert option == "batch-size" and name in examples.SCRIPT_DS_CONFIGS, (name, option)
 
 
 # -- real runs (one per script) --------------------------------------------------------------

@@ -216,3 +216,16 @@ def test_build_ops_streams_the_builds_output_under_a_bar():
                                                                                           or "skipped" in line))
         assert line in built
     assert "DeepSpeed ops: 100%|" in text.replace("\r", "\n")
+
+
+def test_skipped_multi_rank_names_what_one_gpu_skips_and_why():
+    from labkit.runtime.devices import Devices
+
+    one_gpu = Devices("cuda", 1, 1, "nccl", True, True, "NVIDIA H100 80GB HBM3", 80 * 2**30)
+    text = lessons.skipped_multi_rank([1, 2, 4], parts=("section 2's runs", "section 5's link fit"), devices=one_gpu)
+    assert text is not None and "the runs on 2, 4 ranks are skipped (one rank per GPU)" in text
+    assert "section 2's runs; section 5's link fit" in text and "Run this notebook on 2+ GPUs" in text
+    two_gpus = Devices("cuda", 2, 2, "nccl", True, True, "NVIDIA H100 80GB HBM3", 80 * 2**30)
+    capped = lessons.skipped_multi_rank([1, 2, 4], parts=("section 2's runs",), devices=two_gpus)
+    assert capped is not None and "4 ranks are skipped" in capped and "section 2" not in capped  # 2 ranks still run
+    assert lessons.skipped_multi_rank([2], parts=("anything",), devices=two_gpus) is None

@@ -15,7 +15,7 @@ import pytest
 from labkit.runtime import devices as devices_module
 from labkit.runtime.devices import Devices
 from labkit.runtime.profiles import PROFILES, default_profile
-from labkit.study import notebook_sizes
+from labkit.study import examples, notebook_sizes
 from labkit.study.notebook_sizes import FIT_MARGIN, NOTEBOOKS, notebook_configs, predicted_device_bytes, sizes_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,21 +36,65 @@ def where_profile_runs(profile: str) -> list[Devices]:
     return [d for d in STAND_INS if profile == "workshop" or d.total_memory_bytes > 70 * GiB]
 
 
+# Notebooks whose every run is between ranks: on one GPU they launch nothing (and say so).
+ONLY_MULTI_RANK = {"03b"}
+
+
 @pytest.mark.parametrize("profile", ["workshop", "full"])
 @pytest.mark.parametrize("notebook", sorted(NOTEBOOKS))
-def test_every_notebooks_runs_are_accepted_and_fit_each_gpu(monkeypatch, profile, notebook):
+def test_every_notebooks_runs_are_accepted_and_fit_each_gpu(monkeypatch, tmp_path, profile, notebook):
+    checked = 0
     for devices in where_profile_runs(profile):
         monkeypatch.setattr(devices_module, "detect_devices", lambda devices=devices: devices)
         sizes = sizes_for(notebook, devices)[profile]
-        configs = notebook_configs(notebook, sizes, devices)  # RunConfig accepts each against this device
-        assert configs
+        configs = notebook_configs(notebook, sizes, devices, work_dir=tmp_path)  # RunConfig accepts each here
+        assert configs or (notebook in ONLY_MULTI_RANK and devices.max_ranks == 1), (notebook, devices)
         for label, config in configs.items():
-            if config.precision == "bf16":
+            trained = examples.script_twin(config) if config.script else config  # a script run: what it trains
+            if trained.precision == "bf16":
                 assert devices.bf16, (notebook, label)  # never bf16 on a T4 (RunConfig refuses it too)
             need = predicted_device_bytes(config)
             assert need <= FIT_MARGIN * devices.total_memory_bytes, (
                 f"{notebook} {profile} {label} on {devices.device_name} x{devices.device_count}: "
                 f"{need / GiB:.1f} GiB predicted of {devices.total_memory_bytes / GiB:.1f} GiB")
+            checked += 1
+    assert checked
+
+
+def test_on_one_gpu_the_zero3_notebooks_run_one_rank_and_03b_launches_nothing(monkeypatch, tmp_path):
+    """The lead's machine: one H100 80GB with LABKIT_PROFILE=workshop; every world size is capped at 1."""
+    h100 = gpu(80, 1, True)
+    monkeypatch.setattr(devices_module, "detect_devices", lambda: h100)
+    ranks = {notebook: {label: config.world_size for label, config in notebook_configs(
+        notebook, sizes_for(notebook, h100)["workshop"], h100, work_dir=tmp_path).items()}
+        for notebook in ("03", "03a", "03b")}
+    assert ranks == {"03": {"script, 1 rank(s)": 1, "1 rank(s)": 1}, "03a": {"1 rank(s)": 1}, "03b": {}}
+    four = gpu(24, 4, True)
+    monkeypatch.setattr(devices_module, "detect_devices", lambda: four)
+    labels = {notebook: sorted(notebook_configs(notebook, sizes_for(notebook, four)["workshop"], four,
+                                                work_dir=tmp_path)) for notebook in ("03", "03a", "03b")}
+    assert "4 ranks, no sampler" in labels["03"] and "script, 4 rank(s)" in labels["03"]
+    assert {"4 ranks, no sampler", "4 ranks, no sampler, default reuse distance", "stage 0, 4 ranks"} <= set(
+        labels["03a"])
+    assert len(labels["03b"]) == 7 and "timed, 4 rank(s)" in labels["03b"]
+
+
+def test_03s_script_runs_train_its_model_in_the_profiles_precision(monkeypatch, tmp_path):
+    """Example 3's script gets the parameters cell's width, depth and samples, and a copy of its DeepSpeed config
+    with the half precision turned on: its twin is 03's ZeRO-3 model at the config's micro-batch of 64."""
+    t4 = gpu(16, 2, False)
+    monkeypatch.setattr(devices_module, "detect_devices", lambda: t4)
+    sizes = sizes_for("03", t4)["workshop"]
+    configs = notebook_configs("03", sizes, t4, work_dir=tmp_path)
+    script = configs["script, 2 rank(s)"]
+    assert script.script and script.script.endswith("ex3_zero3.py") and script.steps == 2 * sizes["timing_steps"]
+    variant = json.loads((tmp_path / "ex3_ds_config.json").read_text())
+    assert variant["fp16"] == {"enabled": True} and variant["bf16"] == {"enabled": False}
+    twin = examples.script_twin(script)
+    worker = configs["2 rank(s)"]
+    assert (twin.example, twin.precision, twin.world_size, twin.micro_batch) == ("zero3", "fp16", 2, 64)
+    assert (twin.hidden, twin.depth, twin.dataset_size) == (worker.hidden, worker.depth, worker.dataset_size)
+    assert predicted_device_bytes(script) == predicted_device_bytes(worker)  # the same model, batch, ranks, dtype
 
 
 def test_half_precision_is_bf16_where_native_and_fp16_on_a_t4():
@@ -90,12 +134,25 @@ def test_labkit_profile_workshop_is_accepted(monkeypatch):
 
 def test_parameters_cells_read_their_sizes_from_the_module():
     """The notebooks keep `profile = current_profile()` in their parameters cell and take SIZES from here."""
-    for notebook in sorted(REPO.glob("notebooks/0[0-5]-*.ipynb")):
+    names = []
+    for notebook in sorted(REPO.glob("notebooks/0[0-5]*-*.ipynb")):
         cells = json.loads(notebook.read_text())["cells"]
         (parameters,) = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
         source = "".join(parameters["source"])
         assert "profile = current_profile()" in source, notebook.name
-        key = notebook.name[:2]
+        key = notebook.name.split("-")[0]
         if key in NOTEBOOKS:
+            names.append(key)
             assert f'SIZES = sizes_for("{key}")' in source, notebook.name
             assert "dict(" not in source, notebook.name  # no sizes left in the cell
+    assert {"03", "03a", "03b"} <= set(names)
+
+
+@pytest.mark.parametrize("notebook", ["03", "03a", "03b"])
+def test_multi_rank_notebooks_say_what_one_gpu_skips_right_after_their_parameters(notebook):
+    """A learner's Run All on one GPU goes on: the cell after the parameters says what is skipped, and why."""
+    (path,) = REPO.glob(f"notebooks/{notebook}-*.ipynb")
+    cells = json.loads(path.read_text())["cells"]
+    (at,) = [i for i, c in enumerate(cells) if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert "lessons.skipped_multi_rank(" in "".join(cells[at + 1]["source"]), path.name
+    assert "lessons.check(world >= 2" not in path.read_text()  # 03b stopped Run All on one GPU before

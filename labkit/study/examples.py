@@ -6,6 +6,7 @@
     diff = examples.side_by_side(2)                # shows as a table: the text | corrected | why
     diff.unexplained                               # changes no reason matched (notebooks check it is empty)
     examples.script_config("ex3_zero3.py", world_size=2, steps=20)   # the RunConfig of `labkit run --script`
+    examples.script_twin(config)                   # labkit's run of the same model (what labkit predicts from)
 
 A reason is a (needle, why) pair: it explains every change whose lines (the text's or the script's)
 contain the needle; the first pair that matches wins. A change no pair matches is listed in
@@ -14,6 +15,7 @@ contain the needle; the first pair that matches wins. A change no pair matches i
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import html
 import json
@@ -22,7 +24,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pandas as pd
 
@@ -31,6 +33,10 @@ from labkit.launch.config import RunConfig
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "notebooks" / "examples"
 SOURCE_TEXT = "source_text.md"  # the text's three examples, verbatim
 SCRIPTS = {1: "ex1_pytorch.py", 2: "ex2_zero_offload.py", 3: "ex3_zero3.py"}
+# The DeepSpeed config each script reads when no --deepspeed_config is given (Example 1 has none), and the values
+# the scripts' own arguments default to (tests/test_examples.py reads them from the scripts).
+SCRIPT_DS_CONFIGS = {"ex2_zero_offload.py": "ex2_ds_config.json", "ex3_zero3.py": "ex3_ds_config.json"}
+SCRIPT_DEFAULTS = {"hidden": 500, "depth": 1, "num-samples": 1000, "batch-size": 64}
 SAME_SHOWN = 3  # a run of unchanged lines longer than this shows its first and last line only
 _CODE_BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
 _INLINE_CODE = re.compile(r"`([^`]+)`")
@@ -336,6 +342,36 @@ def script_config(name: str, *, world_size: int, steps: int, args: Sequence[str]
     <args> --steps S`: the script runs `steps` optimizer steps, and labkit's progress counts them."""
     return RunConfig(script=str(example_path(name)), script_args=[*args, "--steps", str(steps)],
                      world_size=world_size, steps=steps)
+
+
+def script_twin(config: RunConfig) -> RunConfig:
+    """The labkit run (its own worker) that trains what `config`, an example script's run (`script_config`),
+    trains: the same MLP (simple_model.py's is labkit's), ranks and steps, the script's sizes from its arguments,
+    and the micro-batch, accumulation, ZeRO stage, offload and precision of the DeepSpeed config the script
+    loads. What labkit predicts a script run from (labkit.study.notebook_sizes.predicted_device_bytes); the
+    scripts' held-out pass (1,000 samples at each epoch's end, without gradients) is not in it."""
+    name = Path(config.script or "").name
+    if name not in SCRIPTS.values():
+        raise ValueError(f"no twin for script {config.script!r}: only the examples {sorted(SCRIPTS.values())}")
+    parser = argparse.ArgumentParser(add_help=False)
+    for option, default in SCRIPT_DEFAULTS.items():
+        parser.add_argument(f"--{option}", type=int, default=default)
+    parser.add_argument("--deepspeed_config", default=None)
+    args, _ = parser.parse_known_args(config.script_args)
+    model = dict(hidden=args.hidden, depth=args.depth, dataset_size=args.num_samples, world_size=config.world_size,
+                 steps=config.steps)
+    if name not in SCRIPT_DS_CONFIGS:  # Example 1: plain PyTorch in fp32, its batch an argument
+        return RunConfig(example="pytorch", micro_batch=args.batch_size, **model)
+    ds = json.loads(Path(args.deepspeed_config).read_text() if args.deepspeed_config
+                    else script_code(SCRIPT_DS_CONFIGS[name]))
+    zero = ds.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
+    precision: Literal["fp32", "bf16", "fp16"] = (
+        "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32")
+    return RunConfig(example="offload" if offload else "zero3" if stage == 3 else "deepspeed", stage=stage,
+                     offload_optimizer=offload, precision=precision, micro_batch=ds["train_micro_batch_size_per_gpu"],
+                     grad_accum=ds.get("gradient_accumulation_steps", 1), **model)
 
 
 def command_line(config: RunConfig) -> str:

@@ -14,13 +14,15 @@ states, DeepSpeed's reduce bucket, the MLP's activations and a working margin): 
 checks every notebook's runs for every profile against stand-in GPUs of 16, 24 and 80 GB, with and without
 bf16, on 1, 4 and 8 GPUs.
 
-Notebooks 03b (communication) and 06 (the predictor) are written by others: add their sizes to NOTEBOOKS
-("03b": {"ci": ..., "workshop": ..., "full": ...}) and the runs they launch to `notebook_configs`, and the
-test checks them too.
+A notebook's script runs (`labkit run --script` of notebooks/examples/) are modelled by the labkit run that
+trains the same model (`labkit.study.examples.script_twin`). A notebook added later gets its sizes here
+("06": {"ci": ..., "workshop": ..., "full": ...}) and its runs in `notebook_configs`, and the test checks them too.
 """
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from labkit.launch.config import RunConfig
@@ -58,7 +60,8 @@ NOTEBOOKS: dict[str, dict[str, dict[str, Any]]] = {
         "full": dict(hidden=8192, depth=4, micro_batch=64, steps=10, precision="half"),
     },
     "03": {
-        # a 1.2M-parameter MLP, fp32, on 1 and 2 CPU ranks.
+        # a 1.2M-parameter MLP, fp32, on 1 and 2 CPU ranks; Example 3's script runs 2 x timing_steps steps
+        # at its config's micro-batch (64) on each world size.
         "ci": dict(hidden=1024, depth=2, micro_batch=32, steps=6, dataset_size=2048, precision="fp32",
                    world_sizes=[1, 2], timing_steps=8),
         # a 118M-parameter MLP in half precision on up to 4 GPUs (sizes above the GPU count are skipped):
@@ -68,6 +71,35 @@ NOTEBOOKS: dict[str, dict[str, dict[str, Any]]] = {
         # a ~470M-parameter MLP on up to 8 GPUs.
         "full": dict(hidden=8192, depth=8, micro_batch=64, steps=10, dataset_size=65536, precision="half",
                      world_sizes=[1, 2, 4, 8], timing_steps=20),
+    },
+    "03a": {
+        # 03's ci model on 1 and 2 CPU ranks: its two partitioned modules are what the comms log reads.
+        "ci": dict(hidden=1024, depth=2, micro_batch=32, steps=6, dataset_size=2048, precision="fp32",
+                   world_sizes=[1, 2]),
+        # 03's workshop model (118M parameters) on up to 4 GPUs: seven 32 MiB hidden layers in half precision,
+        # so DeepSpeed's default reuse distance keeps ~0.2 GB more gathered at the peak than 0 does.
+        "workshop": dict(hidden=4096, depth=8, micro_batch=64, steps=10, dataset_size=16384, precision="half",
+                         world_sizes=[1, 2, 4]),
+        # a ~470M-parameter MLP on up to 8 GPUs: just below the ~0.5B where the default stops keeping the
+        # first layer gathered (0.75 GiB more at the peak than reuse distance 0).
+        "full": dict(hidden=8192, depth=8, micro_batch=64, steps=10, dataset_size=65536, precision="half",
+                     world_sizes=[1, 2, 4, 8]),
+    },
+    "03b": {
+        # a 1.2M-parameter MLP (100 -> 1024 -> 1024 -> 10), fp32, 2 CPU ranks, 2 micro-batches per step; the
+        # link fit from 1 KiB to 16 MiB, the prediction up to 64 ranks. Every section needs 2+ ranks except
+        # the formulas of sections 1 and 4 (one GPU: computed for 2 ranks, nothing launched).
+        "ci": dict(hidden=1024, depth=2, micro_batch=32, grad_accum=2, steps=5, dataset_size=2048, precision="fp32",
+                   world_size=2, timing_steps=12, link_sizes=[4**k * 1024 for k in range(8)], predict_up_to=64),
+        # 03's workshop model (118M parameters, 0.24 GB of half-precision gradients) on up to 4 GPUs: messages
+        # up to 256 MiB for the link fit, so its bandwidth term is measured at the model's own gradient size.
+        "workshop": dict(hidden=4096, depth=8, micro_batch=16, grad_accum=2, steps=6, dataset_size=16384,
+                         precision="half", world_size=4, timing_steps=20,
+                         link_sizes=[4**k * 1024 for k in range(10)], predict_up_to=64),
+        # a ~470M-parameter MLP on up to 8 GPUs (NCCL), messages up to 256 MiB for the link fit.
+        "full": dict(hidden=8192, depth=8, micro_batch=16, grad_accum=2, steps=6, dataset_size=65536,
+                     precision="half", world_size=8, timing_steps=20, link_sizes=[4**k * 1024 for k in range(10)],
+                     predict_up_to=512),
     },
     "05": {
         # a few seconds of training on 2 CPU ranks (process start and DeepSpeed init dominate).
@@ -116,9 +148,12 @@ def sizes_for(notebook: str, devices: Devices | None = None) -> dict[str, dict[s
     return {profile: resolve(NOTEBOOKS[notebook][profile], devices) for profile in PROFILES}
 
 
-def notebook_configs(notebook: str, sizes: dict[str, Any], devices: Devices) -> dict[str, RunConfig]:
-    """The runs `notebook` launches with one profile's resolved `sizes` (its cells' own RunConfig fields), on a
-    machine with `devices`. Needs `detect_devices()` to answer for those devices (RunConfig checks them)."""
+def notebook_configs(notebook: str, sizes: dict[str, Any], devices: Devices,
+                     work_dir: str | Path | None = None) -> dict[str, RunConfig]:
+    """The runs `notebook` launches with one profile's resolved `sizes` (its cells' own RunConfig fields, script
+    runs included), on a machine with `devices`; empty where it launches nothing there (03b on one GPU). Needs
+    `detect_devices()` to answer for those devices (RunConfig checks them). `work_dir`: where a script run's copy
+    of its DeepSpeed config is written, as the notebook writes it (default: a new temporary directory)."""
     if notebook in ("00", "05"):
         return {notebook: RunConfig(**sizes)}
     if notebook == "01":
@@ -133,29 +168,84 @@ def notebook_configs(notebook: str, sizes: dict[str, Any], devices: Devices) -> 
         configs = {f"stage {s}": RunConfig(example="deepspeed", stage=s, **model) for s in (0, 1, 2)}
         configs.update({f"stage {s} + offload": RunConfig(example="offload", stage=s, **model) for s in (1, 2, 3)})
         return configs
-    if notebook == "03":
-        model = dict(hidden=sizes["hidden"], depth=sizes["depth"], micro_batch=sizes["micro_batch"],
-                     steps=sizes["steps"], dataset_size=sizes["dataset_size"], precision=sizes["precision"])
-        world_sizes = [w for w in sizes["world_sizes"] if w <= devices.max_ranks]
-        largest = max(world_sizes)
-        configs = {f"{w} rank(s)": RunConfig(example="zero3", world_size=w, **model) for w in world_sizes}
-        if largest > 1:
-            configs[f"{largest} ranks, no sampler"] = RunConfig(example="zero3", world_size=largest,
-                                                                distributed_sampler=False, **model)
-            configs.update({f"stage {s}, {largest} ranks": RunConfig(example="deepspeed", stage=s,
-                                                                     world_size=largest, **model)
-                            for s in (0, 1, 2)})
-        return configs
+    if notebook in ("03", "03a"):
+        return _zero3_notebook_configs(notebook, sizes, devices, work_dir)
+    if notebook == "03b":
+        return _communication_configs(sizes)
     raise KeyError(f"no sizes for notebook {notebook!r}: NOTEBOOKS has {sorted(NOTEBOOKS)}")
 
 
-def predicted_device_bytes(config: RunConfig) -> int:
-    """What one rank of `config` (labkit's MLP) holds on its device at its peak, predicted before any launch:
-    model states (labkit.study.memory; plain PyTorch keeps fp32 states whatever its autocast), DeepSpeed's
-    reduce bucket, the activations of a micro-batch, and DEVICE_OVERHEAD_BYTES."""
-    from labkit.models import builders
-    from labkit.study import memory
+def _zero3_notebook_configs(notebook: str, sizes: dict[str, Any], devices: Devices,
+                            work_dir: str | Path | None) -> dict[str, RunConfig]:
+    """03: Example 3's script on each world size (section 2), labkit's ZeRO-3 worker on each and once without a
+    sampler (section 3). 03a: the worker on each world size, the comms-logged run without a sampler at reuse
+    distance 0 and at DeepSpeed's default, and stages 0-2 on the largest (sections 1-3)."""
+    model = dict(hidden=sizes["hidden"], depth=sizes["depth"], micro_batch=sizes["micro_batch"],
+                 steps=sizes["steps"], dataset_size=sizes["dataset_size"], precision=sizes["precision"])
+    world_sizes = [w for w in sizes["world_sizes"] if w <= devices.max_ranks]
+    largest = max(world_sizes)
+    configs: dict[str, RunConfig] = {}
+    if notebook == "03":
+        from labkit.study import examples
 
+        config_args = []
+        if sizes["precision"] != "fp32":
+            out = work_dir if work_dir is not None else tempfile.mkdtemp(prefix="labkit-notebook-sizes-")
+            variant = examples.config_variant("ex3_ds_config.json", out, **{sizes["precision"]: {"enabled": True}})
+            config_args = ["--deepspeed_config", str(variant)]
+        script_args = ["--hidden", str(sizes["hidden"]), "--depth", str(sizes["depth"]),
+                       "--num-samples", str(sizes["dataset_size"]), *config_args]
+        configs.update({f"script, {w} rank(s)": examples.script_config(
+            "ex3_zero3.py", world_size=w, steps=2 * sizes["timing_steps"], args=script_args) for w in world_sizes})
+    configs.update({f"{w} rank(s)": RunConfig(example="zero3", world_size=w, **model) for w in world_sizes})
+    if largest == 1:
+        return configs
+    if notebook == "03":
+        configs[f"{largest} ranks, no sampler"] = RunConfig(example="zero3", world_size=largest,
+                                                            distributed_sampler=False, **model)
+        return configs
+    from labkit.study import lessons
+
+    logged = {**lessons.comms_logger_overrides(),
+              "zero_optimization": {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}}
+    default_reuse = {**logged, "zero_optimization": {"stage3_prefetch_bucket_size": 0}}
+    for label, overrides in (("", logged), (", default reuse distance", default_reuse)):
+        configs[f"{largest} ranks, no sampler{label}"] = RunConfig(
+            example="zero3", world_size=largest, distributed_sampler=False, ds_overrides=overrides, **model)
+    configs.update({f"stage {s}, {largest} ranks": RunConfig(example="deepspeed", stage=s, world_size=largest,
+                                                             **model) for s in (0, 1, 2)})
+    return configs
+
+
+def _communication_configs(sizes: dict[str, Any]) -> dict[str, RunConfig]:
+    """03b: every strategy with DeepSpeed's comms logger on (section 2), then stage 0 timed on 1 and N ranks
+    (section 6); nothing on one rank, where there is no link."""
+    world = sizes["world_size"]
+    if world < 2:
+        return {}
+    model = dict(hidden=sizes["hidden"], depth=sizes["depth"], micro_batch=sizes["micro_batch"],
+                 dataset_size=sizes["dataset_size"], precision=sizes["precision"])
+    strategies = {"stage 0": (0, False), "stage 1": (1, False), "stage 2": (2, False),
+                  "stage 2 + offload": (2, True), "stage 3": (3, False)}
+    configs = {label: RunConfig(example="offload" if offload else "deepspeed", stage=stage, world_size=world,
+                                grad_accum=sizes["grad_accum"], steps=sizes["steps"], comms_log=True, **model)
+               for label, (stage, offload) in strategies.items()}
+    configs.update({f"timed, {w} rank(s)": RunConfig(example="deepspeed", stage=0, world_size=w, threads_per_rank=1,
+                                                     grad_accum=1, steps=sizes["timing_steps"], **model)
+                    for w in (1, world)})
+    return configs
+
+
+def predicted_device_bytes(config: RunConfig) -> int:
+    """What one rank of `config` (labkit's MLP, or an example script's, through its twin: examples.script_twin)
+    holds on its device at its peak, predicted before any launch: model states (labkit.study.memory; plain
+    PyTorch keeps fp32 states whatever its autocast), DeepSpeed's reduce bucket, the activations of a
+    micro-batch, and DEVICE_OVERHEAD_BYTES."""
+    from labkit.models import builders
+    from labkit.study import examples, memory
+
+    if config.script is not None:
+        config = examples.script_twin(config)
     numels = builders.param_numels(config)
     plain = config.example == "pytorch"
     precision = "fp32" if plain else config.precision
