@@ -174,7 +174,7 @@ def test_a_saving_stage_0_shows_too_is_not_credited_to_zero():
     assert one.step_time_vs_torch.round(3).tolist() == [round(0.020 / 0.018, 3)]
     # ZeRO-3 slower at the big batch than stage 0: its ratio is larger, said with the direction of both.
     worse = "\n".join(credit_sentences(_two_way_results(z3_factor=2.0)))
-    assert "ZeRO-3 1.00x (stayed flat where stage 0's fell): a larger ratio than stage 0's" in worse
+    assert "ZeRO-3 1.00x (stayed flat where stage 0's fell): a larger ratio than stage 0's." in worse
 
 
 def test_growth_sentences_use_the_cards_verdict_words():

@@ -60,7 +60,7 @@ class AnswerProfile:
     rank_growth_strategies: tuple[str, ...] = ("torch", "z0", "z3")
     # growth "grad_accum": these accumulation steps at the "ranks" micro-batch on max(world_sizes) ranks
     # (accumulation 1 is the point the other ways share). ZeRO-2/3 reduce gradients at every micro-step,
-    # stage 0 at the boundary only (deepspeed/runtime/engine.py:3084-3094 in 0.19.8): both are measured.
+    # stage 0 at the boundary only (deepspeed/runtime/engine.py:3084-3095 in 0.19.8): both are measured.
     accum_growth: tuple[int, ...] = (1, 4, 16)
     accum_growth_strategies: tuple[str, ...] = ("z0", "z2", "z3")
     cpu_threads_per_rank: int | None = None  # CPU: threads per rank (None: cores // max ranks, one "device" each)

@@ -167,7 +167,7 @@ def _against(ratio: float, z0: float) -> str:
     return f"{words[mine]} where stage 0's {words[theirs]}"
 
 
-def credit_sentences(results: pd.DataFrame, maxbatch: pd.DataFrame | None = None) -> list[str]:
+def credit_sentences(results: pd.DataFrame) -> list[str]:
     """What ZeRO (stages 1-3, offload) did to the time to target beyond stage 0 over the same growth, and
     DeepSpeed's engine at stage 0 on one rank against the plain PyTorch loop. (Room per rank and the cost
     per step are the card's `deepspeed` line.)"""
@@ -210,8 +210,7 @@ def credit_sentences(results: pd.DataFrame, maxbatch: pd.DataFrame | None = None
                     + ("; " if same and (better or worse) else "")
                     + (f"{', '.join(better)}: a smaller ratio than stage 0's" if better else "")
                     + ("; " if better and worse else "")
-                    + (f"{', '.join(worse)}: a larger ratio than stage 0's (its per-step cost grew more with the "
-                       "batch)" if worse else ""))
+                    + (f"{', '.join(worse)}: a larger ratio than stage 0's" if worse else ""))
             out.append(text + ".")
     if not credit.empty and "step_time_vs_torch" in credit:
         one = credit[(credit.strategy == "z0") & (credit.world_size == 1) & credit.step_time_vs_torch.notna()]

@@ -140,7 +140,7 @@ def conclusions(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, 
 
     if "growth" in results:
         # 1-2. What ZeRO did to the time to target beyond stage 0 over the same growth.
-        out.extend(growth.credit_sentences(results, maxbatch))
+        out.extend(growth.credit_sentences(results))
     else:
         # Results of an older labkit (no `growth` column): one way, strategy by strategy.
         out.extend(_legacy_growth_text(finished))
