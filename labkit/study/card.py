@@ -46,7 +46,7 @@ def build_card(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, n
     scale = _batch_scale(results, noise)
     return {"ways": {way: _way(results, way, strategy, scale) for way in WAY_NAMES},
             "deepspeed": deepspeed_line(results, maxbatch, strategy),
-            "measured_on": measured_on(machine, results),
+            "measured_on": measured_on(machine),
             "strategy": strategy, "flat_band": FLAT_BAND}
 
 
@@ -248,7 +248,7 @@ def _room(strategy: str, fits: dict[tuple[str, int], int]) -> str | None:
     return f"{fit} samples per rank where {source} fits {base} ({fit / base:.2f}x)"
 
 
-def measured_on(machine: dict[str, Any] | None, results: pd.DataFrame | None = None) -> dict[str, Any]:
+def measured_on(machine: dict[str, Any] | None) -> dict[str, Any]:
     """device, accelerator, count (GPUs; on CPU the cores the ranks ran on), profile, model, date."""
     machine = machine or {}
     cpu = machine.get("accelerator") == "cpu"
