@@ -192,6 +192,9 @@ def test_the_card_as_html_and_the_two_regimes():
     assert page.count("<tr>") == 4 and ">slower</b>" in page and ">faster</b>" in page
     both = card.cards_side_by_side({"MLP": built, "GPT": built})
     assert both.count("class='answer-card'") == 2
+    table = card.card_markdown(built).splitlines()
+    assert len(table) == 5
+    assert table[2].startswith("| more ranks (fixed micro-batch per rank) | **slower** 1.50x (64 -> 128)")
 
 
 # -- the committed references ------------------------------------------------------------------------

@@ -303,6 +303,19 @@ def card_html(card: dict[str, Any], title: str | None = None) -> str:
             f"<p style='font-size:11px;color:#555;margin:4px 0'>Measured on: {html.escape(measured)}</p></div>")
 
 
+def card_markdown(card: dict[str, Any]) -> str:
+    """The card's table in Markdown, verdict and ratio per cell (READMEs, issues; the conditions stay in the JSON)."""
+    lines = ["| way | " + " | ".join(name for _, name in CLOCKS.values()) + " |", "|---" * (len(CLOCKS) + 1) + "|"]
+    for way in [w for w in WAY_NAMES if w in card["ways"]]:
+        cells = []
+        for clock in CLOCKS:
+            c = card["ways"][way][clock]
+            cells.append(f"**{c['verdict']}** {c['ratio']:.2f}x ({c['from_batch']} -> {c['to_batch']})"
+                         if c["ratio"] is not None else "not measured")
+        lines.append(f"| {WAY_NAMES[way]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def cards_side_by_side(cards: dict[str, dict[str, Any]]) -> str:
     """Several cards next to each other (notebook 04: the MLP's and the GPT's references)."""
     cells = "".join(f"<div style='flex:1;min-width:420px'>{card_html(card, title)}</div>"
