@@ -187,13 +187,17 @@ def _batch_scale(results: pd.DataFrame, noise: pd.DataFrame | None) -> dict[str,
 
 def batch_relation(low: int, high: int, scale: dict[str, Any]) -> str:
     """Where batches low..high sit against B_simple and the fitted B_crit, in words."""
+    def where(value: float) -> str:
+        return "below" if high <= value else "above" if low >= value else "across"
+
     parts = []
     b_simple = scale.get("b_simple")
     if b_simple:
-        where = ("below" if high <= b_simple else "above" if low >= b_simple else "across")
-        parts.append(f"batch {low}-{high} {where} B_simple ~ {b_simple:.0f} (noise.csv)")
+        parts.append(f"batch {low}-{high} {where(b_simple)} B_simple ~ {b_simple:.0f} (noise.csv)")
     fit = scale.get("fit")
-    if fit:
+    if fit and fit["placement"]["placed"]:
+        parts.append(f"{where(fit['b_crit'])} the fitted {fit['placement']['text']}")
+    elif fit:
         parts.append(fit["placement"]["text"])
     return "; ".join(parts)
 
