@@ -47,23 +47,32 @@ def test_answer_refuses_unfair_parallel_before_anything_starts(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-# -- both ways to grow the batch --------------------------------------------------------------------
-def test_ci_points_grow_the_batch_both_ways_and_share_a_point():
+# -- three ways to grow the batch -------------------------------------------------------------------
+def test_ci_points_grow_the_batch_three_ways_and_share_a_point():
     from labkit.study.answer import PROFILES, growth_of, points
 
     profile = PROFILES["ci"]
     configs = points(profile)
-    tags = {(c.example, c.stage, bool(c.offload_optimizer), c.world_size, c.micro_batch, c.lr_scaling):
+    tags = {(c.example, c.stage, bool(c.offload_optimizer), c.world_size, c.micro_batch, c.grad_accum, c.lr_scaling):
             growth_of(c, profile) for c in configs}
-    # More ranks at micro-batch 64 per rank: 1 and 2 ranks; the 2-rank point is also on the micro-batch grid.
-    assert tags[("zero3", 0, False, 1, 64, "sqrt")] == "ranks"
-    assert tags[("zero3", 0, False, 2, 64, "sqrt")] == "micro_batch+ranks"
-    assert tags[("zero3", 3, False, 1, 64, "sqrt")] == "ranks"
+    # More ranks at micro-batch 64 per rank: 1 and 2 ranks; the 2-rank point is also on the micro-batch grid
+    # and the accumulation series' first point.
+    assert tags[("zero3", 0, False, 1, 64, 1, "sqrt")] == "ranks"
+    assert tags[("zero3", 0, False, 2, 64, 1, "sqrt")] == "grad_accum+micro_batch+ranks"
+    assert tags[("zero3", 3, False, 1, 64, 1, "sqrt")] == "ranks"
+    # More accumulation at micro-batch 64 on 2 ranks: 1, 4, 16 for stage 0, ZeRO-2 and ZeRO-3.
+    for stage in (0, 2, 3):
+        assert [tags[("zero3", stage, False, 2, 64, a, "sqrt")] for a in (4, 16)] == ["grad_accum"] * 2
+    assert tags[("zero3", 2, False, 2, 64, 1, "sqrt")] == "grad_accum+micro_batch"
     # Plain PyTorch at the same per-rank micro-batches as the 2-rank grid (one process).
     assert {c.micro_batch for c in configs if c.example == "pytorch"} == {16, 64, 256}
-    # The LR study at every global batch of the grid.
-    study = {(c.global_batch, c.lr_scaling) for c in configs if c.stage == 0 and c.world_size == 2}
-    assert study == {(b, s) for b in (32, 128, 512) for s in ("none", "linear", "sqrt")}
+    # The LR study at seven global batches, 32-2048, past the grid's largest micro-batch by accumulation
+    # (at 256 per rank, which the grid ran); its points off the grid grow no way of the card's.
+    study = {(c.global_batch, c.lr_scaling): (c.micro_batch, c.grad_accum) for c in configs
+             if c.stage == 0 and c.world_size == 2 and (c.micro_batch != 64 or c.grad_accum == 1)}
+    assert set(study) == {(b, s) for b in (32, 64, 128, 256, 512, 1024, 2048) for s in ("none", "linear", "sqrt")}
+    assert study[(2048, "none")] == (256, 4) and study[(256, "linear")] == (128, 1)
+    assert tags[("zero3", 0, False, 2, 256, 4, "none")] == "" and tags[("zero3", 0, False, 2, 32, 1, "sqrt")] == ""
     # Every timed CPU rank gets cores // 2 threads: one 2-rank run fills a 2-core machine.
     assert {c.threads_per_rank for c in configs} == {max(1, (os.cpu_count() or 1) // 2)}
     assert all(c.eval_every and c.warmup_samples and not c.warmup_steps for c in configs)
@@ -149,25 +158,39 @@ def _two_way_results(z3_factor: float = 1.0) -> pd.DataFrame:
 
 
 def test_a_saving_stage_0_shows_too_is_not_credited_to_zero():
-    from labkit.study.growth import credit_sentences, credit_table, growth_sentences, growth_table
+    from labkit.study.growth import credit_sentences, credit_table, growth_table
 
     results = _two_way_results()
     ranks = growth_table(results, "ranks")
     assert set(ranks.world_size) == {1, 2} and set(ranks.micro_batch) == {64}
     micro = growth_table(results, "micro_batch")
     assert set(micro.micro_batch) == {16, 64, 256} and set(micro[micro.strategy != "torch"].world_size) == {2}
-    text = "\n".join(growth_sentences(results) + credit_sentences(results))
-    assert "Answer for a bigger micro-batch on fixed ranks: yes with plain data parallelism (ZeRO stage 0)" in text
-    assert "ZeRO-3 0.50x changed it by the same factor" in text and "not to ZeRO" in text
+    credit_text = "\n".join(credit_sentences(results))
+    assert "ZeRO-3 0.50x changed it by the same factor" in credit_text and "not to ZeRO" in credit_text
     credit = credit_table(results)
     z3 = credit[(credit.strategy == "z3") & (credit.world_size == 2)]
     assert z3.step_time_vs_z0.round(3).tolist() == [1.3, 1.3, 1.3]
     one = credit[(credit.strategy == "z0") & (credit.world_size == 1)]
     assert one.step_time_vs_torch.round(3).tolist() == [round(0.020 / 0.018, 3)]
-    assert "Cost per step of ZeRO against stage 0" in text and "ZeRO-3 1.30x" in text
-    # ZeRO-3 slower at the big batch than stage 0: said as ZeRO-3 doing worse, not as a saving.
+    # ZeRO-3 slower at the big batch than stage 0: its ratio is larger, said with the direction of both.
     worse = "\n".join(credit_sentences(_two_way_results(z3_factor=2.0)))
-    assert "did worse than stage 0" in worse
+    assert "ZeRO-3 1.00x (stayed flat where stage 0's fell): a larger ratio than stage 0's." in worse
+
+
+def test_growth_sentences_use_the_cards_verdict_words():
+    """A 4x faster time to target reads "faster", never "yes, flat" (the old verdict said yes for any ratio
+    <= 1.1); a ratio within the band reads "flat"."""
+    from labkit.study.growth import growth_sentences
+
+    text = "\n".join(growth_sentences(_two_way_results(), "micro_batch"))
+    # Stage 0: 200 x 0.010 s -> 25 x 0.040 s = 0.50x; time per step 4x; time per epoch 0.25x.
+    assert ("ZeRO-0 (DDP): global batch 32 -> 512 (micro-batch 16 -> 256 on 2 rank(s)): time per step slower "
+            "(4.00x), time per epoch faster (0.25x), time to the target eval loss faster (0.50x) (200 -> 25 steps)."
+            in text)
+    flat = _two_way_results()
+    flat.loc[(flat.strategy == "z0") & (flat.micro_batch == 256), "steps_to_target"] = 52  # 0.40 s * 52 = 1.04x
+    assert "time to the target eval loss flat (1.04x)" in "\n".join(growth_sentences(flat, "micro_batch"))
+    assert "Answer for" not in text  # the answer is the card's
 
 
 def test_credit_needs_the_same_batches_as_stage_0_and_a_lower_ratio_says_where_it_ends():
@@ -178,28 +201,26 @@ def test_credit_needs_the_same_batches_as_stage_0_and_a_lower_ratio_says_where_i
     one = results[(results.strategy == "z0") & (results.micro_batch == 64) & (results.world_size == 2)]
     results = pd.concat([results, one.assign(strategy="z1")], ignore_index=True)
     text = "\n".join(credit_sentences(results))
-    assert "ZeRO-1" not in text.split("Cost per step")[0], text
+    assert "ZeRO-1" not in text, text
     # ZeRO-3 slow at the small batch only: its ratio falls further than stage 0's, yet it ends slower.
     slow_start = results.copy()
     first = (slow_start.strategy == "z3") & (slow_start.micro_batch == 16)
     slow_start.loc[first, "median_step_time_s"] *= 4
     text = "\n".join(credit_sentences(slow_start))
-    assert "fell further than stage 0" in text and "at the largest batch still 1.30x stage 0's time" in text
+    assert "fell further than stage 0's" in text and "at the largest batch still 1.30x stage 0's time" in text
 
 
-def test_maxbatch_credit_compares_zero_with_stage_0_at_the_same_ranks():
+def test_credit_says_grew_less_when_both_grew():
+    """"Fell further than stage 0" was printed when both times grew; a smaller growth reads "grew less"."""
     from labkit.study.growth import credit_sentences
 
-    maxbatch = pd.DataFrame([{"strategy": "torch", "world_size": 1, "max_micro_batch": 288},
-                             {"strategy": "z0", "world_size": 2, "max_micro_batch": 290},
-                             {"strategy": "z3", "world_size": 2, "max_micro_batch": 640}])
-    text = "\n".join(credit_sentences(_two_way_results(), maxbatch))
-    assert "ZeRO-3 fits 640 per rank where stage 0 fits 290 on the same 2 ranks (2.21x)" in text
-    assert "without partitioning the per-rank limit is the same" in text
-    # No stage-0 search: ZeRO-3 is set beside plain PyTorch, whose per-rank states are stage 0's.
-    text = "\n".join(credit_sentences(_two_way_results(), maxbatch[maxbatch.strategy != "z0"]))
-    assert "ZeRO-3 fits 640 per rank on 2 ranks where plain PyTorch (the same unpartitioned states per rank as " \
-           "stage 0) fits 288 (2.22x)" in text
+    results = _two_way_results()
+    big = results.micro_batch == 256
+    results.loc[big, "steps_to_target"] = 200  # both grow: stage 0 4x, ZeRO-3 less (slow at the small batch)
+    results.loc[(results.strategy == "z3") & (results.micro_batch == 16), "median_step_time_s"] *= 2
+    text = "\n".join(credit_sentences(results))
+    assert "stage 0 alone changed the time to target 4.00x" in text
+    assert "ZeRO-3 2.00x (grew less than stage 0's)" in text and "fell further" not in text
 
 
 # -- end to end ---------------------------------------------------------------------------------------
@@ -214,7 +235,7 @@ def test_answer_smoke_end_to_end(tmp_path):
     assert (results.status == "finished").all(), results[["strategy", "status", "cause"]]
     assert (results.concurrent_runs == 0).all()
     assert (results.threads_per_rank == max(1, (os.cpu_count() or 1) // 2)).all()
-    assert {"ranks", "micro_batch", "micro_batch+ranks"} <= set(results.growth)
+    assert {"ranks", "micro_batch", "grad_accum", "grad_accum+micro_batch+ranks"} <= set(results.growth)
     assert (results.target_measured_on == "eval_loss").all()
     machine = json.loads((out / "machine.json").read_text())
     assert machine["cpu_cores"] == os.cpu_count() and machine["timed_parallel"] == 1
@@ -227,7 +248,17 @@ def test_answer_smoke_end_to_end(tmp_path):
         assert row.steps_to_target - 1 in {r["step"] for r in evals}
         # Eval time is recorded on its own, not inside the step's clock.
         assert all(r["eval_s"] > 0 for r in evals)
+    # The card: written beside the results, every way measured (smoke: 1 -> 2 ranks, micro-batch 8 -> 16,
+    # accumulation 1 -> 2), each verdict its ratio's, and first in the report.
+    from labkit.study.verdict import verdict
+
+    card = json.loads((out / "answer_card.json").read_text())
+    cells = [c for way in card["ways"].values() for c in way.values()]
+    assert len(cells) == 9 and all(c["verdict"] == verdict(c["ratio"]) for c in cells if c["ratio"] is not None)
+    assert all(card["ways"][way]["per_step"]["ratio"] is not None for way in ("ranks", "micro_batch", "grad_accum"))
+    assert card["measured_on"]["profile"] == "smoke"
     page = report.read_text()
+    assert page.index("class='answer-card'") < page.index("<h2>")
     assert "Growing the batch by more ranks at a fixed per-rank micro-batch" in page
     assert "Growing the batch by a bigger micro-batch on fixed ranks" in page
     assert "concurrent_runs 0 for every row" in page

@@ -4,20 +4,23 @@ Can DeepSpeed keep training time flat while the batch size grows? One command ru
 machine, with real supervised DeepSpeed launches:
 
 1. the batch-size sweep (`labkit.study.sweep`), timed one launch at a time (no two timed runs share a
-   core or a device), growing the batch both ways (`growth` column): more ranks at a fixed
-   per-rank micro-batch ("ranks"), and a bigger micro-batch on fixed ranks ("micro_batch"), each
+   core or a device), growing the batch three ways (`growth` column): more ranks at a fixed
+   per-rank micro-batch ("ranks"), a bigger micro-batch on fixed ranks ("micro_batch"), and more
+   gradient accumulation at a fixed micro-batch and ranks ("grad_accum"), each
    point trained until a fixed held-out eval loss is met (or a step cap), with LR scaling and
    warmup in samples, with gradient-noise probes; plus an LR-scaling study (none / linear / sqrt)
-   on one strategy at every global batch;
+   on one strategy at every global batch of the grid and more (the critical batch needs them);
 2. then the max-batch search (`labkit.study.maxbatch`) per strategy: largest micro-batch that fits the
    device (GPU: real OOM; CPU: an emulated per-rank capacity, `device_memory_budget_bytes`);
 3. the derived tables: memory model vs measured vs DeepSpeed's estimates, activation
    estimate from a measured micro-batch profile, gradient noise scale and critical batch;
-4. a self-contained HTML report (`labkit.study.report`) whose conclusions are computed from 1-3.
+4. the answer card (`labkit.study.card`: faster / flat / slower per way and per clock, with the
+   condition each verdict depends on) and a self-contained HTML report (`labkit.study.report`) that
+   opens with it; every sentence computed from 1-3.
 
 Everything lands in `--out` (default `runs/answer-<profile>`): results.csv (the sweep),
 maxbatch.csv + maxbatch_probes.csv, memory.csv, activation.csv, noise.csv, machine.json,
-report.html, and the run directories under runs/. Re-running reuses every finished point.
+answer_card.json, report.html, and the run directories under runs/. Re-running reuses every finished point.
 """
 
 from __future__ import annotations
@@ -55,10 +58,17 @@ class AnswerProfile:
     # (None: the middle global batch's micro-batch, so that point is shared by both ways).
     rank_growth_micro_batch: int | None = None
     rank_growth_strategies: tuple[str, ...] = ("torch", "z0", "z3")
+    # growth "grad_accum": these accumulation steps at the "ranks" micro-batch on max(world_sizes) ranks
+    # (accumulation 1 is the point the other ways share). ZeRO-2/3 reduce gradients at every micro-step,
+    # stage 0 at the boundary only (deepspeed/runtime/engine.py:3084-3095 in 0.19.8): both are measured.
+    accum_growth: tuple[int, ...] = (1, 4, 16)
+    accum_growth_strategies: tuple[str, ...] = ("z0", "z2", "z3")
     cpu_threads_per_rank: int | None = None  # CPU: threads per rank (None: cores // max ranks, one "device" each)
     memory_only: tuple[str, ...] = ()     # strategies run at the smallest batch only (memory comparison)
     lr_study_strategy: str | None = None  # runs the other LR scalings too
-    lr_study_batches: tuple[int, ...] | None = None  # ...at these global batches (None: every batch)
+    # ...at these global batches (None: the grid's). Past the grid's largest micro-batch a batch is reached by
+    # gradient accumulation at that micro-batch (it fits: the grid ran it).
+    lr_study_batches: tuple[int, ...] | None = None
     lr_scalings: tuple[str, ...] = ("none", "linear", "sqrt")
     grid_lr_scaling: str = "sqrt"         # Adam: sqrt scaling (Malladi et al. 2022); SGD: linear
     maxbatch_strategies: tuple[str, ...] = ()
@@ -70,10 +80,12 @@ class AnswerProfile:
 
 
 PROFILES: dict[str, AnswerProfile] = {
-    # Meant for <= 10 minutes on 2 CPU cores, timed runs one at a time (data/reference-ci/machine.json
+    # Meant for ~10 minutes on 2 CPU cores, timed runs one at a time (data/reference-ci/machine.json
     # has the figure): a 320k-parameter MLP (its 512x512 layer is big enough for ZeRO-3 to partition);
     # growth "micro_batch": micro-batch 16, 64, 256 per rank on 2 ranks; growth "ranks": micro-batch 64
-    # on 1 and 2 ranks; every rank one thread (one core: a "device").
+    # on 1 and 2 ranks; growth "grad_accum": micro-batch 64 x 1, 4, 16 on 2 ranks; every rank one thread
+    # (one core: a "device"). The LR study spans 32-2048 (seven batches) so that the critical-batch fit
+    # has data on both sides of it: with three batches its wild bootstrap had 8 distinct resamples.
     "ci": AnswerProfile(
         name="ci",
         model=dict(hidden=512, depth=2, dataset_size=8192, optimizer="adam", lr=2e-3, base_batch=64,
@@ -84,7 +96,7 @@ PROFILES: dict[str, AnswerProfile] = {
         world_sizes=(2,),
         memory_only=("z1",),
         lr_study_strategy="z0",
-        lr_study_batches=None,
+        lr_study_batches=(32, 64, 128, 256, 512, 1024, 2048),
         # Stage 0 is not searched: it holds the same unpartitioned fp32 states per rank as plain PyTorch
         # (labkit.study.growth compares ZeRO-3 with plain PyTorch's search instead), which saves ~8 launches.
         maxbatch_strategies=("torch", "z3"),
@@ -150,13 +162,15 @@ PROFILES: dict[str, AnswerProfile] = {
         world_sizes=(2,),
         rank_growth_micro_batch=8,
         rank_growth_strategies=("torch", "z0"),
+        accum_growth=(1, 2),
+        accum_growth_strategies=("z0",),
         lr_study_strategy="z0",
         lr_scalings=("none", "sqrt"),
         parallel=1,
     ),
 }
 
-GROWTH_WAYS = ("ranks", "micro_batch")  # the `growth` column holds one of these, or both joined by "+"
+GROWTH_WAYS = ("ranks", "micro_batch", "grad_accum")  # `growth` holds one, or several joined by "+" (sorted)
 
 
 # `answer(..., model="gpt")`: the byte-level GPT (labkit.models.gpt) in place of the MLP, per profile.
@@ -182,8 +196,12 @@ GPT_MODELS: dict[str, dict[str, Any]] = {
 # (Adam's rule) the LR at batch 512 is 8.5e-3, where this GPT overshoots (142 steps against 58), and the DeepSpeed
 # strategies needed 138-155 steps there (data/reference-ci-gpt before this rule); kept at 3e-3, all
 # of them (ZeRO-0, ZeRO-3, ZeRO-2 + offload) needed the same 63 steps at batch 128 and 58 at 512.
+# The GPT's LR study adds batches below the grid (8 and 16) rather than above it: its gradient noise scale
+# (~6 samples) puts its critical batch under the grid's smallest batch, 32, and a batch of 2048 would cost
+# ~1.3 s a step on these CPU ranks, several minutes per rule.
 GPT_PROFILES: dict[str, dict[str, Any]] = {
-    "ci": dict(cpu_budget_bytes=264_056_000, maxbatch_start=256, maxbatch_tolerance=0.0, grid_lr_scaling="none"),
+    "ci": dict(cpu_budget_bytes=264_056_000, maxbatch_start=256, maxbatch_tolerance=0.0, grid_lr_scaling="none",
+               lr_study_batches=(8, 16, 32, 128, 512)),
 }
 
 
@@ -256,44 +274,58 @@ def rank_growth_micro_batch(profile: AnswerProfile) -> int:
 
 
 def growth_of(config: RunConfig, profile: AnswerProfile) -> str:
-    """Which way(s) of growing the batch a point belongs to: "ranks", "micro_batch" or both
-    ("micro_batch+ranks", a point the two ways share). LR-study points belong to "micro_batch"."""
+    """Which way(s) of growing the batch a point belongs to: "ranks", "micro_batch", "grad_accum", or
+    several joined by "+" (sorted) for a point the ways share. LR-study points at the grid's batches belong
+    to "micro_batch"; at the study's other batches, to none ("": the LR study only, so that every strategy
+    grows over the same batches)."""
     ranks = max(_world_sizes(profile))
     strategy = strategy_of(config)
+    micro = rank_growth_micro_batch(profile)
     ways = []
     per_rank = {batch // ranks for batch in profile.global_batches}
     on_grid = config.world_size == (1 if strategy == "torch" else ranks)
-    if on_grid and config.micro_batch * config.grad_accum in per_rank:
+    if on_grid and config.grad_accum == 1 and config.micro_batch in per_rank:
         ways.append("micro_batch")
-    if (strategy in profile.rank_growth_strategies and config.micro_batch == rank_growth_micro_batch(profile)
+    if (strategy in profile.rank_growth_strategies and config.micro_batch == micro
             and config.grad_accum == 1 and config.world_size in rank_growth_world_sizes(ranks)
             and config.lr_scaling == profile.grid_lr_scaling):
         ways.append("ranks")
+    if (strategy in profile.accum_growth_strategies and config.world_size == ranks and config.micro_batch == micro
+            and config.grad_accum in profile.accum_growth and config.lr_scaling == profile.grid_lr_scaling):
+        ways.append("grad_accum")
     return "+".join(sorted(ways))
 
 
 def points(profile: AnswerProfile) -> list[RunConfig]:
     """Every sweep point of the profile without duplicates: growth "micro_batch" (the grid's global
     batches on the profile's ranks; plain PyTorch, one process, at the same per-rank micro-batches),
-    growth "ranks" (one micro-batch on 1, 2, 4, ... ranks), the memory-only points (at the micro-batch
-    both ways share) and the LR study (every scaling at every global batch of one strategy)."""
+    growth "ranks" (one micro-batch on 1, 2, 4, ... ranks), growth "grad_accum" (that micro-batch on the
+    profile's ranks, accumulated), the memory-only points (at the micro-batch the ways share) and the LR
+    study (every scaling at every study batch of one strategy)."""
     ranks = max(_world_sizes(profile))
     base = {**_model(profile), "device_memory_budget_bytes": _budget(profile),
             "threads_per_rank": _threads(profile, ranks)}
     grid = (profile.grid_lr_scaling,)
     shared = [rank_growth_micro_batch(profile) * ranks]
 
+    largest_micro = max(profile.global_batches) // ranks  # the grid ran it: past it, accumulate
+
     def growth_micro(strategies: Sequence[str], batches: Sequence[int], scalings: Sequence[str]) -> list[RunConfig]:
         torch = [s for s in strategies if s == "torch"]
         others = [s for s in strategies if s != "torch"]
         return (plan(torch, [b // ranks for b in batches if b % ranks == 0], (1,), base=base, lr_scalings=scalings)
-                + plan(others, batches, (ranks,), base=base, lr_scalings=scalings))
+                + plan(others, batches, (ranks,), base=base, lr_scalings=scalings,
+                       max_micro_batch={s: largest_micro for s in others}))
 
     configs = growth_micro(profile.strategies, profile.global_batches, grid)
     micro = rank_growth_micro_batch(profile)
     for world_size in rank_growth_world_sizes(ranks):
         configs += plan([s for s in profile.rank_growth_strategies if s != "torch" or world_size == 1],
                         [micro * world_size], (world_size,), base=base, lr_scalings=grid)
+    for accum in profile.accum_growth:
+        configs += [RunConfig(**{**base, **STRATEGIES[s], "world_size": ranks, "micro_batch": micro,
+                                 "grad_accum": accum, "lr_scaling": profile.grid_lr_scaling})
+                    for s in profile.accum_growth_strategies]
     if profile.memory_only:
         configs += growth_micro(profile.memory_only, shared, grid)
     if profile.lr_study_strategy:
@@ -428,11 +460,15 @@ def activation_table(results: pd.DataFrame) -> pd.DataFrame:
 
 
 def noise_table(results: pd.DataFrame) -> pd.DataFrame:
-    """Every gradient-noise probe of the sweep's runs: step, loss and the two squared norms."""
+    """Every gradient-noise probe of the sweep's runs that reached the target: step, loss and the two squared
+    norms. A run that never reached it (diverged, or capped) trained along no path to the target, and its many
+    probes would swamp the pooled estimate (the LR study's linear rule at batch 2048 on CI's MLP: 150 probes
+    of a diverged run pulled B_simple from ~133 to ~44)."""
     from labkit.launch.summary import rank_records, steps_of
 
     rows = []
-    for r in results[results.status == "finished"].to_dict("records"):
+    reached = results[(results.status == "finished") & results.steps_to_target.notna()]
+    for r in reached.to_dict("records"):
         run_dir = Path(str(r["run_dir"]))
         if not run_dir.is_dir():
             continue
@@ -478,7 +514,7 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     `loss`: train another model (RunConfig fields; model="gpt" is the built-in byte-level GPT)."""
     from labkit.launch.store import default_root
     from labkit.runtime.devices import detect_devices
-    from labkit.study import maxbatch
+    from labkit.study import card, maxbatch
     from labkit.study.report import build_report
     from labkit.study.sweep import check_fair, fair_parallel, point_key
 
@@ -562,20 +598,23 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     write_json_atomic(out / "machine.json", machine)
     maxbatch_table = pd.read_csv(out / "maxbatch.csv") if (out / "maxbatch.csv").is_file() else None
     probes = pd.read_csv(out / "maxbatch_probes.csv") if (out / "maxbatch_probes.csv").is_file() else None
+    answer_card = card.build_card(results, maxbatch=maxbatch_table, noise=tables["noise"], machine=machine)
+    say(f"answer card: {card.write_card(answer_card, out)}")
     report = build_report(results, out / "report.html", maxbatch=maxbatch_table, probes=probes,
                           memory=tables["memory"], activation=tables["activation"], noise=tables["noise"],
-                          machine=machine, profile=dataclasses.asdict(profile))
+                          machine=machine, profile=dataclasses.asdict(profile), card=answer_card)
     say(f"report: {report} ({report.stat().st_size / 1e6:.1f} MB) after {runtime:.0f} s")
     return report
 
 
 def publish(out: str | os.PathLike, reference: str | os.PathLike) -> list[Path]:
-    """Copy the small artifacts of an answer (CSVs, machine.json, report if < 5 MB) to `reference`."""
+    """Copy the small artifacts of an answer (CSVs, machine.json, answer_card.json, report if < 5 MB) to
+    `reference`."""
     out, reference = Path(out), Path(reference)
     reference.mkdir(parents=True, exist_ok=True)
     copied = []
     for name in ("results.csv", "maxbatch.csv", "maxbatch_probes.csv", "memory.csv", "activation.csv", "noise.csv",
-                 "machine.json", "report.html"):
+                 "machine.json", "answer_card.json", "report.html"):
         source = out / name
         if not source.is_file() or (name == "report.html" and source.stat().st_size >= REPORT_MAX_BYTES):
             continue

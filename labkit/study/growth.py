@@ -1,16 +1,18 @@
 """The answer read per way of growing the batch, with credit where it is due.
 
-The sweep (`labkit.study.answer`) grows the global batch two ways, recorded in the `growth` column:
+The sweep (`labkit.study.answer`) grows the global batch three ways, recorded in the `growth` column:
 
 - "ranks": more data-parallel ranks at a fixed per-rank micro-batch (1, 2, 4, ... devices);
-- "micro_batch": a bigger micro-batch (or more accumulation) on a fixed number of ranks.
+- "micro_batch": a bigger micro-batch on a fixed number of ranks;
+- "grad_accum": more gradient accumulation at a fixed micro-batch and ranks.
 
-A point both ways share holds "micro_batch+ranks". For each way this module tabulates time per
-step, time per epoch and time to the same (held-out) loss, from the smallest batch to the largest
-(`growth_table`), and compares every ZeRO strategy with stage 0 (plain data parallelism) and with
-plain PyTorch at the SAME per-rank micro-batch and the SAME ranks (`credit_table`), so that a
-saving stage 0 shows too is never attributed to ZeRO (`credit_sentences`). What ZeRO itself
-changes is the largest micro-batch that fits per rank (maxbatch.csv) and what it costs per step.
+A point several ways share holds them joined by "+" ("grad_accum+micro_batch+ranks"). For each way this
+module tabulates time per step, time per epoch and time to the same (held-out) loss, from the smallest
+batch to the largest (`growth_table`; `labkit.study.card` turns stage 0's into the answer card), and
+compares every ZeRO strategy with stage 0 (plain data parallelism) and with plain PyTorch at the SAME
+per-rank micro-batch, accumulation and ranks (`credit_table`), so that a saving stage 0 shows too is
+never attributed to ZeRO (`credit_sentences`). What ZeRO itself changes is the largest micro-batch that
+fits per rank (maxbatch.csv, `max_micro_batches`) and what it costs per step: the card's `deepspeed` line.
 """
 
 from __future__ import annotations
@@ -19,12 +21,17 @@ from typing import Any
 
 import pandas as pd
 
-from labkit.study.report import _nan, label  # the report imports this module only inside its functions
+from labkit.study.report import _nan, best_steps, label, lr_study  # the report imports this module lazily
+from labkit.study.verdict import FLAT_BAND, verdict
 
 WAYS = {"ranks": "more ranks at a fixed per-rank micro-batch",
-        "micro_batch": "a bigger micro-batch on fixed ranks"}
+        "micro_batch": "a bigger micro-batch on fixed ranks",
+        "grad_accum": "more gradient accumulation at a fixed micro-batch and ranks"}
 ZERO = ("z1", "z2", "z3", "z2-offload", "z3-offload")  # the strategies that partition or offload something
-SAME = 0.1  # ratios within 10% of each other are "the same"
+SAME = FLAT_BAND  # ratios within 10% of each other are "the same", the card's flat band
+# A wild bootstrap of n batch sizes has 2**n distinct resamples (8 with three): B_crit is placed, with an
+# interval, only from this many batch sizes on, and only when the interval lies within the batches measured.
+PLACE_BATCHES = 5
 
 
 def _ways(value: Any) -> set[str]:
@@ -60,7 +67,7 @@ def growth_table(results: pd.DataFrame, way: str) -> pd.DataFrame:
         rows["compute_time_to_target_s"] = rows.steps_to_target * rows.median_step_time_s
     out = []
     for _, group in rows.groupby("strategy", sort=False):
-        group = group.sort_values("global_batch")
+        group = group.sort_values(["global_batch", "world_size"])
         first = group.iloc[0]
         for r in group.to_dict("records"):
             out.append({**{k: r.get(k) for k in (
@@ -113,49 +120,57 @@ def credit_table(results: pd.DataFrame) -> pd.DataFrame:
 
 
 def _change(ratio: float | None, noun: str) -> str:
+    """'time per step slower (1.88x)': the card's verdict word beside the ratio it comes from."""
     if ratio is None or _nan(ratio):
         return f"{noun} not measured at both ends"
-    if 1 - SAME <= ratio <= 1 + SAME:
-        return f"{noun} stayed within {abs(ratio - 1) * 100:.0f}%"
-    return f"{noun} {'grew' if ratio > 1 else 'fell'} {ratio if ratio > 1 else 1 / ratio:.2f}x"
+    return f"{noun} {verdict(float(ratio))} ({float(ratio):.2f}x)"
 
 
-def growth_sentences(results: pd.DataFrame) -> list[str]:
-    """One statement per way and strategy (smallest -> largest batch), then the answer per way,
-    read on stage 0 (what data parallelism does) and on plain PyTorch where it ran."""
-    out = []
-    for way, words in WAYS.items():
-        table = growth_table(results, way)
-        if table.empty:
+def growth_sentences(results: pd.DataFrame, way: str) -> list[str]:
+    """One statement per strategy of one way (smallest -> largest batch): time per step, per epoch and to
+    the target, each with its verdict (faster / flat / slower). The report prints them under the way's
+    figure; the answer itself, read on stage 0, is the card (`labkit.study.card`)."""
+    out: list[str] = []
+    table = growth_table(results, way)
+    if table.empty:
+        return out
+    for strategy, group in table.groupby("strategy", sort=False):
+        if len(group) < 2:
             continue
-        answers = []
-        for strategy, group in table.groupby("strategy", sort=False):
-            if len(group) < 2:
-                continue
-            first, last = group.iloc[0], group.iloc[-1]
-            per_rank = [int(r.micro_batch * r.grad_accum) for r in (first, last)]
-            how = (f"{int(first.world_size)} -> {int(last.world_size)} ranks at micro-batch {int(first.micro_batch)}"
-                   if way == "ranks" else
-                   f"micro-batch {per_rank[0]} -> {per_rank[1]} on {int(first.world_size)} rank(s)")
-            steps = ("" if _nan(first.steps_to_target) or _nan(last.steps_to_target) else
-                     f" ({int(first.steps_to_target)} -> {int(last.steps_to_target)} steps)")
-            out.append(f"Growth by {words}, {label(strategy)}: global batch {int(first.global_batch)} -> "
-                       f"{int(last.global_batch)} ({how}): {_change(last.step_time_ratio, 'time per step')}, "
-                       f"{_change(last.epoch_time_ratio, 'time per epoch')}, "
-                       f"{_change(last.time_to_target_ratio, 'time to the target eval loss')}{steps}.")
-            answers.append((strategy, last.time_to_target_ratio))
-        base = {s: r for s, r in answers if not _nan(r)}
-        if "z0" in base:
-            verdict = "yes" if base["z0"] <= 1 + SAME else "no"
-            out.insert(len(out) - len(answers), (
-                f"Answer for {words}: {verdict} with plain data parallelism (ZeRO stage 0): time to the same eval "
-                f"loss changed {base['z0']:.2f}x from the smallest to the largest batch"
-                + (f"; plain PyTorch: {base['torch']:.2f}x" if base.get("torch") is not None else "") + "."))
+        first, last = group.iloc[0], group.iloc[-1]
+        how = {"ranks": f"{int(first.world_size)} -> {int(last.world_size)} ranks at micro-batch "
+                        f"{int(first.micro_batch)}",
+               "micro_batch": f"micro-batch {int(first.micro_batch)} -> {int(last.micro_batch)} on "
+                              f"{int(first.world_size)} rank(s)",
+               "grad_accum": f"accumulation {int(first.grad_accum)} -> {int(last.grad_accum)} at micro-batch "
+                             f"{int(first.micro_batch)} on {int(first.world_size)} rank(s)"}[way]
+        steps = ("" if _nan(first.steps_to_target) or _nan(last.steps_to_target) else
+                 f" ({int(first.steps_to_target)} -> {int(last.steps_to_target)} steps)")
+        out.append(f"{label(strategy)}: global batch {int(first.global_batch)} -> {int(last.global_batch)} "
+                   f"({how}): {_change(last.step_time_ratio, 'time per step')}, "
+                   f"{_change(last.epoch_time_ratio, 'time per epoch')}, "
+                   f"{_change(last.time_to_target_ratio, 'time to the target eval loss')}{steps}.")
     return out
 
 
-def credit_sentences(results: pd.DataFrame, maxbatch: pd.DataFrame | None = None) -> list[str]:
-    """What ZeRO (stages 1-3, offload) did beyond stage 0, stated as what it changes."""
+def _against(ratio: float, z0: float) -> str:
+    """How a strategy's change compares with stage 0's, in words that fit both directions (the card's verdicts:
+    a ratio within the flat band neither grew nor fell)."""
+    mine, theirs = verdict(ratio), verdict(z0)
+    if mine == theirs == "slower":
+        return "grew less than stage 0's" if ratio < z0 else "grew more than stage 0's"
+    if mine == theirs == "faster":
+        return "fell further than stage 0's" if ratio < z0 else "fell less than stage 0's"
+    if mine == theirs:
+        return "flat, like stage 0's"
+    words = {"faster": "fell", "flat": "stayed flat", "slower": "grew"}
+    return f"{words[mine]} where stage 0's {words[theirs]}"
+
+
+def credit_sentences(results: pd.DataFrame) -> list[str]:
+    """What ZeRO (stages 1-3, offload) did to the time to target beyond stage 0 over the same growth, and
+    DeepSpeed's engine at stage 0 on one rank against the plain PyTorch loop. (Room per rank and the cost
+    per step are the card's `deepspeed` line.)"""
     out = []
     credit = credit_table(results)
     for way, words in WAYS.items():
@@ -180,7 +195,7 @@ def credit_sentences(results: pd.DataFrame, maxbatch: pd.DataFrame | None = None
             if tuple(span.loc[strategy, ["min", "max"]]) != tuple(span.loc["z0", ["min", "max"]]):
                 continue
             bucket = same if abs(ratio / z0 - 1) <= SAME else (better if ratio < z0 else worse)
-            text = f"{label(strategy)} {ratio:.2f}x"
+            text = f"{label(strategy)} {ratio:.2f}x" + ("" if bucket is same else f" ({_against(ratio, z0)})")
             if bucket is better:
                 # A smaller ratio can come from a slower start (a fixed per-step cost that a bigger batch
                 # amortizes): say where it ends against stage 0, not only how far it fell.
@@ -193,79 +208,76 @@ def credit_sentences(results: pd.DataFrame, maxbatch: pd.DataFrame | None = None
                     + (f"{', '.join(same)} changed it by the same factor (within {SAME:.0%}): that change belongs "
                        "to the bigger batch and data parallelism, not to ZeRO" if same else "")
                     + ("; " if same and (better or worse) else "")
-                    + (f"{', '.join(better)} fell further than stage 0" if better else "")
+                    + (f"{', '.join(better)}: a smaller ratio than stage 0's" if better else "")
                     + ("; " if better and worse else "")
-                    + (f"{', '.join(worse)} did worse than stage 0 (its per-step cost grew with the batch)"
-                       if worse else ""))
+                    + (f"{', '.join(worse)}: a larger ratio than stage 0's" if worse else ""))
             out.append(text + ".")
-    if not credit.empty and "step_time_vs_z0" in credit:
-        parts = []
-        for strategy, rows in credit[credit.step_time_vs_z0.notna()].groupby("strategy", sort=False):
-            ratios = rows.step_time_vs_z0
-            low, high = f"{ratios.min():.2f}", f"{ratios.max():.2f}"
-            parts.append(f"{label(strategy)} {low}x" if low == high else f"{label(strategy)} {low}-{high}x")
-        if parts:
-            out.append("Cost per step of ZeRO against stage 0 at the same per-rank micro-batch and ranks (step time "
-                       "ratio over the points measured): " + "; ".join(parts) + ".")
     if not credit.empty and "step_time_vs_torch" in credit:
         one = credit[(credit.strategy == "z0") & (credit.world_size == 1) & credit.step_time_vs_torch.notna()]
         for r in one.itertuples():
             out.append(f"DeepSpeed's engine at stage 0 on one rank against the plain PyTorch loop at the same "
                        f"micro-batch {r.micro_batch}: {r.step_time_vs_torch:.2f}x the step time (both timed alone, "
                        "same threads per rank).")
-    fits = _maxbatch_credit(maxbatch)
-    if fits:
-        out.append(fits)
     return out
 
 
-def _maxbatch_credit(maxbatch: pd.DataFrame | None) -> str | None:
-    """The largest micro-batch per rank of each ZeRO strategy against stage 0 at the same ranks."""
+def max_micro_batches(maxbatch: pd.DataFrame | None) -> dict[tuple[str, int], int]:
+    """(strategy, world size) -> the largest micro-batch per rank the search found (maxbatch.csv)."""
     if maxbatch is None or maxbatch.empty or "max_micro_batch" not in maxbatch:
-        return None
+        return {}
     from labkit.study.maxbatch import memory_bound
 
     maxbatch = memory_bound(maxbatch)  # a search capped short of memory gives no ratio
-    rows = {(r.strategy, int(r.world_size)): int(r.max_micro_batch) for r in maxbatch.itertuples()
+    return {(r.strategy, int(r.world_size)): int(r.max_micro_batch) for r in maxbatch.itertuples()
             if not _nan(r.max_micro_batch)}
-    parts = []
-    torch = rows.get(("torch", 1))
-    for (strategy, ranks), fit in rows.items():
-        if strategy in ZERO and rows.get(("z0", ranks)):
-            parts.append(f"{label(strategy)} fits {fit} per rank where stage 0 fits {rows[('z0', ranks)]} on the same "
-                         f"{ranks} ranks ({fit / rows[('z0', ranks)]:.2f}x)")
-        elif strategy in ZERO and torch:
-            # Stage 0 keeps the same unpartitioned fp32 params, grads and Adam states per rank as plain PyTorch.
-            parts.append(f"{label(strategy)} fits {fit} per rank on {ranks} ranks where plain PyTorch (the same "
-                         f"unpartitioned states per rank as stage 0) fits {torch} ({fit / torch:.2f}x)")
-    if torch and any(s == "z0" for s, _ in rows):
-        z0 = next(v for (s, _), v in rows.items() if s == "z0")
-        parts.append(f"plain PyTorch fits {torch} on one process, stage 0 {z0} per rank: without partitioning the "
-                     "per-rank limit is the same, more ranks only multiply the global batch")
-    if not parts:
-        return None
-    return "What ZeRO changes: the largest micro-batch that fits per rank: " + "; ".join(parts) + "."
 
 
 def critical_batch(results: pd.DataFrame, study_strategy: str | None = None) -> dict[str, Any] | None:
-    """B_crit from the LR study's best steps per global batch (weighted fit, bootstrap interval)."""
+    """B_crit from the LR study's best steps per global batch (weighted fit, bootstrap interval), with
+    where the data place it (`placement`, see `place_critical_batch`)."""
     from labkit.study.noise_scale import critical_batch_fit
 
-    finished = results[(results.status == "finished") & results.steps_to_target.notna()]
-    if finished.empty:
+    strategy, study = lr_study(results)
+    if study_strategy is not None and study_strategy != strategy:
         return None
-    if study_strategy is None:
-        counts = finished.groupby("strategy").lr_scaling.nunique()
-        study_strategy = counts.idxmax()
-    study = finished[finished.strategy == study_strategy]
-    if "growth" in study:
-        study = study[study.growth.map(lambda g: "micro_batch" in _ways(g))]
-    best = study.loc[study.groupby("global_batch").steps_to_target.idxmin()].sort_values("global_batch")
-    fit = critical_batch_fit(best.global_batch.tolist(), best.steps_to_target.tolist())
-    if fit is None:
+    if strategy is None:
         return None
-    return {**fit, "strategy": study_strategy, "batches": best.global_batch.tolist(),
-            "steps": best.steps_to_target.tolist(), "lr_scalings": best.lr_scaling.tolist()}
+    best = best_steps(study)
+    if best.empty:
+        return None
+    numbers = critical_batch_fit(best.global_batch.tolist(), best.steps_to_target.tolist())
+    if numbers is None:
+        return None
+    fit: dict[str, Any] = {**numbers, "strategy": strategy, "batches": best.global_batch.tolist(),
+                           "steps": best.steps_to_target.tolist(), "lr_scalings": best.lr_scaling.tolist()}
+    return {**fit, "placement": place_critical_batch(fit)}
+
+
+def place_critical_batch(fit: dict[str, Any]) -> dict[str, Any]:
+    """Where the measured batches put B_crit: `where` is "below", "within" or "above" the batches measured,
+    `placed` says whether they pin it (an interval from at least PLACE_BATCHES batch sizes, lying within
+    the batches measured), and `text` says it in words for the card, the report and notebook 04."""
+    low, high = min(fit["batches"]), max(fit["batches"])
+    b_crit, n = fit["b_crit"], fit["n_batches"]
+    interval = (fit["b_crit_low"], fit["b_crit_high"]) if "b_crit_low" in fit else None
+    where = "above" if b_crit > high else "below" if b_crit < low else "within"
+    placed = (where == "within" and interval is not None and n >= PLACE_BATCHES
+              and low <= interval[0] and interval[1] <= high and fit.get("b_crit_physical_share", 1.0) >= 0.9)
+    if placed and interval is not None:
+        text = (f"B_crit ~ {b_crit:.0f} (90% bootstrap interval {interval[0]:.0f}-{interval[1]:.0f}, "
+                f"{n} batch sizes {low}-{high})")
+    elif where == "above":
+        text = (f"B_crit above the largest batch measured ({high}); these data cannot place it "
+                f"(the fit's {b_crit:.0f} is an extrapolation)")
+    elif where == "below":
+        text = (f"B_crit below the smallest batch measured ({low}); these data cannot place it "
+                f"(the fit's {b_crit:.0f} is an extrapolation)")
+    else:
+        reach = (f"its interval {interval[0]:.0f}-{interval[1]:.0f} reaches past them" if interval else
+                 "no interval")
+        text = (f"B_crit within the batches measured ({low}-{high}), the fit's {b_crit:.0f}, but {n} batch sizes "
+                f"do not pin it ({reach}); these data cannot place it more closely")
+    return {"where": where, "placed": placed, "text": text, "low_batch": low, "high_batch": high}
 
 
 def noise_spread(noise: pd.DataFrame | None, parts: int = 4) -> dict[str, Any] | None:

@@ -1,8 +1,10 @@
-"""The answer's HTML report: plots, tables and conclusions computed from the measured numbers.
+"""The answer's HTML report: the answer card first, then plots, tables and conclusions computed from the
+measured numbers.
 
 `build_report(results, path, ...)` writes one self-contained HTML file (plotly.js embedded,
-so it opens offline). Every sentence of the conclusions is produced by `conclusions(...)` from
-the tables it is given: nothing in the text is a hard-coded result.
+so it opens offline). It opens with the answer card (`labkit.study.card`); every sentence after it is
+produced by `conclusions(...)` (or under a figure by `labkit.study.growth.growth_sentences`) from the
+tables it is given: nothing in the text is a hard-coded result.
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ def grid(results: pd.DataFrame, profile: dict[str, Any] | None = None) -> pd.Dat
 def conclusions(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, memory: pd.DataFrame | None = None,
                 activation: pd.DataFrame | None = None, noise: pd.DataFrame | None = None,
                 machine: dict[str, Any] | None = None, profile: dict[str, Any] | None = None) -> list[str]:
-    """Plain-text statements, each computed from the tables (skipped when its data is missing)."""
+    """Plain-text statements, each computed from the tables (skipped when its data is missing). The answer per
+    way of growing the batch, and ZeRO's room and cost per step, are the card's (`labkit.study.card`), not here."""
     from labkit.study import growth
 
     out: list[str] = []
@@ -136,10 +139,8 @@ def conclusions(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, 
     finished = table[table.status == "finished"]
 
     if "growth" in results:
-        # 1-2. The answer per way of growing the batch (read on stage 0 and plain PyTorch), then
-        # what ZeRO did beyond stage 0 at the same per-rank micro-batch and ranks.
-        out.extend(growth.growth_sentences(results))
-        out.extend(growth.credit_sentences(results, maxbatch))
+        # 1-2. What ZeRO did to the time to target beyond stage 0 over the same growth.
+        out.extend(growth.credit_sentences(results))
     else:
         # Results of an older labkit (no `growth` column): one way, strategy by strategy.
         out.extend(_legacy_growth_text(finished))
@@ -300,8 +301,12 @@ def lr_study(results: pd.DataFrame) -> tuple[str | None, pd.DataFrame]:
     if counts.max() < 2:
         return None, finished.iloc[0:0]
     study = finished[finished.strategy == strategy]
-    if "growth" in study:  # the study runs on the fixed-ranks grid; the rank-growth points are not part of it
-        study = study[study.growth.astype(str).str.contains("micro_batch")]
+    study = study[study.world_size == study.world_size.max()]  # the fixed ranks: the 1-rank points are not in it
+    if "growth" in study:
+        # The study's own points (growth "", or "micro_batch" at the grid's batches); the "grad_accum" way's
+        # points at other batches grow the batch another way (they would add a second point per batch).
+        ways = study.growth.map(lambda g: set() if _nan(g) or not g else set(str(g).split("+")))
+        study = study[ways.map(lambda w: not w or "micro_batch" in w)]
     return strategy, study
 
 
@@ -348,16 +353,14 @@ def _noise_text(results: pd.DataFrame, noise: pd.DataFrame | None, profile: dict
                    f"over the run (probes in {len(spread['b_simple_parts'])} stretches of falling training loss) it "
                    f"ranged {spread['b_simple_low']:.0f}-{spread['b_simple_high']:.0f} ("
                    + " -> ".join(f"{v:.0f}" for v in spread["b_simple_parts"]) + "). It estimates the critical batch "
-                   "size: below it a bigger batch saves steps almost linearly, above it the saving fades.")
+                   "size: far below it a doubling of the batch nearly halves the steps (at B_crit/2 it saves a third, "
+                   "at B_crit a quarter), far above it the saving fades.")
     if fit:
-        interval = (f", {0.9:.0%} bootstrap interval {fit['b_crit_low']:.0f}-{fit['b_crit_high']:.0f}"
-                    if "b_crit_low" in fit else
-                    ", no interval (two batch sizes fit exactly)" if fit["n_batches"] < 3 else
-                    ", no bootstrap interval (no physical refit)")
+        placement = fit["placement"]
         text = (f"Fitting steps-to-target S(B) = S_min (1 + B_crit/B) (weighted least squares, weights 1/S^2) to the "
-                f"best-LR steps at {fit['n_batches']} global batches gives B_crit ~ {fit['b_crit']:.0f}{interval} "
-                f"(S_min ~ {fit['s_min']:.0f} steps)")
-        if spread is not None:
+                f"best-LR steps at {fit['n_batches']} global batches ({', '.join(str(b) for b in fit['batches'])}): "
+                f"{placement['text']}")
+        if spread is not None and placement["placed"]:
             ratio = fit["b_crit"] / spread["b_simple"]
             text += (f", {'consistent with' if 0.33 <= ratio <= 3 else 'unlike'} the noise-scale estimate "
                      f"({ratio:.1f}x)")
@@ -451,8 +454,8 @@ def _growth_figures(results: pd.DataFrame, go: Any, make_subplots: Any) -> list[
             continue
         fig = make_subplots(rows=1, cols=3, subplot_titles=[t for _, t in keys])
         for strategy, rows in table.groupby("strategy", sort=False):
-            text = [f"{int(w)} rank(s) x micro {int(m)}"
-                    for w, m in zip(rows.world_size, rows.micro_batch, strict=True)]
+            text = [f"{int(w)} rank(s) x micro {int(m)}" + (f" x accumulation {int(a)}" if a > 1 else "")
+                    for w, m, a in zip(rows.world_size, rows.micro_batch, rows.grad_accum, strict=True)]
             for col, (key, _) in enumerate(keys, start=1):
                 fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].astype(float).round(5), text=text,
                                          mode="lines+markers", name=label(strategy), legendgroup=strategy,
@@ -513,17 +516,20 @@ def _study_figures(results: pd.DataFrame, noise: pd.DataFrame | None, memory: pd
             fig.add_trace(go.Scatter(x=rows.global_batch, y=rows.steps_to_target, mode="lines+markers",
                                      name=f"LR scaling {scaling}"))
         best = best_steps(study)
-        fit = critical_batch_from_steps(best.global_batch.tolist(), best.steps_to_target.tolist())
         from labkit.study.growth import critical_batch
 
+        unweighted = critical_batch_from_steps(best.global_batch.tolist(), best.steps_to_target.tolist())
         weighted = critical_batch(results, strategy)
-        fit = {**fit, **weighted} if fit and weighted else fit
+        fit: dict[str, Any] | None = {**unweighted, **weighted} if unweighted and weighted else unweighted
         if fit:
             xs = [best.global_batch.min() * (best.global_batch.max() / best.global_batch.min()) ** (i / 40)
                   for i in range(41)]
+            placed = bool(weighted and weighted["placement"]["placed"])
             fig.add_trace(go.Scatter(x=xs, y=[fit["s_min"] * (1 + fit["b_crit"] / x) for x in xs], mode="lines",
-                                     line={"dash": "dot"}, name=f"fit S_min(1+B_crit/B), B_crit~{fit['b_crit']:.0f}"))
-            _vline_on_log_x(fig, fit["b_crit"], "dot", "B_crit (fit)")
+                                     line={"dash": "dot"}, name=f"fit S_min(1+B_crit/B), B_crit~{fit['b_crit']:.0f}"
+                                     + ("" if placed else " (not placed by these data)")))
+            if best.global_batch.min() <= fit["b_crit"] <= best.global_batch.max():
+                _vline_on_log_x(fig, fit["b_crit"], "dot", "B_crit (fit)" if placed else "B_crit (fit, not placed)")
         if pooled and pooled.b_simple:
             _vline_on_log_x(fig, pooled.b_simple, "dash", "B_simple (noise scale)")
         fig.update_xaxes(type="log", title_text="global batch")
@@ -626,15 +632,18 @@ def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFr
                  probes: pd.DataFrame | None = None, memory: pd.DataFrame | None = None,
                  activation: pd.DataFrame | None = None, noise: pd.DataFrame | None = None,
                  machine: dict[str, Any] | None = None, profile: dict[str, Any] | None = None,
-                 devices: Any = "detect") -> Path:
-    """Write the report and return its path.
+                 devices: Any = "detect", card: dict[str, Any] | None = None) -> Path:
+    """Write the report and return its path. It opens with the answer card (`card`; None: built here from the
+    same tables, `labkit.study.card.build_card`).
 
     `devices`: the machine the report is written on (`labkit.runtime.devices.Devices`; default: detected), compared with
-    `machine` for the banner at the top (:func:`provenance_banner`); None: no comparison.  A profile note that
+    `machine` for the banner under the card (:func:`provenance_banner`); None: no comparison.  A profile note that
     says "untested" goes in the banner too."""
     from plotly.offline import get_plotlyjs
 
     from labkit.launch.store import write_text_atomic
+    from labkit.study import card as answer_card
+    from labkit.study.growth import WAYS, growth_sentences
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -642,6 +651,8 @@ def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFr
         from labkit.runtime.devices import detect_devices
 
         devices = detect_devices()
+    if card is None and "growth" in results:
+        card = answer_card.build_card(results, maxbatch=maxbatch, noise=noise, machine=machine)
     statements = conclusions(results, maxbatch=maxbatch, memory=memory, activation=activation, noise=noise,
                              machine=machine, profile=profile)
     figs = figures(results, maxbatch=maxbatch, probes=probes, memory=memory, activation=activation, noise=noise,
@@ -652,16 +663,21 @@ def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFr
         "<style>body{font-family:system-ui,sans-serif;max-width:1200px;margin:auto;padding:1em;color:#222}"
         "table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
         "th{background:#f4f4f4}.note{color:#555;font-size:13px}li{margin:.3em 0}</style></head><body>",
-        _banner_html(machine, devices, profile),
         "<h1>Can DeepSpeed keep training time flat while the batch size grows?</h1>",
+        answer_card.card_html(card, "The answer card (answer_card.json)") if card else "",
+        _banner_html(machine, devices, profile),
         f"<p class='note'>{_header(machine, profile, results)}</p>",
-        "<h2>Conclusions (computed from the measurements below)</h2><ul>",
+        "<h2>More conclusions (computed from the measurements below)</h2><ul>",
         *[f"<li>{html.escape(s)}</li>" for s in statements],
         "</ul>",
     ]
+    under = {f"Growing the batch by {words}": growth_sentences(results, way) for way, words in WAYS.items()} \
+        if "growth" in results else {}
     for title, fig in figs:
         parts.append(f"<h2>{html.escape(title)}</h2>")
         parts.append(fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False}))
+        if under.get(title):
+            parts.append("<ul>" + "".join(f"<li>{html.escape(s)}</li>" for s in under[title]) + "</ul>")
     parts.append("<h2>Results (results.csv)</h2>")
     parts.append(_html_table(results, [c for c in TABLE_COLUMNS if c in results]))
     if maxbatch is not None and not maxbatch.empty:
