@@ -71,7 +71,7 @@ def test_a_search_that_reached_its_limit_says_capped_and_gives_no_ratio() -> Non
     the report divided those capped values ("plain PyTorch fits 8x ZeRO-3's micro-batch")."""
     import pandas as pd
 
-    from labkit.study.growth import _maxbatch_credit
+    from labkit.study.growth import max_micro_batches
     from labkit.study.maxbatch import memory_bound
     from labkit.study.report import _maxbatch_text
 
@@ -86,7 +86,9 @@ def test_a_search_that_reached_its_limit_says_capped_and_gives_no_ratio() -> Non
     text = " ".join(_maxbatch_text(table, None))
     assert "capped by the search's limit of 65536 per rank (the dataset), not memory" in text
     assert " the micro-batch of " not in text  # no "A fits N x the micro-batch of B" from a capped value
-    assert _maxbatch_credit(table) is None  # was: "ZeRO-3 fits 8192 ... where plain PyTorch ... fits 65536 (0.12x)"
+    # the card's room-per-rank line reads only memory-bound searches (was: "ZeRO-3 fits 8192 ... where plain
+    # PyTorch ... fits 65536 (0.12x)")
+    assert max_micro_batches(table) == {("z3", 8): 8192}
     # Files written before `capped_by`: a row without a first OOM stopped at the limit.
     old = table.drop(columns=["capped_by"])
     assert list(memory_bound(old).strategy) == ["z3"]
