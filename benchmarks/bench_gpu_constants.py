@@ -25,7 +25,8 @@ What each figure is:
 - zero3: deepspeed.initialize at 1 rank (nccl on GPU, gloo on CPU), a stack of Linear(64, 64) modules at two depths,
   ZeRO stage 3 (every parameter fetched: persistence threshold 0) and stage 0, micro-steps timed with the device
   synchronized; the per-module cost is the slope over depth of stage 3 minus stage 0 (fixed costs cancel), the
-  per-micro-step fixed cost its intercept.
+  per-micro-step fixed cost its intercept; a parameter-free module's (ZeRO-3 hooks every module) from a ReLU after
+  each Linear at the larger depth.
 - launch: the host's time per tiny op (`x.add_(1)` on a 1-element tensor) in a long loop: launch + dispatch.
 """
 
@@ -314,35 +315,39 @@ def measure_zero3(cuda: bool, quick: bool, clock: Clock) -> dict[str, Any]:
     depths, steps, width = ((4, 12), 12, 64) if quick else ((16, 80), 30, 64)
     x = torch.randn(1, width, device=device)
     timings: dict[str, dict[str, float]] = {}
-    for stage in (0, 3):
-        for depth in depths:
-            if clock.left() < 4:
-                return skipped(f"time budget (done: {sorted(timings)})")
-            model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
-            config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                      "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "zero_allow_untested_optimizer": True,
-                      "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-                      "steps_per_print": 1 << 30}
-            started = time.perf_counter()
-            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-            init_s = time.perf_counter() - started
-            micro, step = [], []
-            for _ in range(steps):
-                sync()
-                t0 = time.perf_counter()
-                engine.backward(engine(x).sum())
-                sync()
-                t1 = time.perf_counter()
-                engine.step()
-                sync()
-                micro.append(t1 - t0)
-                step.append(time.perf_counter() - t1)
-            keep = max(1, steps // 4)  # the first quarter warms up
-            timings[f"stage{stage}_depth{depth}"] = {"micro_step_s": float(statistics.median(micro[keep:])),
-                                                     "optimizer_step_s": float(statistics.median(step[keep:])),
-                                                     "init_s": init_s}
-            del engine, model
     lo, hi = depths
+    # (stage, Linear modules, a parameter-free ReLU after each): ZeRO-3 hooks every submodule, with or without
+    # parameters (deepspeed/runtime/zero/parameter_offload.py:_register_deepspeed_module, 0.19.8)
+    for stage, depth, relu in [(s, d, r) for s in (0, 3) for d, r in ((lo, False), (hi, False), (hi, True))]:
+        if clock.left() < 4:
+            return skipped(f"time budget (done: {sorted(timings)})")
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()] if relu else [nn.Linear(width, width)]
+        model = nn.Sequential(*layers)
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                  "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "zero_allow_untested_optimizer": True,
+                  "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                  "steps_per_print": 1 << 30}
+        started = time.perf_counter()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        init_s = time.perf_counter() - started
+        micro, step = [], []
+        for _ in range(steps):
+            sync()
+            t0 = time.perf_counter()
+            engine.backward(engine(x).sum())
+            sync()
+            t1 = time.perf_counter()
+            engine.step()
+            sync()
+            micro.append(t1 - t0)
+            step.append(time.perf_counter() - t1)
+        keep = max(1, steps // 4)  # the first quarter warms up
+        timings[f"stage{stage}_depth{depth}" + ("_relu" if relu else "")] = {
+            "micro_step_s": float(statistics.median(micro[keep:])),
+            "optimizer_step_s": float(statistics.median(step[keep:])), "init_s": init_s}
+        del engine, model
 
     def slope(stage: int, key: str) -> float:
         return (timings[f"stage{stage}_depth{hi}"][key] - timings[f"stage{stage}_depth{lo}"][key]) / (hi - lo)
@@ -351,13 +356,19 @@ def measure_zero3(cuda: bool, quick: bool, clock: Clock) -> dict[str, Any]:
         return timings[f"stage{stage}_depth{lo}"][key] - lo * slope(stage, key)
 
     per_module = slope(3, "micro_step_s") - slope(0, "micro_step_s")
+
+    def relu_cost(stage: int) -> float:
+        return (timings[f"stage{stage}_depth{hi}_relu"]["micro_step_s"] - timings[f"stage{stage}_depth{hi}"][
+            "micro_step_s"]) / hi
+
     return {"backend": "nccl" if cuda else "gloo", "module": f"nn.Linear({width}, {width})", "depths": list(depths),
             "micro_steps": steps, "timings": timings,
             "per_module_per_micro_step_s": per_module,
             "fetch_s": per_module / 2,  # fetched before its forward and before its backward: labkit's zero3_fetch_s
             "per_micro_step_s": intercept(3, "micro_step_s") - intercept(0, "micro_step_s"),
             "step_per_module_s": slope(3, "optimizer_step_s") - slope(0, "optimizer_step_s"),
-            "step_fixed_s": intercept(3, "optimizer_step_s") - intercept(0, "optimizer_step_s")}
+            "step_fixed_s": intercept(3, "optimizer_step_s") - intercept(0, "optimizer_step_s"),
+            "per_paramless_module_per_micro_step_s": relu_cost(3) - relu_cost(0)}
 
 
 def device_info(cuda: bool) -> dict[str, Any]:
@@ -466,6 +477,7 @@ def table(result: dict[str, Any]) -> list[tuple[str, str]]:
     add("launch + dispatch per op", "launch", "launch_s", 1e6, "us")
     add("ZeRO-3 per module per micro-step", "zero3", "per_module_per_micro_step_s", 1e6, "us")
     add("ZeRO-3 fixed per micro-step", "zero3", "per_micro_step_s", 1e3, "ms")
+    add("ZeRO-3 per parameter-free module", "zero3", "per_paramless_module_per_micro_step_s", 1e6, "us")
     add("ZeRO-3 step per module", "zero3", "step_per_module_s", 1e6, "us")
     rows.append(("wall time", f"{result['wall_s']:.1f} s (budget {result['budget_s']:.0f} s)"))
     return rows

@@ -32,14 +32,20 @@ def test_cpu_path_writes_every_section(tmp_path: Path) -> None:
     zero3 = result["zero3"]
     assert "skipped" not in zero3, zero3
     assert zero3["backend"] == "gloo" and zero3["depths"] == [4, 12]
-    assert set(zero3["timings"]) == {"stage0_depth4", "stage0_depth12", "stage3_depth4", "stage3_depth12"}
-    for key in ("per_module_per_micro_step_s", "fetch_s", "per_micro_step_s", "step_per_module_s", "step_fixed_s"):
+    assert set(zero3["timings"]) == {f"stage{s}_depth{d}" for s in (0, 3) for d in ("4", "12", "12_relu")}
+    for key in ("per_module_per_micro_step_s", "fetch_s", "per_micro_step_s", "step_per_module_s", "step_fixed_s",
+                "per_paramless_module_per_micro_step_s"):
         assert math.isfinite(zero3[key])
     assert zero3["fetch_s"] == pytest.approx(zero3["per_module_per_micro_step_s"] / 2)
     adam = result["cpu_adam"]  # built by `make ops`; else the reason it was not
     assert adam.get("s_per_param", 0) > 0 or adam["skipped"].startswith("cpu_adam op")
     # the table is printed last
     assert done.stdout.rstrip().splitlines()[-1].startswith("wall time")
+    # a file measured without a GPU is not taken for a GPU kind's constants
+    from labkit.runtime import hardware
+
+    with pytest.raises(ValueError, match="without a CUDA GPU"):
+        hardware.load_measured(out)
 
 
 def test_unknown_section_is_refused() -> None:
