@@ -424,6 +424,9 @@ def test_the_measured_host_issues_every_op_and_zero3s_hooks(h100):
     assert z3.host_overhead_s == pytest.approx(costs.ops * 6e-6 + SMALL.param_modules() * 3e-4
                                                + SMALL.paramless_modules() * 1e-4)
     assert P.host_costs(h100).source == MEASURED["source"]
+    assert z3.to_dict()["constants"].startswith(f"device: {MEASURED['source']}")
+    assert "assumed" in P.predict(work, hw.Cluster(gpu=hw.gpu("H100-SXM")), strategy="z0", micro_batch=1,
+                                  precision="bf16").constants
 
 
 def test_offload_uses_the_measured_cpu_adam_and_pinned_copies(h100):
@@ -465,6 +468,11 @@ def test_a_measured_file_in_the_repository_becomes_its_presets_constants(tmp_pat
     hw._attach_measured()
     assert hw.gpu("H100-SXM").measured is not None and hw.gpu("H100-PCIE").measured is None
     assert hw.gpu("H100").gemm_efficiency("bf16") == pytest.approx(6.87e14 / 989e12)
+    # a GPU node's host measured once is every GPU kind's host where that kind's own is not (stated in the source)
+    v100 = P.host_costs(hw.gpu("V100-32GB"))
+    assert v100.zero3_per_module_s == 3e-4 and v100.launch_s == 6e-6
+    assert "V100-32GB's not measured" in v100.source
+    assert hw.gpu("V100-32GB").gemm_efficiency("fp16") == hw.GEMM_EFFICIENCY  # its device figures stay its own
 
 
 def test_the_gemm_roofline_is_checked_against_every_measured_gemm(h100):

@@ -83,15 +83,21 @@ class HostCosts:
 
 
 def host_costs(gpu: GPU) -> HostCosts:
-    """Measured figures below 0 (a difference of two noisy timings) count as 0."""
-    m = gpu.measured
-    if m is not None and m.zero3_per_module_s is not None:
-        return HostCosts(m.launch_s or 0.0, max(m.zero3_per_module_s, 0.0), max(m.zero3_per_micro_step_s or 0.0, 0.0),
-                         max(m.zero3_per_paramless_module_s or 0.0, 0.0), m.source)
-    launch = (m.launch_s or 0.0) if m is not None else 0.0
-    return HostCosts(launch, 2 * zero3_fetch_s(), 0.0, 0.0,
+    """The node host's costs for `gpu`: measured on that GPU kind's node where this lab had it; else on any GPU node
+    this lab measured (the same DeepSpeed and PyTorch issue the work, on another host CPU: stated in `source`); else
+    ZeRO-3's hooks from this lab's CPU machine and no launch term. Measured figures below 0 (a difference of two
+    noisy timings) count as 0."""
+    measured = [gpu.measured] if gpu.measured is not None and gpu.measured.zero3_per_module_s is not None else []
+    measured += [g.measured for _, g in sorted(GPUS.items())
+                 if g.measured is not None and g.measured.zero3_per_module_s is not None]
+    if measured:
+        m = measured[0]
+        source = m.source if m is gpu.measured else f"{m.source} (its node's host; {gpu.name}'s not measured)"
+        return HostCosts(m.launch_s or 0.0, max(m.zero3_per_module_s or 0.0, 0.0),
+                         max(m.zero3_per_micro_step_s or 0.0, 0.0), max(m.zero3_per_paramless_module_s or 0.0, 0.0),
+                         source)
+    return HostCosts(0.0, 2 * zero3_fetch_s(), 0.0, 0.0,
                      f"ZeRO-3 hooks: {HOST_JSON.name} (this lab's CPU machine, parameter-holding modules only)")
-
 
 
 class Workload(Protocol):
@@ -358,6 +364,7 @@ class Prediction:
     fits: bool
     max_micro_batch: int
     hardware: str
+    constants: str = ""       # where the GPU kind's efficiencies and the host's costs come from (measured / assumed)
     collectives: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -411,7 +418,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         comm_s=comm.total_s, exposed_comm_s=comm.exposed_s, offload_s=offload_s,
         host_overhead_s=grad_accum * host_s,
         device_bytes=states + costs.activation_bytes, activation_bytes=costs.activation_bytes, fits=fits,
-        max_micro_batch=max_micro, hardware=cluster.describe(), collectives=comm.rows)
+        max_micro_batch=max_micro, hardware=cluster.describe(),
+        constants=f"device: {gpu.constants_source}; host: {host_costs(gpu).source}", collectives=comm.rows)
 
 
 def _offload_s(stage: int | None, offload: bool, owned: float, grad_accum: int, cluster: Cluster, precision: str,
