@@ -5,6 +5,8 @@
 
 1. Published GPU points (data/published/points.csv): predicted / published per point; goals: median |error| <= 25%,
    every point <= 40% (tests/test_predict_published.py holds what the model reaches today).
+   Where this lab measured a GPU kind (data/reference-*/gpu_constants.json, benchmarks/bench_gpu_constants.py),
+   the GEMM roofline against every GEMM of that grid (the model takes only its best GEMM from it).
 2. This machine: calibrated on 1-rank runs (the answer's ci MLP, every strategy, micro-batch 16/64/256, one thread
    per rank), the 2-rank points predicted with the link fit measured here (labkit.study.comms.measure_links) and
    set against 2-rank runs of the same configs, measured in alternating 1-rank / 2-rank pairs. Goal: median
@@ -106,6 +108,25 @@ def cpu_check(data: Path = DATA) -> object:
     return cpu_comparison(data, "p10")
 
 
+def gemm_check() -> None:
+    """The GEMM roofline against each GPU kind's measured grid (labkit.study.flops.gemm_check)."""
+    import pandas as pd
+
+    from labkit.runtime import hardware
+    from labkit.study import flops
+
+    for kind in hardware.GPUS.values():
+        rows = flops.gemm_check(kind)
+        if not rows:
+            continue
+        table = pd.DataFrame(rows)
+        print(f"\n{kind.name}: GEMM roofline (PREDICTED) against {kind.constants_source}")
+        print(table[["dtype", "label", "m", "n", "k", "measured_s", "predicted_s", "error"]].to_string(
+            index=False, float_format=lambda v: f"{v:.3g}"))
+        errors = table["error"].abs()
+        print(f"median |error| {errors.median():.1%}, max {errors.max():.1%} over {len(table)} GEMMs")
+
+
 def main() -> int:
     import pandas as pd
 
@@ -125,6 +146,7 @@ def main() -> int:
     s = published.summary(table)
     print(f"median |error| {s['median_abs_error']:.1%} (goal <= 25%), max {s['max_abs_error']:.1%} (goal <= 40%); "
           f"{s['points']} points, {s['sources']} sources, {s['gpu_kinds']} GPU kinds")
+    gemm_check()
     if (Path(args.out) / "runs.csv").exists():
         cpu = cpu_check(Path(args.out))
         print("\nThis machine: 2-rank points predicted from 1-rank runs (PREDICTED / measured; p10 of each run)")

@@ -49,8 +49,9 @@ def test_nvswitch_is_the_nvlink_of_the_gpus_generation():
 def test_a_ring_across_nodes_runs_at_the_slower_of_link_and_network():
     one = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
     four = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=4, inter_gbps=200)
-    assert one.bus_bytes_per_s() == pytest.approx(300e9 * hw.LINK_EFFICIENCY)
-    assert four.bus_bytes_per_s() == pytest.approx(25e9 * hw.LINK_EFFICIENCY)
+    assert one.bus_bytes_per_s() == pytest.approx(300e9 * hw.NVLINK3_EFFICIENCY)
+    # NCCL's developers' figure for InfiniBand: 192 GB/s bus bandwidth from 8 x 200 Gb/s (hardware.py cites it)
+    assert four.bus_bytes_per_s() == pytest.approx(25e9 * hw.NETWORK_EFFICIENCY) == pytest.approx(24e9)
     assert four.bus_bytes_per_s(8) == one.bus_bytes_per_s()  # a ring inside one node never crosses the network
     # NCCL's latency model: base + intra steps x link + inter steps x network; all-reduce passes twice.
     assert four.ring_latency_s("all_gather") == pytest.approx(8.4e-6 + 28 * 3.4e-6 + 3 * 14e-6)
@@ -342,5 +343,141 @@ def test_the_lab_gpt_is_counted_as_the_transformer_it_is():
     config = RunConfig.from_dict({"example": "deepspeed", **SIZES["ci"]})
     work = P.lab_workload(config)
     assert isinstance(work, P.TransformerWorkload)
+    assert work.shape.dropout == 0.0  # the lab's GPT trains without dropout (labkit.models.gpt)
     assert work.n_params == sum(builders.param_numels(config))
     assert work.module_layout() == comms.module_layout(builders.meta_model(config))
+
+
+# -- dropout, and constants measured on a GPU kind ------------------------------------------------------------------
+def test_zero3_hooks_every_module_and_the_count_is_hugging_faces():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=128, n_head=4, n_positions=64, vocab_size=512))
+    own = [bool(list(m.parameters(recurse=False))) for m in model.modules()]
+    three = flops.Transformer(layers=3, hidden=128, heads=4, seq=64, vocab=512)
+    assert three.paramless_modules() == own.count(False)
+    assert three.param_modules() == own.count(True) - 1  # the LM head's weight is wte's (tied): counted once
+
+
+def test_dropout_is_a_kernel_each_way_and_keeps_its_mask():
+    plain = flops.Transformer(layers=2, hidden=128, heads=4, seq=64, vocab=512, dropout=0.0)
+    dropped = flops.Transformer(layers=2, hidden=128, heads=4, seq=64, vocab=512)  # GPT-2's and Megatron-LM's 0.1
+    assert dropped.dropout == 0.1
+    a, b = flops.transformer_costs(plain, 2, "fp16"), flops.transformer_costs(dropped, 2, "fp16")
+    assert len(b.ops2.forward) > len(a.ops2.forward) and len(b.ops2.backward) > len(a.ops2.backward)
+    assert b.ops2.saved_bytes > a.ops2.saved_bytes
+    assert b.ops2.flops() == a.ops2.flops()  # no FLOPs: memory traffic only
+    assert flops.Transformer.parse("layers=2,hidden=128,heads=4,seq=64,dropout=0").dropout == 0.0
+    with pytest.raises(ValueError, match="dropout"):
+        flops.Transformer.parse("layers=2,hidden=128,heads=4,seq=64,dropout=1.5")
+
+
+# What benchmarks/bench_gpu_constants.py writes on a GPU (its keys; the figures are this test's own inputs).
+MEASURED = {
+    "format": "labkit-gpu-constants/1", "source": "measured on NVIDIA H100 80GB HBM3 in this lab, 2026-11-24, "
+    "benchmarks/bench_gpu_constants.py", "device": {"cuda": True, "name": "NVIDIA H100 80GB HBM3", "sms": 132},
+    "gemm": {"bf16": {"shapes": [{"label": "square 8192", "m": 8192, "n": 8192, "k": 8192, "seconds": 1.6e-3,
+                                  "flops_per_s": 6.87e14},
+                                 {"label": "qkv h=768 T=512", "m": 512, "n": 2304, "k": 768, "seconds": 2.0e-5},
+                                 {"label": "skipped one", "m": 1, "n": 1, "k": 1, "skipped": "time budget"}],
+                      "best_flops_per_s": 6.87e14},
+             "fp16": {"shapes": [], "best_flops_per_s": 7.0e14}, "fp32": {"shapes": [], "best_flops_per_s": 5.0e13}},
+    "memory": {"copy_bytes_per_s": 2.9e12}, "host_copy": {"pinned_h2d_bytes_per_s": 5.0e10,
+                                                          "pinned_d2h_bytes_per_s": 4.5e10},
+    "cpu_adam": {"s_per_param": 1.0e-9}, "gpu_adamw": {"skipped": "failed: ..."}, "launch": {"launch_s": 6e-6},
+    "zero3": {"per_module_per_micro_step_s": 3e-4, "per_micro_step_s": -1e-4,
+              "per_paramless_module_per_micro_step_s": 1e-4}}
+
+
+@pytest.fixture
+def h100(tmp_path):
+    path = tmp_path / "gpu_constants.json"
+    path.write_text(json.dumps(MEASURED))
+    return hw.with_measured(hw.gpu("H100-SXM"), hw.load_measured(path))
+
+
+def test_measured_constants_replace_the_assumed_ones(h100):
+    assumed = hw.gpu("H100-SXM")
+    assert assumed.measured is None and assumed.gemm_efficiency("bf16") == hw.GEMM_EFFICIENCY
+    assert h100.gemm_efficiency("bf16") == pytest.approx(6.87e14 / 989e12)
+    assert h100.gemm_efficiency("fp32") == pytest.approx(5.0e13 / 67e12)
+    assert h100.memory_efficiency == pytest.approx(2.9 / 3.35)
+    assert h100.constants_source.startswith("measured on NVIDIA H100") and "assumed" in assumed.constants_source
+    assert [s["label"] for s in h100.measured.gemm_shapes["bf16"]] == ["square 8192", "qkv h=768 T=512"]
+    work = P.TransformerWorkload(SMALL)
+    before = P.predict(work, hw.Cluster(gpu=assumed), strategy="z0", micro_batch=4, precision="bf16")
+    after = P.predict(work, hw.Cluster(gpu=h100), strategy="z0", micro_batch=4, precision="bf16")
+    assert after.step_time_s != before.step_time_s
+
+
+def test_the_measured_host_issues_every_op_and_zero3s_hooks(h100):
+    work = P.TransformerWorkload(SMALL)
+    cluster = hw.Cluster(gpu=h100, gpus_per_node=8)
+    costs = work.costs(1, h100, "bf16", False)
+    z0 = P.predict(work, cluster, strategy="z0", micro_batch=1, precision="bf16")
+    z3 = P.predict(work, cluster, strategy="z3", micro_batch=1, precision="bf16")
+    assert costs.ops > 0
+    assert z0.host_overhead_s == pytest.approx(costs.ops * 6e-6)  # this tiny model is launch-bound on an H100
+    assert z0.forward_s + z0.backward_s == pytest.approx(z0.host_overhead_s)
+    # ZeRO-3: the measured per-module cost; a fixed cost that read below 0 (noise) counts as 0
+    assert z3.host_overhead_s == pytest.approx(costs.ops * 6e-6 + SMALL.param_modules() * 3e-4
+                                               + SMALL.paramless_modules() * 1e-4)
+    assert P.host_costs(h100).source == MEASURED["source"]
+    assert z3.to_dict()["constants"].startswith(f"device: {MEASURED['source']}")
+    assert "assumed" in P.predict(work, hw.Cluster(gpu=hw.gpu("H100-SXM")), strategy="z0", micro_batch=1,
+                                  precision="bf16").constants
+
+
+def test_offload_uses_the_measured_cpu_adam_and_pinned_copies(h100):
+    work = P.TransformerWorkload(GPT2_XL)
+    cluster = hw.Cluster(gpu=h100, gpus_per_node=8)
+    pred = P.predict(work, cluster, strategy="z2-offload", micro_batch=1, precision="bf16")
+    owned = GPT2_XL.n_params() / 8
+    expected = 4 * owned / 4.5e10 + owned * 1e-9 * 8 + 2 * owned / 5.0e10  # down fp32, Adam (8 ranks share it), up
+    assert pred.offload_s == pytest.approx(expected)
+
+
+def test_a_file_without_gpu_figures_is_refused(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({**MEASURED, "device": {"cuda": False, "name": "CPU (AMD EPYC)"}}))
+    with pytest.raises(ValueError, match="without a CUDA GPU"):
+        hw.load_measured(path)
+    path.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ValueError, match="labkit-gpu-constants/1"):
+        hw.load_measured(path)
+
+
+def test_device_names_map_to_presets():
+    assert hw.preset_for("NVIDIA H100 80GB HBM3") == "H100-SXM"
+    assert hw.preset_for("NVIDIA H100 PCIe") == "H100-PCIE"
+    assert hw.preset_for("NVIDIA H100 NVL") is None
+    assert hw.preset_for("NVIDIA A100-SXM4-40GB") == "A100-40GB"
+    assert hw.preset_for("NVIDIA A100 80GB PCIe") == "A100-80GB-PCIE"
+    assert hw.preset_for("Tesla V100-SXM2-32GB") == "V100-32GB"
+    assert hw.preset_for("Tesla T4") == "T4" and hw.preset_for("NVIDIA A10G") == "A10G"
+    assert hw.preset_for("NVIDIA GeForce RTX 4090") is None
+
+
+def test_a_measured_file_in_the_repository_becomes_its_presets_constants(tmp_path, monkeypatch):
+    folder = tmp_path / "data" / "reference-h100-80gb"
+    folder.mkdir(parents=True)
+    (folder / "gpu_constants.json").write_text(json.dumps(MEASURED))
+    monkeypatch.setattr(hw, "REPO", tmp_path)
+    monkeypatch.setitem(hw.GPUS, "H100-SXM", hw.GPUS["H100-SXM"])  # restored after the test
+    hw._attach_measured()
+    assert hw.gpu("H100-SXM").measured is not None and hw.gpu("H100-PCIE").measured is None
+    assert hw.gpu("H100").gemm_efficiency("bf16") == pytest.approx(6.87e14 / 989e12)
+    # a GPU node's host measured once is every GPU kind's host where that kind's own is not (stated in the source)
+    v100 = P.host_costs(hw.gpu("V100-32GB"))
+    assert v100.zero3_per_module_s == 3e-4 and v100.launch_s == 6e-6
+    assert "V100-32GB's not measured" in v100.source
+    assert hw.gpu("V100-32GB").gemm_efficiency("fp16") == hw.GEMM_EFFICIENCY  # its device figures stay its own
+
+
+def test_the_gemm_roofline_is_checked_against_every_measured_gemm(h100):
+    rows = flops.gemm_check(h100)
+    assert [r["label"] for r in rows] == ["square 8192", "qkv h=768 T=512"]
+    for row in rows:
+        assert row["predicted_s"] > 0 and row["error"] == pytest.approx(row["predicted_s"] / row["measured_s"] - 1)
+    assert flops.gemm_check(hw.gpu("A100-80GB")) == []

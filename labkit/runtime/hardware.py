@@ -4,14 +4,30 @@ node, node networks, and a cluster made of them.
 Every figure comes from the vendor's datasheet (cited beside it). Peaks are DENSE tensor-core figures
 (no 2:4 sparsity); `fp32` is the plain (non-TF32) FP32 peak, what an fp32 run gets without TF32. Link
 bandwidths are per GPU and per direction (what a ring sends through), not the "bidirectional" totals
-datasheets headline. Nothing here is fitted to any measurement.
+datasheets headline. The share of a peak that real kernels reach is, per GPU kind and per link kind, either a
+published measurement (cited), a measurement of this lab (`benchmarks/bench_gpu_constants.py`, loaded from
+data/reference-*/gpu_constants.json by `load_measured`, its source line kept), or an assumption said to be one.
+Nothing here is fitted to any published point.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 GB = 1e9
+REPO = Path(__file__).resolve().parents[2]
+
+# A kernel's share of the datasheet peak where no measurement of that GPU kind is loaded. ASSUMPTIONS, global:
+# no published GEMM or streaming-bandwidth measurement of V100, A100, L4, T4 or A10G with its setup was found and
+# verified for this model (docs/predict.md); bench_gpu_constants.py measures both on a GPU the lab has.
+GEMM_EFFICIENCY = 0.8    # a large cuBLAS GEMM's share of the dense tensor-core peak (full waves, big K)
+MEMORY_EFFICIENCY = 0.8  # a streaming element-wise kernel's share of the datasheet memory bandwidth
+ASSUMED = "assumed (no measurement of this GPU kind loaded): GEMM 0.8 of peak, memory 0.8 of datasheet bandwidth"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +44,25 @@ class GPU:
     # else the CUDA cores (NVIDIA's Matrix Multiplication Background User's Guide, DU-09799-001, sec. 2.2);
     # Ampere and later use tensor cores for any shape (cuBLAS >= 11).
     tensor_core_alignment: int = 1
+    # What this lab measured on this GPU kind (bench_gpu_constants.py), if loaded: its efficiencies replace the
+    # assumed ones, and its host figures (launch, ZeRO-3 hooks, CPU Adam, pinned copies) are the node's host.
+    measured: Measured | None = field(default=None, compare=False)
+
+    def gemm_efficiency(self, precision: str) -> float:
+        """A large GEMM's share of the dense peak: this lab's best GEMM of its grid / the datasheet peak where it
+        was measured, else the assumption."""
+        dtype = "fp16" if precision == "mixed" else precision
+        best = self.measured.gemm_flops_per_s.get(dtype) if self.measured else None
+        return best / self.peak(dtype) if best else GEMM_EFFICIENCY
+
+    @property
+    def memory_efficiency(self) -> float:
+        copy = self.measured.memory_bytes_per_s if self.measured else None
+        return copy / self.memory_bytes_per_s if copy else MEMORY_EFFICIENCY
+
+    @property
+    def constants_source(self) -> str:
+        return self.measured.source if self.measured else ASSUMED
 
     def peak(self, precision: str) -> float:
         dtype = "fp16" if precision == "mixed" else precision
@@ -94,6 +129,100 @@ ALIASES = {"V100": "V100-32GB", "A100": "A100-80GB", "H100": "H100-SXM", "V100-3
            "A100-80GB-SXM4": "A100-80GB", "A100-40GB-SXM4": "A100-40GB"}
 
 
+# -- constants this lab measured on a GPU kind ---------------------------------------------------------------------
+MEASURED_FORMAT = "labkit-gpu-constants/1"  # what benchmarks/bench_gpu_constants.py writes
+MEASURED_FILES = "data/reference-*/gpu_constants.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """benchmarks/bench_gpu_constants.py's figures for one GPU kind and its node's host (None: not measured)."""
+
+    source: str                       # "measured on <GPU> in this lab, <date>, benchmarks/bench_gpu_constants.py"
+    device_name: str                  # torch.cuda.get_device_name, as measured
+    gemm_flops_per_s: dict[str, float]  # the best GEMM of the grid, per dtype (bf16, fp16, fp32 without TF32)
+    gemm_shapes: dict[str, list[dict[str, Any]]]  # every GEMM of the grid: label, m, n, k, seconds
+    memory_bytes_per_s: float | None  # a large device copy, bytes read + written per second
+    pinned_h2d_bytes_per_s: float | None
+    pinned_d2h_bytes_per_s: float | None
+    cpu_adam_s_per_param: float | None  # DeepSpeedCPUAdam.step on the host, all its threads
+    launch_s: float | None            # the host's time to issue one small op (dispatch + launch)
+    zero3_per_module_s: float | None  # ZeRO-3's hooks per module per micro-step (fetch before forward and backward)
+    zero3_per_micro_step_s: float | None  # ZeRO-3's fixed host cost per micro-step (may read < 0: noise, use 0)
+    zero3_per_paramless_module_s: float | None = None  # per module without parameters (ZeRO-3 hooks it too)
+
+
+def _number(section: dict[str, Any], key: str) -> float | None:
+    value = section.get(key)
+    return float(value) if isinstance(value, int | float) else None
+
+
+def load_measured(path: str | Path) -> Measured:
+    """The JSON bench_gpu_constants.py wrote, as `Measured`; a ValueError if it is not one, or was measured
+    without a GPU (its GPU sections skipped)."""
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != MEASURED_FORMAT:
+        raise ValueError(f"{path}: not a {MEASURED_FORMAT} file (benchmarks/bench_gpu_constants.py writes one)")
+    device = data.get("device") or {}
+    if not device.get("cuda"):
+        raise ValueError(f"{path}: measured without a CUDA GPU ({device.get('name')}): it has no GPU constants")
+    gemm = data.get("gemm") or {}
+    best = {dtype: float(gemm[dtype]["best_flops_per_s"]) for dtype in ("bf16", "fp16", "fp32")
+            if isinstance(gemm.get(dtype), dict) and gemm[dtype].get("best_flops_per_s")}
+    shapes = {dtype: [row for row in gemm[dtype]["shapes"] if "seconds" in row] for dtype in best}
+    copy, adam, zero3 = data.get("host_copy") or {}, data.get("cpu_adam") or {}, data.get("zero3") or {}
+    return Measured(source=str(data["source"]), device_name=str(device.get("name")), gemm_flops_per_s=best,
+                    gemm_shapes=shapes, memory_bytes_per_s=_number(data.get("memory") or {}, "copy_bytes_per_s"),
+                    pinned_h2d_bytes_per_s=_number(copy, "pinned_h2d_bytes_per_s"),
+                    pinned_d2h_bytes_per_s=_number(copy, "pinned_d2h_bytes_per_s"),
+                    cpu_adam_s_per_param=_number(adam, "s_per_param"),
+                    launch_s=_number(data.get("launch") or {}, "launch_s"),
+                    zero3_per_module_s=_number(zero3, "per_module_per_micro_step_s"),
+                    zero3_per_micro_step_s=_number(zero3, "per_micro_step_s"),
+                    zero3_per_paramless_module_s=_number(zero3, "per_paramless_module_per_micro_step_s"))
+
+
+def preset_for(device_name: str) -> str | None:
+    """The preset a CUDA device name is ("NVIDIA H100 80GB HBM3" -> "H100-SXM", "NVIDIA A100-SXM4-40GB" ->
+    "A100-40GB", "Tesla V100-PCIE-16GB" -> "V100-16GB-PCIE"), or None for a GPU without one (H100 NVL). Pure."""
+    name = device_name.lower()
+    pcie = "pcie" in name
+    memory = re.search(r"(\d+)\s*gb", name)
+    if "h100" in name:
+        return None if "nvl" in name else ("H100-PCIE" if pcie else "H100-SXM")
+    for kind, default in (("a100", "80"), ("v100", "32")):
+        if kind in name:
+            gb = memory.group(1) if memory else default
+            preset = f"{kind.upper()}-{gb}GB" + ("-PCIE" if pcie else "")
+            return preset if preset in GPUS else None
+    for kind in ("A10G", "L4", "T4"):
+        if re.search(rf"\b{kind.lower()}\b", name):
+            return kind
+    return None
+
+
+def with_measured(kind: GPU, measured: Measured) -> GPU:
+    return dataclasses.replace(kind, measured=measured)
+
+
+def _attach_measured() -> None:
+    """Every data/reference-*/gpu_constants.json of this repository onto the preset of the GPU it was measured on."""
+    import warnings
+
+    for path in sorted(REPO.glob(MEASURED_FILES)):
+        try:
+            measured = load_measured(path)
+        except (ValueError, KeyError, OSError) as exc:
+            warnings.warn(f"{path}: not loaded as measured GPU constants: {exc}", stacklevel=2)
+            continue
+        preset = preset_for(measured.device_name)
+        if preset is not None:
+            GPUS[preset] = with_measured(GPUS[preset], measured)
+
+
+_attach_measured()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Link:
     name: str
@@ -107,14 +236,25 @@ class Link:
 # resolves to the NVLink generation of the GPU (DGX-2: V100 + NVSwitch gen 1, DGX A100: gen 2, DGX H100: gen 3).
 # Latencies: NCCL's own tuning model for a ring with its Simple protocol (NVIDIA/nccl@5067397, src/graph/tuning.cc,
 # ncclTunerConstantsDefaults): 8.4 us per collective, 3.4 us per NVLink ring step, 5.7 per PCIe step, 14 per
-# network step. LINK_EFFICIENCY is an assumption of this model, global, not fitted to any point: NCCL's bus
-# bandwidth reaches ~80% of the wire (nccl-tests' PERFORMANCE.md defines bus bandwidth as the figure comparable
-# to the link's peak); PCIe payload efficiency ~80% after TLP overheads.
+# network step.
+# Efficiency: the NCCL bus bandwidth (nccl-tests' PERFORMANCE.md: the figure comparable to a link's peak) of a
+# large collective as a share of the wire, per link kind, from published nccl-tests figures where found:
+# * NVLink 3 (A100 / A800 on NVSwitch): 0.80. NVIDIA's NCCL developer (NVIDIA/nccl#412, sjeaugey, 2023-04-24):
+#   "~160GB/s intra-node" all-reduce busbw on 8 A800 (8 NVLinks: 200 GB/s per direction); a user's 8 x A100-SXM
+#   node: 232.54 GB/s of 300 (NVIDIA/nccl-tests#175, 2023-10-29), 0.78;
+# * NVLink 2 and 4, PCIe: 0.80, ASSUMED (no ring busbw with its setup verified here: H100 nodes report 480 GB/s
+#   with NVLink SHARP, NVIDIA/nccl-tests#309, an in-switch reduction this ring model does not describe);
+# * InfiniBand: NETWORK_EFFICIENCY 0.96, NVIDIA's NCCL developers: "On an Nvidia DGX-A100 system we have
+#   8x200Gbit/s IB cards and we measure 192GB/s AllReduce BusBW" (NVIDIA/nccl#812, AddyLaddy, 2023-03-31);
+#   "24GB/s inter-node" for one HDR 200G NIC (NVIDIA/nccl#412); "12.2 GB/s (for a 100Gbps card) is as good as you
+#   can get", DGX-1 "48 GB/s because we have 4 IB adapters" (NVIDIA/nccl-tests#29, sjeaugey, 2019-12-06).
 _PCIE = "PCI-SIG: PCIe 3.0 8 GT/s x16 = 15.75 GB/s per direction, 4.0 = 31.5, 5.0 = 63 (128b/130b encoding)"
-LINK_EFFICIENCY = 0.8
+LINK_EFFICIENCY = 0.8       # the assumed share (NVLink 2 and 4, PCIe)
+NVLINK3_EFFICIENCY = 0.8    # published (above)
+NETWORK_EFFICIENCY = 0.96   # published (above)
 LINKS: dict[str, Link] = {link.name: link for link in (
     Link(name="nvlink2", bytes_per_s=150 * GB, latency_s=3.4e-6, efficiency=LINK_EFFICIENCY, source=_V100_SXM2),
-    Link(name="nvlink3", bytes_per_s=300 * GB, latency_s=3.4e-6, efficiency=LINK_EFFICIENCY, source=_A100),
+    Link(name="nvlink3", bytes_per_s=300 * GB, latency_s=3.4e-6, efficiency=NVLINK3_EFFICIENCY, source=_A100),
     Link(name="nvlink4", bytes_per_s=450 * GB, latency_s=3.4e-6, efficiency=LINK_EFFICIENCY, source=_H100),
     Link(name="pcie3", bytes_per_s=15.75 * GB, latency_s=5.7e-6, efficiency=LINK_EFFICIENCY, source=_PCIE),
     Link(name="pcie4", bytes_per_s=31.5 * GB, latency_s=5.7e-6, efficiency=LINK_EFFICIENCY, source=_PCIE),
@@ -184,7 +324,7 @@ class Cluster:
         intra = link.bytes_per_s * link.efficiency
         if ranks <= self.gpus_per_node or self.nodes == 1:
             return intra
-        return min(intra, self.inter_gbps / 8 * GB * LINK_EFFICIENCY)
+        return min(intra, self.inter_gbps / 8 * GB * NETWORK_EFFICIENCY)
 
     def ring_latency_s(self, op: str, ranks: int | None = None) -> float:
         """NCCL's latency of one ring collective (tuning.cc): base + intra-node steps x the link's step latency +
@@ -198,6 +338,17 @@ class Cluster:
 
     def host_link(self) -> Link:
         return LINKS[self.gpu.host_link]
+
+    def host_to_device_bytes_per_s(self) -> float:
+        """Pinned host -> device copies: measured on this GPU kind if loaded, else its PCIe link x efficiency."""
+        measured = self.gpu.measured.pinned_h2d_bytes_per_s if self.gpu.measured else None
+        link = self.host_link()
+        return measured or link.bytes_per_s * link.efficiency
+
+    def device_to_host_bytes_per_s(self) -> float:
+        measured = self.gpu.measured.pinned_d2h_bytes_per_s if self.gpu.measured else None
+        link = self.host_link()
+        return measured or link.bytes_per_s * link.efficiency
 
     def describe(self) -> str:
         net = f", {self.nodes} nodes over {self.inter_gbps:g} Gb/s each" if self.nodes > 1 else ""

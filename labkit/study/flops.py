@@ -6,13 +6,14 @@ read and write at least) and, for matrix products, the GEMM shape. A saved-tenso
 keeps for the backward (the activations). `roofline_s` turns the ops into seconds on a GPU kind:
 
 * a GEMM runs in waves of output tiles over the streaming multiprocessors: time = waves x one tile's
-  FLOPs / (per-SM peak x GEMM_EFFICIENCY) (tile and wave quantization, NVIDIA's "Matrix Multiplication
+  FLOPs / (per-SM peak x the GPU kind's GEMM efficiency) (tile and wave quantization, NVIDIA's "Matrix Multiplication
   Background User's Guide", DU-09799-001, ch. 3), and never less than its bytes / memory bandwidth;
-* every other op is memory-bound: bytes / (memory bandwidth x MEMORY_EFFICIENCY) (the guide's ch. 2: an op
+* every other op is memory-bound: bytes / (memory bandwidth x its memory efficiency) (the guide's ch. 2: an op
   whose FLOPs per byte are below the GPU's FLOPs:bytes ratio is limited by memory).
 
 So small micro-batches run far below peak for a reason the learner can see (partial waves, memory-bound
-GEMMs, element-wise ops that do not shrink with the GEMMs), with two global constants per model, not per point.
+GEMMs, element-wise ops that do not shrink with the GEMMs), with two constants per GPU kind (measured by this lab
+where it had that GPU, else assumed: `labkit.runtime.hardware.GPU.gemm_efficiency`), none per point.
 """
 
 from __future__ import annotations
@@ -27,11 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from labkit.runtime.hardware import GPU
+from labkit.runtime.hardware import GEMM_EFFICIENCY, GPU, MEMORY_EFFICIENCY  # noqa: F401 -- the assumed values
 
-# Assumptions of this model, global for every GPU kind (not fitted to any published point; docs/predict.md):
-GEMM_EFFICIENCY = 0.8    # a large cuBLAS GEMM's share of the dense tensor-core peak (full waves, big K)
-MEMORY_EFFICIENCY = 0.8  # a streaming element-wise kernel's share of the datasheet memory bandwidth
 TILE = 128               # cuBLAS's typical 128 x 128 output tile (the guide's section 2.3)
 
 _GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"}
@@ -124,7 +122,7 @@ def count(step: Callable[[], torch.Tensor], params: list[torch.nn.Parameter] | N
 
 def op_seconds(op: Op, gpu: GPU, precision: str) -> float:
     """One op on one GPU: the roofline of the module doc (GEMMs with tile and wave quantization)."""
-    memory_s = op.bytes / (gpu.memory_bytes_per_s * MEMORY_EFFICIENCY)
+    memory_s = op.bytes / (gpu.memory_bytes_per_s * gpu.memory_efficiency)
     if op.gemm is None:
         return memory_s
     batch, m, n, k = op.gemm
@@ -133,7 +131,7 @@ def op_seconds(op: Op, gpu: GPU, precision: str) -> float:
     align = gpu.tensor_core_alignment
     tensor_cores = precision == "fp32" or align == 1 or all(d % align == 0 for d in (m, n, k))
     peak = gpu.peak(precision) if tensor_cores else gpu.cuda_core_peak(precision)
-    per_sm = peak / gpu.sms * GEMM_EFFICIENCY
+    per_sm = peak / gpu.sms * gpu.gemm_efficiency(precision if tensor_cores else "fp32")
     return max(waves * 2.0 * TILE * TILE * k / per_sm, memory_s)
 
 
@@ -145,13 +143,17 @@ def roofline_s(ops: list[Op], gpu: GPU, precision: str) -> float:
 @dataclass(frozen=True, kw_only=True)
 class Transformer:
     """A GPT-2-style decoder (pre-LayerNorm, 4h MLP, GELU, tied embeddings): Megatron-LM's GPT and Hugging Face's
-    GPT2LMHeadModel. Attention is materialised (softmax over s x s scores), as in the 2020-2021 codes."""
+    GPT2LMHeadModel. Attention is materialised (softmax over s x s scores), as in the 2020-2021 codes. `dropout`:
+    on the embeddings, the attention probabilities and both residual branches, 0.1 by default as both codes train
+    (Hugging Face's GPT2Config resid_pdrop = embd_pdrop = attn_pdrop = 0.1; Megatron-LM's --hidden-dropout and
+    --attention-dropout 0.1): a dropout is a kernel over its tensor in the forward and one in the backward."""
 
     layers: int
     hidden: int
     heads: int
     seq: int
     vocab: int = 50257
+    dropout: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq", "vocab"):
@@ -159,19 +161,22 @@ class Transformer:
                 raise ValueError(f"transformer {name} must be >= 1")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"transformer dropout must be in [0, 1), got {self.dropout}")
 
     @classmethod
     def parse(cls, text: str) -> Transformer:
-        """'layers=48,hidden=1600,heads=16,seq=1024,vocab=50257' (vocab optional)."""
-        values: dict[str, int] = {}
+        """'layers=48,hidden=1600,heads=16,seq=1024,vocab=50257,dropout=0.1' (vocab and dropout optional)."""
+        values: dict[str, Any] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
-            if not sep or key not in ("layers", "hidden", "heads", "seq", "vocab"):
-                raise ValueError(f"--transformer takes layers=,hidden=,heads=,seq=[,vocab=], got {part!r}")
+            if not sep or key not in ("layers", "hidden", "heads", "seq", "vocab", "dropout"):
+                raise ValueError(f"--transformer takes layers=,hidden=,heads=,seq=[,vocab=,dropout=], got {part!r}")
             try:
-                values[key] = int(value)
+                values[key] = float(value) if key == "dropout" else int(value)
             except ValueError:
-                raise ValueError(f"--transformer {key} must be an integer, got {value!r}") from None
+                kind = "a number" if key == "dropout" else "an integer"
+                raise ValueError(f"--transformer {key} must be {kind}, got {value!r}") from None
         missing = {"layers", "hidden", "heads", "seq"} - set(values)
         if missing:
             raise ValueError(f"--transformer is missing {', '.join(sorted(missing))}")
@@ -186,6 +191,11 @@ class Transformer:
         """Submodules holding parameters directly (ZeRO-3 fetches each before its forward and its backward):
         per layer ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj; plus wte, wpe, ln_f (the LM head is tied)."""
         return 6 * self.layers + 3
+
+    def paramless_modules(self) -> int:
+        """Submodules without parameters of their own (blocks, attention and MLP containers, dropouts, the
+        activation): ZeRO-3 hooks them too. Counted on Hugging Face's model at 1 and 2 layers, extrapolated."""
+        return _paramless_modules(self.hidden, self.heads, self.dropout, self.layers)
 
     def module_layout(self) -> list[list[int]]:
         """Each parameter-holding module's parameter sizes, in GPT2LMHeadModel's order (comms.module_layout's shape):
@@ -209,11 +219,19 @@ def _gpt2(shape: Transformer, layers: int, dtype: torch.dtype) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     settings: dict[str, Any] = dict(n_layer=layers, n_embd=shape.hidden, n_head=shape.heads, n_positions=shape.seq,
-                                    vocab_size=shape.vocab, attn_implementation="eager", resid_pdrop=0.0,
-                                    embd_pdrop=0.0, attn_pdrop=0.0)
+                                    vocab_size=shape.vocab, attn_implementation="eager", resid_pdrop=shape.dropout,
+                                    embd_pdrop=shape.dropout, attn_pdrop=shape.dropout)
     with torch.device("meta"):
         model: Any = GPT2LMHeadModel(GPT2Config(**settings))
         return model.to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _paramless_modules(hidden: int, heads: int, dropout: float, layers: int) -> int:
+    shape = Transformer(layers=1, hidden=hidden, heads=heads, seq=8, vocab=8, dropout=dropout)
+    one, two = (sum(1 for m in _gpt2(shape, n, torch.float32).modules() if not list(m.parameters(recurse=False)))
+                for n in (1, 2))
+    return one + (layers - 1) * (two - one)
 
 
 @dataclass(frozen=True)
@@ -247,3 +265,22 @@ def transformer_costs(shape: Transformer, micro_batch: int, dtype_name: str) -> 
 def module_census(model: torch.nn.Module, step: Callable[[], torch.Tensor]) -> Census:
     """Any model already on the meta device, with a `step()` that returns its loss."""
     return count(step, list(model.parameters()))
+
+
+def gemm_check(gpu: GPU) -> list[dict[str, Any]]:
+    """The GEMM roofline (`op_seconds`) against every GEMM this lab measured on `gpu` (`gpu.measured`, from
+    bench_gpu_constants.py): predicted and measured seconds per shape and dtype. The model takes one number from
+    the grid (its best GEMM, as the GPU kind's efficiency); every other shape is a check it was not fitted to."""
+    if gpu.measured is None:
+        return []
+    size = {"bf16": 2, "fp16": 2, "fp32": 4}
+    rows = []
+    for dtype, shapes in gpu.measured.gemm_shapes.items():
+        for shape in shapes:
+            m, n, k = int(shape["m"]), int(shape["n"]), int(shape["k"])
+            op = Op("aten.mm", 2.0 * m * n * k, float(size[dtype] * (m * k + k * n + m * n)), (1, m, n, k))
+            predicted = op_seconds(op, gpu, dtype)
+            rows.append({"dtype": dtype, "label": shape.get("label", f"{m}x{n}x{k}"), "m": m, "n": n, "k": k,
+                         "measured_s": float(shape["seconds"]), "predicted_s": predicted,
+                         "error": predicted / float(shape["seconds"]) - 1})
+    return rows

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from labkit.runtime.hardware import GB, GPU, GPUS, Cluster
+from labkit.runtime.hardware import GB, GPU, GPUS, MEMORY_EFFICIENCY, Cluster
 from labkit.runtime.hardware import gpu as find_gpu
 from labkit.study import flops, memory
 from labkit.study.verdict import FLAT_BAND, verdict
@@ -50,7 +50,7 @@ ADAM_BYTES_PER_PARAM = 30
 # 2 x 6 x 21.3 GB/s = 256 GB/s (Intel ARK, Xeon Platinum 8168: the DGX-2's CPUs); pass --host-memory-gb-per-s
 # for yours. The node's host bandwidth is shared by its GPUs' ranks.
 DEFAULT_HOST_MEMORY_GB_PER_S = 256.0
-HOST_MEMORY_EFFICIENCY = flops.MEMORY_EFFICIENCY
+HOST_MEMORY_EFFICIENCY = MEMORY_EFFICIENCY  # assumed, as a GPU's (labkit.runtime.hardware)
 # ZeRO-3's host-side cost of one submodule fetch (DeepSpeed's pre-forward / pre-backward hooks, Python): measured
 # on this lab's machine by `measure_zero3_fetch_s` (data/predict-ci/host.json says when and at what load); the host
 # of a GPU node runs the same Python. A micro-step cannot be shorter than the host's work to issue it.
@@ -63,6 +63,41 @@ def zero3_fetch_s() -> float:
 
     return float(json.loads(HOST_JSON.read_text())["zero3_fetch_s"]) if HOST_JSON.exists() else 0.0
 
+
+@dataclass(frozen=True)
+class HostCosts:
+    """What the node's host spends to issue one micro-step, per GPU kind: a GPU node's host measured by
+    bench_gpu_constants.py where this lab had that GPU (`GPU.measured`), else this lab's CPU machine for ZeRO-3's
+    hooks (host.json) and no launch term (not measured: left out, as docs/predict.md says)."""
+
+    launch_s: float               # per op issued (torch dispatch + kernel launch)
+    zero3_per_module_s: float     # per parameter-holding module per micro-step (a fetch before forward, one before
+    zero3_per_micro_step_s: float  # backward), fixed per micro-step,
+    zero3_per_paramless_module_s: float  # and per module without parameters (hooked too)
+    source: str
+
+    def micro_step_s(self, ops: int, modules: int, paramless: int, stage: int | None) -> float:
+        zero3 = (modules * self.zero3_per_module_s + paramless * self.zero3_per_paramless_module_s
+                 + self.zero3_per_micro_step_s) if stage == 3 else 0.0
+        return ops * self.launch_s + zero3
+
+
+def host_costs(gpu: GPU) -> HostCosts:
+    """The node host's costs for `gpu`: measured on that GPU kind's node where this lab had it; else on any GPU node
+    this lab measured (the same DeepSpeed and PyTorch issue the work, on another host CPU: stated in `source`); else
+    ZeRO-3's hooks from this lab's CPU machine and no launch term. Measured figures below 0 (a difference of two
+    noisy timings) count as 0."""
+    measured = [gpu.measured] if gpu.measured is not None and gpu.measured.zero3_per_module_s is not None else []
+    measured += [g.measured for _, g in sorted(GPUS.items())
+                 if g.measured is not None and g.measured.zero3_per_module_s is not None]
+    if measured:
+        m = measured[0]
+        source = m.source if m is gpu.measured else f"{m.source} (its node's host; {gpu.name}'s not measured)"
+        return HostCosts(m.launch_s or 0.0, max(m.zero3_per_module_s or 0.0, 0.0),
+                         max(m.zero3_per_micro_step_s or 0.0, 0.0), max(m.zero3_per_paramless_module_s or 0.0, 0.0),
+                         source)
+    return HostCosts(0.0, 2 * zero3_fetch_s(), 0.0, 0.0,
+                     f"ZeRO-3 hooks: {HOST_JSON.name} (this lab's CPU machine, parameter-holding modules only)")
 
 
 class Workload(Protocol):
@@ -78,6 +113,9 @@ class Workload(Protocol):
     @property
     def param_modules(self) -> int: ...
 
+    @property
+    def paramless_modules(self) -> int: ...
+
     def module_layout(self) -> list[list[int]]: ...
 
     def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts: ...
@@ -90,6 +128,7 @@ class PhaseCosts:
     model_flops: float        # forward + backward, no recomputation
     hardware_flops: float     # what the GPU executes (recomputation counted, as Megatron-LM's SC21 paper does)
     activation_bytes: float   # saved for the backward
+    ops: int = 0              # device ops (kernels) the host issues per micro-step
 
 
 @dataclass(frozen=True)
@@ -109,6 +148,10 @@ class TransformerWorkload:
     def param_modules(self) -> int:
         return self.shape.param_modules()
 
+    @property
+    def paramless_modules(self) -> int:
+        return self.shape.paramless_modules()
+
     def module_layout(self) -> list[list[int]]:
         return self.shape.module_layout()
 
@@ -121,6 +164,8 @@ class TransformerWorkload:
         f_fwd = c.scaled(lambda x: x.flops("forward"), layers)
         f_bwd = c.scaled(lambda x: x.flops("backward"), layers)
         saved = c.scaled(lambda x: x.saved_bytes, layers)
+        ops_fwd = round(c.scaled(lambda x: len(x.forward), layers))
+        ops = ops_fwd + round(c.scaled(lambda x: len(x.backward), layers))
         if checkpointing:
             # Full recomputation (Megatron-LM's --checkpoint-activations): each layer keeps only its input and the
             # backward recomputes one layer's forward at a time.
@@ -128,8 +173,8 @@ class TransformerWorkload:
             base = c.ops1.saved_bytes - per_layer
             size = 4 if precision == "fp32" else 2
             saved = base + layers * micro_batch * self.shape.seq * self.shape.hidden * size + per_layer
-            return PhaseCosts(fwd, bwd + fwd, f_fwd + f_bwd, 2 * f_fwd + f_bwd, saved)
-        return PhaseCosts(fwd, bwd, f_fwd + f_bwd, f_fwd + f_bwd, saved)
+            return PhaseCosts(fwd, bwd + fwd, f_fwd + f_bwd, 2 * f_fwd + f_bwd, saved, ops + ops_fwd)
+        return PhaseCosts(fwd, bwd, f_fwd + f_bwd, f_fwd + f_bwd, saved, ops)
 
 
 @dataclass
@@ -147,8 +192,10 @@ class ModuleWorkload:
         numels = builders.param_numels(self.config)
         self.n_params = sum(numels)
         self.persistent_params = builders.persistent_params(numels)
-        self.layout = comms.module_layout(builders.meta_model(self.config))
+        model = builders.meta_model(self.config)
+        self.layout = comms.module_layout(model)
         self.param_modules = len(self.layout)
+        self.paramless_modules = sum(1 for m in model.modules() if not list(m.parameters(recurse=False)))
         self.name = self.config.model
 
     def module_layout(self) -> list[list[int]]:
@@ -189,7 +236,7 @@ class ModuleWorkload:
                              "do not checkpoint)")
         c = self.census(micro_batch, precision)
         fwd, bwd = flops.roofline_s(c.forward, gpu, precision), flops.roofline_s(c.backward, gpu, precision)
-        return PhaseCosts(fwd, bwd, c.flops(), c.flops(), c.saved_bytes)
+        return PhaseCosts(fwd, bwd, c.flops(), c.flops(), c.saved_bytes, len(c.forward) + len(c.backward))
 
 
 def lab_workload(config: Any) -> Workload:
@@ -201,7 +248,7 @@ def lab_workload(config: Any) -> Workload:
         from labkit.models.gpt import VOCAB_SIZE, n_heads
 
         shape = flops.Transformer(layers=config.depth, hidden=config.hidden, heads=n_heads(config.hidden),
-                                  seq=config.input_size, vocab=VOCAB_SIZE)
+                                  seq=config.input_size, vocab=VOCAB_SIZE, dropout=0.0)  # the lab's GPT: dropout off
         return TransformerWorkload(shape, name="gpt")
     return ModuleWorkload(config)
 
@@ -317,6 +364,7 @@ class Prediction:
     fits: bool
     max_micro_batch: int
     hardware: str
+    constants: str = ""       # where the GPU kind's efficiencies and the host's costs come from (measured / assumed)
     collectives: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -344,14 +392,14 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     gpu, n = cluster.gpu, cluster.world_size
     gpu.peak(precision)  # a precision the GPU has no tensor cores for is refused here
     costs = workload.costs(micro_batch, gpu, precision, activation_checkpointing)
-    # The host issues the GPU's work asynchronously; ZeRO-3's per-module fetch hooks are host work, so a micro-step
-    # takes the longer of the device's compute and the host's hooks (2 fetches per module: forward and backward).
-    host_s = 2 * workload.param_modules * zero3_fetch_s() if stage == 3 else 0.0
+    # The host issues the GPU's work asynchronously, so a micro-step takes the longer of the device's compute and the
+    # host's work to issue it: an op launch per kernel, and ZeRO-3's per-module fetch hooks (HostCosts).
+    host_s = host_costs(gpu).micro_step_s(costs.ops, workload.param_modules, workload.paramless_modules, stage)
     if host_s > costs.forward_s + costs.backward_s:
         scale = host_s / (costs.forward_s + costs.backward_s)
         costs = dataclasses.replace(costs, forward_s=costs.forward_s * scale, backward_s=costs.backward_s * scale)
     owned = workload.n_params / partition_ranks(stage, n)
-    optimizer_s = 0.0 if offload else owned * ADAM_BYTES_PER_PARAM / (gpu.memory_bytes_per_s * flops.MEMORY_EFFICIENCY)
+    optimizer_s = 0.0 if offload else owned * ADAM_BYTES_PER_PARAM / (gpu.memory_bytes_per_s * gpu.memory_efficiency)
     compute_s = grad_accum * (costs.forward_s + costs.backward_s) + optimizer_s
     rows = collective_rows(stage, workload, n, precision=precision, grad_accum=grad_accum, offload_optimizer=offload)
     comm = comm_time(rows, ClusterLinks(cluster), n, grad_accum=grad_accum,
@@ -370,22 +418,29 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         comm_s=comm.total_s, exposed_comm_s=comm.exposed_s, offload_s=offload_s,
         host_overhead_s=grad_accum * host_s,
         device_bytes=states + costs.activation_bytes, activation_bytes=costs.activation_bytes, fits=fits,
-        max_micro_batch=max_micro, hardware=cluster.describe(), collectives=comm.rows)
+        max_micro_batch=max_micro, hardware=cluster.describe(),
+        constants=f"device: {gpu.constants_source}; host: {host_costs(gpu).source}", collectives=comm.rows)
 
 
 def _offload_s(stage: int | None, offload: bool, owned: float, grad_accum: int, cluster: Cluster, precision: str,
                host_memory_gb_per_s: float) -> float:
     """ZeRO-Offload, not overlapped (DeepSpeed's default): the rank's gradient partition goes down in fp32 (stages
     2-3 every micro-step, stage 1 at the boundary), CPU Adam runs over it on the host, and the updated parameters
-    come back up in the training dtype."""
+    come back up in the training dtype. CPU Adam: this lab's measurement of DeepSpeedCPUAdam on the GPU kind's node
+    host where it has one (all the host's threads; the node's ranks share them), else memory traffic at the host's
+    memory bandwidth."""
     if not offload:
         return 0.0
-    host = cluster.host_link()
-    pcie = host.bytes_per_s * host.efficiency
     downs = grad_accum if stage in (2, 3) else 1
     param_size = 4 if precision == "fp32" else 2
-    host_bw = host_memory_gb_per_s * GB * HOST_MEMORY_EFFICIENCY / cluster.gpus_per_node
-    return downs * 4 * owned / pcie + owned * ADAM_BYTES_PER_PARAM / host_bw + param_size * owned / pcie
+    measured = cluster.gpu.measured.cpu_adam_s_per_param if cluster.gpu.measured else None
+    if measured:
+        adam_s = owned * measured * cluster.gpus_per_node
+    else:
+        adam_s = owned * ADAM_BYTES_PER_PARAM / (host_memory_gb_per_s * GB * HOST_MEMORY_EFFICIENCY
+                                                 / cluster.gpus_per_node)
+    return (downs * 4 * owned / cluster.device_to_host_bytes_per_s() + adam_s
+            + param_size * owned / cluster.host_to_device_bytes_per_s())
 
 
 def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bool, precision: str,

@@ -6,7 +6,8 @@ Where a source leaves a setting out, one rule fills it for every point (never a 
 * activation checkpointing not stated: on exactly when the predicted memory says the micro-batch does not fit
   without it (what a user of that code had to do);
 * `code` megatron-lm: the vocabulary is padded to a multiple of 128 (Megatron-LM's --make-vocab-size-divisible-by
-  default, megatron/arguments.py), which the source's table does not repeat; Hugging Face models keep theirs.
+  default, megatron/arguments.py), which the source's table does not repeat; Hugging Face models keep theirs;
+* dropout is not stated by any source: 0.1, both codes' default (`flops.Transformer.dropout`).
 """
 
 from __future__ import annotations
