@@ -110,10 +110,13 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from labkit.launch.admission import Admission
     from labkit.launch.phase import RunProgress, run_label
     from labkit.launch.run import Run
 
     config = config_from_args(args)
+    admission = Admission.here()
+    admission.check_alone(admission.estimate(config), "this run")  # NotEnoughMemory: exit 2, with the figures
     run = Run(config, out=args.out).start()
     run_dir = run.run_dir
     assert run_dir is not None  # start() made it
@@ -125,12 +128,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             progress, phase = watcher.poll()
             bar.set_postfix_str(phase, refresh=False)
             bar.update(progress - bar.n)
+            admission.sample(run._supervisor_pid())  # the launchers' RSS, learned below
             run.wait(timeout=0.5)
     except KeyboardInterrupt:
         print("\nstopping the run ...", file=sys.stderr)
         run.stop()
     bar.update(run.progress() - bar.n)
     bar.close()
+    admission.learn(config, run.run_dir, run._supervisor_pid())
     summary = run.summary or {}
     for warning in summary.get("warnings") or []:
         print(f"warning: {warning}", file=sys.stderr)

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from labkit.launch.admission import Admission
 from labkit.launch.config import EXAMPLES, LR_SCALINGS, PRECISIONS, ConfigError, RunConfig
 from labkit.launch.history import COLUMNS, runs
 from labkit.launch.run import FINAL_STATUSES, Run
@@ -251,6 +252,8 @@ class LabPanel:
             return None
         try:
             config = self.config()
+            admission = Admission.here(self.root)
+            admission.check_alone(admission.estimate(config), "this run")  # NotEnoughMemory, with the figures
             run = Run(config, env=self.env, root=self.root).start()  # refuses GPUs another run holds
         except ConfigError as exc:
             self._show_error(str(exc))
