@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     admission = Admission.here()
-    admission.check_alone(admission.estimate(config), "this run")  # NotEnoughMemory: exit 2, with the figures
+    estimate = admission.estimate(config)
+    admission.check_alone(estimate, "this run")  # NotEnoughMemory: exit 2, with the figures
+    if not (decision := admission.decide(estimate, [])).admit:  # other programs hold the memory now
+        print(f"{decision.describe()}; waiting for other programs to free it (Ctrl-C gives up)", file=sys.stderr)
+        try:
+            while not admission.decide(estimate, []).admit:
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            return 130
     run = Run(config, out=args.out).start()
     run_dir = run.run_dir
     assert run_dir is not None  # start() made it

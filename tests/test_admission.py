@@ -27,6 +27,7 @@ from labkit.launch.admission import (
     estimate,
     memory_limit,
     refusal,
+    room_bytes,
     runs_module,
 )
 from labkit.study import memory
@@ -162,12 +163,19 @@ def test_the_queue_admits_in_order_and_nothing_overtakes_a_run_that_waits():
 
 
 def test_a_run_that_cannot_fit_alone_is_refused_with_both_figures():
-    capacity = Capacity(available_bytes=int(1.2 * GB), cores=2)
-    assert refusal(est(1.0), capacity, "run 'small'") is None
-    error = refusal(est(1.5), capacity, "run 'big'")
+    assert refusal(est(1.0), int(1.2 * GB), "run 'small'") is None
+    error = refusal(est(1.5), int(1.2 * GB), "run 'big'", "8.00 GB of memory less ...")
     assert isinstance(error, NotEnoughMemory) and isinstance(error, admission.ConfigError)
     assert (error.needed_bytes, error.available_bytes) == (int(1.5 * GB), int(1.2 * GB))
-    assert "run 'big' needs 1.50 GB" in str(error) and "1.20 GB available" in str(error)
+    assert "run 'big' needs 1.50 GB but at most 1.20 GB is available" in str(error)
+
+
+def test_the_room_a_run_is_refused_beyond_is_the_machine_less_this_process_tree_not_what_others_hold_now():
+    room, where = room_bytes(vm_total=24 * GB, limit=None, tree_rss=GB)
+    assert room == 23 * GB - round(0.1 * 24 * GB) and "24.00 GB of memory less this process tree's 1.00 GB" in where
+    room, where = room_bytes(vm_total=24 * GB, limit=8 * GB, tree_rss=GB)
+    assert room == 7 * GB - round(0.1 * 8 * GB) and admission.MEMORY_LIMIT_ENV in where
+    assert room_bytes(vm_total=4 * GB, limit=8 * GB, tree_rss=0)[0] == 4 * GB - round(0.1 * 4 * GB)
 
 
 def test_launch_py_names_the_rank_guard_but_is_no_guard():
@@ -255,7 +263,7 @@ def test_cli_refuses_a_run_that_cannot_fit_with_exit_2_and_the_figures(tmp_path)
         env={**os.environ, admission.MEMORY_LIMIT_ENV: "1e9", "LABKIT_RUNS_DIR": str(tmp_path / "runs")})
     assert result.returncode == 2, result.stderr[-2000:]
     line = next(line for line in result.stderr.splitlines() if line.startswith("error: memory:"))
-    assert "this run needs" in line and "GB available" in line and admission.MEMORY_LIMIT_ENV in line
+    assert "this run needs" in line and "GB is available to runs" in line and admission.MEMORY_LIMIT_ENV in line
     assert not out.exists()  # refused before anything was written
 
 
@@ -268,5 +276,5 @@ def test_the_panel_shows_the_refusal_and_launches_nothing(runs_root, monkeypatch
     panel = LabPanel(world_size=2, micro_batch=32)
     assert panel.launch() is None and panel.run is None
     message = re.sub(r"<[^>]+>", "", panel.message.value)
-    assert message.startswith("⚠ memory: this run needs") and "GB available" in message
+    assert message.startswith("⚠ memory: this run needs") and "GB is available" in message
     assert not runs_root.exists() or not list(runs_root.glob("*/config.json"))

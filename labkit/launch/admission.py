@@ -18,12 +18,15 @@ this machine has seen (`LearnedMemory`: the largest of the last `KEEP` observati
 the run store, so a new kernel starts with what the last one learned); before any run, the priors below,
 measured here.
 
-What the machine has (`Capacity`): `psutil.virtual_memory().available`, or, with `LABKIT_MEMORY_LIMIT_BYTES`
+What the machine has now (`Capacity`): `psutil.virtual_memory().available`, or, with `LABKIT_MEMORY_LIMIT_BYTES`
 set (a simulated smaller machine), at most that limit less what this process's tree (the kernel or the CLI,
 and every run it started) holds now; less a safety margin (`MARGIN_FRACTION` of the machine, at least
 `MIN_MARGIN_BYTES`). The runs already going hold part of their estimate already (it is in their RSS, so it
 is gone from `available`): a new run is admitted while its estimate plus what the running ones may still
-grow into (estimate less RSS, when positive) fits in what is left.
+grow into (estimate less RSS, when positive) fits in what is left. A run that needs more than the machine
+could ever give it (`room_bytes`: its memory, or the limit, less this process tree and the margin) is refused
+before anything launches (`NotEnoughMemory`); one that only needs more than other programs leave free now
+waits, and says so: they may let go of it.
 
 Cores (CPU ranks): DeepSpeed's CPU ranks are compute-bound once they train, and on top of each other they
 only take turns. So at most `CORE_OVERSUBSCRIPTION` x cores rank threads (OpenMP threads per rank x ranks,
@@ -78,7 +81,7 @@ _RANK_GUARD_MODULE = "labkit.launch.rank_guard"
 
 class NotEnoughMemory(ConfigError):
     """A run that does not fit in this machine's memory even alone: refused before anything launches.
-    `needed_bytes`: its estimate; `available_bytes`: what the admission sees free (less the margin)."""
+    `needed_bytes`: its estimate; `available_bytes`: the most runs could have here (`room_bytes`)."""
 
     def __init__(self, message: str, *, needed_bytes: int, available_bytes: int):
         super().__init__("memory", message)
@@ -173,7 +176,6 @@ class Capacity:
     available_bytes: int
     cores: int
     devices: int | None = None
-    limited_by: str = "psutil available"  # or the simulated limit
 
     @property
     def core_limit(self) -> int:
@@ -194,14 +196,28 @@ def memory_limit(env: dict[str, str] | None = None) -> int | None:
     return int(limit)
 
 
+def margin_bytes(machine_bytes: int) -> int:
+    """The safety margin of a machine (or a simulated limit) of `machine_bytes`."""
+    return max(MIN_MARGIN_BYTES, round(MARGIN_FRACTION * machine_bytes))
+
+
 def available_bytes(*, vm_available: int, vm_total: int, limit: int | None, tree_rss: int) -> tuple[int, str]:
-    """(what the admission may fill, what limits it), pure: the machine's available memory, or with a simulated
+    """(what the admission may fill now, what limits it), pure: the machine's available memory, or with a simulated
     `limit` at most `limit - tree_rss` (this process and everything it started), less the safety margin."""
-    margin = max(MIN_MARGIN_BYTES, round(MARGIN_FRACTION * (limit if limit is not None else vm_total)))
     free, source = vm_available, "psutil available"
     if limit is not None and limit - tree_rss < vm_available:
         free, source = limit - tree_rss, f"{MEMORY_LIMIT_ENV}={limit} less this process tree's {gb(tree_rss)}"
-    return max(0, free - margin), source
+    return max(0, free - margin_bytes(limit if limit is not None else vm_total)), source
+
+
+def room_bytes(*, vm_total: int, limit: int | None, tree_rss: int) -> tuple[int, str]:
+    """(the most runs could ever have here, what it is), pure: the machine's memory, or the simulated limit, less
+    this process tree (the kernel, with nothing of ours running) and the margin. A run needing more is refused;
+    one that needs more than is available NOW (other programs hold it) waits instead: they may let go."""
+    machine = vm_total if limit is None else min(limit, vm_total)
+    source = (f"{gb(vm_total)} of memory" if limit is None or limit >= vm_total else f"{MEMORY_LIMIT_ENV}={limit}")
+    return (max(0, machine - tree_rss - margin_bytes(machine)),
+            f"{source} less this process tree's {gb(tree_rss)} and a {MARGIN_FRACTION:.0%} safety margin")
 
 
 def tree_rss(process: psutil.Process | None = None) -> int:
@@ -344,16 +360,15 @@ def admit_from(queue: Sequence[Estimate], running: Sequence[tuple[Estimate, int]
     return len(queue), None
 
 
-def refusal(candidate: Estimate, capacity: Capacity, label: str) -> NotEnoughMemory | None:
-    """The error for a run that cannot fit even alone (pure), or None when it can."""
-    if candidate.total_bytes <= capacity.available_bytes:
+def refusal(candidate: Estimate, room: int, label: str, where: str = "") -> NotEnoughMemory | None:
+    """The error for a run that needs more than `room_bytes` (pure), or None when it can fit."""
+    if candidate.total_bytes <= room:
         return None
     return NotEnoughMemory(
-        f"{label} needs {gb(candidate.total_bytes)} but this machine has {gb(capacity.available_bytes)} available "
-        f"({capacity.limited_by}, less a {MARGIN_FRACTION:.0%} safety margin): estimate {candidate.describe()}. "
-        f"Fewer ranks (world_size), a smaller model or micro-batch, or optimizer offload on a GPU make it smaller; "
-        f"closing other programs frees memory", needed_bytes=candidate.total_bytes,
-        available_bytes=capacity.available_bytes)
+        f"{label} needs {gb(candidate.total_bytes)} but at most {gb(room)} is available to runs on this machine"
+        f"{f' ({where})' if where else ''}: estimate {candidate.describe()}. Fewer ranks (world_size), a smaller "
+        f"model or micro-batch, or optimizer offload on a GPU make it smaller", needed_bytes=candidate.total_bytes,
+        available_bytes=room)
 
 
 # -- what this machine has learned ----------------------------------------------------------------
@@ -469,15 +484,18 @@ class Admission:
                         is_cpu=self.is_cpu, cores=self.cores, leases_devices=self.devices is not None)
 
     def capacity(self) -> Capacity:
+        """What may be filled now (psutil, the simulated limit), the cores and the devices."""
         vm = psutil.virtual_memory()
         limit = memory_limit()
-        free, source = available_bytes(vm_available=vm.available, vm_total=vm.total, limit=limit,
+        free, _ = available_bytes(vm_available=vm.available, vm_total=vm.total, limit=limit,
                                        tree_rss=tree_rss() if limit is not None else 0)
-        return Capacity(free, self.cores, self.devices, source)
+        return Capacity(free, self.cores, self.devices)
 
     def check_alone(self, candidate: Estimate, label: str) -> None:
-        """Raise NotEnoughMemory if `candidate` does not fit even with nothing else of ours running."""
-        error = refusal(candidate, self.capacity(), label)
+        """Raise NotEnoughMemory if `candidate` needs more than this machine (or the simulated limit) could give
+        it with nothing else of ours running (`room_bytes`)."""
+        room, where = room_bytes(vm_total=psutil.virtual_memory().total, limit=memory_limit(), tree_rss=tree_rss())
+        error = refusal(candidate, room, label, where)
         if error is not None:
             raise error
 

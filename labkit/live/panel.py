@@ -253,7 +253,11 @@ class LabPanel:
         try:
             config = self.config()
             admission = Admission.here(self.root)
-            admission.check_alone(admission.estimate(config), "this run")  # NotEnoughMemory, with the figures
+            estimate = admission.estimate(config)
+            admission.check_alone(estimate, "this run")  # NotEnoughMemory, with the figures
+            if not (decision := admission.decide(estimate, [])).admit:  # other programs hold it now
+                self._show_error(f"{decision.describe()}: close other programs, then Launch again")
+                return None
             run = Run(config, env=self.env, root=self.root).start()  # refuses GPUs another run holds
         except ConfigError as exc:
             self._show_error(str(exc))
