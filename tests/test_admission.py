@@ -37,9 +37,10 @@ GB = 10**9
 MiB = 2**20
 
 
-def est(total_gb: float, *, threads: int = 2, devices: int = 0) -> Estimate:
-    """A run whose whole estimate is `total_gb` (one rank, no launcher)."""
-    return Estimate(ranks=1, rank_bytes=int(total_gb * GB), launcher_bytes=0, threads=threads, devices=devices)
+def est(total_gb: float, *, ranks: int = 1, threads: int = 2, devices: int = 0) -> Estimate:
+    """A run whose whole estimate is `total_gb` (no launcher), on `ranks` CPU ranks."""
+    return Estimate(ranks=ranks, rank_bytes=int(total_gb * GB / ranks), launcher_bytes=0, cpu_ranks=ranks,
+                    threads=threads, devices=devices)
 
 
 # -- estimates ---------------------------------------------------------------------------------------
@@ -55,7 +56,7 @@ def test_estimate_adds_the_memory_models_states_activations_base_and_launchers()
     assert got.rank_bytes == 400 * MiB + states["device_bytes"] + states["host_bytes"] + 276_480
     assert got.launcher_bytes == 600 * MiB + 2 * admission.GUARD_BYTES
     assert got.total_bytes == 2 * got.rank_bytes + got.launcher_bytes
-    assert (got.ranks, got.threads, got.devices) == (2, 2, 0)  # 1 OpenMP thread per rank on 2 cores
+    assert (got.ranks, got.cpu_ranks, got.threads, got.devices) == (2, 2, 2, 0)  # 1 thread per rank, 2 cores
 
 
 def test_on_a_gpu_only_what_offload_keeps_on_the_host_counts():
@@ -63,7 +64,7 @@ def test_on_a_gpu_only_what_offload_keeps_on_the_host_counts():
     facts = admission.builtin_model_facts(config)
     gpu = estimate(config, rank_base_bytes=0, launcher_bytes=0, model=facts, is_cpu=False, leases_devices=True)
     host = memory.model_state_bytes(facts.n_params, 2, 1, config.precision, True)["host_bytes"]
-    assert gpu.rank_bytes == host > 0 and gpu.threads == 0 and gpu.devices == 1
+    assert gpu.rank_bytes == host > 0 and gpu.cpu_ranks == gpu.threads == 0 and gpu.devices == 1
     plain = RunConfig(example="zero3", world_size=1, hidden=1024, depth=2)
     assert estimate(plain, rank_base_bytes=5, launcher_bytes=0, model=facts, is_cpu=False).rank_bytes == 5
 
@@ -142,13 +143,20 @@ def test_a_run_waits_for_memory_while_the_running_ones_may_still_grow():
 
 def test_a_run_waits_for_cores_only_beside_others_and_for_devices():
     capacity = Capacity(available_bytes=100 * GB, cores=2, devices=2)
-    assert decide(est(1, threads=4), [], capacity).admit  # alone, a run is never held back for cores
-    cores = decide(est(1, threads=2), [(est(1, threads=2), 0)], capacity)
-    assert (cores.admit, cores.waiting_for, cores.needed, cores.available) == (False, "cores", 4, 2)
-    assert "waiting for cores" in cores.describe()
-    assert decide(est(1, threads=2), [(est(1, threads=0), 0)], capacity).admit  # its ranks are done
-    assert decide(est(1, threads=2), [(est(1, threads=2), 0)], capacity, count_cores=False).admit
-    devices = decide(est(1, threads=0, devices=2), [(est(1, threads=0, devices=1), 0)], capacity)
+    assert decide(est(1, ranks=4, threads=4), [], capacity).admit  # alone, a run is never held back for cores
+    # Two 1-rank runs (2 threads each: all the cores) share 2 cores; a 2-rank run beside a 1-rank one does not.
+    assert decide(est(1, ranks=1, threads=2), [(est(1, ranks=1, threads=2), 0)], capacity).admit
+    cores = decide(est(1, ranks=2, threads=2), [(est(1, ranks=1, threads=2), 0)], capacity)
+    assert (cores.admit, cores.waiting_for, cores.needed, cores.available) == (False, "cores", 3, 2)
+    assert cores.describe() == "waiting for cores: 3 rank processes, at most 2 at once"
+    threads = decide(est(1, ranks=1, threads=3), [(est(1, ranks=1, threads=2), 0)], capacity)
+    assert (threads.waiting_for, threads.needed, threads.available) == ("threads", 5, 4)
+    assert "5 rank threads, at most 4" in threads.describe()
+    done = Estimate(ranks=2, rank_bytes=GB, launcher_bytes=0)  # its ranks all recorded done: no cores held
+    assert decide(est(1, ranks=2, threads=2), [(done, 0)], capacity).admit
+    assert decide(est(1, ranks=2), [(est(1, ranks=2), 0)], capacity, count_cores=False).admit
+    gpu = Estimate(ranks=1, rank_bytes=GB, launcher_bytes=0, devices=1)  # GPU ranks take no cores here
+    devices = decide(Estimate(ranks=2, rank_bytes=GB, launcher_bytes=0, devices=2), [(gpu, 0)], capacity)
     assert (devices.waiting_for, devices.needed, devices.available) == ("devices", 2, 1)
 
 
@@ -248,7 +256,7 @@ def test_runs_wait_for_device_leases_instead_of_failing(runs_root, monkeypatch):
         pytest.skip("two 1-thread runs need 2 cores, or the cores hold the second back before the lease does")
     monkeypatch.setenv(device_lease.EMULATED_DEVICES_ENV, "1")
     stream = io.StringIO()
-    one_thread = RunConfig(**SMALL, threads_per_rank=1)  # two fit on 2 cores: only the lease holds one back
+    one_thread = RunConfig(**SMALL, threads_per_rank=1)  # the cores hold two: only the lease holds one back
     runs = lessons.launch_all({"a": one_thread, "b": one_thread}, file=stream)
     assert [run.status for run in runs.values()] == ["finished", "finished"]
     assert "waiting for devices" in stream.getvalue()

@@ -28,12 +28,16 @@ could ever give it (`room_bytes`: its memory, or the limit, less this process tr
 before anything launches (`NotEnoughMemory`); one that only needs more than other programs leave free now
 waits, and says so: they may let go of it.
 
-Cores (CPU ranks): DeepSpeed's CPU ranks are compute-bound once they train, and on top of each other they
-only take turns. So at most `CORE_OVERSUBSCRIPTION` x cores rank threads (OpenMP threads per rank x ranks,
-`labkit.launch.launcher.threads_per_rank`) at once: 1, the fair-timing rule of `labkit.study.sweep`
-(`fair_parallel`). On the lab's 2-core machine a second run beside the first did not finish the notebooks
-sooner (docs/laptop.md has the figures). A run alone is never held back for cores. Devices (GPUs, emulated
-slots): the leases a run takes (`labkit.runtime.device_lease`) must be free.
+Cores (CPU ranks): at most one rank process per core (`RANKS_PER_CORE`) and two rank threads per core
+(`THREADS_PER_CORE`; OpenMP threads per rank x ranks, `labkit.launch.launcher.threads_per_rank`) at once.
+A small run's time is mostly its processes starting (Python, torch, DeepSpeed: one busy thread each), so one
+rank process per core keeps every core busy without runs taking turns; once they train, a run's threads
+are its cores (cores / ranks each), so two 1-rank runs put 2x the cores' threads on them, and no more is
+allowed. Timed comparisons need stricter: `labkit.study.sweep.fair_parallel` (threads x ranks x launches <=
+cores), which the sweep applies. Measured on the lab's 2-core machine (docs/laptop.md): a second 2-rank
+run beside the first (4 rank threads and processes) finished notebook 03 no sooner and took it past 3.5 GB;
+one rank process per core ran 02's and 04's 1-rank runs two at a time. A run alone is never held back for
+cores. Devices (GPUs, emulated slots): the leases a run takes (`labkit.runtime.device_lease`) must be free.
 The queue is first in, first out: a run that waits holds back the ones behind it, so none starves.
 """
 
@@ -58,8 +62,10 @@ MEMORY_LIMIT_ENV = "LABKIT_MEMORY_LIMIT_BYTES"
 # 10% (a laptop swapping is the slowness this module exists to avoid), nor the last 256 MiB of a small limit.
 MARGIN_FRACTION = 0.10
 MIN_MARGIN_BYTES = 256 * MiB
-# Rank threads at once per core (see the module doc): 1 keeps CPU ranks from taking turns on the cores.
-CORE_OVERSUBSCRIPTION = 1
+# CPU ranks at once per core (see the module doc): one busy process per core while they start, at most
+# two OpenMP threads per core once they train.
+RANKS_PER_CORE = 1
+THREADS_PER_CORE = 2
 # Priors, until this machine has finished a run: measured 2026-11-24 on the lab's 2-core machine (torch
 # 2.13.0 CPU, DeepSpeed 0.19.8), ci-sized MLP runs (hidden 1024, depth 2), psutil every 0.5 s plus the
 # ranks' own peak RSS (ru_maxrss): a rank's peak RSS less its census (states) and saved activations was
@@ -101,7 +107,8 @@ class Estimate:
     ranks: int            # rank processes on this machine
     rank_bytes: int       # each: base RSS + model states + activations (on CPU)
     launcher_bytes: int   # supervisor, DeepSpeed's runner and launch.py, the rank guards
-    threads: int = 0      # rank threads on the cores (CPU ranks), 0 for GPU ranks
+    cpu_ranks: int = 0    # rank processes on the cores (CPU ranks), 0 for GPU ranks
+    threads: int = 0      # their OpenMP threads
     devices: int = 0      # device leases it takes (GPUs, emulated slots)
     states_known: bool = True  # False: a model labkit cannot count before it has run once (base alone)
 
@@ -164,6 +171,7 @@ def estimate(config: RunConfig, *, rank_base_bytes: int, launcher_bytes: int, mo
         activations = math.ceil(model.activation_bytes_per_sample * config.micro_batch)
     return Estimate(ranks=config.world_size, rank_bytes=rank_base_bytes + states + activations,
                     launcher_bytes=launcher_bytes + config.world_size * GUARD_BYTES,
+                    cpu_ranks=config.world_size if is_cpu else 0,
                     threads=threads_per_rank(config, cores) * config.world_size if is_cpu else 0,
                     devices=config.world_size if leases_devices else 0, states_known=known)
 
@@ -178,8 +186,12 @@ class Capacity:
     devices: int | None = None
 
     @property
-    def core_limit(self) -> int:
-        return CORE_OVERSUBSCRIPTION * self.cores
+    def rank_limit(self) -> int:
+        return RANKS_PER_CORE * self.cores
+
+    @property
+    def thread_limit(self) -> int:
+        return THREADS_PER_CORE * self.cores
 
 
 def memory_limit(env: dict[str, str] | None = None) -> int | None:
@@ -311,8 +323,8 @@ def occupies(run: Any) -> bool:
 @dataclass(frozen=True)
 class Decision:
     admit: bool
-    waiting_for: str | None = None  # "memory", "cores", "devices"
-    needed: int = 0                 # bytes, rank threads or devices the run would bring the machine to
+    waiting_for: str | None = None  # "memory", "cores" (rank processes), "threads", "devices"
+    needed: int = 0                 # bytes, rank processes or threads, devices the run would bring the machine to
     available: int = 0              # what there is of it
 
     def describe(self) -> str:
@@ -321,7 +333,9 @@ class Decision:
         if self.waiting_for == "memory":
             return f"waiting for memory: needs {gb(self.needed)}, {gb(self.available)} available"
         if self.waiting_for == "cores":
-            return f"waiting for cores: {self.needed} rank threads would share {self.available} allowed"
+            return f"waiting for cores: {self.needed} rank processes, at most {self.available} at once"
+        if self.waiting_for == "threads":
+            return f"waiting for cores: {self.needed} rank threads, at most {self.available} at once"
         return f"waiting for devices: {self.needed} leases needed, {self.available} free"
 
 
@@ -330,15 +344,20 @@ def decide(candidate: Estimate, running: Sequence[tuple[Estimate, int]], capacit
     """Whether `candidate` may start beside `running` ((estimate, RSS of its process tree now) each), pure.
 
     Memory: its estimate plus what the running runs may still grow into (their estimate less their RSS,
-    when positive) must fit in `capacity.available_bytes`. Cores (`count_cores`, CPU): with others running,
-    all rank threads at most `capacity.core_limit`. Devices: the leases of all at most `capacity.devices`."""
+    when positive) must fit in `capacity.available_bytes`. Cores (`count_cores`, CPU): with others running, all
+    rank processes at most `capacity.rank_limit`, their threads `capacity.thread_limit`. Devices: the leases of
+    all at most `capacity.devices`."""
     growth = sum(max(0, est.total_bytes - rss) for est, rss in running)
     needed = candidate.total_bytes + growth
     if needed > capacity.available_bytes:
         return Decision(False, "memory", needed, capacity.available_bytes)
-    threads = candidate.threads + sum(est.threads for est, _ in running)
-    if count_cores and running and threads > capacity.core_limit:
-        return Decision(False, "cores", threads, capacity.core_limit)
+    if count_cores and running:
+        ranks = candidate.cpu_ranks + sum(est.cpu_ranks for est, _ in running)
+        if ranks > capacity.rank_limit:
+            return Decision(False, "cores", ranks, capacity.rank_limit)
+        threads = candidate.threads + sum(est.threads for est, _ in running)
+        if threads > capacity.thread_limit:
+            return Decision(False, "threads", threads, capacity.thread_limit)
     if capacity.devices is not None:
         leases = candidate.devices + sum(est.devices for est, _ in running)
         if leases > capacity.devices:

@@ -94,9 +94,10 @@ def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
 
     def in_flight(label: str) -> Estimate:
         """A running run's estimate; once its ranks all recorded done it computes no more (its supervisor
-        tears down for a few seconds): its memory still counts, its threads and devices no longer."""
+        tears down for a few seconds): its memory still counts, its cores and devices no longer."""
         run = active[label][0].run
-        return estimates[label] if occupies(run) else dataclasses.replace(estimates[label], threads=0, devices=0)
+        return estimates[label] if occupies(run) else dataclasses.replace(estimates[label], cpu_ranks=0, threads=0,
+                                                                          devices=0)
 
     def admit() -> None:
         """Start runs from the head of the queue while the admission lets them; say why the next waits."""
