@@ -6,7 +6,7 @@ laptop gets slower, never killed.
     estimate = admission.estimate(config)        # bytes of each rank and of the launchers, rank threads
     admission.check_alone(estimate, "stage 3")   # NotEnoughMemory (a ConfigError) if it cannot fit at all
     decision = admission.decide(estimate, running)   # running: [(Estimate, its process tree's RSS now)]
-    decision.admit, decision.describe()          # False, "waiting for memory: needs 1.71 GB, 0.94 GB available"
+    decision.admit, decision.describe()          # False, "waiting for memory: needs 1.73 GB, 0.94 GB available"
 
 What a run costs, before it starts (`estimate`): per rank, the model states the memory model predicts
 (`labkit.study.memory.model_state_bytes`: parameters, gradients, optimizer states; on a GPU only what

@@ -49,10 +49,11 @@ def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
 
     On CPU ranks they overlap as far as the machine holds them (`labkit.launch.admission`): a run
     starts, in order, once its estimated memory fits beside the runs already going (what
-    `psutil` says is available, or `LABKIT_MEMORY_LIMIT_BYTES`, less a margin) and its rank threads
-    fit on the cores; the rest wait, and their bars say for what ("waiting for memory: needs 1.71 GB,
-    0.94 GB available"). A run that cannot fit even alone is refused before anything launches
-    (`NotEnoughMemory`, a ConfigError with `needed_bytes` and `available_bytes`). On GPUs they run one
+    `psutil` says is available, or `LABKIT_MEMORY_LIMIT_BYTES`, less a margin) and its ranks fit on
+    the cores (one rank process, two threads per core); the rest wait, and their bars say for what
+    ("waiting for memory: needs 1.73 GB, 0.94 GB available"). A run that needs more than the machine
+    could ever give it is refused before anything launches (`NotEnoughMemory`, a ConfigError with
+    `needed_bytes` and `available_bytes`). On GPUs they run one
     after the other (`concurrent=False`): every run's rank 0 would use the first GPU and take the
     others' memory; a run whose GPUs another run holds waits for them. `timeout_s` bounds each run,
     from its start.
