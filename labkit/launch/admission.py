@@ -507,7 +507,7 @@ class Admission:
         vm = psutil.virtual_memory()
         limit = memory_limit()
         free, _ = available_bytes(vm_available=vm.available, vm_total=vm.total, limit=limit,
-                                       tree_rss=tree_rss() if limit is not None else 0)
+                                  tree_rss=tree_rss() if limit is not None else 0)
         return Capacity(free, self.cores, self.devices)
 
     def check_alone(self, candidate: Estimate, label: str) -> None:
