@@ -39,7 +39,7 @@ SUMMARY_COLUMNS = ("status", "example", "stage", "offload_optimizer", "precision
 
 
 # -- launching ---------------------------------------------------------------------------
-SAMPLE_S = 1.0  # how often launch_all reads the running runs' process trees (RSS) for the admission
+SAMPLE_S = 1.0  # how often launch_all reads the running runs' process trees (RSS) and admits the next
 
 
 def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
@@ -147,14 +147,18 @@ def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
             rss.pop(label, None)
 
     try:
+        ended = True  # a run ended since the last admission (at the start: nothing runs yet)
         while pending or active:
-            if active and time.monotonic() - sampled_at >= SAMPLE_S:
+            # Once a second (psutil walks the process trees), or at once when a run has ended.
+            if ended or time.monotonic() - sampled_at >= SAMPLE_S:
                 sampled_at = time.monotonic()
                 rss.update({label: admission.sample(supervisor) for label, (_, _, supervisor) in active.items()})
-            if pending:
-                admit()
+                if pending:
+                    admit()
+            before = len(active)
             for label in list(active):
                 follow(label)
+            ended = len(active) < before
             if active or pending:
                 time.sleep(poll_s)
     except KeyboardInterrupt:  # Ctrl-C in the kernel: no run it started goes on unattended
