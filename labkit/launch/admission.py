@@ -218,7 +218,7 @@ def available_bytes(*, vm_available: int, vm_total: int, limit: int | None, tree
     `limit` at most `limit - tree_rss` (this process and everything it started), less the safety margin."""
     free, source = vm_available, "psutil available"
     if limit is not None and limit - tree_rss < vm_available:
-        free, source = limit - tree_rss, f"{MEMORY_LIMIT_ENV}={limit} less this process tree's {gb(tree_rss)}"
+        free, source = limit - tree_rss, f"{MEMORY_LIMIT_ENV} {gb(limit)} less this process tree's {gb(tree_rss)}"
     return max(0, free - margin_bytes(limit if limit is not None else vm_total)), source
 
 
@@ -227,7 +227,7 @@ def room_bytes(*, vm_total: int, limit: int | None, tree_rss: int) -> tuple[int,
     this process tree (the kernel, with nothing of ours running) and the margin. A run needing more is refused;
     one that needs more than is available NOW (other programs hold it) waits instead: they may let go."""
     machine = vm_total if limit is None else min(limit, vm_total)
-    source = (f"{gb(vm_total)} of memory" if limit is None or limit >= vm_total else f"{MEMORY_LIMIT_ENV}={limit}")
+    source = f"{gb(vm_total)} of memory" if limit is None or limit >= vm_total else f"{MEMORY_LIMIT_ENV} {gb(limit)}"
     return (max(0, machine - tree_rss - margin_bytes(machine)),
             f"{source} less this process tree's {gb(tree_rss)} and a {MARGIN_FRACTION:.0%} safety margin")
 
