@@ -10,7 +10,9 @@ launcher and launch.py, the rank guards and the ranks. It prints, per notebook: 
 that sum (RSS summed over processes: pages shared between them, torch's libraries for one, count
 once per process, as they would on the laptop's meter of each process), the most rank processes
 alive at one sample, the wall time of the pytest command and the load average before it started
-(the machine may be shared: compare figures taken back to back).
+(the machine may be shared: compare figures taken back to back), and the CPU seconds pytest and
+everything below it used (what other people's load does not change much: on a busy machine more
+processes at once get a larger share of the cores, so wall times favour whichever runs more at once).
 
 The notebook runs in its own checkout (the nearest folder above it with a pyproject.toml, put
 first on PYTHONPATH), so a copy of another commit measures that commit's labkit: before/after pairs
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -72,6 +75,13 @@ def tree_sample(kernel: psutil.Process) -> tuple[int, int, int]:
     return total, ranks, own
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of every descendant this process has reaped: pytest, the kernel, and each
+    run's processes (each parent waits for its children, so their times add up to pytest's)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def checkout_of(notebook: Path) -> Path:
     """The checkout a notebook belongs to: the nearest folder above it with a pyproject.toml."""
     for folder in notebook.parents:
@@ -89,6 +99,7 @@ def measure(notebook: Path, limit_bytes: float | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-nb-memory-") as runs:
         env["LABKIT_RUNS_DIR"] = runs
         load = os.getloadavg()
+        cpu_before = _children_cpu_s()
         started = time.monotonic()
         log_path = Path(runs) / "pytest.log"  # a file, not a pipe: a long failure report cannot block pytest
         with open(log_path, "w") as log:
@@ -104,9 +115,10 @@ def measure(notebook: Path, limit_bytes: float | None) -> dict:
                 time.sleep(SAMPLE_S)
         output = log_path.read_text(errors="replace")
         wall = time.monotonic() - started
+        cpu = _children_cpu_s() - cpu_before
     return {"notebook": notebook.name, "checkout": str(checkout), "exit_code": pytest.returncode,
             "peak_rss_bytes": peak, "kernel_peak_rss_bytes": peak_kernel,
-            "peak_rank_processes": peak_ranks, "wall_s": round(wall, 1), "samples": samples,
+            "peak_rank_processes": peak_ranks, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "samples": samples,
             "load_average_before": [round(x, 2) for x in load], "limit_bytes": limit_bytes,
             "pytest_tail": output.strip().splitlines()[-1:] if output else []}
 
@@ -125,7 +137,7 @@ def main() -> int:
         print(f"{result['notebook']}: exit {result['exit_code']}, peak {result['peak_rss_bytes'] / 1e9:.2f} GB summed "
               f"RSS (kernel tree; the kernel alone {result['kernel_peak_rss_bytes'] / 1e9:.2f} GB), "
               f"{result['peak_rank_processes']} rank processes at most, {result['wall_s']:.0f} s "
-              f"wall, load average before {result['load_average_before'][0]:.2f} "
+              f"wall, {result['cpu_s']:.0f} CPU-s, load average before {result['load_average_before'][0]:.2f} "
               f"({' '.join(result['pytest_tail'])})", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
