@@ -120,7 +120,8 @@ def measure(notebook: Path, limit_bytes: float | None) -> dict:
             "peak_rss_bytes": peak, "kernel_peak_rss_bytes": peak_kernel,
             "peak_rank_processes": peak_ranks, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "samples": samples,
             "load_average_before": [round(x, 2) for x in load], "limit_bytes": limit_bytes,
-            "pytest_tail": output.strip().splitlines()[-1:] if output else []}
+            "pytest_tail": output.strip().splitlines()[-1:] if output else [],
+            "failure": output[-6000:] if pytest.returncode else None}  # what failed: the temporary log goes
 
 
 def main() -> int:
@@ -139,6 +140,8 @@ def main() -> int:
               f"{result['peak_rank_processes']} rank processes at most, {result['wall_s']:.0f} s "
               f"wall, {result['cpu_s']:.0f} CPU-s, load average before {result['load_average_before'][0]:.2f} "
               f"({' '.join(result['pytest_tail'])})", flush=True)
+        if result["failure"]:
+            print(result["failure"], flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0 if all(r["exit_code"] == 0 for r in results) else 1
