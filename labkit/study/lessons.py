@@ -430,13 +430,15 @@ def comms_logger_overrides() -> dict[str, Any]:
     "info" too; otherwise the run logs nothing and `comm_log` comes back empty.
     """
     return {"comms_logger": {"enabled": True, "verbose": True, "prof_all": True, "debug": True},
-            "log_level": "info"}
+            "log_level": "info", "steps_per_print": 1}  # "step=N" after each step: where `comm_log` splits steps
 
 
 _COMM_LINE = re.compile(r"^\[(?P<when>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\].*?comm op: (?P<op>[\w.]+)"
                         r"(?: \| \[Caller Func: (?P<caller>[^\]]*)\])? \| time \(ms\): (?P<ms>[\d.]+) "
                         r"\| msg size: (?P<size>[\d.]+) ?(?P<unit>[KMGT]?B)", re.MULTILINE)
 _SIZE_UNITS = {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+# DeepSpeed's progress line after each optimizer step (engine._report_progress, steps_per_print 1), rank 0's log.
+_STEP_LINE = re.compile(r"^\[[^\]]*\].*?\bstep=(?P<step>\d+), skipped=\d+", re.MULTILINE)
 
 
 def rank_log_text(run: Run, rank: int = 0) -> str:
@@ -464,16 +466,29 @@ def comm_log(run: Run, rank: int = 0) -> pd.DataFrame:
     One row per call, in order: the operation, the DeepSpeed function that called it,
     its message size in bytes as DeepSpeed reports it, its time, and the phase it fell in:
     "setup" (before the first step), the optimizer step it belongs to, or "teardown".
-    Phases come from the log's millisecond timestamps against the rank's step records.
+    Setup is what the log's millisecond timestamps put before the rank's `ready` record. Steps are split at
+    DeepSpeed's own "step=N" lines (`comms_logger_overrides()` turns them on), which sit in the same log,
+    in order with the collectives; without them, by timestamp against the step records, which cannot
+    tell apart a step's last collective and the next one's first when less than a millisecond separates
+    them (it happens: steps of this lab's MLP are a few ms apart on 2 cores).
     """
+    import bisect
     from datetime import datetime
 
     ready, ends = _step_ends(run, rank)
+    text = rank_log_text(run, rank)
+    # Where each step's end is logged, and which step (the engine also logs "step=0" at its start).
+    found = [(m.start(), int(m["step"])) for m in _STEP_LINE.finditer(text)]
+    marks, marked = [at for at, _ in found], [step for _, step in found]
     rows = []
-    for match in _COMM_LINE.finditer(rank_log_text(run, rank)):
+    for match in _COMM_LINE.finditer(text):
         when = datetime.strptime(match["when"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
         if ready is None or when < ready:
             phase: str | int = "setup"
+        elif marks:
+            before = bisect.bisect(marks, match.start())  # step lines logged before this collective
+            done = marked[before - 1] if before else 0  # the last step that had ended
+            phase = done + 1 if done < len(ends) else "teardown"
         else:
             phase = next((step for step, end in ends if when <= end), "teardown")
         rows.append({"phase": phase, "op": match["op"], "called from": (match["caller"] or "").strip(),
