@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,10 +116,21 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from labkit.launch.admission import Admission
     from labkit.launch.phase import RunProgress, run_label
     from labkit.launch.run import Run
 
     config = config_from_args(args)
+    admission = Admission.here()
+    estimate = admission.estimate(config)
+    admission.check_alone(estimate, "this run")  # NotEnoughMemory: exit 2, with the figures
+    if not (decision := admission.decide(estimate, [])).admit:  # other programs hold the memory now
+        print(f"{decision.describe()}; waiting for other programs to free it (Ctrl-C gives up)", file=sys.stderr)
+        try:
+            while not admission.decide(estimate, []).admit:
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            return 130
     run = Run(config, out=args.out, launcher=args.launcher).start()
     run_dir = run.run_dir
     assert run_dir is not None  # start() made it
@@ -130,12 +142,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             progress, phase = watcher.poll()
             bar.set_postfix_str(phase, refresh=False)
             bar.update(progress - bar.n)
+            admission.sample(run._supervisor_pid())  # the launchers' RSS, learned below
             run.wait(timeout=0.5)
     except KeyboardInterrupt:
         print("\nstopping the run ...", file=sys.stderr)
         run.stop()
     bar.update(run.progress() - bar.n)
     bar.close()
+    admission.learn(config, run.run_dir, run._supervisor_pid())
     summary = run.summary or {}
     for warning in summary.get("warnings") or []:
         print(f"warning: {warning}", file=sys.stderr)

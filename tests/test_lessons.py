@@ -265,3 +265,43 @@ def test_skipped_multi_rank_names_what_one_gpu_skips_and_why():
     capped = lessons.skipped_multi_rank([1, 2, 4], parts=("section 2's runs",), devices=two_gpus)
     assert capped is not None and "4 ranks are skipped" in capped and "section 2" not in capped  # 2 ranks still run
     assert lessons.skipped_multi_rank([2], parts=("anything",), devices=two_gpus) is None
+
+
+def test_comm_log_splits_steps_at_deepspeeds_step_lines_not_at_millisecond_stamps(tmp_path):
+    """Notebook 03 failed now and then (3 all-gathers counted, not 4): a step's first all-gather, logged in
+    the millisecond its previous step's record ended, was counted in that step. DeepSpeed's "step=N" lines
+    (steps_per_print 1) sit in the same log, in order."""
+    import datetime
+    import json
+
+    from labkit import Run
+
+    assert lessons.comms_logger_overrides()["steps_per_print"] == 1
+    config = RunConfig(example="zero3", world_size=1, steps=2, hidden=32)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    t0 = 1_800_000_000.0
+    records = [{"event": "start", "time_s": 0.0, "wall_time": t0}, {"event": "ready", "time_s": 1.0},
+               {"event": "step", "step": 1, "time_s": 1.0205}, {"event": "step", "step": 2, "time_s": 1.0404}]
+    (tmp_path / "rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def line(at: float, text: str) -> str:
+        stamp = datetime.datetime.fromtimestamp(t0 + at).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]  # ms, as logging
+        return f"[{stamp}] [INFO] [logging.py:123:log_dist] [Rank 0] {text}\n"
+
+    def op(at: float, name: str) -> str:
+        return line(at, f"comm op: {name} | [Caller Func: f] | time (ms): 0.10 | msg size: 4.0 KB | algbw (Gbps): 1")
+
+    log = (line(0.9, "step=0, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]") + op(0.95, "broadcast")
+           + op(1.005, "all_gather_into_tensor") + op(1.010, "reduce_scatter_tensor")
+           + op(1.0203, "all_gather_into_tensor")  # step 1's post-step gather
+           + line(1.0205, "step=1, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]")
+           + op(1.0207, "all_gather_into_tensor")  # step 2's first: the same millisecond as step 1's record
+           + op(1.030, "reduce_scatter_tensor") + line(1.0404, "step=2, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]"))
+    (tmp_path / "logs" / "20261124000000_rank0.log").write_text(log)
+    phases = lessons.comm_log(Run.load(tmp_path))["phase"].tolist()
+    assert phases == ["setup", 1, 1, 1, 2, 2]
+    # The same log without DeepSpeed's step lines: by timestamp, step 2's first all-gather lands in step 1.
+    (tmp_path / "logs" / "20261124000000_rank0.log").write_text("".join(
+        text for text in log.splitlines(keepends=True) if "step=" not in text))
+    assert lessons.comm_log(Run.load(tmp_path))["phase"].tolist() == ["setup", 1, 1, 1, 1, 2]

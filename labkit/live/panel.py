@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from labkit.launch.admission import Admission
 from labkit.launch.config import EXAMPLES, LR_SCALINGS, PRECISIONS, ConfigError, RunConfig
 from labkit.launch.history import COLUMNS, runs
 from labkit.launch.run import FINAL_STATUSES, Run
@@ -254,6 +255,12 @@ class LabPanel:
             return None
         try:
             config = self.config()
+            admission = Admission.here(self.root)
+            estimate = admission.estimate(config)
+            admission.check_alone(estimate, "this run")  # NotEnoughMemory, with the figures
+            if not (decision := admission.decide(estimate, [])).admit:  # other programs hold it now
+                self._show_error(f"{decision.describe()}: close other programs, then Launch again")
+                return None
             run = Run(config, env=self.env, root=self.root).start()  # refuses GPUs another run holds
         except ConfigError as exc:
             self._show_error(str(exc))

@@ -148,7 +148,10 @@ PROFILES: dict[str, AnswerProfile] = {
         parallel=1,
         notes=("For one node of 16-24 GB GPUs (T4, L4, A10G); T4 has no bf16, so it runs fp32.",
                "Sized to finish in about 6 minutes on one H100 80GB (an estimate from ~10 s per launch and the "
-               "datasheet, not yet a measurement); several times longer on T4s."),
+               "datasheet, not yet a measurement); several times longer on T4s.",
+               "Untested as an answer: labkit's GPU path passed `make gpu-check` on one H100 80GB "
+               "(data/reference-h100-80gb/), but no run of this profile on a GPU has been checked yet; "
+               "docs/answer.md has the estimate."),
     ),
     # End-to-end check of the command in a couple of minutes (tests, a quick look): a tiny MLP,
     # both growth ways, the LR study, no max-batch search. Its numbers answer nothing.

@@ -43,39 +43,93 @@ SUMMARY_COLUMNS = ("status", "example", "stage", "offload_optimizer", "precision
 
 
 # -- launching ---------------------------------------------------------------------------
+SAMPLE_S = 1.0  # how often launch_all reads the running runs' process trees (RSS) and admits the next
+
+
 def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
                concurrent: bool | None = None, *, progress: bool = True, file: TextIO | None = None,
                poll_s: float = 0.25) -> dict[str, Run]:
     """Run every config; returns {label: Run}, finished or not (check `require`).
 
-    On CPU ranks they all start at once, each with its own port: process start-up (Python,
-    torch, DeepSpeed, the process group) is most of a small run's time and much of it is
-    waiting, so the start-ups overlap instead of adding up. On GPUs they run one after the
-    other (`concurrent=False`): every run's rank 0 uses the first GPU, and runs sharing a GPU
-    would take each other's memory. `timeout_s` bounds each run, from its start.
+    On CPU ranks they overlap as far as the machine holds them (`labkit.launch.admission`): a run
+    starts, in order, once its estimated memory fits beside the runs already going (what
+    `psutil` says is available, or `LABKIT_MEMORY_LIMIT_BYTES`, less a margin) and its ranks fit on
+    the cores (one rank process, two threads per core); the rest wait, and their bars say for what
+    ("waiting for memory: needs 1.73 GB, 0.94 GB available"). A run that needs more than the machine
+    could ever give it is refused before anything launches (`NotEnoughMemory`, a ConfigError with
+    `needed_bytes` and `available_bytes`). On GPUs they run one
+    after the other (`concurrent=False`): every run's rank 0 would use the first GPU and take the
+    others' memory; a run whose GPUs another run holds waits for them. `timeout_s` bounds each run,
+    from its start.
 
     `progress`: `tqdm.auto` bars (widgets in a notebook, text elsewhere, on `file`, default
-    stderr): one over the runs, and one per run with its step and phase (starting, building
-    ops, step k/N; labkit.launch.phase), ending with its status.
+    stderr): one over the runs, and one per run with its step and phase (queued, waiting for memory,
+    starting, building ops, step k/N; labkit.launch.phase), ending with its status.
     """
+    import dataclasses
+
+    from labkit.launch.admission import Admission, Estimate, occupies
     from labkit.launch.phase import RunProgress
+    from labkit.runtime.device_lease import DevicesBusy
     from labkit.runtime.devices import detect_devices
 
     if concurrent is None:
         concurrent = detect_devices().is_cpu
+    admission = Admission.here()
+    estimates = {label: admission.estimate(config) for label, config in configs.items()}
+    for label, estimate in estimates.items():  # before anything launches
+        admission.check_alone(estimate, f"run {label!r}")
     start = time.monotonic()
     runs: dict[str, Run] = {}
-    pending = list(configs.items())
-    active: dict[str, tuple[RunProgress, float, Any]] = {}  # label -> (progress, started, its bar)
+    pending = list(configs)
+    active: dict[str, tuple[RunProgress, float, int | None]] = {}  # label -> (progress, started, supervisor pid)
+    rss: dict[str, int] = {}  # label -> its process tree's RSS at the last sample
+    sampled_at = 0.0
+    most_at_once = 0
     overall = _bar(progress, file, total=len(pending), unit="run", desc="runs", position=0)
+    bars = {label: _bar(progress, file, total=config.steps, unit="step", desc=label, position=i + 1, leave=True)
+            for i, (label, config) in enumerate(configs.items())}
 
-    def started(label: str, config: RunConfig) -> None:
-        run = runs[label] = Run(config).start()
-        bar = _bar(progress, file, total=config.steps, unit="step", desc=label, position=len(runs), leave=True)
-        active[label] = (RunProgress(run), time.monotonic(), bar)
+    shown: dict[str, str] = {}  # label -> what its bar says while it waits (redrawn only when it changes)
+
+    def show(label: str, text: str) -> None:
+        if bars[label] is not None and shown.get(label) != text:
+            shown[label] = text
+            bars[label].set_postfix_str(text[:120], refresh=True)
+
+    def in_flight(label: str) -> Estimate:
+        """A running run's estimate; once its ranks all recorded done it computes no more (its supervisor
+        tears down for a few seconds): its memory still counts, its cores and devices no longer."""
+        run = active[label][0].run
+        return estimates[label] if occupies(run) else dataclasses.replace(estimates[label], cpu_ranks=0, threads=0,
+                                                                          devices=0)
+
+    def admit() -> None:
+        """Start runs from the head of the queue while the admission lets them; say why the next waits."""
+        nonlocal most_at_once
+        if not concurrent and active:
+            show(pending[0], "queued: one run at a time")
+        while pending and (concurrent or not active):
+            label = pending[0]
+            decision = admission.decide(estimates[label], [(in_flight(k), rss.get(k, 0)) for k in active])
+            waiting = None if decision.admit else decision.describe()
+            if waiting is None:
+                try:
+                    run = runs[label] = Run(configs[label]).start()
+                except DevicesBusy as exc:  # held by a run this call did not start: wait for it
+                    waiting = f"waiting for devices: {exc}"
+                else:
+                    pending.pop(0)
+                    active[label] = (RunProgress(run), time.monotonic(), run._supervisor_pid())
+                    most_at_once = max(most_at_once, sum(occupies(active[k][0].run) for k in active))
+                    continue
+            show(label, waiting)
+            break
+        for behind in pending[1:]:
+            show(behind, f"queued behind {pending[0]!r}")
 
     def follow(label: str) -> None:
-        watcher, since, bar = active[label]
+        watcher, since, supervisor = active[label]
         run = watcher.run
         if timeout_s is not None and not run.done and time.monotonic() - since > timeout_s:
             run.stop()
@@ -83,6 +137,8 @@ def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
         if run.done:
             run.wait(timeout=15)  # summary.json is there: the status is final
             step, phase = run.progress(), run.status if run.status == "finished" else f"{run.status}: {run.cause}"
+            admission.learn(run.config, run.run_dir, supervisor)
+        bar = bars[label]
         if bar is not None:
             bar.update(step - bar.n)
             bar.set_postfix_str(phase[:120], refresh=True)
@@ -92,27 +148,35 @@ def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
             if overall is not None:
                 overall.update(1)
             del active[label]
+            rss.pop(label, None)
 
     try:
+        ended = True  # a run ended since the last admission (at the start: nothing runs yet)
         while pending or active:
-            while pending and (concurrent or not active):
-                started(*pending.pop(0))
+            # Once a second (psutil walks the process trees), or at once when a run has ended.
+            if ended or time.monotonic() - sampled_at >= SAMPLE_S:
+                sampled_at = time.monotonic()
+                rss.update({label: admission.sample(supervisor) for label, (_, _, supervisor) in active.items()})
+                if pending:
+                    admit()
+            before = len(active)
             for label in list(active):
                 follow(label)
-            if active:
+            ended = len(active) < before
+            if active or pending:
                 time.sleep(poll_s)
     except KeyboardInterrupt:  # Ctrl-C in the kernel: no run it started goes on unattended
         for run in runs.values():
             run.stop()
         raise
     finally:
-        for _, _, bar in active.values():
+        for bar in bars.values():
             if bar is not None:
                 bar.close()
         if overall is not None:
             overall.close()
     statuses = ", ".join(f"{label}: {run.status}" for label, run in runs.items())
-    print(f"{len(runs)} run(s) in {time.monotonic() - start:.0f} s ({statuses})")
+    print(f"{len(runs)} run(s) in {time.monotonic() - start:.0f} s, at most {most_at_once} at once ({statuses})")
     return runs
 
 
@@ -484,13 +548,15 @@ def comms_logger_overrides() -> dict[str, Any]:
     "info" too; otherwise the run logs nothing and `comm_log` comes back empty.
     """
     return {"comms_logger": {"enabled": True, "verbose": True, "prof_all": True, "debug": True},
-            "log_level": "info"}
+            "log_level": "info", "steps_per_print": 1}  # "step=N" after each step: where `comm_log` splits steps
 
 
 _COMM_LINE = re.compile(r"^\[(?P<when>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\].*?comm op: (?P<op>[\w.]+)"
                         r"(?: \| \[Caller Func: (?P<caller>[^\]]*)\])? \| time \(ms\): (?P<ms>[\d.]+) "
                         r"\| msg size: (?P<size>[\d.]+) ?(?P<unit>[KMGT]?B)", re.MULTILINE)
 _SIZE_UNITS = {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+# DeepSpeed's progress line after each optimizer step (engine._report_progress, steps_per_print 1), rank 0's log.
+_STEP_LINE = re.compile(r"^\[[^\]]*\].*?\bstep=(?P<step>\d+), skipped=\d+", re.MULTILINE)
 
 
 def rank_log_text(run: Run, rank: int = 0) -> str:
@@ -518,16 +584,29 @@ def comm_log(run: Run, rank: int = 0) -> pd.DataFrame:
     One row per call, in order: the operation, the DeepSpeed function that called it,
     its message size in bytes as DeepSpeed reports it, its time, and the phase it fell in:
     "setup" (before the first step), the optimizer step it belongs to, or "teardown".
-    Phases come from the log's millisecond timestamps against the rank's step records.
+    Setup is what the log's millisecond timestamps put before the rank's `ready` record. Steps are split at
+    DeepSpeed's own "step=N" lines (`comms_logger_overrides()` turns them on), which sit in the same log,
+    in order with the collectives; without them, by timestamp against the step records, which cannot
+    tell apart a step's last collective and the next one's first when less than a millisecond separates
+    them (it happens: steps of this lab's MLP are a few ms apart on 2 cores).
     """
+    import bisect
     from datetime import datetime
 
     ready, ends = _step_ends(run, rank)
+    text = rank_log_text(run, rank)
+    # Where each step's end is logged, and which step (the engine also logs "step=0" at its start).
+    found = [(m.start(), int(m["step"])) for m in _STEP_LINE.finditer(text)]
+    marks, marked = [at for at, _ in found], [step for _, step in found]
     rows = []
-    for match in _COMM_LINE.finditer(rank_log_text(run, rank)):
+    for match in _COMM_LINE.finditer(text):
         when = datetime.strptime(match["when"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
         if ready is None or when < ready:
             phase: str | int = "setup"
+        elif marks:
+            before = bisect.bisect(marks, match.start())  # step lines logged before this collective
+            done = marked[before - 1] if before else 0  # the last step that had ended
+            phase = done + 1 if done < len(ends) else "teardown"
         else:
             phase = next((step for step, end in ends if when <= end), "teardown")
         rows.append({"phase": phase, "op": match["op"], "called from": (match["caller"] or "").strip(),

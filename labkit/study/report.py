@@ -637,7 +637,7 @@ def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFr
     same tables, `labkit.study.card.build_card`).
 
     `devices`: the machine the report is written on (`labkit.runtime.devices.Devices`; default: detected), compared with
-    `machine` for the banner under the card (:func:`provenance_banner`); None: no comparison.  A profile note that
+    `machine` for the banner above the title and the card (:func:`provenance_banner`); None: no comparison.  A profile note that
     says "untested" goes in the banner too."""
     from plotly.offline import get_plotlyjs
 
@@ -663,9 +663,9 @@ def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFr
         "<style>body{font-family:system-ui,sans-serif;max-width:1200px;margin:auto;padding:1em;color:#222}"
         "table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
         "th{background:#f4f4f4}.note{color:#555;font-size:13px}li{margin:.3em 0}</style></head><body>",
+        _banner_html(machine, devices, profile),  # where the numbers come from, before any of them
         "<h1>Can DeepSpeed keep training time flat while the batch size grows?</h1>",
         answer_card.card_html(card, "The answer card (answer_card.json)") if card else "",
-        _banner_html(machine, devices, profile),
         f"<p class='note'>{_header(machine, profile, results)}</p>",
         "<h2>More conclusions (computed from the measurements below)</h2><ul>",
         *[f"<li>{html.escape(s)}</li>" for s in statements],

@@ -368,6 +368,7 @@ class Sweep:
 
     # -- running --------------------------------------------------------------------------
     def run(self) -> pd.DataFrame:
+        from labkit.launch.admission import Admission, occupies
         from labkit.launch.run import Run
 
         self.out.mkdir(parents=True, exist_ok=True)
@@ -376,6 +377,12 @@ class Sweep:
         results: dict[str, dict[str, Any]] = {k: {**known[k], **self.extra, **self.point_extra.get(k, {})}
                                               for k in keys if k in known}
         pending = [(k, p) for k, p in zip(keys, self.points, strict=True) if k not in results]
+        # Memory only: `parallel` (at most fair_parallel for timed points) already says how many share the cores.
+        admission = Admission.here()
+        estimates = {k: admission.estimate(p) for k, p in pending}
+        for k, p in pending:  # before anything launches
+            admission.check_alone(estimates[k], f"point {strategy_of(p)} b{p.global_batch} w{p.world_size}")
+        rss: dict[str, int] = {}  # key -> its process tree's RSS at the last poll
         bar = None
         if self.progress:
             from tqdm.auto import tqdm  # a widget in a notebook (labkit.study.answer from 04), text elsewhere
@@ -391,8 +398,15 @@ class Sweep:
                 if self.cancel is not None and self.cancel.is_set():
                     raise SweepCancelled(f"{len(pending) + len(running)} points left")
                 releasing = [(run, since) for run, since in releasing if _lease_still_held(run, since)]
-                busy = sum(_busy(run) for _, run, _ in running) + len(releasing)
+                busy = sum(occupies(run) for _, run, _ in running) + len(releasing)
+                rss.update({k: admission.sample(run._supervisor_pid()) for k, run, _ in running})
                 while pending and busy < max(1, self.parallel):
+                    decision = admission.decide(estimates[pending[0][0]], [(estimates[k], rss.get(k, 0))
+                                                                           for k, _, _ in running], count_cores=False)
+                    if not decision.admit:
+                        if bar is not None:
+                            bar.set_postfix_str(decision.describe())
+                        break
                     busy += 1
                     key, config = pending.pop(0)
                     run = Run(config, root=self.runs_root).start()
@@ -401,7 +415,7 @@ class Sweep:
                                       {"key": key, "measurement_version": MEASUREMENT_VERSION})
                     self.launched += 1
                     running.append((key, run, time.monotonic()))
-                computing = [k for k, run, _ in running if _busy(run)]
+                computing = [k for k, run, _ in running if occupies(run)]
                 for k in computing:
                     beside[k] = max(beside.get(k, 0), len(computing) - 1)
                 for item in list(running):
@@ -411,6 +425,8 @@ class Sweep:
                     if run.done:
                         run.wait(timeout=15)
                         running.remove(item)
+                        admission.learn(run.config, run.run_dir, run._supervisor_pid())
+                        rss.pop(key, None)
                         if run.holds_devices:  # wait() gave up on its supervisor: the lease is not free yet
                             releasing.append((run, time.monotonic()))
                         # Kept beside the run, so a resumed sweep rebuilding its row still knows it.
@@ -431,7 +447,7 @@ class Sweep:
                         if bar is not None:
                             bar.set_postfix_str(f"{row.get('strategy')} b{row.get('global_batch')}: {row['status']}")
                             bar.update(1)
-                if running or releasing:
+                if running or releasing or pending:  # pending with nothing running: waiting for memory
                     time.sleep(0.5)
         except BaseException:
             # Interrupted: end the runs in flight (their points are retried next time), keep the rest.
@@ -458,28 +474,6 @@ class Sweep:
     def _write(self, keys: Sequence[str], results: dict[str, dict[str, Any]]) -> None:
         if self.results_path is not None:
             write_text_atomic(self.results_path, self.table(keys, results).to_csv(index=False))
-
-
-def _busy(run: Any) -> bool:
-    """Whether a run still occupies what the next launch needs: its ranks have not all recorded `done`
-    (or an error), or it leased devices (GPUs, emulated slots) and its supervisor, which holds the lease
-    with DeepSpeed's launcher until it exits, is still there: the next `Run.start()` would be refused.
-    CPU ranks lease nothing, so their supervisor's teardown (a few seconds) does not hold back the next."""
-    if getattr(run, "holds_devices", False):
-        return True
-    if run.done:
-        return False
-    for rank in range(run.config.world_size):
-        try:
-            with open(run.run_dir / f"rank{rank}.jsonl", "rb") as handle:
-                handle.seek(0, os.SEEK_END)
-                handle.seek(max(0, handle.tell() - 4096))
-                tail = handle.read()
-        except FileNotFoundError:
-            return True
-        if b'"event":"done"' not in tail and b'"event":"error"' not in tail:
-            return True
-    return False
 
 
 def _lease_still_held(run: Any, since: float) -> bool:
