@@ -637,8 +637,8 @@ def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFr
     same tables, `labkit.study.card.build_card`).
 
     `devices`: the machine the report is written on (`labkit.runtime.devices.Devices`; default: detected), compared with
-    `machine` for the banner above the title and the card (:func:`provenance_banner`); None: no comparison.  A profile note that
-    says "untested" goes in the banner too."""
+    `machine` for the banner above the title and the card (:func:`provenance_banner`); None: no comparison.
+    A profile note that says "untested" goes in the banner too."""
     from plotly.offline import get_plotlyjs
 
     from labkit.launch.store import write_text_atomic
