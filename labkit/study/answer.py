@@ -605,9 +605,24 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     say(f"answer card: {card.write_card(answer_card, out)}")
     report = build_report(results, out / "report.html", maxbatch=maxbatch_table, probes=probes,
                           memory=tables["memory"], activation=tables["activation"], noise=tables["noise"],
-                          machine=machine, profile=dataclasses.asdict(profile), card=answer_card)
+                          machine=machine, profile=dataclasses.asdict(profile), card=answer_card,
+                          sections=[predicted_section(out)])
     say(f"report: {report} ({report.stat().st_size / 1e6:.1f} MB) after {runtime:.0f} s")
     return report
+
+
+def predicted_section(out: str | os.PathLike) -> str:
+    """report.html's "predicted on other hardware" section for the answer in `out`, or why there is none: the
+    measured report is never lost to a prediction that cannot be made."""
+    import html
+
+    from labkit.study import predict
+
+    try:
+        return predict.report_section(out)
+    except (ValueError, KeyError, OSError) as error:
+        return ("<section id='predicted-other-hardware'><h2>Predicted on other hardware (not measured)</h2>"
+                f"<p>No prediction for this answer: {html.escape(f'{type(error).__name__}: {error}')}</p></section>")
 
 
 def publish(out: str | os.PathLike, reference: str | os.PathLike) -> list[Path]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -632,9 +632,10 @@ def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFr
                  probes: pd.DataFrame | None = None, memory: pd.DataFrame | None = None,
                  activation: pd.DataFrame | None = None, noise: pd.DataFrame | None = None,
                  machine: dict[str, Any] | None = None, profile: dict[str, Any] | None = None,
-                 devices: Any = "detect", card: dict[str, Any] | None = None) -> Path:
+                 devices: Any = "detect", card: dict[str, Any] | None = None,
+                 sections: Sequence[str] = ()) -> Path:
     """Write the report and return its path. It opens with the answer card (`card`; None: built here from the
-    same tables, `labkit.study.card.build_card`).
+    same tables, `labkit.study.card.build_card`). `sections`: HTML placed after the figures, before the tables.
 
     `devices`: the machine the report is written on (`labkit.runtime.devices.Devices`; default: detected), compared with
     `machine` for the banner above the title and the card (:func:`provenance_banner`); None: no comparison.
@@ -678,6 +679,7 @@ def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFr
         parts.append(fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False}))
         if under.get(title):
             parts.append("<ul>" + "".join(f"<li>{html.escape(s)}</li>" for s in under[title]) + "</ul>")
+    parts += list(sections)  # ready-made HTML, e.g. labkit.study.predict.report_section
     parts.append("<h2>Results (results.csv)</h2>")
     parts.append(_html_table(results, [c for c in TABLE_COLUMNS if c in results]))
     if maxbatch is not None and not maxbatch.empty:

@@ -62,7 +62,8 @@ _OOM_NEEDS = re.compile(r"needs (\d+) bytes")
 # census or the emulated-capacity accounting changes, so cached points (OOM verdicts included) are
 # measured again. 2: grad partitions that optimizer offload keeps on the host (host_grad_bytes)
 # no longer count as device bytes. Run directories without a point file were measured by 1.
-MEASUREMENT_VERSION = 3  # 3: one timed run at a time (threads x ranks <= cores), held-out eval loss
+# 3: one timed run at a time, held-out eval loss. 4: batches collated and moved to the device outside the timed step.
+MEASUREMENT_VERSION = 4
 POINT_FILE = "point.json"  # {"key", "measurement_version", "concurrent_runs"}, written by Sweep into its runs
 
 COLUMNS = [
