@@ -19,7 +19,8 @@ class SimpleModel(nn.Module):
         layers.append(nn.Linear(hidden, output_size))
         # A Sequential of Linear submodules: ZeRO-3 gathers each one's parameters
         # just before its forward and again before its backward, freeing them in between only
-        # if stage3_max_reuse_distance allows (DeepSpeed's default keeps a model < ~1B gathered).
+        # if stage3_max_reuse_distance allows (DeepSpeed's default keeps a model < ~0.5B gathered:
+        # the distance counts each module twice, in the forward and in the backward).
         self.layers = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
