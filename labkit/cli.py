@@ -94,7 +94,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     script = getattr(args, "script", None)
     if args.example is None and not script:
-        raise ConfigError("example", "--example is required (pytorch, offload or zero3), or --script")
+        raise ConfigError("example", f"--example is required ({', '.join(EXAMPLES)}), or --script")
     values: dict[str, Any] = {"example": args.example or "zero3"}
     if script:
         values.update(script=script, script_args=list(getattr(args, "script_args", None) or []))

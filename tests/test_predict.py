@@ -307,7 +307,7 @@ def test_the_report_section_labels_every_number_predicted():
     assert cells and all("predicted" in c for c in cells)
 
 
-def test_zero3_micro_steps_cannot_be_shorter_than_the_hosts_fetch_hooks():
+def test_zero3_micro_steps_cannot_be_shorter_than_the_hosts_fetch_hooks(assumed_only):
     tiny = flops.Transformer(layers=24, hidden=256, heads=4, seq=128, vocab=512)
     cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
     z0 = P.predict(P.TransformerWorkload(tiny), cluster, strategy="z0", micro_batch=1, precision="bf16")
@@ -391,7 +391,25 @@ MEASURED = {
 
 
 @pytest.fixture
-def h100(tmp_path):
+def assumed_only(monkeypatch):
+    """Every preset without measured constants, as on a checkout with no data/reference-*/gpu_constants.json."""
+    import dataclasses
+
+    for name, kind in list(hw.GPUS.items()):
+        monkeypatch.setitem(hw.GPUS, name, dataclasses.replace(kind, measured=None))
+
+
+def test_the_committed_h100_measurement_is_loaded_onto_its_preset():
+    measured = hw.gpu("H100-SXM").measured
+    assert measured is not None and measured.device_name == "NVIDIA H100 80GB HBM3"
+    assert measured.source.startswith("measured on NVIDIA H100 80GB HBM3")
+    assert hw.gpu("A100-80GB").measured is None  # nothing measured there: datasheet and assumptions
+    # another GPU kind borrows the measured node host's costs, and says whose they are
+    assert "its node's host; A100-80GB's not measured" in P.host_costs(hw.gpu("A100-80GB")).source
+
+
+@pytest.fixture
+def h100(tmp_path, assumed_only):
     path = tmp_path / "gpu_constants.json"
     path.write_text(json.dumps(MEASURED))
     return hw.with_measured(hw.gpu("H100-SXM"), hw.load_measured(path))

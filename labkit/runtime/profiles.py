@@ -1,8 +1,9 @@
 """Which size the notebooks and `labkit answer` run at: `ci`, `workshop` or `full`.
 
 - `ci`: small models on CPU ranks (or a GPU under 12 GiB), minutes; device capacity emulated where needed.
-- `workshop`: one node of 1-4 GPUs of 16-24 GB (T4, L4, A10G), fp16 or fp32 where bf16 is missing (T4).
-- `full`: a node of 80 GB GPUs (A100/H100 80GB); its multi-rank notebooks want several.
+- `workshop`: 12-70 GiB GPUs (T4, L4, A10G, A100 40GB; sized for 1-4 of 16-24 GB) and a single 80 GB GPU;
+  fp16 where bf16 is missing (T4).
+- `full`: a node of 2+ 80 GB GPUs (A100/H100 80GB); its multi-rank notebooks want several.
 
 LABKIT_PROFILE picks it, for the notebooks and the CLI alike (`labkit answer --profile` defaults to it);
 without it `default_profile` chooses from the GPUs' memory and count. Each notebook's parameters cell reads it,

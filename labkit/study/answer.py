@@ -105,9 +105,10 @@ PROFILES: dict[str, AnswerProfile] = {
         cpu_budget_bytes=6_500_000,
         parallel=2,
     ),
-    # GPU-sized: a ~135M-parameter MLP, batches 64..4096 on every GPU; real out-of-memory errors. The max-batch
-    # search starts near the memory model's boundary (maxbatch_start=0: labkit.study.maxbatch.predicted_start)
-    # and passes the dataset's end by sampling with replacement: ~5 probes per strategy, not ~90 at the dataset cap.
+    # GPU-sized: a 122M-parameter MLP (1024 -> 8 x 4096 -> 10), batches 64..4096 on every GPU; real
+    # out-of-memory errors. The max-batch search starts near the memory model's boundary (maxbatch_start=0:
+    # labkit.study.maxbatch.predicted_start) and passes the dataset's end by sampling with replacement:
+    # ~5 probes per strategy, not ~90 at the dataset cap.
     "full": AnswerProfile(
         name="full",
         model=dict(hidden=4096, depth=8, input_size=1024, dataset_size=262144, optimizer="adam", lr=3e-4,
