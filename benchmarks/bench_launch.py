@@ -403,16 +403,16 @@ def print_table(example: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str
     table = phase_table(runs)
     counts = ", ".join(f"{side}: {len(runs[side])} runs" for side in sides)
     print(f"\n{example}: median seconds per phase on rank 0's path ({counts})")
-    print(f"  {'hop':<15}{'phase':<58}{'how':<15}" + "".join(f"{s:>16}" for s in sides))
+    print(f"  {'hop':<15}{'phase':<62}{'how':<15}" + "".join(f"{s:>16}" for s in sides))
     for row in table:
-        print(f"  {row['role']:<15}{row['phase']:<58}{row['how']:<15}" + "".join(f"{cell(row[s]):>16}" for s in sides))
+        print(f"  {row['role']:<15}{row['phase']:<62}{row['how']:<15}" + "".join(f"{cell(row[s]):>16}" for s in sides))
     labkit, bare = runs["labkit"], runs[sides[1]]
     first = [r["first_step_s"] for r in labkit if r["first_step_s"] is not None]
     bare_total = [r["total"] for r in bare if r["total"] is not None]
     medians = [statistics.median(values) if values else None for values in (first, bare_total)]
-    print(f"  {'total':<15}{'start -> rank 0 first step done':<58}{'probe':<15}"
+    print(f"  {'total':<15}{'start -> rank 0 first step done':<62}{'probe':<15}"
           f"{cell(medians[0]):>16}{cell(medians[1]):>16}")
-    print(f"  {'total':<15}{'Launch -> first plotted point':<58}{'records':<15}"
+    print(f"  {'total':<15}{'Launch -> first plotted point':<62}{'records':<15}"
           f"{cell(statistics.median(r['total'] for r in labkit)):>16}{'-':>16}")
     summary: dict[str, Any] = {"table": table}
     pairs = [(lk, br) for lk, br in zip(labkit, bare, strict=False) if br["total"] and lk["first_step_s"]]
