@@ -13,7 +13,8 @@
     buffers) but not sent over ZeroMQ, which in a kernel adds a small header encoding.
 (b) Launch to first plotted point: the same RunConfig started by `LabPanel.launch()` (Run +
     supervisor + update thread) and by the bare DeepSpeed launcher
-    (`python -m deepspeed.launcher.runner ...` from labkit.launch.launcher.build_command), each
+    (`python -m deepspeed.launcher.runner ...` from labkit.launch.launcher.build_command: labkit's rank
+    guard and worker, no supervisor; benchmarks/launch_twins.py), each
     timed to rank 0's first step record (for the panel: to the refresh that plots it).
     Runs alternate (bare, panel, bare, panel, ...) so drift on a shared machine hits both.
     Goal: panel <= bare + 1 s. Every run is stopped right after its first step.
@@ -23,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,11 +35,9 @@ import numpy as np
 # This checkout's labkit, also where it is not installed (`python benchmarks/bench_dashboard.py`).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from labkit import RunConfig
-from labkit.launch.launcher import build_command, free_port
-from labkit.launch.store import read_json, write_json_atomic
+from launch_twins import RunFailed, bench_config, first_point_panel, first_step_bare
+
 from labkit.live.dashboard import Dashboard, RunSeries, run_traces, step_columns
-from labkit.live.telemetry import RecordTail, rank_file, read_records
 from labkit.runtime.devices import detect_devices
 
 MIB = 2**20
@@ -124,85 +121,6 @@ def bench_refresh_in_kernel(ranks: int, points: int) -> None:
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-
-
-def bench_config() -> RunConfig:
-    return RunConfig(example="zero3", world_size=min(2, detect_devices().max_ranks), micro_batch=32, steps=5,
-                     hidden=256, depth=1, dataset_size=2048)
-
-
-class RunFailed(RuntimeError):
-    """A benchmark run ended before its first step."""
-
-
-def rank0_times(run_dir: Path) -> tuple[float, float]:
-    """Wall-clock times of rank 0's start record and of its first step record."""
-    records = read_records(rank_file(run_dir, 0))
-    start = next(r for r in records if r.get("event") == "start")
-    step = next(r for r in records if r.get("event") == "step")
-    return start["wall_time"], start["wall_time"] + step["time_s"] - start["time_s"]
-
-
-def first_step_bare(config: RunConfig, root: Path) -> dict[str, float]:
-    """Seconds from starting DeepSpeed's launcher to rank 0's first step record, with phases."""
-    run_dir = Path(tempfile.mkdtemp(prefix="bare-", dir=root))
-    write_json_atomic(run_dir / "config.json", config.to_dict())
-    port = free_port()
-    argv, env = build_command(config, run_dir, master_port=port, accelerator=detect_devices().accelerator)
-    tail = RecordTail(rank_file(run_dir, 0))
-    t0, wall0 = time.monotonic(), time.time()
-    with open(run_dir / "launcher.log", "ab") as log:
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        while not any(r.get("event") == "step" for r in tail.poll()):
-            if proc.poll() is not None:
-                raise RunFailed(f"bare launcher exited {proc.returncode} before a step; see {run_dir}/launcher.log")
-            time.sleep(0.01)
-        total = time.monotonic() - t0
-    finally:
-        # The launcher's process group holds every rank (nobody starts a new session); the
-        # benchmark needs no graceful end, and SIGKILL leaves nothing lingering.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        # DeepSpeed's CPU all-reduce leaves a ~66 MB /dev/shm buffer per rank (the supervisor
-        # removes them for labkit runs); this run's carry its own port in their names.
-        for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
-            path.unlink(missing_ok=True)
-    rank_start, first_step = rank0_times(run_dir)
-    return {"total": total, "labkit": 0.0, "to_rank": rank_start - wall0, "to_step": first_step - rank_start}
-
-
-def first_point_panel(config: RunConfig, root: Path) -> dict[str, float]:
-    """Seconds from LabPanel.launch() to the dashboard refresh that plots the first step, with phases."""
-    from labkit.live.panel import LabPanel
-
-    fields = ("example", "world_size", "micro_batch", "steps", "hidden", "depth", "dataset_size")
-    panel = LabPanel(root=root, **{name: getattr(config, name) for name in fields})
-    assert panel.config() == config
-    t0, wall0 = time.monotonic(), time.time()
-    run = panel.launch()
-    try:
-        while panel.dashboard.first_point_at is None:
-            if run.done:
-                raise RunFailed(f"panel run ended {run.status} before a step: {run.cause}")
-            time.sleep(0.01)
-        total = panel.dashboard.first_point_at - t0
-        # The supervisor's status.json says when it started DeepSpeed's launcher (until the run ends).
-        launched = read_json(run.run_dir / "status.json")["started_at"]
-    finally:
-        panel.stop()
-        panel.close()
-    rank_start, first_step = rank0_times(run.run_dir)
-    plotted = wall0 + total
-    # labkit's own share: Launch -> launcher running (config, run dir, supervisor start) and
-    # first step on disk -> plotted (poll interval + refresh).
-    return {"total": total, "labkit": (launched - wall0) + (plotted - first_step),
-            "to_rank": rank_start - launched, "to_step": first_step - rank_start,
-            "supervisor": launched - wall0, "plot": plotted - first_step}
 
 
 def bench_launch(pairs: int) -> None:

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_vs_deepspeed.py [--pairs 3] [--steps 200] [--models example3,large]
 
-The plain side is what a user would write instead (PLAIN_SCRIPT below, no labkit import): the
+The plain side is what a user would write instead (launch_twins.PLAIN_SCRIPT, no labkit import): the
 seed's Example 3 corrected (ZeRO-3, 2 CPU ranks, micro-batch 64, DistributedSampler, an MLP
 100-1024-1024-10 with Adam), `deepspeed.initialize` on the very `ds_config.json` labkit wrote for
 its own run, started by `deepspeed --num_gpus 2 train.py` with the environment labkit's launcher
@@ -28,70 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's labkit
 
+from launch_twins import MODELS, plain_deepspeed_command
+
 from labkit import Run, RunConfig
-from labkit.launch.launcher import build_command, free_port
+from labkit.launch.launcher import free_port
 from labkit.live.records import read_records
 from labkit.live.telemetry import rank_file
-
-MODELS = {"example3": {"hidden": 1024, "depth": 2}, "large": {"hidden": 4096, "depth": 2}}
-TIMED_FROM_STEP = 3  # as labkit.launch.worker: steps 1-2 pay for lazy allocations
-
-PLAIN_SCRIPT = '''\
-"""The seed's Example 3, corrected: what a user runs with `deepspeed --num_gpus 2 train.py`."""
-import argparse, json, os, time
-import deepspeed, torch
-from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--local_rank", type=int, default=0)
-parser.add_argument("--config", required=True)
-parser.add_argument("--shape", required=True)  # input,hidden,depth,output,dataset_size,steps,seed
-parser.add_argument("--result", required=True)
-args = parser.parse_args()
-input_size, hidden, depth, output_size, size, steps, seed = map(int, args.shape.split(","))
-ds_config = json.load(open(args.config))
-
-deepspeed.init_distributed()
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-torch.manual_seed(seed)
-layers = [nn.Linear(input_size, hidden), nn.ReLU()]
-for _ in range(depth - 1):
-    layers += [nn.Linear(hidden, hidden), nn.ReLU()]
-model = nn.Sequential(*layers, nn.Linear(hidden, output_size))
-generator = torch.Generator().manual_seed(seed)
-dataset = TensorDataset(torch.randn(size, input_size, generator=generator),
-                        torch.randint(0, output_size, (size,), generator=generator))
-sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
-loader = DataLoader(dataset, batch_size=ds_config["train_micro_batch_size_per_gpu"], sampler=sampler,
-                    drop_last=True)
-engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-criterion = nn.CrossEntropyLoss()
-
-
-def batches():
-    epoch = 0
-    while True:
-        sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
-
-
-data = batches()
-for step in range(1, steps + 1):
-    if step == TIMED_FROM_STEP:
-        started = time.perf_counter()
-    for _ in range(ds_config["gradient_accumulation_steps"]):
-        inputs, labels = next(data)
-        loss = criterion(engine(inputs.to(engine.device)).float(), labels.to(engine.device))
-        engine.backward(loss)
-        engine.step()
-timed_s = time.perf_counter() - started
-if rank == 0:
-    with open(args.result, "w") as out:
-        json.dump({"timed_steps": steps - TIMED_FROM_STEP + 1, "timed_s": timed_s}, out)
-deepspeed.comm.destroy_process_group()
-'''.replace("TIMED_FROM_STEP", str(TIMED_FROM_STEP))
 
 
 def labkit_rate(config: RunConfig, root: str) -> tuple[float, Path]:
@@ -106,15 +48,7 @@ def plain_rate(config: RunConfig, workdir: Path, index: int) -> float:
     """The same training as `config`, launched with plain deepspeed and labkit's launch environment."""
     here = workdir / f"plain-{index}"
     here.mkdir(parents=True)
-    (here / "train.py").write_text(PLAIN_SCRIPT)
-    (here / "ds_config.json").write_text(json.dumps(config.ds_config(), indent=2))
-    _, env = build_command(config, here, master_port=0, accelerator="cpu")  # the env only: threads, sockets
-    env.pop("PYTHONPATH", None)  # the plain script imports no labkit
-    shape = ",".join(str(v) for v in (config.input_size, config.hidden, config.depth, config.output_size,
-                                      config.dataset_size, config.steps, config.seed))
-    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(config.world_size),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "train.py",
-            "--config", "ds_config.json", "--shape", shape, "--result", "result.json"]
+    argv, env = plain_deepspeed_command(config, here, free_port())
     with open(here / "launcher.log", "wb") as log:
         subprocess.run(argv, cwd=here, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=3600, check=False)
     if not (here / "result.json").exists():  # judged from the result: an abort at exit is not a failure
