@@ -97,6 +97,20 @@ def test_03s_script_runs_train_its_model_in_the_profiles_precision(monkeypatch, 
     assert predicted_device_bytes(script) == predicted_device_bytes(worker)  # the same model, batch, ranks, dtype
 
 
+def test_04a_runs_the_lr_lessons_on_one_rank_in_every_profile(monkeypatch):
+    """04a launches the five LR runs of lessons.LR_LESSONS (measured for the MLP), one rank each, whatever the profile
+    and the GPUs: the same labels its cells launch."""
+    from labkit.study import lessons
+
+    expected = sorted({**lessons.sgd_scaling_configs("mlp"), **lessons.warmup_configs("mlp")})
+    for devices in (gpu(16, 1, False), gpu(80, 8, True), Devices("cpu", 1, 2, "gloo", True, False, "CPU", 24 * GiB)):
+        monkeypatch.setattr(devices_module, "detect_devices", lambda devices=devices: devices)
+        for profile, sizes in sizes_for("04a", devices).items():
+            configs = notebook_configs("04a", sizes, devices)
+            assert sorted(configs) == expected and len(expected) == 5, (profile, devices.device_name)
+            assert {(c.world_size, c.stage, c.model) for c in configs.values()} == {(1, 0, "mlp")}
+
+
 def test_half_precision_is_bf16_where_native_and_fp16_on_a_t4():
     t4, l4, cpu = gpu(16, 1, False), gpu(24, 1, True), Devices("cpu", 1, 2, "gloo", True, False, "CPU", 24 * GiB)
     assert sizes_for("02", t4)["workshop"]["precision"] == "fp16"
@@ -145,7 +159,7 @@ def test_parameters_cells_read_their_sizes_from_the_module():
             names.append(key)
             assert f'SIZES = sizes_for("{key}")' in source, notebook.name
             assert "dict(" not in source, notebook.name  # no sizes left in the cell
-    assert {"03", "03a", "03b"} <= set(names)
+    assert {"03", "03a", "03b", "04a"} <= set(names)
 
 
 @pytest.mark.parametrize("notebook", ["03", "03a", "03b"])

@@ -22,7 +22,7 @@ KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "langua
 def test_the_lesson_notebooks_exist():
     names = {path.name for path in NOTEBOOKS}
     for name in ("00-setup.ipynb", "01-pytorch-baseline.ipynb", "02-zero-offload.ipynb",
-                 "03-zero3-multi-gpu.ipynb", "04-the-answer.ipynb"):
+                 "03-zero3-multi-gpu.ipynb", "04-the-answer.ipynb", "04a-learning-rate.ipynb"):
         assert name in names
 
 

@@ -29,7 +29,7 @@ from labkit.runtime.devices import Devices
 REPO = Path(__file__).resolve().parents[2]
 STEPS = ("check", "notebooks", "answer")
 NOTEBOOKS = ("00-setup", "01-pytorch-baseline", "02-zero-offload", "03-zero3-multi-gpu", "03a-zero3-inside",
-             "03b-communication", "04-the-answer", "05-live-panel", "06-predict")
+             "03b-communication", "04-the-answer", "04a-learning-rate", "05-live-panel", "06-predict")
 PROFILE = "workshop"
 
 

@@ -101,6 +101,14 @@ NOTEBOOKS: dict[str, dict[str, dict[str, Any]]] = {
                      precision="half", world_size=8, timing_steps=20, link_sizes=[4**k * 1024 for k in range(10)],
                      predict_up_to=512),
     },
+    "04a": {
+        # The LR lessons' five runs (lessons.sgd_scaling_configs, lessons.warmup_configs), one rank each, stage 0, with
+        # the settings lessons.LR_LESSONS measured for this model: a 94k-parameter MLP, seconds on any device, so the
+        # same in every profile (04 itself reads results and launches nothing).
+        "ci": dict(lesson_model="mlp"),
+        "workshop": dict(lesson_model="mlp"),
+        "full": dict(lesson_model="mlp"),
+    },
     "05": {
         # a few seconds of training on 2 CPU ranks (process start and DeepSpeed init dominate).
         "ci": dict(example="zero3", world_size=2, micro_batch=32, steps=20, hidden=256, depth=1, dataset_size=2048),
@@ -172,6 +180,10 @@ def notebook_configs(notebook: str, sizes: dict[str, Any], devices: Devices,
         return _zero3_notebook_configs(notebook, sizes, devices, work_dir)
     if notebook == "03b":
         return _communication_configs(sizes)
+    if notebook == "04a":
+        from labkit.study import lessons
+
+        return {**lessons.sgd_scaling_configs(sizes["lesson_model"]), **lessons.warmup_configs(sizes["lesson_model"])}
     raise KeyError(f"no sizes for notebook {notebook!r}: NOTEBOOKS has {sorted(NOTEBOOKS)}")
 
 
