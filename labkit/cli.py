@@ -122,9 +122,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     admission = Admission.here()
-    estimate = admission.estimate(config)
-    admission.check_alone(estimate, "this run")  # NotEnoughMemory: exit 2, with the figures
-    if not (decision := admission.decide(estimate, [])).admit:  # other programs hold the memory now
+    estimate, decision = admission.admit_alone(config, "this run")  # NotEnoughMemory: exit 2, with the figures
+    if not decision.admit:  # other programs hold the memory now
         print(f"{decision.describe()}; waiting for other programs to free it (Ctrl-C gives up)", file=sys.stderr)
         try:
             while not admission.decide(estimate, []).admit:

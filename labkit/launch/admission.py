@@ -76,6 +76,9 @@ PRIOR_RANK_BASE_BYTES = round(481.5 * MiB)
 PRIOR_LAUNCHER_BYTES = 621 * MiB
 GUARD_BYTES = 22 * MiB
 KEEP = 20  # observations kept per figure: the estimate is their largest
+# How often a launcher of several runs (lessons.launch_all, the sweep) reads their process trees' RSS and
+# admits the next: psutil walks each tree (~8 ms on the lab's machine), too costly for every poll.
+SAMPLE_S = 1.0
 # Saved activations of labkit's MLP per sample (the worker's saved-tensor count): the input, each hidden
 # layer's ReLU output (the next Linear saves the same tensor) and the log-softmax output, 4 bytes each
 # (fp32; bf16 halves the hidden ones: an upper bound), and the int64 label. Measured: 276,484 bytes for
@@ -517,6 +520,13 @@ class Admission:
         error = refusal(candidate, room, label, where)
         if error is not None:
             raise error
+
+    def admit_alone(self, config: RunConfig, label: str) -> tuple[Estimate, Decision]:
+        """A run started by itself (the CLI, the panel): its estimate, refused with NotEnoughMemory if it could
+        never fit here, and whether it may start now, beside whatever other programs hold."""
+        candidate = self.estimate(config)
+        self.check_alone(candidate, label)
+        return candidate, self.decide(candidate, [])
 
     def decide(self, candidate: Estimate, running: Sequence[tuple[Estimate, int]], *,
                count_cores: bool = True) -> Decision:

@@ -255,10 +255,8 @@ class LabPanel:
             return None
         try:
             config = self.config()
-            admission = Admission.here(self.root)
-            estimate = admission.estimate(config)
-            admission.check_alone(estimate, "this run")  # NotEnoughMemory, with the figures
-            if not (decision := admission.decide(estimate, [])).admit:  # other programs hold it now
+            _, decision = Admission.here(self.root).admit_alone(config, "this run")  # NotEnoughMemory, with figures
+            if not decision.admit:  # other programs hold the memory now
                 self._show_error(f"{decision.describe()}: close other programs, then Launch again")
                 return None
             run = Run(config, env=self.env, root=self.root).start()  # refuses GPUs another run holds

@@ -43,7 +43,6 @@ SUMMARY_COLUMNS = ("status", "example", "stage", "offload_optimizer", "precision
 
 
 # -- launching ---------------------------------------------------------------------------
-SAMPLE_S = 1.0  # how often launch_all reads the running runs' process trees (RSS) and admits the next
 
 
 def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
@@ -68,7 +67,7 @@ def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
     """
     import dataclasses
 
-    from labkit.launch.admission import Admission, Estimate, occupies
+    from labkit.launch.admission import SAMPLE_S, Admission, Estimate, occupies
     from labkit.launch.phase import RunProgress
     from labkit.runtime.device_lease import DevicesBusy
     from labkit.runtime.devices import detect_devices

@@ -369,7 +369,7 @@ class Sweep:
 
     # -- running --------------------------------------------------------------------------
     def run(self) -> pd.DataFrame:
-        from labkit.launch.admission import Admission, occupies
+        from labkit.launch.admission import SAMPLE_S, Admission, occupies
         from labkit.launch.run import Run
 
         self.out.mkdir(parents=True, exist_ok=True)
@@ -383,7 +383,8 @@ class Sweep:
         estimates = {k: admission.estimate(p) for k, p in pending}
         for k, p in pending:  # before anything launches
             admission.check_alone(estimates[k], f"point {strategy_of(p)} b{p.global_batch} w{p.world_size}")
-        rss: dict[str, int] = {}  # key -> its process tree's RSS at the last poll
+        rss: dict[str, int] = {}  # key -> its process tree's RSS at the last sample
+        sampled_at = 0.0
         bar = None
         if self.progress:
             from tqdm.auto import tqdm  # a widget in a notebook (labkit.study.answer from 04), text elsewhere
@@ -400,7 +401,9 @@ class Sweep:
                     raise SweepCancelled(f"{len(pending) + len(running)} points left")
                 releasing = [(run, since) for run, since in releasing if _lease_still_held(run, since)]
                 busy = sum(occupies(run) for _, run, _ in running) + len(releasing)
-                rss.update({k: admission.sample(run._supervisor_pid()) for k, run, _ in running})
+                if time.monotonic() - sampled_at >= SAMPLE_S:  # psutil walks the trees: once a second
+                    sampled_at = time.monotonic()
+                    rss.update({k: admission.sample(run._supervisor_pid()) for k, run, _ in running})
                 while pending and busy < max(1, self.parallel):
                     decision = admission.decide(estimates[pending[0][0]], [(estimates[k], rss.get(k, 0))
                                                                            for k, _, _ in running], count_cores=False)
