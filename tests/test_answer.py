@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -262,3 +263,20 @@ def test_answer_smoke_end_to_end(tmp_path):
     assert "Growing the batch by more ranks at a fixed per-rank micro-batch" in page
     assert "Growing the batch by a bigger micro-batch on fixed ranks" in page
     assert "concurrent_runs 0 for every row" in page
+
+
+def test_results_dir_for_reads_the_committed_reference_then_a_sweep_run_here(tmp_path, monkeypatch):
+    """Notebooks 04 and 04a find their answer here: the profile's committed reference, a sweep run in the run
+    store, the MLP's ci reference last; an error naming the command when there is none."""
+    from labkit.study.answer import results_dir_for
+
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path))
+    data = Path(__file__).resolve().parents[1] / "data"
+    assert results_dir_for("ci") == data / "reference-ci"
+    assert results_dir_for("ci", "gpt") == data / "reference-ci-gpt"
+    assert results_dir_for("full") == data / "reference-ci"  # no full answer anywhere: the ci one (banner says so)
+    (tmp_path / "answer-full").mkdir()
+    (tmp_path / "answer-full" / "results.csv").write_text("strategy\n")
+    assert results_dir_for("full") == tmp_path / "answer-full"
+    with pytest.raises(FileNotFoundError, match=r"python -m labkit answer --profile full --model gpt` or else"):
+        results_dir_for("full", "gpt", also=" or else")  # the GPT never falls back to the MLP's results

@@ -626,6 +626,25 @@ def predicted_section(out: str | os.PathLike) -> str:
                 f"<p>No prediction for this answer: {html.escape(f'{type(error).__name__}: {error}')}</p></section>")
 
 
+def results_dir_for(profile: str, model: str | None = None, *, also: str = "") -> Path:
+    """Where notebooks 04 and 04a read an answer: the committed data/reference-<name>/ first, then a sweep run
+    here (runs/answer-<name>/), and for the MLP data/reference-ci last (the report's banner says when it is another
+    profile's). FileNotFoundError naming the command to run when none holds results.csv (`also`: another way)."""
+    from labkit.launch.store import default_root
+
+    name = with_model(PROFILES[profile], model).name  # "ci", or "ci-gpt" for the GPT
+    data = Path(__file__).resolve().parents[2] / "data"
+    candidates = [data / f"reference-{name}", default_root() / f"answer-{name}"]
+    if model is None:
+        candidates.append(data / "reference-ci")
+    found = next((d for d in candidates if (d / "results.csv").is_file()), None)
+    if found is None:
+        flag = f" --model {model}" if model else ""
+        raise FileNotFoundError(f"no results.csv in {[str(c) for c in candidates]}: run `python -m labkit answer"
+                                f" --profile {profile}{flag}`{also}")
+    return found
+
+
 def publish(out: str | os.PathLike, reference: str | os.PathLike) -> list[Path]:
     """Copy the small artifacts of an answer (CSVs, machine.json, answer_card.json, report if < 5 MB) to
     `reference`."""
