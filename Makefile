@@ -97,13 +97,13 @@ docs: ops
 # With a GPU, run this first: ops, GPU-marked tests, a run per ZeRO stage, offload, an OOM probe (2-rank runs on
 # 2+ GPUs); report in gpu-check-report.txt. About 3 minutes on one GPU with a warm op cache.
 gpu-check: install
-	$(BIN)/python -m labkit.runtime.gpu_check --report gpu-check-report.txt
+	$(BIN)/python -m labkit.study.gpu_check --report gpu-check-report.txt
 
-# The GPU reference (labkit/runtime/gpu_reference.py) into data/reference-<gpu>/: STEP=check, notebooks or answer
+# The GPU reference (labkit/study/gpu_reference.py) into data/reference-<gpu>/: STEP=check, notebooks or answer
 # (each resumable, each under 10 minutes on one H100), or all.
 STEP ?= all
 gpu-reference: ops
-	$(BIN)/python -m labkit.runtime.gpu_reference $(STEP)
+	$(BIN)/python -m labkit.study.gpu_reference $(STEP)
 
 clean:
 	rm -rf $(VENV) .cache runs wheelhouse build

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from launch_twins import RunFailed, bench_config, first_point_panel, first_step_bare
 
-from labkit.live.dashboard import Dashboard, RunSeries, run_traces, step_columns
 from labkit.runtime.devices import detect_devices
+from labkit.ui.dashboard import Dashboard, RunSeries, run_traces, step_columns
 
 MIB = 2**20
 

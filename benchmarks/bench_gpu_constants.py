@@ -217,8 +217,7 @@ def measure_launch(cuda: bool, quick: bool) -> dict[str, Any]:
 
 def extensions_env() -> dict[str, str]:
     """The environment DeepSpeed's JIT ops build and load in, as labkit's runs use it (labkit.runtime.ops)."""
-    from labkit.launch.launcher import DEFAULT_EXTENSIONS_DIR
-    from labkit.runtime.ops import deepspeed_arch_list
+    from labkit.runtime.ops import DEFAULT_EXTENSIONS_DIR, deepspeed_arch_list
 
     env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR)),
            "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}

@@ -77,8 +77,8 @@ from launch_twins import (
 )
 
 from labkit import RunConfig
+from labkit.core.records import rank_file, read_records
 from labkit.launch.launcher import free_port
-from labkit.live.telemetry import rank_file, read_records
 
 PROBE_DIR_ENV = "LABKIT_LAUNCH_PROBE_DIR"
 PROBE_PATH = Path(__file__).resolve().parent / "launch_probe"
@@ -98,8 +98,8 @@ ROLE_ORDER = ("caller", "supervisor", "runner", "launch.py", "rank guard", "rank
 def role_of(cmdline: list[str]) -> str | None:
     """Which hop of a launch a process is, from its command line."""
     for module, role in (("labkit.launch.supervisor", "supervisor"), ("deepspeed.launcher.runner", "runner"),
-                         ("deepspeed.launcher.launch", "launch.py"), ("labkit.launch.rank_guard", "rank guard"),
-                         ("labkit.launch.worker", "rank")):
+                         ("deepspeed.launcher.launch", "launch.py"), ("labkit.rank.guard", "rank guard"),
+                         ("labkit.rank.worker", "rank")):
         if module in cmdline:
             return role
     if any(Path(arg).name == "train.py" for arg in cmdline[1:3]):

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from labkit.launch.admission import runs_module
 
 REPO = Path(__file__).resolve().parent.parent
-RANK_MODULE = "labkit.launch.worker"  # a rank's training process (under its rank guard)
+RANK_MODULE = "labkit.rank.worker"  # a rank's training process (under its rank guard)
 SAMPLE_S = 1.0
 
 

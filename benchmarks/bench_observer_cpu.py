@@ -24,8 +24,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's labkit
 from labkit import Run, RunConfig
-from labkit.live.records import RecordTail, read_records
-from labkit.live.telemetry import rank_file
+from labkit.core.records import RecordTail, rank_file, read_records
 
 
 def observe(config: RunConfig, root: str) -> dict[str, float]:

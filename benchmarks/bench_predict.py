@@ -40,7 +40,7 @@ def measure(out: Path) -> None:
 
     import pandas as pd
 
-    from labkit.launch.config import RunConfig
+    from labkit.core.config import RunConfig
     from labkit.launch.run import Run
     from labkit.study import comms
 

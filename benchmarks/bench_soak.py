@@ -34,7 +34,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from labkit import Run, RunConfig
-from labkit.live.telemetry import rank_file, read_records
+from labkit.core.records import rank_file, read_records
 
 SMALL = dict(example="zero3", world_size=2, hidden=256, micro_batch=16, dataset_size=1024, steps=100_000)
 

@@ -20,7 +20,7 @@ import statistics
 import tempfile
 
 from labkit import Run, RunConfig
-from labkit.live.telemetry import rank_file, read_records
+from labkit.core.records import rank_file, read_records
 
 
 def done_record(run: Run, rank: int = 0) -> dict:

@@ -31,9 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from launch_twins import MODELS, plain_deepspeed_command
 
 from labkit import Run, RunConfig
+from labkit.core.records import rank_file, read_records
 from labkit.launch.launcher import free_port
-from labkit.live.records import read_records
-from labkit.live.telemetry import rank_file
 
 
 def labkit_rate(config: RunConfig, root: str) -> tuple[float, Path]:

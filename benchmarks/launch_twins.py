@@ -28,12 +28,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's labkit
 
 from labkit import RunConfig
+from labkit.core.files import read_json, write_json_atomic
+from labkit.core.records import RecordTail, rank_file, read_records
 from labkit.launch.launcher import build_command, free_port
-from labkit.launch.store import read_json, write_json_atomic
-from labkit.live.telemetry import RecordTail, rank_file, read_records
 from labkit.runtime.devices import detect_devices
 
-TIMED_FROM_STEP = 3  # as labkit.launch.worker: steps 1-2 pay for lazy allocations
+TIMED_FROM_STEP = 3  # as labkit.rank.worker: steps 1-2 pay for lazy allocations
 # The seed's Example 3 corrected (micro-batch 64, MLP 100-1024-1024-10), and the same MLP wider.
 MODELS = {"example3": {"hidden": 1024, "depth": 2}, "large": {"hidden": 4096, "depth": 2}}
 
@@ -238,7 +238,7 @@ def first_point_panel(config: RunConfig, root: Path,
                       at_first_point: Callable[[Any], Any] | None = None) -> dict[str, Any]:
     """Seconds from LabPanel.launch() to the dashboard refresh that plots the first step, with phases.
     `at_first_point(run)` is called once it is plotted, before the run is stopped."""
-    from labkit.live.panel import LabPanel
+    from labkit.ui.panel import LabPanel
 
     fields = ("example", "world_size", "micro_batch", "steps", "hidden", "depth", "dataset_size")
     panel = LabPanel(root=root, **{name: getattr(config, name) for name in fields})

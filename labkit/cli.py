@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from labkit.launch.config import EXAMPLES, LR_SCALINGS, OPTIMIZERS, PRECISIONS, ConfigError, RunConfig
+from labkit.core.config import EXAMPLES, LR_SCALINGS, OPTIMIZERS, PRECISIONS, ConfigError, RunConfig
 
 # RunConfig fields exposed as flags: --micro-batch for micro_batch, and so on.
 _FLAG_FIELDS = ("model", "data", "loss", "stage", "precision", "world_size", "micro_batch", "grad_accum",
@@ -168,7 +168,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a self-contained job directory for DeepSpeed's multi-node launcher (labkit.launch.export)."""
-    from labkit.launch.config import without_local_device_checks
+    from labkit.core.config import without_local_device_checks
     from labkit.launch.export import SlurmOptions, write_job
 
     with without_local_device_checks():  # a login node need not have the cluster's GPUs
@@ -204,8 +204,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_export_metrics(args: argparse.Namespace) -> int:
-    """A finished run's per-step records as TensorBoard event files and/or CSV (labkit.live.export_metrics)."""
-    from labkit.live.export_metrics import to_csv, to_tensorboard
+    """A finished run's per-step records as TensorBoard event files and/or CSV (labkit.launch.export_metrics)."""
+    from labkit.launch.export_metrics import to_csv, to_tensorboard
 
     if not (args.tensorboard or args.csv):
         raise ConfigError("export-metrics", "name at least one of --tensorboard DIR, --csv DIR")

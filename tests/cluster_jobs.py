@@ -11,7 +11,7 @@ from tests.conftest import run_processes
 
 def assert_trained(job: Path, launcher: str, steps: int = 4) -> None:
     """Both ranks trained every step to `done`, each with the rank, local rank and world size its
-    launcher's variables gave it (through labkit.launch.rank_entry), each with its own log; the
+    launcher's variables gave it (through labkit.rank.entry), each with its own log; the
     summary says finished and no process of the job is left."""
     records = rank_records(job, 2)
     for rank in (0, 1):

@@ -80,7 +80,7 @@ def rank_file_reads(monkeypatch: pytest.MonkeyPatch) -> RankFileReads:
 
 @pytest.fixture
 def one_gloo_rank(monkeypatch: pytest.MonkeyPatch):
-    """A one-rank process group in this process, joined as the worker joins it (labkit.runtime.rendezvous)."""
+    """A one-rank process group in this process, joined as the worker joins it (labkit.rank.rendezvous)."""
     import sys
     from datetime import timedelta
 
@@ -88,7 +88,7 @@ def one_gloo_rank(monkeypatch: pytest.MonkeyPatch):
     from deepspeed.accelerator import get_accelerator
 
     from labkit.launch.launcher import free_port
-    from labkit.runtime.rendezvous import init_distributed
+    from labkit.rank.rendezvous import init_distributed
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0", "LOCAL_SIZE": "1", "GLOO_SOCKET_IFNAME": "lo"}

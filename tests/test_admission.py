@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from labkit import RunConfig
+from labkit.core import memory
 from labkit.launch import admission
 from labkit.launch.admission import (
     MIN_MARGIN_BYTES,
@@ -30,7 +31,6 @@ from labkit.launch.admission import (
     room_bytes,
     runs_module,
 )
-from labkit.study import memory
 from tests.conftest import REPO
 
 GB = 10**9
@@ -188,10 +188,10 @@ def test_the_room_a_run_is_refused_beyond_is_the_machine_less_this_process_tree_
 
 def test_launch_py_names_the_rank_guard_but_is_no_guard():
     launch_py = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", "--world_info=x", "--module",
-                 "labkit.launch.rank_guard", "--run-dir", "/r"]
-    guard = [sys.executable, "-u", "-m", "labkit.launch.rank_guard", "--local_rank=0", "--run-dir", "/r"]
-    assert not runs_module(launch_py, "labkit.launch.rank_guard") and runs_module(guard, "labkit.launch.rank_guard")
-    assert not runs_module(["python"], "labkit.launch.rank_guard")
+                 "labkit.rank.guard", "--run-dir", "/r"]
+    guard = [sys.executable, "-u", "-m", "labkit.rank.guard", "--local_rank=0", "--run-dir", "/r"]
+    assert not runs_module(launch_py, "labkit.rank.guard") and runs_module(guard, "labkit.rank.guard")
+    assert not runs_module(["python"], "labkit.rank.guard")
 
 
 # -- real runs ------------------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def test_a_run_that_cannot_fit_alone_is_refused_before_anything_launches(runs_ro
 
 def test_runs_wait_for_device_leases_instead_of_failing(runs_root, monkeypatch):
     """CI's emulated device slots go through the GPU's lease code: two 1-rank runs on one slot."""
-    from labkit.runtime import device_lease
+    from labkit.launch import device_lease
     from labkit.study import lessons
 
     if (os.cpu_count() or 1) < 2:
@@ -278,7 +278,7 @@ def test_cli_refuses_a_run_that_cannot_fit_with_exit_2_and_the_figures(tmp_path)
 def test_the_panel_shows_the_refusal_and_launches_nothing(runs_root, monkeypatch):
     import re
 
-    from labkit.live.panel import LabPanel
+    from labkit.ui.panel import LabPanel
 
     monkeypatch.setenv(admission.MEMORY_LIMIT_ENV, "1e9")
     panel = LabPanel(world_size=2, micro_batch=32)

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from labkit import RunConfig
-from labkit.launch.config import ConfigError
+from labkit.core.config import ConfigError
 from labkit.study.sweep import Sweep, UnfairTiming, check_fair, fair_parallel, plan
 
 

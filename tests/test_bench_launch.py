@@ -21,8 +21,8 @@ def test_role_of_names_each_hop() -> None:
     assert bl.role_of([py, "-m", "labkit.launch.supervisor", "runs/x"]) == "supervisor"
     assert bl.role_of([py, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]) == "runner"
     assert bl.role_of([py, "-u", "-m", "deepspeed.launcher.launch", "--world_info=x"]) == "launch.py"
-    assert bl.role_of([py, "-u", "-m", "labkit.launch.rank_guard", "--local_rank=0"]) == "rank guard"
-    assert bl.role_of([py, "-u", "-m", "labkit.launch.worker", "--run-dir", "x"]) == "rank"
+    assert bl.role_of([py, "-u", "-m", "labkit.rank.guard", "--local_rank=0"]) == "rank guard"
+    assert bl.role_of([py, "-u", "-m", "labkit.rank.worker", "--run-dir", "x"]) == "rank"
     assert bl.role_of([py, "-u", "train.py", "--local_rank=1"]) == "rank"
     assert bl.role_of([py, "train.py"]) == "rank"
     assert bl.role_of(["ninja", "-v"]) is None
@@ -153,7 +153,7 @@ def test_the_probe_stamps_a_real_interpreter(tmp_path: Path) -> None:
 
 def test_side_interpreters_are_the_probed_processes_off_the_hops() -> None:
     py = "/venv/bin/python"
-    probes = {16: [{"event": "up", "begin": 1.0, "argv": [py, "-u", "-m", "labkit.launch.worker"]}],
+    probes = {16: [{"event": "up", "begin": 1.0, "argv": [py, "-u", "-m", "labkit.rank.worker"]}],
               40: [{"event": "up", "begin": 2.0, "argv": [py, "/venv/lib/cpuinfo/cpuinfo.py", "--json"]}],
               41: [{"event": "up", "begin": 2.5, "argv": [py, "/venv/lib/cpuinfo/cpuinfo.py", "--json"]}],
               42: [{"event": "up", "begin": 3.0, "argv": [py, "-c", "import torch"]}],

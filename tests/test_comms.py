@@ -1,4 +1,4 @@
-"""What the ranks send each other (labkit.study.comms, labkit.live.comms_log).
+"""What the ranks send each other (labkit.study.comms, labkit.rank.comms_log).
 
 The unit tests check the formulas on layouts worked out by hand from DeepSpeed 0.19.8's source;
 the `slow` ones check them against DeepSpeed's own comms logger on real 2-rank runs, record by
@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from labkit.launch.config import ConfigError, RunConfig
-from labkit.live.comms_log import per_call_ms, split_name
+from labkit.core.config import ConfigError, RunConfig
 from labkit.models.mlp import SimpleModel
+from labkit.rank.comms_log import per_call_ms, split_name
 from labkit.study import comms
 
 MLP = comms.module_layout(SimpleModel())  # [[50000, 500], [5000, 10]]: 55,510 parameters

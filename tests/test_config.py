@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.launch.config import ConfigError, RunConfig
+from labkit.core.config import ConfigError, RunConfig
 
 BAD_CONFIGS = [
     ({"example": "zero3", "world_size": 2, "micro_batch": 64, "train_batch": 64}, "train_batch"),

@@ -18,13 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import labkit.live.dashboard
-import labkit.live.panel
+import labkit.ui.dashboard
+import labkit.ui.panel
 from labkit import RunConfig
+from labkit.core.files import write_json_atomic
 from labkit.launch.run import Run, run_name
-from labkit.launch.store import new_run_dir, write_json_atomic
+from labkit.launch.store import new_run_dir
 from labkit.launch.summary import summarize
-from labkit.live.dashboard import (
+from labkit.ui.dashboard import (
     REFRESH_S,
     STEP_KEYS,
     Dashboard,
@@ -36,7 +37,7 @@ from labkit.live.dashboard import (
     run_traces,
     step_columns,
 )
-from labkit.live.panel import LabPanel, rank_log, status_line, tail_text
+from labkit.ui.panel import LabPanel, rank_log, status_line, tail_text
 
 MIB = 2**20
 
@@ -381,7 +382,7 @@ def test_a_thread_never_touches_series_it_was_not_started_for(tmp_path):
 
 
 def test_close_keeps_a_thread_that_did_not_stop_and_watch_refuses_a_second(tmp_path, monkeypatch):
-    monkeypatch.setattr(labkit.live.dashboard, "JOIN_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(labkit.ui.dashboard, "JOIN_TIMEOUT_S", 0.2)
     first = Run.load(write_run(tmp_path / "a", config(), steps=3, status=None))
     second = Run.load(write_run(tmp_path / "b", config(), steps=5, status=None))
     release = threading.Event()
@@ -486,7 +487,7 @@ class SyntheticRun(Run):
 
 
 def test_launch_runs_the_config_and_reports_the_outcome(runs_root, monkeypatch):
-    monkeypatch.setattr(labkit.live.panel, "Run", SyntheticRun)
+    monkeypatch.setattr(labkit.ui.panel, "Run", SyntheticRun)
     panel = LabPanel(world_size=2, micro_batch=32, steps=7, hidden=64, refresh_s=0.05)
     run = panel.launch()
     assert run is panel.run and run.config == panel.config()
@@ -552,7 +553,7 @@ class LiveRun(Run):
 
 
 def test_launching_twice_leaves_one_update_thread_and_none_after(runs_root, monkeypatch):
-    monkeypatch.setattr(labkit.live.panel, "Run", LiveRun)
+    monkeypatch.setattr(labkit.ui.panel, "Run", LiveRun)
     panel = LabPanel(world_size=2, micro_batch=32, steps=9, refresh_s=0.05)
     assert dashboard_threads() == []
     first = panel.launch()
@@ -577,7 +578,7 @@ def test_launching_twice_leaves_one_update_thread_and_none_after(runs_root, monk
 
 
 def test_stop_shows_stopping_until_the_run_is_done(runs_root, monkeypatch):
-    monkeypatch.setattr(labkit.live.panel, "Run", LiveRun)
+    monkeypatch.setattr(labkit.ui.panel, "Run", LiveRun)
     monkeypatch.setattr(LiveRun, "stop_gate", threading.Event())
     panel = LabPanel(world_size=2, micro_batch=32, steps=9, refresh_s=0.05)
     run = panel.launch()
@@ -628,7 +629,7 @@ def _frames():
 def test_stop_is_not_held_back_by_a_tick_recovering_the_run(runs_root, monkeypatch):
     """Issue 11 item 12: the tick read the run's status (which may recover a run whose supervisor died:
     seconds of killing and summarising) while holding the panel's lock, and Stop waited for that lock."""
-    monkeypatch.setattr(labkit.live.panel, "Run", RecoveringRun)
+    monkeypatch.setattr(labkit.ui.panel, "Run", RecoveringRun)
     for event in (RecoveringRun.recovering, RecoveringRun.recovered, RecoveringRun.stop_called):
         event.clear()
     panel = LabPanel(world_size=2, micro_batch=32, steps=9, refresh_s=0.05)
@@ -650,15 +651,15 @@ def test_stop_is_not_held_back_by_a_tick_recovering_the_run(runs_root, monkeypat
 
 
 def test_an_error_in_the_update_thread_is_shown_and_frees_the_controls(runs_root, monkeypatch):
-    monkeypatch.setattr(labkit.live.panel, "Run", LiveRun)
-    real = labkit.live.dashboard.run_traces
+    monkeypatch.setattr(labkit.ui.panel, "Run", LiveRun)
+    real = labkit.ui.dashboard.run_traces
 
     def failing(*args, **kwargs):  # fails in the update thread only: launch() itself draws empty traces
         if threading.current_thread().name == "labkit-dashboard":
             raise RuntimeError("boom")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(labkit.live.dashboard, "run_traces", failing)
+    monkeypatch.setattr(labkit.ui.dashboard, "run_traces", failing)
     panel = LabPanel(world_size=2, micro_batch=32, steps=9, refresh_s=0.05)
     run = panel.launch()
     assert panel.dashboard.join(timeout=20)
@@ -678,7 +679,7 @@ class FailingRun(Run):
 
 
 def test_a_launch_error_is_shown_in_the_panel(runs_root, monkeypatch):
-    monkeypatch.setattr(labkit.live.panel, "Run", FailingRun)
+    monkeypatch.setattr(labkit.ui.panel, "Run", FailingRun)
     panel = LabPanel(world_size=2, micro_batch=32)
     assert panel.launch() is None and panel.run is None
     assert plain(panel.message) == "⚠ launch failed: OSError: [Errno 28] No space left on device"
@@ -687,10 +688,10 @@ def test_a_launch_error_is_shown_in_the_panel(runs_root, monkeypatch):
 
 def test_launch_waits_for_the_last_runs_thread(runs_root, monkeypatch):
     """A thread still busy with the last run's final tick: Launch refuses instead of starting a second one."""
-    monkeypatch.setattr(labkit.live.panel, "Run", LiveRun)
-    monkeypatch.setattr(labkit.live.dashboard, "JOIN_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(labkit.ui.panel, "Run", LiveRun)
+    monkeypatch.setattr(labkit.ui.dashboard, "JOIN_TIMEOUT_S", 0.2)
     entered, release = threading.Event(), threading.Event()
-    real = labkit.live.panel.tail_text
+    real = labkit.ui.panel.tail_text
 
     def slow_tail(path, *args, **kwargs):  # the final tick's log read hangs (a slow disk)
         if (Path(path).parent.parent / "summary.json").exists():
@@ -698,7 +699,7 @@ def test_launch_waits_for_the_last_runs_thread(runs_root, monkeypatch):
             release.wait(20)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(labkit.live.panel, "tail_text", slow_tail)
+    monkeypatch.setattr(labkit.ui.panel, "tail_text", slow_tail)
     panel = LabPanel(world_size=2, micro_batch=32, steps=9, refresh_s=0.05)
     first = panel.launch()
     first.finish()
@@ -753,7 +754,7 @@ def test_a_browser_message_cannot_swallow_the_update_threads_new_trace():
     addTraces as `msg` then `None`, so only None reached the browser and the chart stayed empty."""
     import plotly.graph_objects as go
 
-    from labkit.live.dashboard import _new_figure
+    from labkit.ui.dashboard import _new_figure
 
     payloads = _swallowed_add_traces(lambda lock: _new_figure("loss", lock))
     assert any(p is not None for p in payloads), payloads

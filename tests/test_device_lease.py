@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from labkit.launch.config import ConfigError, RunConfig
+from labkit.core.config import ConfigError, RunConfig
+from labkit.launch import device_lease
 from labkit.launch.launcher import build_command
 from labkit.launch.run import Run
-from labkit.runtime import device_lease
 from labkit.runtime.devices import Devices
 
 
@@ -111,7 +111,7 @@ def test_another_users_lease_file_is_refused_by_name_not_with_a_permission_error
     raise a raw PermissionError, and take_free must go on to the next device. Run as user nobody."""
     if os.getuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run the lease code as another user")
-    probe = _as_nobody("-c", "import labkit.runtime.device_lease")
+    probe = _as_nobody("-c", "import labkit.launch.device_lease")
     if probe.returncode != 0:
         pytest.skip(f"user nobody cannot import labkit here (repo or venv unreadable): "
                     f"{(probe.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -245,14 +245,7 @@ SWEEP_POINT = dict(example="zero3", world_size=2, micro_batch=8, hidden=32, step
 
 
 def test_the_supervisors_slow_exit_fault_is_its_own():
-    from labkit.launch.faults import (
-        SUPERVISOR,
-        Fault,
-        FaultHooks,
-        FaultSpecError,
-        parse_faults,
-        supervisor_exit_delay_s,
-    )
+    from labkit.rank.faults import SUPERVISOR, Fault, FaultHooks, FaultSpecError, parse_faults, supervisor_exit_delay_s
 
     spec = "raise@rank1:step5,slowexit@supervisor:7"
     assert parse_faults(spec) == [Fault("raise", 1, 5), Fault("slowexit", SUPERVISOR, 7)]

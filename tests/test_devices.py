@@ -39,8 +39,8 @@ def test_cpu_ranks_are_capped_at_the_cores():
 _CONCURRENT_FIRST_IMPORT = """
 import sys, threading, traceback
 assert "deepspeed" not in sys.modules
-from labkit.launch.config import RunConfig
-import labkit.study.memory
+from labkit.core.config import RunConfig
+import labkit.core.memory
 errors = []
 def make_config():
     try:
@@ -49,7 +49,7 @@ def make_config():
         errors.append(traceback.format_exc())
 def estimate():
     try:
-        labkit.study.memory.deepspeed_estimates(10_000_000, world_size=2)
+        labkit.core.memory.deepspeed_estimates(10_000_000, world_size=2)
     except Exception:
         errors.append(traceback.format_exc())
 threads = [threading.Thread(target=make_config if i % 2 else estimate) for i in range(8)]
@@ -79,8 +79,8 @@ def test_ranks_load_the_saved_config_without_probing_devices_again(tmp_path, mon
     context on GPU 0; refused in exclusive-process mode) and re-opened a relative hostfile path."""
     import json
 
-    from labkit.launch.config import RunConfig
-    from labkit.launch.store import write_json_atomic
+    from labkit.core.config import RunConfig
+    from labkit.core.files import write_json_atomic
 
     (tmp_path / "hosts").write_text("node-a slots=1\nnode-b slots=1\n")
     monkeypatch.chdir(tmp_path)
@@ -116,7 +116,7 @@ def test_gpu_check_without_a_gpu_says_so_fails_and_still_writes_its_report(tmp_p
         pytest.skip("a GPU is here: make gpu-check checks it for real")
     root = str(Path(__file__).resolve().parent.parent)
     report = tmp_path / "report.txt"
-    result = subprocess.run([sys.executable, "-m", "labkit.runtime.gpu_check", "--report", str(report), "--runs-root",
+    result = subprocess.run([sys.executable, "-m", "labkit.study.gpu_check", "--report", str(report), "--runs-root",
                              str(tmp_path / "runs")], capture_output=True, text=True, timeout=900, cwd=root)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     text = report.read_text()
@@ -128,7 +128,7 @@ def test_gpu_check_without_a_gpu_says_so_fails_and_still_writes_its_report(tmp_p
 
 
 def test_gpu_check_names_why_torch_sees_no_gpu(monkeypatch):
-    from labkit.runtime.gpu_check import why_no_gpu
+    from labkit.study.gpu_check import why_no_gpu
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     assert why_no_gpu().startswith("DS_ACCELERATOR=cpu")
@@ -144,7 +144,7 @@ def test_gpu_check_names_why_torch_sees_no_gpu(monkeypatch):
 
 def test_torch_adam_replaces_deepspeeds_cuda_adam_without_nvcc():
     """Issue 11 item 3: without an nvcc matching torch's CUDA, FusedAdam cannot be built: torch's Adam runs."""
-    from labkit.launch.config import RunConfig
+    from labkit.core.config import RunConfig
     from labkit.runtime.ops import choose_optimizer_impl, cuda_ops_buildable, with_optimizer_impl
 
     def impl(cuda_ops, offload=False, accelerator="cuda", optimizer="adam"):
@@ -172,7 +172,8 @@ def test_telemetry_finishes_a_record_after_a_short_write(tmp_path):
     import threading
     import time
 
-    from labkit.live.telemetry import RankTelemetry, rank_file
+    from labkit.core.records import rank_file
+    from labkit.rank.telemetry import RankTelemetry
 
     os.mkfifo(rank_file(tmp_path, 0))
     received = bytearray()
@@ -209,7 +210,7 @@ def test_noise_probe_matches_a_float64_reference():
     from torch import nn
 
     from labkit.models.mlp import SimpleModel
-    from labkit.study.noise_scale import gradient_noise_probe
+    from labkit.rank.noise_probe import gradient_noise_probe
 
     torch.manual_seed(0)
     model = SimpleModel(20, 32, 5, 2)

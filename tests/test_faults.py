@@ -35,7 +35,7 @@ import psutil
 import pytest
 
 from labkit import Run, RunConfig, runs
-from labkit.live.telemetry import rank_file, read_records
+from labkit.core.records import rank_file, read_records
 from tests.conftest import REPO, run_processes
 
 pytestmark = pytest.mark.faults
@@ -125,7 +125,7 @@ def describe(proc: psutil.Process) -> str:
 
 
 def is_rank(proc: psutil.Process) -> bool:
-    return describe(proc).split(" ", 1)[-1] in ("labkit.launch.rank_guard", "labkit.launch.worker")
+    return describe(proc).split(" ", 1)[-1] in ("labkit.rank.guard", "labkit.rank.worker")
 
 
 def gone(proc: psutil.Process) -> bool:
@@ -429,8 +429,8 @@ def _chaos(index: int, root: Path) -> dict[str, Any]:
     victims = {
         "supervisor": [sup],
         "everything": tree,
-        "supervisor+workers": [sup] + [p for p in tree if describe(p).endswith("labkit.launch.worker")],
-        "worker": [p for p in tree if describe(p).endswith("labkit.launch.worker")][:1],
+        "supervisor+workers": [sup] + [p for p in tree if describe(p).endswith("labkit.rank.worker")],
+        "worker": [p for p in tree if describe(p).endswith("labkit.rank.worker")][:1],
     }[target]
     moment = time.time()
     killed = []
@@ -685,7 +685,7 @@ test_store_stays_readable_after_kill_at_random_moment.scenarios = tuple(f"chaos_
 
 # -- security -------------------------------------------------------------------------------------
 # torch's TCPStore (rank 0's rendezvous server) listens on `::` whatever MASTER_ADDR says;
-# labkit.runtime.rendezvous binds it to 127.0.0.1 itself and labkit.launch.launcher pins gloo to `lo`.
+# labkit.rank.rendezvous binds it to 127.0.0.1 itself and labkit.launch.launcher pins gloo to `lo`.
 @uses("stop")
 def test_nothing_listens_beyond_loopback(fleet):
     listening = fleet.result("stop")["listening"]
@@ -832,7 +832,7 @@ def test_out_directory_in_use_is_refused(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
 
 
-# Widget values: the control panel (labkit.live.panel) builds its RunConfig from the controls, so a
+# Widget values: the control panel (labkit.ui.panel) builds its RunConfig from the controls, so a
 # bad combination is refused by Launch with the field named, and nothing starts.
 BAD_WIDGETS = [
     ({"example": "pytorch"}, "world_size"),             # the plain loop is one process; the panel asks 2 ranks
@@ -843,7 +843,7 @@ BAD_WIDGETS = [
 
 @pytest.mark.parametrize("values,field", BAD_WIDGETS, ids=[f for _, f in BAD_WIDGETS])
 def test_bad_widget_values_are_refused_naming_the_field(values, field, tmp_path):
-    panel_module = pytest.importorskip("labkit.live.panel")
+    panel_module = pytest.importorskip("labkit.ui.panel")
     panel = panel_module.LabPanel(root=tmp_path / "runs", **{**SMALL, "steps": 5})
     try:
         for name, value in values.items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.launch.config import RunConfig
+from labkit.core.config import RunConfig
 from labkit.launch.launcher import build_command
 from labkit.runtime import ops
 from labkit.runtime.devices import Devices
@@ -74,7 +74,7 @@ def test_cpu_adam_is_a_cpp_extension_on_the_cuda_accelerator_and_runs_without_nv
 
 
 def test_finished_status_names_the_optimizer_that_ran():
-    from labkit.live.panel import status_line
+    from labkit.ui.panel import status_line
 
     line = status_line("finished", steps=5, summary={"steps_completed": 5, "optimizer_impl": "cpu_adam"})
     assert "optimizer cpu_adam" in line
@@ -97,8 +97,8 @@ def test_optimizer_line_groups_runs_by_optimizer():
 def test_every_deepspeed_optimizer_uses_no_weight_decay(one_gloo_rank, example, stage, impl):
     """Issue 21 item 4: without FusedAdam DeepSpeed builds torch.optim.AdamW (runtime/engine.py:2382), whose
     default weight decay is 0.01, while FusedAdam, CPU Adam and the plain loop's torch.optim.Adam use 0."""
-    from labkit.launch.trainers import DeepSpeedTrainer
     from labkit.models.mlp import SimpleModel
+    from labkit.rank.trainers import DeepSpeedTrainer
 
     config = RunConfig(example=example, stage=stage, world_size=1, micro_batch=8, hidden=32, steps=2)
     torch.manual_seed(0)
@@ -128,7 +128,7 @@ def test_gpu_ranks_get_their_share_of_the_cores(tmp_path):
 # How torch reports an out-of-memory inside NCCL (torch/csrc/distributed/c10d/NCCLUtils: "NCCL error in: ...",
 # ncclGetErrorWithVersion, then getNcclErrorDetailStr with NCCL's last error), raised in Python ...
 NCCL_OOM_RAISED = """[rank0]: Traceback (most recent call last):
-[rank0]:   File "labkit/launch/worker.py", line 301, in <module>
+[rank0]:   File "labkit/rank/worker.py", line 301, in <module>
 [rank0]: torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, \
 unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.27.5
 [rank0]: ncclUnhandledCudaError: Call to CUDA function failed.
@@ -156,7 +156,7 @@ def test_an_out_of_memory_inside_nccl_is_out_of_memory(log, returncode):
     """Issue 21 item 7: the supervisor read only the last 'SomeError: ...' line ("ncclUnhandledCudaError: Call to
     CUDA function failed.", or nothing after a watchdog abort) and called the run failed; a max-batch probe
     failing so stopped `labkit answer` before its report (labkit.study.sweep.settled)."""
-    from labkit.launch.failures import classify_exit
+    from labkit.core.failures import classify_exit
     from labkit.study.sweep import settled
 
     status, cause = classify_exit(log, returncode)
@@ -166,7 +166,7 @@ def test_an_out_of_memory_inside_nccl_is_out_of_memory(log, returncode):
 
 
 def test_other_failures_stay_failures():
-    from labkit.launch.failures import classify_exit
+    from labkit.core.failures import classify_exit
 
     earlier_warning = "warning: the last run ran out of memory\nTraceback (most recent call last):\nValueError: bad\n"
     assert classify_exit(earlier_warning, 1) == ("failed", "ValueError: bad")
@@ -193,7 +193,7 @@ def test_gpu_check_plans_every_stage_offload_and_a_real_oom_and_lists_what_one_g
     """Issue 21 item 7: on one GPU gpu-check said "2-rank runs: skipped" and still counted "failures: 2";
     it ran no ZeRO stage, no offload, no bf16 and no out-of-memory check."""
     from labkit.runtime import devices as devices_module
-    from labkit.runtime.gpu_check import run_plan
+    from labkit.study.gpu_check import run_plan
     from labkit.study.notebook_sizes import predicted_device_bytes
 
     one = _stand_in(1, bf16=True)
@@ -218,7 +218,7 @@ def test_gpu_check_plans_every_stage_offload_and_a_real_oom_and_lists_what_one_g
 
 
 def test_gpu_check_report_counts_skips_apart_from_failures(tmp_path):
-    from labkit.runtime.gpu_check import _write_report
+    from labkit.study.gpu_check import _write_report
 
     _write_report(tmp_path / "r.txt", ["SKIPPED 2-rank ZeRO-0: needs 2 GPUs, 1 visible"], [], skipped=4)
     text = (tmp_path / "r.txt").read_text()
@@ -262,7 +262,7 @@ def test_an_unknown_gpus_peak_comes_from_a_large_matmul_timed_with_device_events
                                              ("NVIDIA H100 NVL", 1, "h100-nvl"), ("NVIDIA A10G", 1, "a10g"),
                                              ("NVIDIA L4", 2, "l4-x2")])
 def test_reference_directories_are_named_after_the_gpu(name, count, slug):
-    from labkit.runtime.gpu_reference import gpu_slug
+    from labkit.study.gpu_reference import gpu_slug
 
     assert gpu_slug(Devices("cuda", count, count, "nccl", True, True, name, 80 * 2**30)) == slug
 
@@ -273,13 +273,13 @@ def test_reference_steps_are_resumable_and_separately_callable(tmp_path, monkeyp
     import json
     import sys
 
-    from labkit.runtime import gpu_reference
+    from labkit.study import gpu_reference
 
     commands = gpu_reference.step_commands("answer", tmp_path)
     assert commands[0][-4:] == ["--out", str(gpu_reference.REPO / "runs" / "answer-workshop"), "--reference",
                                 str(tmp_path)] and "--profile" in commands[0]
     assert "--nbval-lax" in gpu_reference.step_commands("notebooks", tmp_path)[0]
-    assert "labkit.runtime.gpu_check" in gpu_reference.step_commands("check", tmp_path)[0]
+    assert "labkit.study.gpu_check" in gpu_reference.step_commands("check", tmp_path)[0]
     ran = []
 
     def fake(step, out, python=sys.executable):

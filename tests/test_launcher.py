@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.launch.config import RunConfig
+from labkit.core.config import RunConfig
 from labkit.launch.launcher import build_command, command_text, free_port
 
 
@@ -19,7 +19,7 @@ def test_single_node_command_uses_deepspeed_launcher_on_loopback(tmp_path):
     assert argv[argv.index("--num_gpus") + 1] == "2"
     assert argv[argv.index("--master_addr") + 1] == "127.0.0.1"  # nothing listens beyond loopback
     assert argv[argv.index("--master_port") + 1] == "29517"
-    assert argv[argv.index("--module") + 1] == "labkit.launch.rank_guard"
+    assert argv[argv.index("--module") + 1] == "labkit.rank.guard"
     assert argv[-2:] == ["--run-dir", str(tmp_path.resolve())]
     assert env["OMP_NUM_THREADS"] == "4"  # 8 cores split between 2 CPU ranks
     assert env["DS_ACCELERATOR"] == "cpu"
@@ -90,7 +90,7 @@ def test_free_port_is_outside_the_ephemeral_range_and_bindable():
 
 
 def test_last_exception_line_reads_only_the_last_traceback():
-    from labkit.launch.failures import last_exception_line
+    from labkit.core.failures import last_exception_line
 
     log = ("ValueError: a warning printed and caught long ago\n"
            "step 7 ...\n")

@@ -95,7 +95,7 @@ def test_a_search_that_reached_its_limit_says_capped_and_gives_no_ratio() -> Non
 
 
 def test_the_limit_is_where_the_input_alone_fills_the_device(monkeypatch) -> None:
-    from labkit.launch.config import RunConfig
+    from labkit.core.config import RunConfig
     from labkit.runtime import devices as devices_module
     from labkit.runtime.devices import Devices
     from labkit.study.maxbatch import search_limit
@@ -113,7 +113,7 @@ def test_the_limit_is_where_the_input_alone_fills_the_device(monkeypatch) -> Non
 def test_the_search_passes_the_datasets_end_to_a_real_boundary(tmp_path, runs_root) -> None:
     """Real 2-step probes on the emulated capacity: the dataset holds 256 samples, the boundary lies near 1000.
     Before, the search stopped at 256 (dataset_size // world_size) and reported it as the largest fit."""
-    from labkit.launch.config import RunConfig
+    from labkit.core.config import RunConfig
     from labkit.study.maxbatch import search
 
     template = RunConfig(example="pytorch", micro_batch=1, hidden=32, dataset_size=256, steps=2,

@@ -1,5 +1,5 @@
-"""Unit tests of the analytic memory model (labkit.study.memory) and of the census
-(labkit.live.state_bytes) on plain PyTorch objects: no launches, no DeepSpeed engine."""
+"""Unit tests of the analytic memory model (labkit.core.memory) and of the census
+(labkit.rank.census) on plain PyTorch objects: no launches, no DeepSpeed engine."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.live.state_bytes import model_state_bytes
+from labkit.core import memory
 from labkit.models.mlp import SimpleModel, count_parameters
-from labkit.study import memory
+from labkit.rank.census import model_state_bytes
 
 PSI = 1_000_000
 
@@ -99,7 +99,7 @@ def test_stage_3_persistent_params_stay_whole_on_each_rank() -> None:
 
 
 def test_matches_real_deepspeed_census() -> None:
-    # labkit.live.state_bytes on DeepSpeed 0.19.8, 2 CPU ranks, MLP 100 -> 2000 -> 10 (Psi = 222010).
+    # labkit.rank.census on DeepSpeed 0.19.8, 2 CPU ranks, MLP 100 -> 2000 -> 10 (Psi = 222010).
     psi = memory.n_params_mlp(100, 2000, 1, 10)
     persistent = memory.mlp_persistent_params(100, 2000, 1, 10)
     measured = {  # (stage, precision, offload): param, grad, optim + master
@@ -181,7 +181,7 @@ def test_activation_model_is_linear_in_micro_batch() -> None:
         memory.activation_bytes_per_sample(8000, 0)
 
 
-# --- labkit.live.state_bytes on plain PyTorch (no DeepSpeed, no launch) -----------------------------
+# --- labkit.rank.census on plain PyTorch (no DeepSpeed, no launch) -----------------------------
 
 def _trained(optimizer_cls: type, **kw: float) -> tuple[SimpleModel, torch.optim.Optimizer]:
     torch.manual_seed(0)

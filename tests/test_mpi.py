@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from labkit.launch.config import ConfigError
+from labkit.core.config import ConfigError
 from labkit.launch.launcher import free_port
 from labkit.launch.multinode import check_tools, deepspeed_env_text
-from labkit.launch.rank_entry import rank_env
 from labkit.launch.summary import rank_records
-from labkit.live.dashboard import load_series
+from labkit.rank.entry import rank_env
+from labkit.ui.dashboard import load_series
 from tests.cluster_jobs import assert_trained
 from tests.conftest import REPO, run_processes
 
@@ -78,7 +78,7 @@ def test_the_runner_starts_rank_entry_as_a_module_under_mpirun(tmp_path: Path):
     from deepspeed.launcher import runner
     from deepspeed.launcher.multinode_runner import OpenMPIRunner
 
-    from labkit.launch.config import RunConfig
+    from labkit.core.config import RunConfig
     from labkit.launch.launcher import build_command
     from labkit.launch.multinode import launcher_command
 
@@ -91,7 +91,7 @@ def test_the_runner_starts_rank_entry_as_a_module_under_mpirun(tmp_path: Path):
     pool = runner.fetch_hostfile(args.hostfile)
     command = OpenMPIRunner(args, runner.encode_world_info(pool), pool).get_cmd({}, {"localhost": [0, 1]})
     assert command[:5] == ["mpirun", "-n", "2", "-hostfile", str(tmp_path / "hostfile")]
-    assert command[-6:] == [sys.executable, "-u", "-m", "labkit.launch.rank_entry", "--run-dir", str(tmp_path)]
+    assert command[-6:] == [sys.executable, "-u", "-m", "labkit.rank.entry", "--run-dir", str(tmp_path)]
     # One host: without --force_multi the runner would take its local path, launch.py, and no mpirun.
     assert args.force_multi and args.no_ssh_check
 
@@ -110,7 +110,7 @@ def test_missing_mpirun_is_refused(tmp_path: Path):
 
 
 def test_labkit_run_refuses_a_launcher_it_cannot_use(tmp_path: Path):
-    from labkit.launch.config import RunConfig
+    from labkit.core.config import RunConfig
     from labkit.launch.run import Run
 
     (tmp_path / "hosts").write_text("localhost slots=2\n")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.launch.config import ConfigError, RunConfig
+from labkit.core.config import ConfigError, RunConfig
 from labkit.launch.launcher import free_port
 from labkit.launch.multinode import (
     deepspeed_env_text,
@@ -34,7 +34,7 @@ from labkit.launch.multinode import (
 )
 from labkit.launch.run import Run
 from labkit.launch.summary import rank_records
-from labkit.live.dashboard import load_series
+from labkit.ui.dashboard import load_series
 from tests.conftest import REPO, run_processes
 
 pytestmark = pytest.mark.multinode
@@ -175,15 +175,15 @@ def test_stop_pattern_matches_only_this_runs_processes(tmp_path):
     run_dir = tmp_path / "run.1"
     pattern = run_process_pattern(run_dir)
     ours = [f"/v/bin/python -u -m deepspeed.launcher.launch --world_info=x --enable_each_rank_log={run_dir}/logs "
-            f"labkit.launch.rank_guard --run-dir {run_dir}",
-            f"/v/bin/python -u -m labkit.launch.rank_guard --local_rank=0 --run-dir {run_dir}",
-            f"/v/bin/python -u -m labkit.launch.worker --local_rank=0 --run-dir {run_dir}"]
-    not_ours = [f"/v/bin/python -u -m deepspeed.launcher.runner --hostfile h --module labkit.launch.rank_guard "
+            f"labkit.rank.guard --run-dir {run_dir}",
+            f"/v/bin/python -u -m labkit.rank.guard --local_rank=0 --run-dir {run_dir}",
+            f"/v/bin/python -u -m labkit.rank.worker --local_rank=0 --run-dir {run_dir}"]
+    not_ours = [f"/v/bin/python -u -m deepspeed.launcher.runner --hostfile h --module labkit.rank.guard "
                 f"--run-dir {run_dir}",
                 f"/v/bin/python -m labkit.launch.supervisor {run_dir} --parent-pid 1",
-                "/v/bin/python -u -m deepspeed.launcher.launch --world_info=y labkit.launch.rank_guard "
+                "/v/bin/python -u -m deepspeed.launcher.launch --world_info=y labkit.rank.guard "
                 "--run-dir /other",
-                f"/v/bin/python -u -m labkit.launch.worker --run-dir {tmp_path / 'run01'}",  # `.` is not a wildcard
+                f"/v/bin/python -u -m labkit.rank.worker --run-dir {tmp_path / 'run01'}",  # `.` is not a wildcard
                 f"bash -c {remote_stop_script(run_dir)}"]  # the shell that runs pkill
     grep = subprocess.run(["grep", "-E", "-e", pattern], input="\n".join(ours + not_ours) + "\n",
                           capture_output=True, text=True)

@@ -1,7 +1,7 @@
 """Issue 21 item 1: every notebook's runs, for every profile, against stand-in GPUs of the sizes people get.
 
 A stand-in is a `Devices` (what labkit.runtime.devices.detect_devices answers) with a GPU's memory, count and
-bf16 support: RunConfig validates each run against it, and labkit.study.memory's prediction of what one rank
+bf16 support: RunConfig validates each run against it, and labkit.core.memory's prediction of what one rank
 holds must fit the device with a margin. No GPU is needed: nothing launches.
 """
 

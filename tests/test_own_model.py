@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from labkit import Run, RunConfig
-from labkit.launch.config import ConfigError
-from labkit.live.telemetry import rank_file, read_records
+from labkit.core.config import ConfigError
+from labkit.core.records import rank_file, read_records
 from labkit.models import builders
 from labkit.study.sweep import point_key, strategy_of
 from tests.conftest import REPO
@@ -127,7 +127,7 @@ def test_gpt_trains_on_python_source_under_zero3(runs_root):
     # ZeRO-3 keeps every parameter of this small model whole (all <= 1e5 elements): the memory model's
     # persistence threshold on the real shapes predicts the census.
     numels = builders.param_numels(config)
-    from labkit.study.memory import model_state_bytes
+    from labkit.core.memory import model_state_bytes
 
     predicted = model_state_bytes(sum(numels), 3, 2, "fp32", persistent_params=builders.persistent_params(numels))
     assert steps[-1]["param_bytes"] == predicted["param_bytes"]
@@ -154,7 +154,7 @@ def test_param_numels_come_from_the_meta_device_and_match_the_real_model():
         real = [p.numel() for p in builders.build_model(config).parameters()]
         assert builders.param_numels(config) == real
     mlp = RunConfig(hidden=512, depth=2)
-    from labkit.study.memory import mlp_persistent_params
+    from labkit.core.memory import mlp_persistent_params
 
     assert builders.persistent_params(builders.param_numels(mlp)) == mlp_persistent_params(100, 512, 2, 10)
     # The threshold is the run's own: DeepSpeed's default, or the user's stage3_param_persistence_threshold.
@@ -196,7 +196,7 @@ def test_answer_switches_to_gpt_with_one_parameter():
 
 
 def test_panel_shows_a_bad_import_string_and_launches_nothing(runs_root):
-    from labkit.live.panel import LabPanel
+    from labkit.ui.panel import LabPanel
 
     panel = LabPanel(example="zero3", world_size=2, micro_batch=8, steps=2)
     panel.controls["model"].value = "tests.own_model:build_model"
@@ -281,7 +281,7 @@ def test_unmodified_script_is_charted_from_outside_and_an_abort_at_exit_not_excu
     """Without labkit.record the guard knows only the return code: a SIGABRT at exit is a failure, whose
     cause says why. Its memory samples are charted live, and its summary has no labkit fields."""
     from labkit.launch.summary import NOT_FOR_SCRIPTS
-    from labkit.live.dashboard import Dashboard
+    from labkit.ui.dashboard import Dashboard
 
     config = RunConfig(script=SCRIPT, script_args=["--steps", "6", "--abort-rank", "1"], world_size=2, steps=6)
     run = Run(config).start()
@@ -345,7 +345,7 @@ def test_exit_record_holds_the_python_level_exit_status(tmp_path, ending, verdic
     import os
     import textwrap
 
-    from labkit.launch.script import judge_exit
+    from labkit.rank.script import judge_exit
 
     hook, signalled = _CRASHES[crash]
     code = textwrap.dedent(f"""
@@ -466,7 +466,7 @@ def test_help_lists_choices_examples_and_exit_codes():
 
 
 def test_deepspeed_itself_checks_the_whole_config_before_launch():
-    from labkit.launch.config import deepspeed_checked
+    from labkit.core.ds_config import deepspeed_checked
 
     config = RunConfig(example="zero3", world_size=2, micro_batch=8)
     assert deepspeed_checked(config.ds_config(), 2).train_batch_size == 16

@@ -335,7 +335,7 @@ def test_from_a_run_on_the_command_line_labels_the_measured_step_measured(tmp_pa
 
 
 def test_the_lab_gpt_is_counted_as_the_transformer_it_is():
-    from labkit.launch.config import RunConfig
+    from labkit.core.config import RunConfig
     from labkit.models import builders
     from labkit.models.gpt import SIZES
     from labkit.study import comms

@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 
 from labkit.cli import build_parser
+from labkit.core import memory
 from labkit.runtime.devices import Devices
-from labkit.study import memory
 from labkit.study.answer import PROFILES, points
 from labkit.study.report import build_report, provenance_banner
 

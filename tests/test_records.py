@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
-from labkit.launch.config import RunConfig
+from labkit.core.config import RunConfig
+from labkit.core.records import RecordTail, rank_file, read_records
 from labkit.launch.run import Run
-from labkit.live.records import RecordTail, read_records
-from labkit.live.telemetry import rank_file
 
 
 def _append(path, *records, tail: bytes = b"") -> None:
@@ -55,7 +54,7 @@ def test_the_cli_progress_loop_reads_only_new_bytes(tmp_path, monkeypatch, capsy
     reads what was appended since the last one, at step 5 as at step 300."""
     import labkit.launch.run
     from labkit.cli import main
-    from labkit.launch.store import write_json_atomic
+    from labkit.core.files import write_json_atomic
     from labkit.launch.summary import summarize
 
     steps = 300

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from labkit import Run, RunConfig, load_run, runs
-from labkit.live.telemetry import rank_file, read_records
+from labkit.core.records import rank_file, read_records
 from tests.conftest import REPO, run_processes
 
 SMALL = dict(hidden=512, depth=2, micro_batch=32, dataset_size=2048)
@@ -160,7 +160,7 @@ def _dead_pid() -> int:
 def test_a_run_whose_supervisor_may_live_on_another_host_is_not_recovered(tmp_path):
     """Issue 11 item 8: on a shared run store (another host, a container, hidepid) a PID this process cannot
     see says nothing; "recovering" such a run wrote "failed" into a live run's summary."""
-    from labkit.launch.store import write_json_atomic
+    from labkit.core.files import write_json_atomic
     from labkit.launch.supervisor import host_identity
 
     here = host_identity()

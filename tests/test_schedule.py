@@ -1,4 +1,4 @@
-"""The LR schedule as plain functions (labkit.launch.schedule): what RunConfig and so the ranks use,
+"""The LR schedule as plain functions (labkit.core.schedule): what RunConfig and so the ranks use,
 what notebook 04 draws, and what `labkit export` writes as DeepSpeed's own scheduler."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from labkit import RunConfig
-from labkit.launch import schedule
+from labkit.core import schedule
 from labkit.launch.export import export_ds_config
 
 

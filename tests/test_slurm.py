@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from labkit.launch.config import ConfigError
+from labkit.core.config import ConfigError
 from labkit.launch.export import SlurmOptions
 from labkit.launch.job_start import nodes_not_seeing
 from labkit.launch.launcher import free_port
 from labkit.launch.multinode import check_slots, check_tools, deepspeed_env_text
-from labkit.launch.rank_entry import LauncherEnvError, rank_env, tasks_per_node
-from labkit.live.dashboard import load_series
+from labkit.rank.entry import LauncherEnvError, rank_env, tasks_per_node
+from labkit.ui.dashboard import load_series
 from tests.cluster_jobs import assert_trained
 from tests.conftest import REPO, run_processes
 
@@ -244,7 +244,7 @@ def test_the_runner_starts_rank_entry_by_path_under_slurm(tmp_path: Path):
 
 
 def _config(tmp_path: Path, **overrides):
-    from labkit.launch.config import RunConfig
+    from labkit.core.config import RunConfig
 
     values = dict(example="zero3", world_size=2, micro_batch=8, steps=4, hidden=32, dataset_size=256,
                   hostfile=str(tmp_path / "hostfile"))

@@ -1,6 +1,6 @@
 """The worker's step never makes the host wait for the device when telemetry is on.
 
-The real loop (`labkit.launch.step_loop.train_step` + `labkit.live.step_clock.StepClock`, as the worker runs
+The real loop (`labkit.rank.step_loop.train_step` + `labkit.rank.step_clock.StepClock`, as the worker runs
 them) trains a real model on CPU, with the plain trainer and with a real DeepSpeed engine
 (`DeepSpeedTrainer`, ZeRO-3 and ZeRO-2 + optimizer offload, one gloo rank). The accelerator the clock
 is given is DeepSpeed's CPU accelerator wrapped to play an asynchronous device: its events complete
@@ -9,7 +9,7 @@ on CUDA, and every call that would block the host on a GPU is counted: `accelera
 (the wrapper's and DeepSpeed's global accelerator's), `Event.synchronize()` and `.item()`/`float()`/
 `.tolist()` of a tensor that is not host (pinned) memory, and a host-to-device copy that blocks (`Tensor.to` a
 device without `non_blocking=True`, or from memory the accelerator did not pin). The step's data is made before
-its clock starts (labkit.launch.batches, fetched by train_step): no gather or collation is timed.
+its clock starts (labkit.rank.batches, fetched by train_step): no gather or collation is timed.
 
 Each counted call is charged to the module that made it (the calling frame). labkit's calls must be
 zero per steady step. Calls DeepSpeed's engine or torch's optimizers make themselves are counted
@@ -27,13 +27,14 @@ import pytest
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from labkit.launch.config import RunConfig
-from labkit.launch.step_loop import train_step
-from labkit.launch.trainers import DeepSpeedTrainer, PlainTrainer
-from labkit.live.step_clock import StepClock
-from labkit.live.telemetry import RankTelemetry, rank_file, read_records
+from labkit.core.config import RunConfig
+from labkit.core.records import rank_file, read_records
 from labkit.models.data import make_dataset
 from labkit.models.mlp import SimpleModel
+from labkit.rank.step_clock import StepClock
+from labkit.rank.step_loop import train_step
+from labkit.rank.telemetry import RankTelemetry
+from labkit.rank.trainers import DeepSpeedTrainer, PlainTrainer
 
 LAG = 4  # events recorded after an event before the "device" has completed it (about a step)
 
@@ -155,9 +156,9 @@ def watched(data, clock):
 
 
 def worker_data(config, accelerator, device="cpu"):
-    """The worker's data path: its sampler and labkit.launch.batches."""
-    from labkit.launch.batches import device_batches
+    """The worker's data path: its sampler and labkit.rank.batches."""
     from labkit.models.data import make_sampler
+    from labkit.rank.batches import device_batches
 
     dataset = make_dataset(512, config.input_size, config.output_size, 0)
     sampler, _ = make_sampler(dataset, distributed_sampler=True, world_size=1, rank=0, seed=0)
@@ -222,7 +223,7 @@ def test_on_a_synchronized_device_records_are_ready_at_once():
     assert record["step"] == 7 and record["loss"] == 3.0 and record["forward_s"] <= record["step_time_s"]
 
 
-# The real worker (labkit.launch.worker, one rank of world size 1, real deepspeed.initialize on CPU) on
+# The real worker (labkit.rank.worker, one rank of world size 1, real deepspeed.initialize on CPU) on
 # DeepSpeed's CPU accelerator playing a device with its own allocator statistics: RESIDENT bytes stay
 # allocated, deepspeed.initialize leaves a passing peak of TRANSIENT bytes (flattened buffers, a gathered
 # copy), and reset_peak_memory_stats() brings the peak back to what is allocated, as torch.cuda does.
@@ -274,10 +275,10 @@ def initialize(*args, **kwargs):
 
 
 deepspeed.initialize = initialize
-import labkit.live.telemetry
+import labkit.rank.telemetry
 import labkit.runtime.devices
 
-real_write = labkit.live.telemetry.RankTelemetry._write
+real_write = labkit.rank.telemetry.RankTelemetry._write
 
 
 def write(self, record):
@@ -285,11 +286,11 @@ def write(self, record):
     real_write(self, record)
 
 
-labkit.live.telemetry.RankTelemetry._write = write
+labkit.rank.telemetry.RankTelemetry._write = write
 labkit.runtime.devices.rank_device_name = lambda accelerator, local_rank: "emulated"  # torch has no such device
-sys.argv = ["labkit.launch.worker", "--run-dir", run_dir]
+sys.argv = ["labkit.rank.worker", "--run-dir", run_dir]
 try:
-    runpy.run_module("labkit.launch.worker", run_name="__main__", alter_sys=True)
+    runpy.run_module("labkit.rank.worker", run_name="__main__", alter_sys=True)
 finally:
     with open(log_path, "w") as handle:
         json.dump(calls, handle)
@@ -302,8 +303,8 @@ def test_the_ready_record_and_the_runs_device_peak_leave_out_initializes_transie
     import json
     import subprocess
 
+    from labkit.core.files import write_json_atomic
     from labkit.launch.launcher import build_command, free_port
-    from labkit.launch.store import write_json_atomic
     from labkit.launch.summary import summarize
 
     transient, resident = 7 << 30, 5 << 20

@@ -22,7 +22,7 @@ from labkit.study.sweep import Sweep, plan, point_key, split_batch
 # A model whose flat parameter vector splits exactly at a tensor boundary into two halves
 # (129*64+64 = 64*64+64 + 64*64+64 = 8320), so ZeRO-1/2 hold exactly Psi/2 of the gradients:
 # DeepSpeed keeps the whole gradient of a tensor that straddles the partition boundary, which
-# the ZeRO paper's (and labkit.study.memory's) Psi/N does not model.
+# the ZeRO paper's (and labkit.core.memory's) Psi/N does not model.
 ALIGNED = dict(input_size=129, hidden=64, depth=2, output_size=64, dataset_size=512, micro_batch=16)
 # The CI profile's model: its flat vector does NOT split at a tensor boundary (the 512x512 weight
 # straddles it), so ZeRO-1/2 keep far more than Psi/2 of the gradients.
@@ -32,10 +32,10 @@ BOUNDARY = 5  # the emulated capacity below is set so that micro-batch 5 fits an
 
 
 def _budget_for(boundary: int) -> int:
-    """States (labkit.study.memory) + activations (counted in-process like the worker) at boundary + 0.5."""
-    from labkit.launch.trainers import PlainTrainer, count_saved_activations
+    """States (labkit.core.memory) + activations (counted in-process like the worker) at boundary + 0.5."""
+    from labkit.core import memory
     from labkit.models.mlp import SimpleModel
-    from labkit.study import memory
+    from labkit.rank.trainers import PlainTrainer, count_saved_activations
 
     config = RunConfig(example="pytorch", micro_batch=1, **MAXBATCH_MODEL)
     trainer = PlainTrainer(SimpleModel(config.input_size, config.hidden, config.output_size, config.depth), config,
@@ -129,7 +129,7 @@ def test_sweep_resumes_without_new_launches(launched):
 def test_points_measured_by_an_older_labkit_are_not_reused(launched, tmp_path):
     import shutil
 
-    from labkit.launch.store import read_json
+    from labkit.core.files import read_json
     from labkit.study.sweep import MEASUREMENT_VERSION, POINT_FILE
 
     point = launched["points"][0]
@@ -146,7 +146,7 @@ def test_points_measured_by_an_older_labkit_are_not_reused(launched, tmp_path):
 
 
 def test_memory_model_matches_measured_states_within_5_percent(launched):
-    from labkit.study import memory
+    from labkit.core import memory
 
     shape = [ALIGNED[k] for k in ("input_size", "hidden", "depth", "output_size")]
     n_params = memory.n_params_mlp(*shape)
@@ -179,7 +179,7 @@ def test_memory_table_predicts_stage_1_2_grads_from_deepspeeds_layout(launched):
 def test_offload_census_matches_the_memory_model_on_device_and_host(launched):
     """Optimizer offload keeps the optimizer states, the fp32 master and the grad partitions (at
     ZeRO-3 the low-precision one too) on the host: only the params count as device bytes."""
-    from labkit.study import memory
+    from labkit.core import memory
 
     shape = [CI_MODEL[k] for k in ("input_size", "hidden", "depth", "output_size")]
     n_params = memory.n_params_mlp(*shape)
@@ -207,7 +207,7 @@ def test_offload_census_matches_the_memory_model_on_device_and_host(launched):
 
 # -- max-batch search -------------------------------------------------------------------------------
 def test_maxbatch_finds_the_emulated_boundary(launched):
-    from labkit.study import memory
+    from labkit.core import memory
 
     result = launched["maxbatch"]
     assert result.emulated and result.budget_bytes == launched["template"].device_memory_budget_bytes
@@ -216,7 +216,7 @@ def test_maxbatch_finds_the_emulated_boundary(launched):
     assert [p.micro_batch for p in result.probes] == [2, 4, 8, 6, 5] and result.launches == 5
     assert [p.fits for p in result.probes] == [True, True, False, False, True]
     # Consistent with the memory numbers: the counted bytes straddle the budget at the boundary, the
-    # measured states equal labkit.study.memory's prediction, and the linear activation model predicts it.
+    # measured states equal labkit.core.memory's prediction, and the linear activation model predicts it.
     assert result.consistent()
     at_max = next(p for p in result.probes if p.micro_batch == BOUNDARY)
     at_oom = next(p for p in result.probes if p.micro_batch == BOUNDARY + 1)

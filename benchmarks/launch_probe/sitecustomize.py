@@ -95,7 +95,7 @@ def _patch_torch(module):
     handles["step"] = register_optimizer_step_post_hook(first_step)
 
 
-PATCHES = {"deepspeed": _patch_deepspeed, "labkit.runtime.rendezvous": _patch_rendezvous,
+PATCHES = {"deepspeed": _patch_deepspeed, "labkit.rank.rendezvous": _patch_rendezvous,
            "deepspeed.ops.op_builder.builder": _patch_op_builder, "torch": _patch_torch}
 
 

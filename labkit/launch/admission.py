@@ -9,7 +9,7 @@ laptop gets slower, never killed.
     decision.admit, decision.describe()          # False, "waiting for memory: needs 1.73 GB, 0.94 GB available"
 
 What a run costs, before it starts (`estimate`): per rank, the model states the memory model predicts
-(`labkit.study.memory.model_state_bytes`: parameters, gradients, optimizer states; on a GPU only what
+(`labkit.core.memory.model_state_bytes`: parameters, gradients, optimizer states; on a GPU only what
 optimizer offload keeps on the host counts here) plus its activations on CPU, plus the BASE RSS of a
 DeepSpeed rank on this machine (Python, torch, DeepSpeed, gloo: ~480 MiB here, 40x the states of the
 notebooks' ci models); per run, the launcher's processes (supervisor, DeepSpeed's runner and launch.py,
@@ -37,7 +37,7 @@ allowed. Timed comparisons need stricter: `labkit.study.sweep.fair_parallel` (th
 cores), which the sweep applies. Measured on the lab's 2-core machine (docs/laptop.md): a second 2-rank
 run beside the first (4 rank threads and processes) finished notebook 03 no sooner and took it past 3.5 GB;
 one rank process per core ran 02's and 04's 1-rank runs two at a time. A run alone is never held back for
-cores. Devices (GPUs, emulated slots): the leases a run takes (`labkit.runtime.device_lease`) must be free.
+cores. Devices (GPUs, emulated slots): the leases a run takes (`labkit.launch.device_lease`) must be free.
 The queue is first in, first out: a run that waits holds back the ones behind it, so none starves.
 """
 
@@ -54,7 +54,7 @@ from typing import Any
 
 import psutil
 
-from labkit.launch.config import ConfigError, RunConfig
+from labkit.core.config import ConfigError, RunConfig
 
 MiB = 2**20
 MEMORY_LIMIT_ENV = "LABKIT_MEMORY_LIMIT_BYTES"
@@ -72,7 +72,7 @@ THREADS_PER_CORE = 2
 # 481.5 MiB (ZeRO-3, 2 ranks), 479.0 (ZeRO-1, 2 ranks), 406.0 (plain PyTorch, 1 process): the largest.
 PRIOR_RANK_BASE_BYTES = round(481.5 * MiB)
 # The launcher's processes of one run, same runs: DeepSpeed's runner 299 MiB and launch.py 299 MiB (both
-# import torch and DeepSpeed), labkit's supervisor 23 MiB; and each rank's guard (labkit.launch.rank_guard) 22.
+# import torch and DeepSpeed), labkit's supervisor 23 MiB; and each rank's guard (labkit.rank.guard) 22.
 PRIOR_LAUNCHER_BYTES = 621 * MiB
 GUARD_BYTES = 22 * MiB
 KEEP = 20  # observations kept per figure: the estimate is their largest
@@ -85,7 +85,7 @@ SAMPLE_S = 1.0
 # micro-batch 32 of input 100, hidden 1024 x 2, output 10; this gives 276,480.
 ACTIVATION_ELEMENT_BYTES = 4
 LABEL_BYTES = 8
-_RANK_GUARD_MODULE = "labkit.launch.rank_guard"
+_RANK_GUARD_MODULE = "labkit.rank.guard"
 
 
 class NotEnoughMemory(ConfigError):
@@ -143,7 +143,7 @@ def builtin_model_facts(config: RunConfig) -> ModelFacts | None:
     """Counted without building anything for labkit's MLP; None for other models."""
     if config.model != "mlp" or config.script:
         return None
-    from labkit.study.memory import n_params_mlp
+    from labkit.core.memory import n_params_mlp
 
     per_sample = ACTIVATION_ELEMENT_BYTES * (config.input_size + config.depth * config.hidden
                                              + config.output_size) + LABEL_BYTES
@@ -156,8 +156,8 @@ def estimate(config: RunConfig, *, rank_base_bytes: int, launcher_bytes: int, mo
 
     On CPU the model states and activations are host memory; on a GPU only what optimizer offload puts
     on the host is. Multi-node runs (a hostfile): only the launcher runs here, the ranks are the cluster's."""
+    from labkit.core.memory import mlp_persistent_params, model_state_bytes
     from labkit.launch.launcher import threads_per_rank
-    from labkit.study.memory import mlp_persistent_params, model_state_bytes
 
     if config.hostfile:
         return Estimate(ranks=0, rank_bytes=0, launcher_bytes=launcher_bytes)
@@ -415,14 +415,14 @@ class LearnedMemory:
 
     @classmethod
     def load(cls, path: Path) -> LearnedMemory:
-        from labkit.launch.store import read_json
+        from labkit.core.files import read_json
 
         data = read_json(path) or {}
         return cls(path, [int(v) for v in data.get("rank_base_bytes", [])][-KEEP:],
                    [int(v) for v in data.get("launcher_bytes", [])][-KEEP:], dict(data.get("models", {})))
 
     def save(self) -> None:
-        from labkit.launch.store import write_json_atomic
+        from labkit.core.files import write_json_atomic
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path, {"rank_base_bytes": self.rank_base[-KEEP:],
@@ -491,7 +491,7 @@ class Admission:
     def here(cls, root: str | os.PathLike | None = None) -> Admission:
         """This machine, as `Run.start()` will use it: CPU ranks share the cores; GPU runs and, in CI,
         emulated slots (LABKIT_EMULATED_DEVICES) lease devices."""
-        from labkit.runtime import device_lease
+        from labkit.launch import device_lease
         from labkit.runtime.devices import detect_devices
 
         found = detect_devices()
@@ -542,7 +542,7 @@ class Admission:
 
     def learn(self, config: RunConfig, run_dir: str | os.PathLike | None, supervisor_pid: int | None = None) -> None:
         """After a run ended: learn from its summary (and the launcher peak sampled), and keep it."""
-        from labkit.launch.store import read_json
+        from labkit.core.files import read_json
 
         summary = read_json(Path(run_dir) / "summary.json") if run_dir else None
         peak = self._launcher_peaks.pop(supervisor_pid, None) if supervisor_pid else None

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labkit.launch.config import ConfigError, RunConfig
+from labkit.core.config import ConfigError, RunConfig
+from labkit.core.files import write_json_atomic, write_text_atomic
 from labkit.launch.job_start import ANY_PORT
 from labkit.launch.launcher import build_command
 from labkit.launch.multinode import LAUNCHERS, OMPI_AS_ROOT, deepspeed_env_for, launcher_command
-from labkit.launch.store import write_json_atomic, write_text_atomic
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # labkit/, copied whole
 DEFAULT_MASTER_PORT = 29500  # pdsh and openmpi; a Slurm job takes a free port on its first node when it starts

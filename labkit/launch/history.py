@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from labkit.launch.store import read_json, run_dirs
+from labkit.core.files import read_json
+from labkit.launch.store import run_dirs
 
 COLUMNS = ("run_id", "status", "example", "stage", "offload_optimizer", "precision", "world_size", "micro_batch",
            "grad_accum", "global_batch", "steps_completed", "median_step_time_s", "samples_per_s",

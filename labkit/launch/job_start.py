@@ -7,7 +7,7 @@ on the PATH (`labkit.launch.multinode.check_tools`), a world size the hostfile's
 allocation hold, and a job directory every node sees (over ssh for pdsh and for mpirun's other
 hosts; with one srun task per node under Slurm). Under Slurm the nodes are known only now: it writes
 the allocation's nodes into the job's `hostfile`, and the first node's name and a port into
-`launch.json` and `.deepspeed_env` (MASTER_ADDR / MASTER_PORT for the ranks, `labkit.launch.rank_entry`).
+`launch.json` and `.deepspeed_env` (MASTER_ADDR / MASTER_PORT for the ranks, `labkit.rank.entry`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from labkit.launch.config import ConfigError, hostfile_slots
+from labkit.core.config import ConfigError, hostfile_slots
+from labkit.core.files import read_json, write_json_atomic, write_text_atomic
 from labkit.launch.launcher import free_port
 from labkit.launch.multinode import (
     check_shared_run_dir,
@@ -32,8 +33,7 @@ from labkit.launch.multinode import (
     master_of,
     ssh_hosts,
 )
-from labkit.launch.rank_entry import tasks_per_node
-from labkit.launch.store import read_json, write_json_atomic, write_text_atomic
+from labkit.rank.entry import tasks_per_node
 
 SRUN_CHECK_TIMEOUT_S = 120.0  # one task per node; a busy controller can take a while to start a step
 ANY_PORT = "0"  # launch.json's --master_port when export left the port to the job's start

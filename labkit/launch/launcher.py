@@ -2,7 +2,7 @@
 
 The command is DeepSpeed's own launcher (`python -m deepspeed.launcher.runner`, what the
 `deepspeed` script runs), one rank per GPU or CPU rank, each rank being
-`labkit.launch.rank_guard` -> `labkit.launch.worker`. Single-node runs bind to 127.0.0.1 only.
+`labkit.rank.guard` -> `labkit.rank.worker`. Single-node runs bind to 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from labkit.launch.config import RunConfig, hostfile_slots
+from labkit.core.config import RunConfig, hostfile_slots
+from labkit.runtime.ops import DEFAULT_EXTENSIONS_DIR
 
 # Where DeepSpeed's JIT-built ops (cpu_adam, fused_adam, shm_comm) are cached; CI builds
 # them once, early, and every later run reuses them.
-DEFAULT_EXTENSIONS_DIR = Path(__file__).resolve().parents[2] / ".cache" / "torch_extensions"
 
 
 SINGLE_NODE_HOSTFILE = os.devnull
@@ -98,8 +98,8 @@ def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port:
         # where that exists a single-node run became a pdsh multi-node launch past the device lease.
         # os.devnull is not a regular file, so the runner takes its local-resources path.
         argv += ["--hostfile", SINGLE_NODE_HOSTFILE]
-    argv += ["--master_port", str(master_port), "--module", "labkit.launch.rank_guard", "--run-dir", str(run_dir)]
-    if config.script:  # script mode (labkit.launch.script): the guard runs the learner's script
+    argv += ["--master_port", str(master_port), "--module", "labkit.rank.guard", "--run-dir", str(run_dir)]
+    if config.script:  # script mode (labkit.rank.script): the guard runs the learner's script
         argv += ["--script", str(Path(config.script).resolve()), *config.script_args]
 
     env["PYTHONUNBUFFERED"] = "1"

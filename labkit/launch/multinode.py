@@ -17,7 +17,7 @@ Every host is reached with plain `ssh <host>`, as DeepSpeed's own pre-flight che
 the user's ssh configuration (ports, keys, aliases) applies.
 
 With `--launcher openmpi` or `slurm` the runner starts no `launch.py`: mpirun and srun start the
-rank's program themselves, and `labkit.launch.rank_entry` turns their variables into torch's.
+rank's program themselves, and `labkit.rank.entry` turns their variables into torch's.
 `launcher_command` builds those commands (what DeepSpeed gets wrong there is said beside it),
 `check_tools` refuses a launch whose launcher is not on the PATH, and `check_slots` a world size
 the hostfile or the Slurm allocation does not hold.
@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from labkit.launch.config import ConfigError, hostfile_slots
+from labkit.core.config import ConfigError, hostfile_slots
 
 LAUNCHERS = ("pdsh", "openmpi", "slurm")
 # Variables the remote ranks need, by name and by prefix (PYTHON* DeepSpeed forwards itself).
@@ -49,7 +49,7 @@ SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
 REMOTE_STOP_GRACE_S = 3.0   # SIGTERM -> SIGKILL on each host
 REMOTE_STOP_TIMEOUT_S = 25.0  # the whole remote stop, ssh connection included
 # The modules a run starts on every host; the runner and the supervisor stay on the launching host.
-RUN_MODULES = ("deepspeed.launcher.launch", "labkit.launch.rank_guard", "labkit.launch.worker")
+RUN_MODULES = ("deepspeed.launcher.launch", "labkit.rank.guard", "labkit.rank.worker")
 
 
 def deepspeed_env_text(env: Mapping[str, str], launcher: str = "pdsh") -> str:
@@ -82,7 +82,7 @@ def launcher_command(argv: list[str], launcher: str, package_dir: str | os.PathL
     """`build_command`'s multi-node argv for DeepSpeed's `launcher`, whose ranks import labkit from
     `package_dir` (the job's copy, or this checkout). pdsh: unchanged but for `--launcher pdsh`.
 
-    openmpi and slurm start the rank's program through `labkit.launch.rank_entry` (their ranks get no
+    openmpi and slurm start the rank's program through `labkit.rank.entry` (their ranks get no
     RANK etc. from DeepSpeed), with two of the runner's options:
     - `--force_multi`: with one host in the hostfile (one node, or a one-node Slurm allocation) the
       runner takes its local path, launch.py without mpirun or srun (runner.py:537 in 0.19.8);
@@ -100,13 +100,13 @@ def launcher_command(argv: list[str], launcher: str, package_dir: str | os.PathL
         return [*argv[:at], "--launcher", "pdsh", *argv[at:]]
     program = argv.index("--module") + 1
     argv[program] = (str(Path(package_dir).resolve() / "launch" / "rank_entry.py") if launcher == "slurm"
-                     else "labkit.launch.rank_entry")
+                     else "labkit.rank.entry")
     return [*argv[:at], "--launcher", launcher, "--force_multi", "--no_ssh_check", *argv[at:]]
 
 
 def deepspeed_env_for(argv: list[str], env: Mapping[str, str], launcher: str) -> str:
     """The `.deepspeed_env` of a launch command: `env`'s variables, and for mpirun and srun, which
-    start no launch.py, the master's address and port (labkit.launch.rank_entry reads them)."""
+    start no launch.py, the master's address and port (labkit.rank.entry reads them)."""
     return deepspeed_env_text(env if launcher == "pdsh" else {**env, **master_of(argv)}, launcher)
 
 
@@ -226,7 +226,7 @@ def run_process_pattern(run_dir: str | os.PathLike) -> str:
     """`pkill -f` pattern for the processes one run starts on a host (launch.py, guards, workers).
 
     Each names the run directory (`--run-dir`, `--enable_each_rank_log`). The runner
-    (`--module labkit.launch.rank_guard`, no `-m `), the supervisor and an unrelated DeepSpeed launch
+    (`--module labkit.rank.guard`, no `-m `), the supervisor and an unrelated DeepSpeed launch
     do not match; neither does the pattern's own text in the shell that runs pkill.
     """
     modules = "|".join(_ere_literal(m) for m in RUN_MODULES)

@@ -11,8 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from labkit.live.records import RecordTail, rank_log, read_end
-from labkit.live.telemetry import rank_file
+from labkit.core.records import RecordTail, rank_file, rank_log, read_end
 
 
 def run_phase(events: set[str], step: int, steps: int, rank0_log: str = "", waiting_on: str | None = None,

@@ -23,13 +23,13 @@ from typing import Any
 
 import psutil
 
-from labkit.launch.config import RunConfig, hostfile_slots
+from labkit.core.config import RunConfig, hostfile_slots
+from labkit.core.files import read_json, write_json_atomic, write_text_atomic
+from labkit.core.records import RecordTail, rank_file
+from labkit.launch import device_lease
 from labkit.launch.launcher import build_command, command_text
-from labkit.launch.store import new_run_dir, read_json, write_json_atomic, write_text_atomic
+from labkit.launch.store import new_run_dir
 from labkit.launch.summary import rank_records, summarize
-from labkit.live.records import RecordTail
-from labkit.live.telemetry import rank_file
-from labkit.runtime import device_lease
 from labkit.runtime.devices import Devices, detect_devices
 
 FINAL_STATUSES = ("finished", "failed", "oom", "hung", "stopped")
@@ -263,8 +263,8 @@ class Run:
         stale build lock left by an interrupted one, which it would wait on forever); else None."""
         if self.run_dir is None or self.summary or self.progress() > 0:
             return None
-        from labkit.launch.launcher import DEFAULT_EXTENSIONS_DIR
         from labkit.runtime.build_locks import find_build_locks
+        from labkit.runtime.ops import DEFAULT_EXTENSIONS_DIR
 
         env = (read_json(self.run_dir / "launch.json") or {}).get("env", {})
         extensions = env.get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR", DEFAULT_EXTENSIONS_DIR)
@@ -416,7 +416,7 @@ class Run:
 
 
 _RUN_MODULES = ("deepspeed.launcher.runner", "deepspeed.launcher.launch",
-                "labkit.launch.rank_guard", "labkit.launch.worker")
+                "labkit.rank.guard", "labkit.rank.worker")
 
 
 def _is_run_process(cmdline: list[str], run_dir: Path) -> bool:

@@ -6,8 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from labkit.live.records import read_records
-from labkit.live.telemetry import rank_file
+from labkit.core.records import rank_file, read_records
 
 STATE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "host_grad_bytes")
 MEMORY_KEYS = ("peak_rss_bytes", "device_peak_bytes", "activation_bytes")
@@ -149,7 +148,7 @@ def summarize(run_dir: str | Path, config: dict[str, Any], *, status: str, cause
         "optimizer_impl": done.get("optimizer_impl"),  # which optimizer ran (labkit.runtime.ops.OPTIMIZER_IMPLS)
         "flops_utilization": achieved / peak_flops if (achieved and peak_flops) else None,
         "per_rank": per_rank,
-        # A done record's warning: a script rank's C++ teardown abort judged finished (labkit.launch.script).
+        # A done record's warning: a script rank's C++ teardown abort judged finished (labkit.rank.script).
         "warnings": [r["warning"] for records in records_by_rank.values() for r in records
                      if r.get("event") == "done" and r.get("warning")],
     }
@@ -160,7 +159,7 @@ def script_summary(summary: dict[str, Any], config: dict[str, Any],
                    records_by_rank: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
     """A script run's summary: labkit's own fields left out (NOT_FOR_SCRIPTS), the script named, and
     per rank the memory the guard sampled from outside (RSS of the rank's process tree, every
-    labkit.launch.script.SAMPLE_S) beside the steps the script recorded, if it calls labkit.record."""
+    labkit.rank.script.SAMPLE_S) beside the steps the script recorded, if it calls labkit.record."""
     kept = {k: v for k, v in summary.items() if k not in NOT_FOR_SCRIPTS}
     for rank, records in records_by_rank.items():
         samples = [r for r in records if r.get("event") == "sample"]

@@ -36,15 +36,15 @@ from typing import Any
 
 import psutil
 
-from labkit.launch.failures import classify_exit, describe_exit, is_knock_on, last_exception_line
-from labkit.launch.faults import supervisor_exit_delay_s
-from labkit.launch.launcher import DEFAULT_EXTENSIONS_DIR, is_multi_node
+from labkit.core.failures import classify_exit, describe_exit, is_knock_on, last_exception_line
+from labkit.core.files import read_json, write_json_atomic
+from labkit.core.records import RecordTail, rank_file, rank_log
+from labkit.launch.launcher import is_multi_node
 from labkit.launch.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
-from labkit.launch.script import TEARDOWN_SIGNALS
-from labkit.launch.store import read_json, write_json_atomic
-from labkit.live.records import RecordTail, rank_log
-from labkit.live.telemetry import rank_file
+from labkit.rank.faults import supervisor_exit_delay_s
+from labkit.rank.script import TEARDOWN_SIGNALS
 from labkit.runtime.build_locks import StaleLockSweeper
+from labkit.runtime.ops import DEFAULT_EXTENSIONS_DIR
 
 POLL_S = 0.2
 SETTLE_S = 1.0        # after a first failure, wait this long for peers' records to name the root cause
@@ -113,7 +113,7 @@ class Supervisor:
     def __init__(self, run_dir: Path, parent_pid: int, lease_fds: tuple[int, ...] = ()):
         self.run_dir = run_dir
         self.parent_pid = parent_pid
-        self.lease_fds = lease_fds  # GPU and port leases: the launcher holds them too (labkit.runtime.device_lease)
+        self.lease_fds = lease_fds  # GPU and port leases: the launcher holds them too (labkit.launch.device_lease)
         launch = _read_run_file(run_dir / "launch.json")
         self.argv: list[str] = launch["argv"]
         # launch.json keeps only what labkit set; an exported job (`labkit export`) too runs in the
@@ -123,7 +123,7 @@ class Supervisor:
         self.heartbeat_s: float = launch["heartbeat_s"]
         self.startup_timeout_s: float = launch["startup_timeout_s"]
         self.multi_node = is_multi_node(self.argv)
-        self.script_mode = "--script" in self.argv  # labkit.launch.script: a learner's script on every rank
+        self.script_mode = "--script" in self.argv  # labkit.rank.script: a learner's script on every rank
         # Multi-node: each rank's host as the hostfile names it, to name the node a rank died on.
         self.hosts = rank_hosts(self.argv[self.argv.index("--hostfile") + 1]) if self.multi_node else []
         # pdsh jobs: their ranks are ended over ssh (mpirun and srun end their own on SIGTERM).
@@ -315,7 +315,7 @@ class Supervisor:
 
     @staticmethod
     def script_abort_hint(state: RankState) -> str:
-        """Why a script's SIGABRT or SIGSEGV is a failure (labkit.launch.script judges a script's exit)."""
+        """Why a script's SIGABRT or SIGSEGV is a failure (labkit.rank.script judges a script's exit)."""
         if state.last_step:
             return (f" before its script exited cleanly (last step recorded: {state.last_step}; no exit record "
                     "with status 0)")
@@ -484,7 +484,7 @@ def remove_shm_segments(argv: list[str]) -> list[Path]:
 
 def _failed_exit(info: dict[str, Any] | None) -> bool:
     """A rank's exit file says it failed: a non-zero code, unless its guard judged a script's crash
-    a teardown abort after a clean exit (labkit.launch.script.judge_exit)."""
+    a teardown abort after a clean exit (labkit.rank.script.judge_exit)."""
     return info is not None and info["returncode"] != 0 and not info.get("teardown_abort")
 
 
@@ -501,9 +501,9 @@ def _is_rank(proc: psutil.Process) -> bool:
         cmdline = proc.cmdline()
     except psutil.Error:
         return False
-    # The module run (`-m labkit.launch.worker`), not an argument: the launchers carry
-    # `--module labkit.launch.rank_guard`.
-    ours = ("labkit.launch.rank_guard", "labkit.launch.worker")
+    # The module run (`-m labkit.rank.worker`), not an argument: the launchers carry
+    # `--module labkit.rank.guard`.
+    ours = ("labkit.rank.guard", "labkit.rank.worker")
     return any(a == "-m" and b in ours for a, b in itertools.pairwise(cmdline))
 
 

@@ -26,39 +26,18 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
 import subprocess
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from labkit.core.model_specs import MODELS
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from labkit.launch.config import RunConfig
-
-# Built-in models: name -> (model builder, dataset builder), both import strings.
-MODELS: dict[str, tuple[str, str]] = {
-    "mlp": ("labkit.models.builders:build_mlp", "labkit.models.builders:build_mlp_dataset"),
-    "gpt": ("labkit.models.gpt:build_model", "labkit.models.gpt:build_dataset"),
-}
-IMPORT_STRING = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
-
-
-def check_spec_syntax(field_name: str, spec: str | None, *, builtin_ok: bool) -> str | None:
-    """Why `spec` is not a valid value for `field_name`, or None."""
-    if spec is None:
-        return None
-    if not isinstance(spec, str):
-        return f"must be a string, got {spec!r}"
-    if builtin_ok and spec in MODELS:
-        return None
-    if not IMPORT_STRING.fullmatch(spec):
-        names = f"one of {tuple(MODELS)} or " if builtin_ok else ""
-        return f"must be {names}an import string 'package.module:callable', got {spec!r}"
-    return None
-
+    from labkit.core.config import RunConfig
 
 def specs(config: RunConfig) -> dict[str, str]:
     """The import strings a rank will use, by RunConfig field (built-in names resolved)."""
@@ -118,7 +97,7 @@ def check_importable(config: RunConfig, *, timeout_s: float = 300.0) -> None:
     import os
     from pathlib import Path
 
-    from labkit.launch.config import ConfigError
+    from labkit.core.config import ConfigError
 
     wanted = tuple(sorted(specs(config).items()))
     if wanted in _checked and _mtimes(list(_checked[wanted])) == _checked[wanted]:

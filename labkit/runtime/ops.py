@@ -26,9 +26,11 @@ import re
 import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from labkit.launch.launcher import DEFAULT_EXTENSIONS_DIR
+DEFAULT_EXTENSIONS_DIR = Path(__file__).resolve().parents[2] / ".cache" / "torch_extensions"
+
 
 # The builders labkit's runs use, by DeepSpeed's class names.
 BUILDERS = ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder")

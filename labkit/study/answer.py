@@ -40,8 +40,8 @@ from typing import Any
 
 import pandas as pd
 
-from labkit.launch.config import ConfigError, RunConfig
-from labkit.launch.store import read_json, write_json_atomic, write_text_atomic
+from labkit.core.config import ConfigError, RunConfig
+from labkit.core.files import read_json, write_json_atomic, write_text_atomic
 from labkit.study.sweep import STRATEGIES, Sweep, plan, strategy_of
 
 REPORT_MAX_BYTES = 5_000_000  # data/reference-ci keeps the report only below this size
@@ -357,9 +357,9 @@ def maxbatch_templates(profile: AnswerProfile) -> list[RunConfig]:
 
 # -- derived tables ----------------------------------------------------------------------------
 def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
-    """Measured per-rank model-state bytes vs labkit.study.memory's prediction vs DeepSpeed's estimates."""
+    """Measured per-rank model-state bytes vs labkit.core.memory's prediction vs DeepSpeed's estimates."""
+    from labkit.core import memory
     from labkit.models import builders
-    from labkit.study import memory
 
     # The real parameter shapes, from the model built on the meta device (any model, no memory).
     template = RunConfig.from_saved(model)
@@ -411,18 +411,18 @@ def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
 
 
 def _state_precision(strategy: str, precision: str | None) -> str:
-    """The precision of the model states. Plain PyTorch (labkit.launch.trainers.PlainTrainer) keeps fp32
+    """The precision of the model states. Plain PyTorch (labkit.rank.trainers.PlainTrainer) keeps fp32
     weights, grads and Adam state and runs bf16 only under autocast: fp32 states whatever the
     run's precision. DeepSpeed keeps bf16/fp16 params and grads with an fp32 master."""
     return "fp32" if strategy == "torch" else (precision or "fp32")
 
 
 def analytic_max_micro_batch(result: Any, template: RunConfig) -> int | None:
-    """The max micro-batch labkit.study.memory predicts: (capacity - analytic on-device states) divided by
+    """The max micro-batch labkit.core.memory predicts: (capacity - analytic on-device states) divided by
     the activation bytes per sample of ONE measured micro-batch profile (the search's first fit)."""
     import math
 
-    from labkit.study import memory
+    from labkit.core import memory
 
     budget = template.device_memory_budget_bytes
     profile = next((p for p in result.probes if p.fits and p.activation_bytes), None)
@@ -445,7 +445,7 @@ def analytic_max_micro_batch(result: Any, template: RunConfig) -> int | None:
 def activation_table(results: pd.DataFrame) -> pd.DataFrame:
     """Activation bytes predicted from ONE measured micro-batch profile (the smallest micro-batch
     of each strategy), against the activation bytes measured at the other micro-batch sizes."""
-    from labkit.study import memory
+    from labkit.core import memory
 
     rows = []
     measured = results[results.activation_bytes.notna() & (results.status == "finished")]
@@ -548,7 +548,7 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     templates = maxbatch_templates(profile)
     cancel = threading.Event()
     # The max-batch searches run after the sweep, on every device. GPU runs must not share devices
-    # (labkit.runtime.device_lease refuses it, and a neighbour's memory would fake an OOM). CPU ranks share
+    # (labkit.launch.device_lease refuses it, and a neighbour's memory would fake an OOM). CPU ranks share
     # the cores: searches launched beside the sweep would change the contention under the sweep's
     # step times part-way through, and the report compares those times. On CPU the searches still
     # run side by side with each other (their probes are not timed), `profile.parallel` at a time.

@@ -53,7 +53,7 @@ def read_run(run_dir: str | os.PathLike, statistic: str = "median") -> MeasuredR
     over the steps after the first two by `statistic` (median, or p10 on a machine other processes load)."""
     import json
 
-    from labkit.live.records import read_records
+    from labkit.core.records import read_records
 
     path = Path(run_dir)
     if not (path / "config.json").exists():
@@ -137,7 +137,7 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
     the run's measured compute per micro-step (less the communication it had, predicted), the optimizer's measured
     time over the parameters a rank owns, and DeepSpeed's collectives timed with `link_fit` (measure_links on this
     machine). CPU ranks share the machine's cores: each computes on `effective_cores`."""
-    from labkit.launch.config import RunConfig
+    from labkit.core.config import RunConfig
 
     config = RunConfig.from_dict({k: v for k, v in run.config.items() if k in RunConfig.__dataclass_fields__})
     old_n, new_n = run.world_size, world_size or run.world_size
@@ -155,7 +155,7 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
 
     def rows(stage_: int | None, n: int, m_accum: int) -> list[Any]:
         """The run's own config (its ds_config's ZeRO settings, its model's layout) at `n` ranks and `stage_`."""
-        from labkit.launch.config import without_local_device_checks
+        from labkit.core.config import without_local_device_checks
         from labkit.study import comms
 
         if n < 2:

@@ -262,7 +262,7 @@ def measured_on(machine: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def write_card(card: dict[str, Any], out: str | Path) -> Path:
-    from labkit.launch.store import write_json_atomic
+    from labkit.core.files import write_json_atomic
 
     path = Path(out) / CARD_FILE
     write_json_atomic(path, card)

@@ -493,13 +493,13 @@ def _split(total: int, bucket: int) -> list[int]:
     return calls + ([total % bucket] if total % bucket else [])
 
 
-# -- what a run sent (DeepSpeed's comms logger, labkit.live.comms_log) ----------------------------
+# -- what a run sent (DeepSpeed's comms logger, labkit.rank.comms_log) ----------------------------
 def measured_collectives(run_dir: str | os.PathLike) -> pd.DataFrame:
     """Every (rank, section, operation, caller, message size) DeepSpeed's comms logger counted in a run
     launched with `RunConfig(comms_log=True)`: `count` calls, `msg_bytes` as the logger reports them and
     `bytes` in this module's convention (an all-gather's gathered output: the logged shard x world size).
     Sections: setup, step 1, step 2, steady (`section_steps` steps from step 3 on), between steps."""
-    from labkit.live.comms_log import comms_file
+    from labkit.rank.comms_log import comms_file
 
     run_dir = Path(run_dir)
     files = sorted(run_dir.glob("comms_rank*.json"), key=lambda p: int(p.stem.removeprefix("comms_rank")))
@@ -569,7 +569,7 @@ def predicted_vs_measured(run_dir: str | os.PathLike, rank: int = 0) -> pd.DataF
     """Per operation and what it moves: the formula's calls and bytes per optimizer step
     (`run_collectives`) beside what DeepSpeed's comms logger counted in the run's steady steps (3 on),
     on `rank`. `ratio` is measured / predicted bytes; `sent_per_rank_*` the ring bytes one rank sends."""
-    from labkit.launch.config import RunConfig
+    from labkit.core.config import RunConfig
 
     run_dir = Path(run_dir)
     config = RunConfig.load(run_dir / "config.json")

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import pandas as pd
 
-from labkit.launch.config import RunConfig
+from labkit.core.config import RunConfig
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "notebooks" / "examples"
 SOURCE_TEXT = "source_text.md"  # the text's three examples, verbatim

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 import pandas as pd
 
 import labkit.study.figures  # noqa: F401  (sets plotly's renderer: figures show in JupyterLab and in `make docs` HTML)
-from labkit.launch.config import ConfigError, RunConfig
+from labkit.core.config import ConfigError, RunConfig
 from labkit.launch.run import Run
 
 MiB = 2**20
@@ -68,8 +68,8 @@ def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
     import dataclasses
 
     from labkit.launch.admission import SAMPLE_S, Admission, Estimate, occupies
+    from labkit.launch.device_lease import DevicesBusy
     from labkit.launch.phase import RunProgress
-    from labkit.runtime.device_lease import DevicesBusy
     from labkit.runtime.devices import detect_devices
 
     if concurrent is None:
@@ -637,12 +637,12 @@ def zero3_tensors(config: RunConfig, threshold: int | None = None) -> pd.DataFra
     """The parameter tensors of the run's MLP in forward order: elements, bytes at the run's
     precision, and whether ZeRO-3 keeps each whole on every rank ("persistent": at most
     `threshold` elements, DeepSpeed's `stage3_param_persistence_threshold`, default 100,000).
-    Cross-checked against `labkit.study.memory.mlp_persistent_params`."""
+    Cross-checked against `labkit.core.memory.mlp_persistent_params`."""
     import torch
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
+    from labkit.core import memory
     from labkit.models.mlp import SimpleModel
-    from labkit.study import memory
 
     if threshold is None:
         threshold = DeepSpeedZeroConfig().param_persistence_threshold
@@ -656,7 +656,7 @@ def zero3_tensors(config: RunConfig, threshold: int | None = None) -> pd.DataFra
     persistent = memory.mlp_persistent_params(config.input_size, config.hidden, config.depth, config.output_size,
                                               threshold=threshold)
     if table.loc[table["persistent"], "elements"].sum() != persistent:
-        raise AssertionError("labkit.study.memory.mlp_persistent_params disagrees with the model's tensors")
+        raise AssertionError("labkit.core.memory.mlp_persistent_params disagrees with the model's tensors")
     table.attrs["threshold"] = threshold
     return table
 

@@ -9,7 +9,7 @@ are resolved for its devices there:
   fp32 on CPU; `"bf16_or_fp32"` for the plain PyTorch loop, which has no loss scaler for fp16.
 
 `notebook_configs` builds the runs a notebook launches from its sizes (the same fields its cells pass to
-`RunConfig`), and `predicted_device_bytes` what one rank of such a run holds (labkit.study.memory's model
+`RunConfig`), and `predicted_device_bytes` what one rank of such a run holds (labkit.core.memory's model
 states, DeepSpeed's reduce bucket, the MLP's activations and a working margin): tests/test_notebook_sizes.py
 checks every notebook's runs for every profile against stand-in GPUs of 16, 24 and 80 GB, with and without
 bf16, on 1, 4 and 8 GPUs.
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from labkit.launch.config import RunConfig
+from labkit.core.config import RunConfig
 from labkit.runtime.devices import Devices
 from labkit.runtime.profiles import PROFILES
 
@@ -250,11 +250,12 @@ def _communication_configs(sizes: dict[str, Any]) -> dict[str, RunConfig]:
 
 def predicted_device_bytes(config: RunConfig) -> int:
     """What one rank of `config` (labkit's MLP, or an example script's, through its twin: examples.script_twin)
-    holds on its device at its peak, predicted before any launch: model states (labkit.study.memory; plain
+    holds on its device at its peak, predicted before any launch: model states (labkit.core.memory; plain
     PyTorch keeps fp32 states whatever its autocast), DeepSpeed's reduce bucket, the activations of a
     micro-batch, and DEVICE_OVERHEAD_BYTES."""
+    from labkit.core import memory
     from labkit.models import builders
-    from labkit.study import examples, memory
+    from labkit.study import examples
 
     if config.script is not None:
         config = examples.script_twin(config)

@@ -12,7 +12,7 @@ learner can see (docs/predict.md states the model, its sources and what it leave
   hides behind the compute of the phase it runs in, the rest is exposed;
 * offload: gradients down in fp32 and parameters up in the training dtype over the GPU's PCIe link, and CPU
   Adam's pass over the rank's fp32 states in host memory;
-* memory: `labkit.study.memory` for the model states plus the activations counted on the meta device: fits,
+* memory: `labkit.core.memory` for the model states plus the activations counted on the meta device: fits,
   and the largest micro-batch that fits;
 * time to the same loss: steps from S(B) = S_min (1 + B_crit / B).
 
@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from labkit.core import memory
 from labkit.runtime.hardware import GB, GPU, GPUS, MEMORY_EFFICIENCY, Cluster
 from labkit.runtime.hardware import gpu as find_gpu
-from labkit.study import flops, memory
+from labkit.study import flops
 from labkit.study.verdict import FLAT_BAND, verdict
 
 HARDWARE = GPUS   # the GPU presets (labkit.runtime.hardware), as the issue names them
@@ -446,7 +447,7 @@ def _offload_s(stage: int | None, offload: bool, owned: float, grad_accum: int, 
 def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bool, precision: str,
             micro_batch: int, checkpointing: bool) -> tuple[float, bool, int]:
     """(device bytes of the model states + bucket, fits, the largest micro-batch that fits): states from
-    labkit.study.memory (DeepSpeed 0.19.8's accounting), activations counted on the meta device (linear in the
+    labkit.core.memory (DeepSpeed 0.19.8's accounting), activations counted on the meta device (linear in the
     micro-batch: measured at 1 sample)."""
     n = cluster.world_size
     mem_precision = "fp32" if precision == "fp32" else precision
@@ -581,7 +582,7 @@ def measure_links(*args: Any, **kwargs: Any) -> Any:
 
 
 def _bad(field_name: str, message: str) -> Exception:
-    from labkit.launch.config import ConfigError
+    from labkit.core.config import ConfigError
 
     return ConfigError(field_name, message)
 
@@ -612,7 +613,7 @@ def _workload(args: Any) -> Workload:
             return TransformerWorkload(flops.Transformer.parse(args.transformer))
         except ValueError as exc:
             raise _bad("transformer", str(exc)) from None
-    from labkit.launch.config import RunConfig
+    from labkit.core.config import RunConfig
     from labkit.models import builders
 
     values: dict[str, Any] = {"example": "deepspeed", "model": args.model}
@@ -756,7 +757,7 @@ def answer_workload(results_dir: str | os.PathLike) -> tuple[Workload, int]:
     """The model an answer's results dir measured (machine.json's profile and model) and its ranks-way micro-batch."""
     import json
 
-    from labkit.launch.config import RunConfig
+    from labkit.core.config import RunConfig
     from labkit.study.answer import GPT_MODELS, PROFILES
 
     machine = json.loads((Path(results_dir) / "machine.json").read_text())

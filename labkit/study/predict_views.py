@@ -32,7 +32,7 @@ def workload(name: str) -> P.Workload:
     """A transformer shape from SHAPES, or one of the lab's models (built on the meta device)."""
     if name in SHAPES:
         return P.TransformerWorkload(SHAPES[name], name=name)
-    from labkit.launch.config import RunConfig
+    from labkit.core.config import RunConfig
 
     if name == "lab GPT (ci size)":
         from labkit.models.gpt import SIZES

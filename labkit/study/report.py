@@ -262,7 +262,7 @@ def _maxbatch_text(maxbatch: pd.DataFrame, machine: dict[str, Any] | None) -> li
                    "(states + activations counted at the largest fit stay within the capacity, "
                    "the first OOM exceeds it)"
                    + (f"; the linear activation fit predicts {', '.join(predicted)}" if predicted else "")
-                   + ("; labkit.study.memory's analytic states plus one activation profile predict "
+                   + ("; labkit.core.memory's analytic states plus one activation profile predict "
                       f"{', '.join(analytic)}"
                       if analytic else "") + ".")
     return out
@@ -375,7 +375,7 @@ def _memory_text(memory: pd.DataFrame) -> list[str]:
     if errors:
         within = [k.replace("_bytes", "") for k, e in errors.items() if e.max() <= 0.05]
         off = memory[memory.get("error_grad_bytes", pd.Series(0.0, index=memory.index)).abs() > 0.05]
-        text = ("Memory model (labkit.study.memory, ZeRO paper Sec. 3 adapted to DeepSpeed 0.19.8) vs the "
+        text = ("Memory model (labkit.core.memory, ZeRO paper Sec. 3 adapted to DeepSpeed 0.19.8) vs the "
                 "per-rank census: "
                 + (f"{', '.join(within)} bytes within 5% for every strategy" if within
                    else "no state within 5% everywhere"))
@@ -391,7 +391,7 @@ def _memory_text(memory: pd.DataFrame) -> list[str]:
                 notes.append(f"grads at {', '.join(label(s) for s in explained.strategy)}: DeepSpeed keeps the whole "
                              "gradient of a parameter that straddles the partition boundary, the paper's Psi/N assumes "
                              "an exact split; predicted with that layout "
-                             "(labkit.study.memory.zero12_grad_elements) they are "
+                             "(labkit.core.memory.zero12_grad_elements) they are "
                              f"within {layout[explained.index].max() * 100:.1f}%")
             if not unexplained.empty:
                 notes.append(f"grads at {', '.join(label(s) for s in unexplained.strategy)}: not explained by the "
@@ -569,7 +569,7 @@ def _study_figures(results: pd.DataFrame, noise: pd.DataFrame | None, memory: pd
                                      marker={"symbol": "diamond", "size": 12}, name="DeepSpeed estimate (device)"))
         fig.update_layout(barmode="stack")
         fig.update_yaxes(title_text="MB per rank")
-        figs.append(("Model states per rank: measured vs labkit.study.memory vs DeepSpeed's estimate", fig))
+        figs.append(("Model states per rank: measured vs labkit.core.memory vs DeepSpeed's estimate", fig))
 
     if probes is not None and not probes.empty:
         fig = go.Figure()
@@ -642,7 +642,7 @@ def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFr
     A profile note that says "untested" goes in the banner too."""
     from plotly.offline import get_plotlyjs
 
-    from labkit.launch.store import write_text_atomic
+    from labkit.core.files import write_text_atomic
     from labkit.study import card as answer_card
     from labkit.study.growth import WAYS, growth_sentences
 

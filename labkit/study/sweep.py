@@ -36,8 +36,9 @@ from typing import Any
 
 import pandas as pd
 
-from labkit.launch.config import ConfigError, RunConfig
-from labkit.launch.store import read_json, run_dirs, write_json_atomic, write_text_atomic
+from labkit.core.config import ConfigError, RunConfig
+from labkit.core.files import read_json, write_json_atomic, write_text_atomic
+from labkit.launch.store import run_dirs
 
 # Strategy name -> RunConfig fields. "torch" is the plain PyTorch loop (one process).
 STRATEGIES: dict[str, dict[str, Any]] = {

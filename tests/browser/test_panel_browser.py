@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from labkit.launch.run import FINAL_STATUSES
-from labkit.live.dashboard import overlay_label
+from labkit.ui.dashboard import overlay_label
 from tests.conftest import REPO, run_processes
 
 from . import harness
@@ -125,7 +125,7 @@ def test_panel_launches_plots_stops_and_compares(tmp_path: Path, chromium: str) 
         running = status_text(page)
         assert re.match(rf"status: running step \d+/{LONG_STEPS} · ", running), running
         run2 = run_dir_of(runs_root, running)
-        assert run2 != run1 and any("labkit.launch.worker" in " ".join(p.cmdline()) for p in run_processes(run2))
+        assert run2 != run1 and any("labkit.rank.worker" in " ".join(p.cmdline()) for p in run_processes(run2))
         harness.click_button(page, "Stop")
         stopped = wait_final_status(page, 120)
         assert stopped.startswith("status: stopped at step") and run2.name in stopped, stopped

@@ -9,7 +9,7 @@ mpi4py and an MPI-aware launch (not a plain srun), and takes port 29500 and `hos
 address. So this sets the torch variables from the launcher's (MASTER_ADDR / MASTER_PORT come
 through `.deepspeed_env`), sends the rank's output to `logs/<launcher>_rank<N>.log` as launch.py's
 `--enable_each_rank_log` does, and replaces itself (exec, same pid: srun's and mpirun's signals
-reach it) with `python -m labkit.launch.rank_guard`, the same guard as on every other path.
+reach it) with `python -m labkit.rank.guard`, the same guard as on every other path.
 
 Run by path under Slurm (DeepSpeed's SlurmRunner starts `python -u <script>` even with
 `--module`: deepspeed/launcher/multinode_runner.py:419-420), so sys.path[0] is this directory: it
@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import sys
 
-GUARD_MODULE = "labkit.launch.rank_guard"
+GUARD_MODULE = "labkit.rank.guard"
 
 
 class LauncherEnvError(RuntimeError):

@@ -1,7 +1,7 @@
 """The learning-rate schedule every rank follows, as plain functions of numbers.
 
 `RunConfig.peak_lr`, `RunConfig.warmup_steps_effective` and `RunConfig.lr_at` (which the trainers
-write into the optimizer before every step, labkit.launch.trainers) are these functions applied to
+write into the optimizer before every step, labkit.rank.trainers) are these functions applied to
 the run's fields, so a curve drawn from here is the schedule the ranks really use:
 
     from labkit.launch import schedule

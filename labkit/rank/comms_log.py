@@ -37,7 +37,6 @@ from typing import Any
 
 # What labkit adds to ds_config when RunConfig.comms_log is on: debug=True puts the calling
 # DeepSpeed function into each record's name ("all_reduce | [Caller Func: allreduce_bucket]").
-COMMS_LOGGER_CONFIG = {"enabled": True, "prof_all": True, "debug": True, "verbose": False}
 SETUP, STEADY, BETWEEN_STEPS = "setup", "steady", "between steps"
 KEEP_MS = 1000  # per-call times kept per (name, size) and section; counts and sums cover every call
 _CALLER = " | [Caller Func: "

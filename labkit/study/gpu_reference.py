@@ -1,9 +1,9 @@
 """The GPU reference run: `make gpu-reference` (or one step of it) on a GPU machine, into data/reference-<gpu>/.
 
-    python -m labkit.runtime.gpu_reference check       # (a) make gpu-check: report in gpu-check-report.txt
-    python -m labkit.runtime.gpu_reference notebooks   # (b) notebooks 00-05 under nbval, LABKIT_PROFILE=workshop
-    python -m labkit.runtime.gpu_reference answer      # (c) labkit answer --profile workshop, published
-    python -m labkit.runtime.gpu_reference all         # the three, each skipped once it has passed
+    python -m labkit.study.gpu_reference check       # (a) make gpu-check: report in gpu-check-report.txt
+    python -m labkit.study.gpu_reference notebooks   # (b) notebooks 00-05 under nbval, LABKIT_PROFILE=workshop
+    python -m labkit.study.gpu_reference answer      # (c) labkit answer --profile workshop, published
+    python -m labkit.study.gpu_reference all         # the three, each skipped once it has passed
 
 Each step writes into data/reference-<gpu-slug>/ (`gpu_slug`: "h100-80gb", "t4", "a10g-x4", ...) and records
 itself in steps.json (status, seconds, when); a step that passed is not run again (`--force` reruns it), so a
@@ -60,7 +60,7 @@ def reference_dir(devices: Devices | None = None) -> str | None:
 def step_commands(step: str, out: Path, python: str = sys.executable) -> list[list[str]]:
     """The commands of one step (run from the repository root). Pure."""
     if step == "check":
-        return [[python, "-m", "labkit.runtime.gpu_check", "--report", str(out / "gpu-check-report.txt"),
+        return [[python, "-m", "labkit.study.gpu_check", "--report", str(out / "gpu-check-report.txt"),
                  "--runs-root", str(REPO / "runs" / "gpu-check")]]
     if step == "notebooks":
         return [[python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-ra", "--nbval-lax",

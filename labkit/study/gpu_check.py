@@ -57,7 +57,7 @@ class Plan:
 
 def run_plan(devices: Devices, *, cuda_ops: bool, cpu_ops: bool) -> Plan:
     """The runs to check on these devices (pure). `cuda_ops`: FusedAdam buildable; `cpu_ops`: a C++ compiler."""
-    from labkit.study import memory
+    from labkit.core import memory
 
     precision = "bf16" if devices.bf16 else "fp16"
     stage_impl = "fused_adam" if cuda_ops else "torch_adam"
@@ -152,7 +152,7 @@ def check(report_path: Path, runs_root: Path, run_timeout_s: float = 300) -> lis
 
 def _run_check(item: Check, runs_root: Path, timeout_s: float, lines: list[str]) -> str | None:
     """Launch one check's run and judge it; a line in the report either way; returns what is wrong, or None."""
-    from labkit.launch.config import RunConfig
+    from labkit.core.config import RunConfig
     from labkit.launch.run import Run
     from labkit.study.sweep import LEASE_RELEASE_TIMEOUT_S
 

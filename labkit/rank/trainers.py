@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from labkit.launch.config import RunConfig
-from labkit.live.state_bytes import model_state_bytes
+from labkit.core.config import RunConfig
 from labkit.models.builders import default_loss
+from labkit.rank.census import model_state_bytes
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -88,7 +88,7 @@ class PlainTrainer:
         self._autocast = config.precision == "bf16"
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # inputs and labels are on the device already (labkit.launch.batches): no copy, no wait here.
+        # inputs and labels are on the device already (labkit.rank.batches): no copy, no wait here.
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
             return self.loss_fn(self.model, inputs, labels)
 
@@ -132,7 +132,7 @@ class DeepSpeedTrainer:
         self.dtype = _DTYPES[config.precision]
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # On the device already (labkit.launch.batches). Floating inputs cast to the engine's precision there
+        # On the device already (labkit.rank.batches). Floating inputs cast to the engine's precision there
         # (a device op, no wait); token ids and other integers as they are.
         if inputs.is_floating_point():
             inputs = inputs.to(dtype=self.dtype)

@@ -3,9 +3,9 @@
 labkit builds the launch for you (see `labkit.launch.launcher.build_command`); by hand it is:
 
     python -m deepspeed.launcher.runner --num_gpus 2 --master_addr 127.0.0.1 \
-        --master_port 29517 --module labkit.launch.rank_guard --run-dir runs/my-run
+        --master_port 29517 --module labkit.rank.guard --run-dir runs/my-run
 
-`labkit.launch.rank_guard` starts this module as `python -m labkit.launch.worker --run-dir runs/my-run`
+`labkit.rank.guard` starts this module as `python -m labkit.rank.worker --run-dir runs/my-run`
 and records its exit code. The run directory holds `config.json` (a `RunConfig`); this
 rank appends one JSON record per optimizer step to `rank<N>.jsonl` and ends with `done`.
 Example 1 (`pytorch`) trains with a plain PyTorch loop; examples 2 and 3 (`offload`,
@@ -25,50 +25,75 @@ from pathlib import Path
 import torch
 from torch.utils.data import Subset, default_collate
 
-from labkit.launch.batches import device_batches
-from labkit.launch.config import RunConfig
-from labkit.launch.failures import is_oom
-from labkit.launch.faults import FaultHooks
-from labkit.launch.step_loop import train_step
-from labkit.launch.trainers import DeepSpeedTrainer, PlainTrainer
-from labkit.live.comms_log import BETWEEN_STEPS, SETUP, CommsLog
-from labkit.live.step_clock import StepClock
-from labkit.live.telemetry import RankTelemetry
+from labkit.core.config import RunConfig
+from labkit.core.failures import is_oom
 from labkit.models import builders
 from labkit.models.builders import build_dataset, build_model, loss_function, monitor_paths
 from labkit.models.data import make_sampler
 from labkit.models.mlp import count_parameters
-from labkit.runtime.rendezvous import init_distributed
+from labkit.rank.batches import device_batches
+from labkit.rank.comms_log import BETWEEN_STEPS, SETUP, CommsLog
+from labkit.rank.faults import FaultHooks
+from labkit.rank.rendezvous import init_distributed
+from labkit.rank.step_clock import StepClock
+from labkit.rank.step_loop import train_step
+from labkit.rank.telemetry import RankTelemetry
+from labkit.rank.trainers import DeepSpeedTrainer, PlainTrainer
 
 EVAL_CHUNK = 1024  # eval forward passes take this many samples at a time (at least a micro-batch)
 EVAL_DENSE_MARGIN = 0.1  # evaluate every step once the eval loss is within 10% of the target...
 EVAL_LOOKAHEAD = 2.0     # ...or could reach it, falling at twice its recent rate, before the next scheduled eval
 TIMED_FROM_STEP = 3  # steps 1-2 pay for lazy allocations; `timed_s` in the done record starts after them
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--run-dir", required=True, type=Path)
-parser.add_argument("--local_rank", type=int, default=0)  # passed by DeepSpeed's launcher
-args = parser.parse_args()
-
-config = RunConfig.load(args.run_dir / "config.json")
-rank = int(os.environ.get("RANK", "0"))
-world_size = int(os.environ.get("WORLD_SIZE", "1"))
-telemetry = RankTelemetry(args.run_dir, rank, per_step=config.telemetry)
-telemetry.start(local_rank=args.local_rank, world_size=world_size)
-faults = FaultHooks(rank)
-# DeepSpeed's comms logger, per section of the run (config.comms_log; a no-op otherwise).
-comms = CommsLog(args.run_dir, rank, enabled=config.comms_log, steady_from=TIMED_FROM_STEP)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--local_rank", type=int, default=0)  # passed by DeepSpeed's launcher
+    return parser.parse_args(argv)
 
 
-def train() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """One rank, from its argv (`sys.argv[1:]` when None): in a process of its own (`python -m labkit.rank.worker`)
+    or called in-process (a forked process running guard -> worker without exec)."""
+    args = parse_args(argv)
+    config = RunConfig.load(args.run_dir / "config.json")
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    telemetry = RankTelemetry(args.run_dir, rank, per_step=config.telemetry)
+    telemetry.start(local_rank=args.local_rank, world_size=world_size)
+    faults = FaultHooks(rank)
+    # DeepSpeed's comms logger, per section of the run (config.comms_log; a no-op otherwise).
+    comms = CommsLog(args.run_dir, rank, enabled=config.comms_log, steady_from=TIMED_FROM_STEP)
+    try:
+        train(config, run_dir=args.run_dir, local_rank=args.local_rank, rank=rank, world_size=world_size,
+              telemetry=telemetry, faults=faults, comms=comms)
+    except BaseException as exc:
+        # Recorded before the traceback is printed, so the supervisor can name this rank.
+        message = str(exc) or type(exc).__name__
+        telemetry.event("error", error_type=type(exc).__name__, message=message[:2000],
+                        oom=is_oom(type(exc).__name__, message),
+                        traceback=traceback.format_exc()[-4000:])
+        try:
+            comms.write(world_size=world_size, grad_accum=config.grad_accum, failed=True)  # what it had, kept
+        except Exception:
+            pass  # the error above is the one to report
+        telemetry.close()
+        raise
+    telemetry.close()
+    return 0
+
+
+def train(config: RunConfig, *, run_dir: Path, local_rank: int, rank: int, world_size: int,
+          telemetry: RankTelemetry, faults: FaultHooks, comms: CommsLog) -> None:
+    """Train one rank of `config`'s run, recording into `run_dir` through `telemetry`."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     faults.at_start()
     accelerator = get_accelerator()
     # The device first: NCCL binds a communicator to the current device when the group is made.
-    accelerator.set_device(args.local_rank)
-    # On loopback only for single-node runs, with our own timeout (labkit.runtime.rendezvous).
+    accelerator.set_device(local_rank)
+    # On loopback only for single-node runs, with our own timeout (labkit.rank.rendezvous).
     init_distributed(accelerator.communication_backend_name(), timedelta(seconds=config.startup_timeout_s))
     torch.manual_seed(config.seed)  # every rank builds identical initial weights
 
@@ -77,7 +102,7 @@ def train() -> None:
     held_out = None
     if config.eval_every and not builtin_mlp_data(config):
         # A model's own dataset: its last eval_samples items are held out, never trained on.
-        _require_eval_room(len(dataset))
+        _require_eval_room(config, len(dataset))
         held_out = Subset(dataset, range(len(dataset) - config.eval_samples, len(dataset)))
         dataset = Subset(dataset, range(len(dataset) - config.eval_samples))
     # Each rank must read its own shard; distributed_sampler=False keeps the seed text's bug
@@ -104,10 +129,10 @@ def train() -> None:
         cpu_ops=ops.host_compiler() is not None)
     trainer: PlainTrainer | DeepSpeedTrainer
     if config.example == "pytorch":
-        trainer = PlainTrainer(model, config, torch.device(accelerator.device_name(args.local_rank)), loss_fn)
+        trainer = PlainTrainer(model, config, torch.device(accelerator.device_name(local_rank)), loss_fn)
     else:
         trainer = DeepSpeedTrainer(model, config, ops.with_optimizer_impl(
-            monitor_paths(config.ds_config(), args.run_dir), optimizer_impl), loss_fn)
+            monitor_paths(config.ds_config(), run_dir), optimizer_impl), loss_fn)
 
     telemetry.begin_step()  # the ready record's device peak: not deepspeed.initialize's transients
     telemetry.event("ready", n_params=n_params, accelerator=accelerator._name, optimizer_impl=optimizer_impl, **flops,
@@ -131,7 +156,7 @@ def train() -> None:
     # Gradient noise scale (labkit.study.noise_scale): every N steps, before the timed step, each
     # rank takes gradients on a fresh sample of micro_batch examples, on an fp32 copy.
     if config.noise_scale_every:
-        from labkit.study.noise_scale import gradient_noise_probe
+        from labkit.rank.noise_probe import gradient_noise_probe
 
         probe_rng = torch.Generator().manual_seed(config.seed * 1_000_003 + 7919 + rank)
 
@@ -183,7 +208,8 @@ def train() -> None:
         begin_s = time.perf_counter() - t_begin
 
         def on_census(states: dict[str, int], saved: int, before: int = activation_bytes) -> None:
-            _check_emulated_capacity(states, max(before, saved))  # the activation peak so far, or this step's
+            # the activation peak so far, or this step's
+            _check_emulated_capacity(config, rank, states, max(before, saved))
 
         comms.close(BETWEEN_STEPS)  # the previous step's eval and stop-at-target agreement
         step_census, step_activation_bytes, census_s = train_step(
@@ -205,7 +231,7 @@ def train() -> None:
         comms.close_step(step)  # after the step's clock: the logger's bookkeeping is not the step's
         # After the step's clock has stopped: evaluation is never part of the step time.
         evaluated: dict[str, float] = {}
-        if config.eval_every and _eval_due(step, eval_history):
+        if config.eval_every and _eval_due(config, step, eval_history):
             t_eval = time.perf_counter()
             eval_loss = trainer.evaluate(eval_inputs, eval_labels, chunk=max(config.micro_batch, EVAL_CHUNK))
             if world_size > 1:  # identical weights give identical losses; the mean keeps ranks in lockstep
@@ -245,7 +271,7 @@ def train() -> None:
         # Achieved FLOP/s means little without the device's peak next to it.
         from labkit.runtime.devices import datasheet_peak_flops, measured_matmul_flops, rank_device_name
 
-        datasheet = datasheet_peak_flops(rank_device_name(accelerator._name, args.local_rank), config.precision)
+        datasheet = datasheet_peak_flops(rank_device_name(accelerator._name, local_rank), config.precision)
         if datasheet:
             peak = {"peak_flops": datasheet, "peak_flops_source": "datasheet"}
         else:
@@ -264,13 +290,13 @@ def builtin_mlp_data(config: RunConfig) -> bool:
     return config.model == "mlp" and config.data is None
 
 
-def _require_eval_room(dataset_size: int) -> None:
+def _require_eval_room(config: RunConfig, dataset_size: int) -> None:
     if config.eval_samples >= dataset_size // 2:
         raise ValueError(f"eval_samples ({config.eval_samples}) would hold out half or more of the model's "
                          f"{dataset_size}-item dataset; lower eval_samples or set eval_every=0")
 
 
-def _eval_due(step: int, history: list[tuple[int, float]]) -> bool:
+def _eval_due(config: RunConfig, step: int, history: list[tuple[int, float]]) -> bool:
     """Every eval_every steps, the last step, and every step once the target is near: the eval
     loss within EVAL_DENSE_MARGIN of it, or able to reach it before the next scheduled eval at
     EVAL_LOOKAHEAD times its recent rate of fall. The first step that meets it is then found to the
@@ -290,7 +316,7 @@ def _eval_due(step: int, history: list[tuple[int, float]]) -> bool:
     return last - EVAL_LOOKAHEAD * fall_per_step * config.eval_every <= config.target_loss
 
 
-def _check_emulated_capacity(census: dict[str, int], activation_bytes: int) -> None:
+def _check_emulated_capacity(config: RunConfig, rank: int, census: dict[str, int], activation_bytes: int) -> None:
     """On CPU, an explicit per-rank budget stands in for a GPU's memory size: the model states a
     GPU would hold (optimizer states and grad partitions that offload keeps on the host left
     out) plus saved activations. Communication buffers (buffer_bytes) and params gathered
@@ -307,19 +333,6 @@ def _check_emulated_capacity(census: dict[str, int], activation_bytes: int) -> N
             f"(model states + {activation_bytes} activation bytes) but the budget is {budget} bytes")
 
 
-try:
-    train()
-except BaseException as exc:
-    # Recorded before the traceback is printed, so the supervisor can name this rank.
-    message = str(exc) or type(exc).__name__
-    telemetry.event("error", error_type=type(exc).__name__, message=message[:2000],
-                    oom=is_oom(type(exc).__name__, message),
-                    traceback=traceback.format_exc()[-4000:])
-    try:
-        comms.write(world_size=world_size, grad_accum=config.grad_accum, failed=True)  # what it had, kept
-    except Exception:
-        pass  # the error above is the one to report
-    telemetry.close()
-    raise
-telemetry.close()
-sys.exit(0)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""A rank's micro-batches, on its device, made outside the timed step (labkit.launch.step_loop fetches a step's
+"""A rank's micro-batches, on its device, made outside the timed step (labkit.rank.step_loop fetches a step's
 micro-batches before its clock starts).
 
 torch's DataLoader, as the worker used it, indexed and collated one sample at a time on the main thread, inside

@@ -24,7 +24,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from labkit.launch.config import ConfigError
+from labkit.core.config import ConfigError
 
 # Shared by every user of the machine (sticky, world-writable, like /tmp): GPUs are too.
 DEFAULT_LEASE_DIR = Path(tempfile.gettempdir()) / "labkit-device-leases"

@@ -15,12 +15,12 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterator, KeysView
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from labkit.launch import schedule
+from labkit.core import schedule
 
 EXAMPLES = ("pytorch", "deepspeed", "offload", "zero3")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -38,55 +38,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "offload": {"stage": 2, "offload_optimizer": True},
     "zero3": {"stage": 3, "offload_optimizer": False},
 }
-
-
-class _KeysRead(dict):
-    """A ds_config that remembers which top-level keys DeepSpeed's config code looks up (`get`, `[]`,
-    `in`, `in .keys()`): a key it never looks up is one DeepSpeed would ignore without a word."""
-
-    def __init__(self, config: dict[str, Any]):
-        super().__init__(config)
-        self.read: set[str] = set()
-
-    def __getitem__(self, key: Any) -> Any:
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        self.read.add(key)  # type: ignore[arg-type]
-        return super().__contains__(key)
-
-    def keys(self) -> KeysView[str]:  # type: ignore[override]
-        return KeysView(self)  # its `in` goes through __contains__ above
-
-    def __copy__(self) -> _KeysRead:
-        return self  # DeepSpeedConfig copies the dict before reading it: keep one record
-
-
-def deepspeed_checked(ds_config: dict[str, Any], world_size: int) -> Any:
-    """The whole ds_config parsed and sanity-checked by DeepSpeed's own `DeepSpeedConfig`, as rank 0
-    of `world_size` ranks would, before anything launches (no process group, no device).
-
-    `DeepSpeedConfig.__init__` asks torch.distributed for the world size, which does not exist yet
-    here; this runs the rest of its __init__ (deepspeed/runtime/config.py, 0.19.8) with the world
-    size given: removed keys, every sub-config's pydantic model, the batch triplet, precision.
-    The result's `keys_read` are the top-level keys DeepSpeed looked up on the way."""
-    from deepspeed.runtime import config as ds
-
-    tracked = _KeysRead(ds_config)
-    checked = ds.DeepSpeedConfig.__new__(ds.DeepSpeedConfig)
-    checked._param_dict = tracked
-    ds._reject_removed_config_keys(tracked)
-    checked.global_rank, checked.world_size = 0, world_size
-    checked._initialize_params(tracked)
-    checked._configure_train_batch_size()
-    checked._do_sanity_check()
-    checked.keys_read = frozenset(tracked.read)
-    return checked
 
 
 def hostfile_slots(path: str | os.PathLike) -> dict[str, int]:
@@ -148,7 +99,7 @@ class RunConfig:
     model: str = "mlp"
     data: str | None = None
     loss: str | None = None
-    # Script mode (labkit.launch.script): an unmodified DeepSpeed training script run on every rank with these
+    # Script mode (labkit.rank.script): an unmodified DeepSpeed training script run on every rank with these
     # arguments instead of labkit's worker; `steps` is then only the progress bar's length.
     script: str | None = None
     script_args: list[str] = field(default_factory=list)
@@ -182,7 +133,7 @@ class RunConfig:
     startup_timeout_s: float = 900.0      # allowance for process start and JIT op builds
     device_memory_budget_bytes: int | None = None  # emulated device capacity (CPU); exceeding it is an OOM
     telemetry: bool = True                # per-step records; False writes only start/done (benchmark)
-    comms_log: bool = False               # DeepSpeed's comms logger -> comms_rank<N>.json (labkit.live.comms_log);
+    comms_log: bool = False               # DeepSpeed's comms logger -> comms_rank<N>.json (labkit.rank.comms_log);
                                           # it synchronizes the GPU after every collective: not for timed runs
     census_every: int = 10                # recount model-state bytes every N steps (they rarely change)
     noise_scale_every: int = 0            # estimate the gradient noise scale every N steps (0 = off)
@@ -274,7 +225,7 @@ class RunConfig:
         self._check_overrides()
 
     def _check_builders(self) -> None:
-        from labkit.models.builders import MODELS, check_spec_syntax
+        from labkit.core.model_specs import MODELS, check_spec_syntax
 
         for name in ("model", "data", "loss"):
             problem = check_spec_syntax(name, getattr(self, name), builtin_ok=name == "model")
@@ -318,6 +269,8 @@ class RunConfig:
 
         import_deepspeed()  # DeepSpeed's first import under one lock: threads importing it at once deadlock
         try:
+            from labkit.core.ds_config import deepspeed_checked
+
             checked = deepspeed_checked(self.ds_config(), self.world_size)
         except Exception as exc:  # pydantic's ValidationError names the bad field
             detail = _validation_detail(exc)
@@ -336,7 +289,7 @@ class RunConfig:
     def global_batch(self) -> int:
         return self.micro_batch * self.grad_accum * self.world_size
 
-    # The LR schedule: labkit.launch.schedule's functions applied to this run's fields (the
+    # The LR schedule: labkit.core.schedule's functions applied to this run's fields (the
     # trainers write `lr_at(step)` into the optimizer; the lessons draw curves from schedule itself).
     @property
     def peak_lr(self) -> float:
@@ -364,39 +317,10 @@ class RunConfig:
         return DeepSpeedZeroConfig(**self.ds_overrides.get("zero_optimization", {}))
 
     def ds_config(self) -> dict[str, Any]:
-        """The DeepSpeed config the ranks pass to `deepspeed.initialize`."""
-        if self.example == "pytorch":
-            return {}
-        zero: dict[str, Any] = {"stage": self.stage}
-        if self.offload_optimizer:
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-        config: dict[str, Any] = {
-            "train_batch_size": self.global_batch,
-            "train_micro_batch_size_per_gpu": self.micro_batch,
-            "gradient_accumulation_steps": self.grad_accum,
-            # weight_decay explicit: without FusedAdam DeepSpeed's "Adam" is torch.optim.AdamW (runtime/engine.py:2382,
-            # 0.19.8), whose default is 0.01, while FusedAdam, CPU Adam, torch SGD and the plain loop's Adam use 0.
-            "optimizer": {"type": "Adam" if self.optimizer == "adam" else "SGD",
-                          "params": {"lr": self.peak_lr, "weight_decay": 0.0}},
-            "zero_optimization": zero,
-            "bf16": {"enabled": self.precision == "bf16"},
-            "fp16": {"enabled": self.precision == "fp16"},
-            "steps_per_print": 10**9,  # labkit records its own metrics
-            "wall_clock_breakdown": False,
-        }
-        if self.comms_log:
-            from labkit.live.comms_log import COMMS_LOGGER_CONFIG
+        """The DeepSpeed config the ranks pass to `deepspeed.initialize` (`labkit.core.ds_config`)."""
+        from labkit.core.ds_config import build_ds_config
 
-            config["comms_logger"] = dict(COMMS_LOGGER_CONFIG)
-        if self.optimizer == "sgd":
-            # DeepSpeed's ZeRO wrappers accept torch SGD only when asked explicitly.
-            config["zero_allow_untested_optimizer"] = True
-        for key, value in self.ds_overrides.items():
-            if isinstance(value, dict) and isinstance(config.get(key), dict):
-                config[key] = {**config[key], **value}
-            else:
-                config[key] = value
-        return config
+        return build_ds_config(self)
 
     # -- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -423,7 +347,7 @@ class RunConfig:
     def load(cls, path: str | os.PathLike) -> RunConfig:
         """A run directory's config.json, as `Run.start()` validated and saved it: not validated again.
 
-        Ranks load it (labkit.launch.worker): validating there would re-probe the devices in every rank (a child
+        Ranks load it (labkit.rank.worker): validating there would re-probe the devices in every rank (a child
         importing torch and DeepSpeed, a context on GPU 0, refused outright in exclusive-process mode) and
         re-open a hostfile path that may be relative to another machine's directory."""
         data = json.loads(Path(path).read_text())

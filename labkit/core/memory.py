@@ -10,7 +10,7 @@ and mixed-precision Adam:
 * P_os+g (stage 2): 2*Psi + (2 + K)*Psi/N
 * P_os+g+p (stage 3): (2 + 2 + K)*Psi/N
 
-What DeepSpeed 0.19.8 really holds (measured by ``labkit.live.state_bytes`` right after
+What DeepSpeed 0.19.8 really holds (measured by ``labkit.rank.census`` right after
 backward at an accumulation boundary, before ``step``) differs in places:
 
 * fp32 training (no bf16/fp16): stage 0 keeps no master copy (K = 8: Adam moments
@@ -68,7 +68,7 @@ def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str
     (moments + fp32 master, the paper's K*Psi/N), ``device_bytes`` (what stays on
     the accelerator), ``host_bytes`` (what optimizer offload put on the CPU) and
     ``host_grad_bytes`` (the grads among them, like the census key of
-    ``labkit.live.state_bytes``).  ``persistent_params``: params stage 3 keeps unpartitioned (see module doc).
+    ``labkit.rank.census``).  ``persistent_params``: params stage 3 keeps unpartitioned (see module doc).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -284,7 +284,7 @@ def deepspeed_estimates(model_or_n_params: nn.Module | int, world_size: int, *,
 def compare(measured: Mapping[str, float], predicted: Mapping[str, float]) -> dict[str, float]:
     """Signed relative error (measured - predicted) / predicted for each shared key.
 
-    A census from ``labkit.live.state_bytes`` reports the fp32 master separately: when
+    A census from ``labkit.rank.census`` reports the fp32 master separately: when
     ``measured`` has ``master_bytes`` and ``predicted`` does not, it is folded into
     ``optim_bytes`` first (the paper's K*Psi counts master + moments).  A zero
     prediction gives 0.0 if the measurement is zero too, else inf.

@@ -1,4 +1,4 @@
-"""Reading rank files (`rank<N>.jsonl`, written by `labkit.live.telemetry`): whole, or incrementally;
+"""Reading rank files (`rank<N>.jsonl`, written by `labkit.rank.telemetry`): whole, or incrementally;
 and the end of a file (a rank's log, the last records), in a bounded read.
 
 Everything that watches a live run (the supervisor, the CLI's progress bar, the dashboard) uses
@@ -11,6 +11,10 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+
+def rank_file(run_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(run_dir) / f"rank{rank}.jsonl"
 
 
 def parse_lines(data: bytes) -> list[dict[str, Any]]:

@@ -13,11 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from labkit.launch.store import write_json_atomic
+from labkit.core.files import write_json_atomic
 
 
-def main() -> int:
-    argv = sys.argv[1:]
+def main(argv: list[str] | None = None) -> int:
+    """Start the worker (or the learner's script) as a child with `argv` (`sys.argv[1:]` when None), wait, record
+    its exit in `rank<N>.exit`, exit like it did."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     run_dir = Path(argv[argv.index("--run-dir") + 1])
     rank = int(os.environ.get("RANK", "0"))
     child: subprocess.Popen | None = None
@@ -33,18 +35,18 @@ def main() -> int:
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, forward)
     script = None
-    if "--script" in argv:  # script mode (labkit.launch.script): the learner's script instead of labkit's worker
+    if "--script" in argv:  # script mode (labkit.rank.script): the learner's script instead of labkit's worker
         at = argv.index("--script")
         script, argv = argv[at + 1], argv[:at] + argv[at + 2:]
         at = argv.index("--run-dir")
         argv = argv[:at] + argv[at + 2:]  # the script gets DeepSpeed's --local_rank and its own args only
         os.environ["LABKIT_RUN_DIR"] = str(run_dir)
         # A fatal signal (SIGABRT, SIGSEGV) prints the Python stack in the rank's log, or none once the
-        # interpreter has finalized: where a script's abort came from (labkit.launch.script).
+        # interpreter has finalized: where a script's abort came from (labkit.rank.script).
         os.environ.setdefault("PYTHONFAULTHANDLER", "1")
         child = subprocess.Popen([sys.executable, "-u", script, *argv])
     else:
-        child = subprocess.Popen([sys.executable, "-u", "-m", "labkit.launch.worker", *argv])
+        child = subprocess.Popen([sys.executable, "-u", "-m", "labkit.rank.worker", *argv])
     for signum in pending:
         child.send_signal(signum)
     teardown_abort = False
@@ -56,7 +58,7 @@ def main() -> int:
     write_json_atomic(run_dir / f"rank{rank}.exit", {**exit_info, "teardown_abort": True} if teardown_abort
                       else exit_info)
     if teardown_abort:
-        # Judged finished (labkit.launch.script): exiting 0 keeps DeepSpeed's launcher from ending the
+        # Judged finished (labkit.rank.script): exiting 0 keeps DeepSpeed's launcher from ending the
         # other ranks, which may still be in their own teardown.
         return 0
     # Exit like the child did, so DeepSpeed's launcher reacts as it would without us.
@@ -69,11 +71,11 @@ def main() -> int:
 
 def _watch_script(child: subprocess.Popen, run_dir: Path, rank: int) -> tuple[int, bool]:
     """Records what a script does not: its start, its memory (RSS of its process tree) as
-    liveness every SAMPLE_S, and a done record when it finished (`labkit.launch.script.judge_exit`).
+    liveness every SAMPLE_S, and a done record when it finished (`labkit.rank.script.judge_exit`).
     Returns its return code and whether it was a teardown abort judged finished."""
     import psutil
 
-    from labkit.launch.script import SAMPLE_S, guard_events, judge_exit
+    from labkit.rank.script import SAMPLE_S, guard_events, judge_exit
 
     start, sample, done = guard_events(run_dir, rank)
     start(child.pid)

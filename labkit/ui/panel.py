@@ -1,6 +1,6 @@
 """The lab's control panel: pick a configuration, Launch, watch every rank live, Stop, compare.
 
-    from labkit.live.panel import LabPanel
+    from labkit.ui.panel import LabPanel
     panel = LabPanel(example="zero3", world_size=2, micro_batch=32, steps=20)
     panel                 # in a notebook: controls, status line, live charts, logs, history
     panel.launch()        # what the Launch button does; returns the Run (None if the config is invalid)
@@ -8,7 +8,7 @@
 
 The widgets hold no logic: each control is named after the `RunConfig` field it sets,
 `config()` builds a `RunConfig` from them (its validation is the only validation), Launch
-starts a `labkit.Run`, and the live charts are a `labkit.live.dashboard.Dashboard`. Every value
+starts a `labkit.Run`, and the live charts are a `labkit.ui.dashboard.Dashboard`. Every value
 shown comes from the config, the run or the run store, so a fresh panel after a kernel
 restart shows the same history.
 """
@@ -22,13 +22,13 @@ import threading
 import time
 from typing import Any
 
+from labkit.core.config import EXAMPLES, LR_SCALINGS, PRECISIONS, ConfigError, RunConfig
+from labkit.core.model_specs import MODELS
+from labkit.core.records import rank_log, read_end
 from labkit.launch.admission import Admission
-from labkit.launch.config import EXAMPLES, LR_SCALINGS, PRECISIONS, ConfigError, RunConfig
 from labkit.launch.history import COLUMNS, runs
 from labkit.launch.run import FINAL_STATUSES, Run
-from labkit.live.dashboard import REFRESH_S, Dashboard, RunSeries
-from labkit.live.records import rank_log, read_end
-from labkit.models.builders import MODELS
+from labkit.ui.dashboard import REFRESH_S, Dashboard, RunSeries
 
 LOG_REFRESH_S = 1.0    # log tails are re-read at most this often
 LOG_LINES = 40

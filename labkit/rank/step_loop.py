@@ -1,7 +1,7 @@
 """One optimizer step of the worker's loop, timed by a `StepClock` and never waiting for the device (nor for
 its data: the step's micro-batches are made before its clock starts).
 
-Factored out of `labkit.launch.worker` (a script) so that a test can run the real loop, with a real model
+Factored out of `labkit.rank.worker` (a script) so that a test can run the real loop, with a real model
 and trainer, and count the synchronising calls it makes (tests/test_step_sync.py).
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from labkit.launch.trainers import SavedActivations, count_saved_activations
-from labkit.live.step_clock import SKIP, StepClock
+from labkit.rank.step_clock import SKIP, StepClock
+from labkit.rank.trainers import SavedActivations, count_saved_activations
 
 
 def train_step(trainer: Any, data: Iterator[tuple[torch.Tensor, ...]], clock: StepClock, *,
@@ -23,7 +23,7 @@ def train_step(trainer: Any, data: Iterator[tuple[torch.Tensor, ...]], clock: St
                on_census: Callable[[dict[str, int], int], None] = lambda census, activation_bytes: None,
                ) -> tuple[dict[str, int], int, float]:
     """grad_accum micro-batches and the optimizer step, timed by `clock` from its first forward. The step's
-    micro-batches are taken from `data` (labkit.launch.batches: gathered, pinned, copied non_blocking) BEFORE the
+    micro-batches are taken from `data` (labkit.rank.batches: gathered, pinned, copied non_blocking) BEFORE the
     clock starts: making them is not the step's time. On `measure` steps (sampled: the census
     is costly) the saved-tensor hooks count activation bytes and the model states are counted at
     the peak, gradients held, before the step; `on_census` sees them there.

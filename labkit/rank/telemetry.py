@@ -14,19 +14,14 @@ import resource
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import psutil
 
-from labkit.live.records import RecordTail, read_records  # noqa: F401  (readers of these files; kept importable here)
+from labkit.core.records import rank_file
 
 BEAT_S = 1.0  # with per-step records off, a heartbeat this often keeps the hang watchdog informed
 FSYNC_EVERY_S = 1.0  # durable across a machine crash within a second (a killed rank loses nothing written)
-
-
-def rank_file(run_dir: str | os.PathLike, rank: int) -> Path:
-    return Path(run_dir) / f"rank{rank}.jsonl"
 
 
 class RankTelemetry:

@@ -35,10 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from labkit.core.files import read_json
+from labkit.core.records import RecordTail, rank_file, read_records
 from labkit.launch.run import FINAL_STATUSES
-from labkit.launch.store import read_json
-from labkit.live.records import RecordTail, read_records
-from labkit.live.telemetry import rank_file
 
 # Record keys the charts use; each becomes one float64 column per rank (NaN where absent).
 STEP_KEYS = ("step", "time_s", "samples_per_s", "step_time_s", "loss", "rss_bytes", "peak_rss_bytes",
@@ -327,7 +326,7 @@ MEMORY_SERIES = {  # kind -> ((key, name suffix, dash), ...)
 MEMORY_TITLES = {"device": "device memory (MiB)", "host": "host RSS (MiB)",
                  "sampled": "RSS of the rank's processes (MiB)"}
 
-# Script mode (labkit.launch.script): the rank guard's `sample` records, the RSS of each rank's process tree
+# Script mode (labkit.rank.script): the rank guard's `sample` records, the RSS of each rank's process tree
 # seen from outside every second, charted against time (a script need not record any step).
 SAMPLE_KEYS = ("time_s", "rss_bytes")
 

@@ -12,7 +12,7 @@ import csv
 import os
 from pathlib import Path
 
-from labkit.live.telemetry import rank_file, read_records
+from labkit.core.records import rank_file, read_records
 
 
 def _steps_by_rank(run_dir: Path) -> dict[int, list[dict]]:

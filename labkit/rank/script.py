@@ -3,7 +3,7 @@
     python -m labkit run --script train.py --world-size 2 -- --deepspeed_config ds.json
 
 Each rank runs `python train.py --local_rank=N <args>` (as `deepspeed train.py` would) through
-`labkit.launch.rank_guard`, which records its start, its memory seen from outside (RSS of the rank's
+`labkit.rank.guard`, which records its start, its memory seen from outside (RSS of the rank's
 process tree, every `SAMPLE_S`) and how it ended. A script that adds one line per step,
 
     import labkit; labkit.record(step=step, loss=loss.item(), **fields)
@@ -143,8 +143,7 @@ def _write_exit(run_dir: Path, rank: int) -> None:
 def clean_exit_recorded(run_dir: Path, rank: int, pid: int, tail_bytes: int = 65536) -> bool:
     """Whether process `pid` wrote an `exit` record with status 0 (read from the end of the rank
     file: the record comes after the last step, followed at most by a few of the guard's samples)."""
-    from labkit.live.records import parse_lines, read_end
-    from labkit.live.telemetry import rank_file
+    from labkit.core.records import parse_lines, rank_file, read_end
 
     try:
         records = parse_lines(read_end(rank_file(run_dir, rank), tail_bytes))

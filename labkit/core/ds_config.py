@@ -1,0 +1,96 @@
+"""The DeepSpeed config a run's ranks pass to `deepspeed.initialize`, built from its `RunConfig`, and its check by
+DeepSpeed's own `DeepSpeedConfig` before anything launches (offline: no process group, no device)."""
+
+from __future__ import annotations
+
+from collections.abc import KeysView
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from labkit.core.config import RunConfig
+
+# DeepSpeed's comms logger with every collective profiled (`RunConfig.comms_log`; labkit.rank.comms_log reads it).
+COMMS_LOGGER_CONFIG = {"enabled": True, "prof_all": True, "debug": True, "verbose": False}
+
+
+def build_ds_config(run: RunConfig) -> dict[str, Any]:
+    """The DeepSpeed config the ranks pass to `deepspeed.initialize`."""
+    if run.example == "pytorch":
+        return {}
+    zero: dict[str, Any] = {"stage": run.stage}
+    if run.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    config: dict[str, Any] = {
+        "train_batch_size": run.global_batch,
+        "train_micro_batch_size_per_gpu": run.micro_batch,
+        "gradient_accumulation_steps": run.grad_accum,
+        # weight_decay explicit: without FusedAdam DeepSpeed's "Adam" is torch.optim.AdamW (runtime/engine.py:2382,
+        # 0.19.8), whose default is 0.01, while FusedAdam, CPU Adam, torch SGD and the plain loop's Adam use 0.
+        "optimizer": {"type": "Adam" if run.optimizer == "adam" else "SGD",
+                      "params": {"lr": run.peak_lr, "weight_decay": 0.0}},
+        "zero_optimization": zero,
+        "bf16": {"enabled": run.precision == "bf16"},
+        "fp16": {"enabled": run.precision == "fp16"},
+        "steps_per_print": 10**9,  # labkit records its own metrics
+        "wall_clock_breakdown": False,
+    }
+    if run.comms_log:
+        config["comms_logger"] = dict(COMMS_LOGGER_CONFIG)
+    if run.optimizer == "sgd":
+        # DeepSpeed's ZeRO wrappers accept torch SGD only when asked explicitly.
+        config["zero_allow_untested_optimizer"] = True
+    for key, value in run.ds_overrides.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    return config
+
+
+class _KeysRead(dict):
+    """A ds_config that remembers which top-level keys DeepSpeed's config code looks up (`get`, `[]`,
+    `in`, `in .keys()`): a key it never looks up is one DeepSpeed would ignore without a word."""
+
+    def __init__(self, config: dict[str, Any]):
+        super().__init__(config)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)  # type: ignore[arg-type]
+        return super().__contains__(key)
+
+    def keys(self) -> KeysView[str]:  # type: ignore[override]
+        return KeysView(self)  # its `in` goes through __contains__ above
+
+    def __copy__(self) -> _KeysRead:
+        return self  # DeepSpeedConfig copies the dict before reading it: keep one record
+
+
+def deepspeed_checked(ds_config: dict[str, Any], world_size: int) -> Any:
+    """The whole ds_config parsed and sanity-checked by DeepSpeed's own `DeepSpeedConfig`, as rank 0
+    of `world_size` ranks would, before anything launches (no process group, no device).
+
+    `DeepSpeedConfig.__init__` asks torch.distributed for the world size, which does not exist yet
+    here; this runs the rest of its __init__ (deepspeed/runtime/config.py, 0.19.8) with the world
+    size given: removed keys, every sub-config's pydantic model, the batch triplet, precision.
+    The result's `keys_read` are the top-level keys DeepSpeed looked up on the way."""
+    from deepspeed.runtime import config as ds
+
+    tracked = _KeysRead(ds_config)
+    checked = ds.DeepSpeedConfig.__new__(ds.DeepSpeedConfig)
+    checked._param_dict = tracked
+    ds._reject_removed_config_keys(tracked)
+    checked.global_rank, checked.world_size = 0, world_size
+    checked._initialize_params(tracked)
+    checked._configure_train_batch_size()
+    checked._do_sanity_check()
+    checked.keys_read = frozenset(tracked.read)
+    return checked
