@@ -52,7 +52,6 @@ from torch import nn
 
 PRECISIONS = ("fp32", "bf16", "fp16", "mixed")
 ACCOUNTINGS = ("deepspeed", "paper")
-STATE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "device_bytes", "host_bytes", "host_grad_bytes")
 
 
 def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str = "mixed",

@@ -55,6 +55,7 @@ from typing import Any
 import psutil
 
 from labkit.core.config import ConfigError, RunConfig
+from labkit.core.schema import host_bytes, state_bytes
 
 MiB = 2**20
 MEMORY_LIMIT_ENV = "LABKIT_MEMORY_LIMIT_BYTES"
@@ -458,9 +459,7 @@ class LearnedMemory:
             peak, activation = values.get("peak_rss_bytes"), values.get("activation_bytes") or 0
             if not peak or values.get("param_bytes") is None:
                 continue
-            on_host = ((values.get("host_optim_bytes") or 0) + (values.get("host_grad_bytes") or 0)
-                       if not is_cpu else sum(values.get(k) or 0 for k in ("param_bytes", "grad_bytes",
-                                                                             "optim_bytes", "master_bytes")))
+            on_host = host_bytes(values) if not is_cpu else state_bytes(values)
             self.rank_base.append(int(peak - on_host - (activation if is_cpu else 0)))
             activation_seen = max(activation_seen, activation)
             learned = True

@@ -6,9 +6,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from labkit.core import schema
 from labkit.core.records import rank_file, read_records
 
-STATE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "host_grad_bytes")
+STATE_KEYS = (*schema.STATE_KEYS, *schema.HOST_KEYS)  # the census keys a run's summary keeps per rank
 MEMORY_KEYS = ("peak_rss_bytes", "device_peak_bytes", "activation_bytes")
 WARMUP_STEPS = 2  # the first steps include lazy allocations and op builds; leave them out of medians
 # What labkit's own worker knows and a learner's script (script mode) does not: its batch, strategy, model

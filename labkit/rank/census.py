@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from labkit.core.schema import CENSUS_KEYS
+
 # Attribute names of DeepSpeed optimizer wrappers, per category (missing ones are skipped).
 _PARAM_ATTRS = ("bit16_groups_flat", "fp16_groups_flat", "bf16_groups_flat",
                 "fp16_partitioned_groups_flat", "lp_param_buffer")
@@ -56,8 +58,6 @@ _GRAD_ATTRS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat
 _BUFFER_ATTRS = ("ipg_buckets", "temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload",
                  "param_buffer_of_bit16_for_cpu_offload_groups", "param_groups_fp16_flat_cpu_memory")
 
-KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "host_grad_bytes",
-        "buffer_bytes")
 # Grads that optimizer offload keeps on the host, besides the fp32 master's .grad (stage 3's
 # grad_partitions_flat_buffer is allocated on self.device, "cpu" under offload). On the CPU
 # accelerator every tensor is on "cpu", so these names stand in for the device check.
@@ -99,8 +99,8 @@ class _Counter:
 
     def __init__(self) -> None:
         self.seen: set[int] = set()
-        self.totals: dict[str, int] = {k: 0 for k in KEYS}
-        self.counted: dict[str, list[tuple[torch.Tensor, int]]] = {k: [] for k in KEYS}
+        self.totals: dict[str, int] = {k: 0 for k in CENSUS_KEYS}
+        self.counted: dict[str, list[tuple[torch.Tensor, int]]] = {k: [] for k in CENSUS_KEYS}
 
     def add(self, key: str, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:

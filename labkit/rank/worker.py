@@ -27,6 +27,7 @@ from torch.utils.data import Subset, default_collate
 
 from labkit.core.config import RunConfig
 from labkit.core.failures import is_oom
+from labkit.core.schema import device_bytes
 from labkit.models import builders
 from labkit.models.builders import build_dataset, build_model, loss_function, monitor_paths
 from labkit.models.data import make_sampler
@@ -324,9 +325,7 @@ def _check_emulated_capacity(config: RunConfig, rank: int, census: dict[str, int
     budget = config.device_memory_budget_bytes
     if budget is None:
         return
-    on_device = (census.get("param_bytes", 0) + census.get("grad_bytes", 0) + census.get("optim_bytes", 0)
-                 + census.get("master_bytes", 0) - census.get("host_optim_bytes", 0)
-                 - census.get("host_grad_bytes", 0) + activation_bytes)
+    on_device = int(device_bytes(census, activation_bytes))
     if on_device > budget:
         raise torch.OutOfMemoryError(
             f"emulated device capacity exceeded: rank {rank} needs {on_device} bytes "

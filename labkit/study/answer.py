@@ -42,6 +42,7 @@ import pandas as pd
 
 from labkit.core.config import ConfigError, RunConfig
 from labkit.core.files import read_json, write_json_atomic, write_text_atomic
+from labkit.core.schema import HOST_KEYS, STATE_KEYS, device_bytes
 from labkit.study.sweep import STRATEGIES, Sweep, plan, strategy_of
 
 REPORT_MAX_BYTES = 5_000_000  # data/reference-ci keeps the report only below this size
@@ -376,11 +377,10 @@ def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
         world_size = int(r["world_size"])
         predicted = memory.model_state_bytes(n_params, stage, world_size, precision, offload,
                                              persistent_params=persistent if stage == 3 else 0)
-        measured = {k: float(r[k]) for k in ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes")
-                    if not pd.isna(r.get(k))}
+        measured = {k: float(r[k]) for k in STATE_KEYS if not pd.isna(r.get(k))}
         # What optimizer offload keeps on the host: optimizer states + master, and grad partitions.
-        host = {k: 0.0 if pd.isna(r.get(k)) else float(r[k]) for k in ("host_optim_bytes", "host_grad_bytes")}
-        measured_device = sum(measured.values()) - sum(host.values())
+        host = {k: 0.0 if pd.isna(r.get(k)) else float(r[k]) for k in HOST_KEYS}
+        measured_device = device_bytes({**measured, **host})
         errors = memory.compare({**measured, "host_grad_bytes": host["host_grad_bytes"],
                                  "device_bytes": measured_device, "host_bytes": sum(host.values())}, predicted)
         row = {"strategy": r["strategy"], "world_size": world_size, "stage": stage, "offload_optimizer": offload,

@@ -28,14 +28,15 @@ from typing import Any, TextIO
 import pandas as pd
 
 import labkit.study.figures  # noqa: F401  (sets plotly's renderer: figures show in JupyterLab and in `make docs` HTML)
+from labkit.core import schema
 from labkit.core.config import ConfigError, RunConfig
 from labkit.launch.run import Run
 
 MiB = 2**20
 
 # Per-rank byte counters of a run summary, in the order the notebooks show them.
-STATE_COLUMNS = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes")
-RANK_COLUMNS = (*STATE_COLUMNS, "host_optim_bytes", "host_grad_bytes", "activation_bytes", "peak_rss_bytes",
+STATE_COLUMNS = schema.STATE_KEYS
+RANK_COLUMNS = (*STATE_COLUMNS, *schema.HOST_KEYS, "activation_bytes", "peak_rss_bytes",
                 "device_peak_bytes")
 SUMMARY_COLUMNS = ("status", "example", "stage", "offload_optimizer", "precision", "world_size", "micro_batch",
                    "grad_accum", "global_batch", "steps_completed", "median_step_time_s", "forward_s",

@@ -38,6 +38,7 @@ import pandas as pd
 
 from labkit.core.config import ConfigError, RunConfig
 from labkit.core.files import read_json, write_json_atomic, write_text_atomic
+from labkit.core.schema import CENSUS_KEYS, device_bytes, state_bytes
 from labkit.launch.store import run_dirs
 
 # Strategy name -> RunConfig fields. "torch" is the plain PyTorch loop (one process).
@@ -268,8 +269,7 @@ def _threads_of(run_dir: Path) -> int | None:
 
 def _memory_columns(records: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per-rank bytes: the largest over ranks (ZeRO ranks differ only by padding)."""
-    keys = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "host_optim_bytes", "host_grad_bytes",
-            "buffer_bytes")
+    keys = CENSUS_KEYS
     out: dict[str, Any] = {}
     per_rank: list[dict[str, Any]] = []
     for rank_records in records.values():
@@ -285,8 +285,7 @@ def _memory_columns(records: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
         if last is not None:
             # What labkit's emulated capacity check counts: model states on the device + activations
             # (what optimizer offload keeps on the host left out).
-            device = (sum(states[k] or 0 for k in ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes"))
-                      - (states["host_optim_bytes"] or 0) - (states["host_grad_bytes"] or 0) + (activation or 0))
+            device = device_bytes(states, activation or 0)
         per_rank.append({**states, "activation_bytes": activation, "device_bytes": needed or device,
                          "peak_rss_bytes": max((r.get("peak_rss_bytes") or 0 for r in rank_records), default=0) or None,
                          "device_peak_bytes": max((r.get("device_peak_bytes") or 0 for r in rank_records),
@@ -295,8 +294,7 @@ def _memory_columns(records: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
         values = [p[key] for p in per_rank if p.get(key) is not None]
         out[key] = max(values) if values else None
     if out.get("param_bytes") is not None:
-        out["model_state_bytes"] = sum(out.get(k) or 0 for k in ("param_bytes", "grad_bytes", "optim_bytes",
-                                                                 "master_bytes"))
+        out["model_state_bytes"] = state_bytes(out)
     return out
 
 

@@ -37,12 +37,12 @@ import numpy as np
 
 from labkit.core.files import read_json
 from labkit.core.records import RecordTail, rank_file, read_records
+from labkit.core.schema import HOST_KEYS, STATE_KEYS
 from labkit.launch.run import FINAL_STATUSES
 
 # Record keys the charts use; each becomes one float64 column per rank (NaN where absent).
 STEP_KEYS = ("step", "time_s", "samples_per_s", "step_time_s", "loss", "rss_bytes", "peak_rss_bytes",
-             "device_allocated_bytes", "device_peak_bytes", "param_bytes", "grad_bytes", "optim_bytes",
-             "master_bytes", "host_optim_bytes", "host_grad_bytes")
+             "device_allocated_bytes", "device_peak_bytes", *STATE_KEYS, *HOST_KEYS)
 CHARTS = ("throughput", "memory", "state", "loss")
 DEFAULT_MAX_POINTS = 2000
 REFRESH_S = 0.25       # 4 Hz (>= 2 Hz wanted): the thread polls the rank files this often (replots on new records)
