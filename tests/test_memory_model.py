@@ -12,7 +12,7 @@ from torch import nn
 
 from labkit.core import memory
 from labkit.models.mlp import SimpleModel, count_parameters
-from labkit.rank.census import model_state_bytes
+from labkit.rank.census import take_census as model_state_bytes
 
 PSI = 1_000_000
 

@@ -14,7 +14,8 @@ import pytest
 
 from labkit.runtime import devices as devices_module
 from labkit.runtime.devices import Devices
-from labkit.runtime.profiles import PROFILES, default_profile
+from labkit.runtime.profiles import PROFILE_NAMES as PROFILES
+from labkit.runtime.profiles import default_profile
 from labkit.study import examples, notebook_sizes
 from labkit.study.notebook_sizes import FIT_MARGIN, NOTEBOOKS, notebook_configs, predicted_device_bytes, sizes_for
 

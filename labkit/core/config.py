@@ -293,7 +293,8 @@ class RunConfig:
     # trainers write `lr_at(step)` into the optimizer; the lessons draw curves from schedule itself).
     @property
     def peak_lr(self) -> float:
-        """The learning rate after scaling for the global batch (linear for SGD, sqrt for Adam)."""
+        """The learning rate scaled for the global batch as `lr_scaling` says ("none", "linear" or "sqrt" of
+        global_batch / base_batch; labkit.core.schedule.peak_lr)."""
         return schedule.peak_lr(self.lr, global_batch=self.global_batch, base_batch=self.base_batch,
                                 scaling=self.lr_scaling)
 

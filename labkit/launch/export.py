@@ -219,7 +219,7 @@ def write_job(config: RunConfig, out: str | os.PathLike, *, launcher: str = "pds
     write_json_atomic(out / "ds_config.json", export_ds_config(config))
     write_text_atomic(out / ".deepspeed_env", deepspeed_env_for(argv, env, launcher))
     write_json_atomic(out / "launch.json", {
-        "argv": argv, "env": overlay, "inherit_env": True, "world_size": config.world_size,
+        "argv": argv, "env": overlay, "world_size": config.world_size,
         "heartbeat_s": config.heartbeat_s, "startup_timeout_s": config.startup_timeout_s})
     script = out / "launch.sh"
     write_text_atomic(script, launch_script(sys.executable, launcher, out, sbatch))

@@ -22,7 +22,7 @@ NOT_FOR_SCRIPTS = ("example", "stage", "offload_optimizer", "precision", "micro_
                    "flops_utilization")
 
 
-def train_flops_per_sample(n_params: int) -> float:
+def mlp_flops_per_sample(n_params: int) -> float:
     """~6 FLOPs per parameter per sample for an MLP: 2 forward + 4 backward (Kaplan et al. 2020)."""
     return 6.0 * n_params
 
@@ -106,7 +106,7 @@ def summarize(run_dir: str | Path, config: dict[str, Any], *, status: str, cause
     # Measured by DeepSpeed's flops profiler for models other than the MLP (labkit.models.builders), else 6 x params.
     measured = next((r["train_flops_per_sample"] for r in records_by_rank.get(0, [])
                      if r.get("train_flops_per_sample")), None)
-    per_sample = measured or (train_flops_per_sample(n_params) if n_params else None)
+    per_sample = measured or (mlp_flops_per_sample(n_params) if n_params else None)
     achieved = per_sample * samples_per_s if (per_sample and samples_per_s) else None
     evaluated = has_eval(records_by_rank)
     # The target on the held-out eval loss when the run evaluated one, else on the training loss's window.

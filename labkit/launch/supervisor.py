@@ -1,6 +1,6 @@
 """Supervises one run: starts DeepSpeed's launcher, watches the ranks, ends every process.
 
-    python -m labkit.launch.supervisor RUN_DIR --parent-pid PID
+    python -m labkit.launch.supervisor RUN_DIR --parent-pid PID [--lease-fds FD,FD]
 
 `labkit.launch.run.Run.start()` starts this in its own session. It exists because the
 `deepspeed` launcher does not protect its children (measured with 0.19.8: signalling only

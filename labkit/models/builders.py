@@ -220,6 +220,3 @@ def build_mlp_dataset(config: RunConfig) -> Any:
 
     return make_dataset(config.dataset_size, config.input_size, config.output_size, config.seed)
 
-
-def describe(config: RunConfig) -> str:
-    return json.dumps(specs(config))

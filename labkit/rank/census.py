@@ -124,7 +124,7 @@ def _attrs(obj: Any, names: Iterable[str]) -> Iterator[torch.Tensor]:
         yield from _tensors(getattr(obj, name, None))
 
 
-def model_state_bytes(model: nn.Module, optimizer: Any, *, offload_optimizer: bool) -> dict[str, int]:
+def take_census(model: nn.Module, optimizer: Any, *, offload_optimizer: bool) -> dict[str, int]:
     """Bytes of model states held by this rank right now.
 
     Call it after ``backward`` at a gradient-accumulation boundary and before

@@ -17,7 +17,7 @@ from torch import nn
 
 from labkit.core.config import RunConfig
 from labkit.models.builders import default_loss
-from labkit.rank.census import model_state_bytes
+from labkit.rank.census import take_census
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -108,7 +108,7 @@ class PlainTrainer:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def census(self) -> dict[str, int]:
-        return model_state_bytes(self.model, self.optimizer, offload_optimizer=False)
+        return take_census(self.model, self.optimizer, offload_optimizer=False)
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, chunk: int) -> float:
         return _mean_loss(self.forward, inputs, labels, chunk)
@@ -158,7 +158,7 @@ class DeepSpeedTrainer:
         return _mean_loss(self.forward, inputs, labels, chunk)
 
     def census(self) -> dict[str, int]:
-        return model_state_bytes(self.engine.module, self.optimizer,
+        return take_census(self.engine.module, self.optimizer,
                                  offload_optimizer=bool(self.config.offload_optimizer))
 
     def parameters(self) -> Iterator[nn.Parameter]:

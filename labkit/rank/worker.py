@@ -1,8 +1,9 @@
 """One rank of a lab run. DeepSpeed's launcher starts one of these per GPU (or CPU rank).
 
-labkit builds the launch for you (see `labkit.launch.launcher.build_command`); by hand it is:
+labkit builds the launch for you (`labkit.launch.launcher.build_command`; a run's exact command, environment
+included, is its `command.txt`); on one node it is, by hand:
 
-    python -m deepspeed.launcher.runner --num_gpus 2 --master_addr 127.0.0.1 \
+    python -m deepspeed.launcher.runner --num_gpus 2 --master_addr 127.0.0.1 --hostfile /dev/null \
         --master_port 29517 --module labkit.rank.guard --run-dir runs/my-run
 
 `labkit.rank.guard` starts this module as `python -m labkit.rank.worker --run-dir runs/my-run`

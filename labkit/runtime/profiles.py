@@ -16,7 +16,7 @@ import os
 
 from labkit.runtime.devices import Devices
 
-PROFILES = ("ci", "workshop", "full")
+PROFILE_NAMES = ("ci", "workshop", "full")
 WORKSHOP_MIN_BYTES = 12 * 2**30  # a GPU smaller than this runs `ci` (with its emulated capacities)
 FULL_MIN_BYTES = 70 * 2**30      # 80 GB parts report 79-80 GiB; A100 40GB and 48 GB parts run `workshop`
 FULL_MIN_GPUS = 2                # `full` is sized for a node: one 80 GB GPU runs `workshop` (minutes, not an hour)
@@ -34,8 +34,8 @@ def default_profile(devices: Devices) -> str:
 def current_profile() -> str:
     chosen = os.environ.get("LABKIT_PROFILE")
     if chosen:
-        if chosen not in PROFILES:
-            raise ValueError(f"LABKIT_PROFILE must be one of {PROFILES}, got {chosen!r}")
+        if chosen not in PROFILE_NAMES:
+            raise ValueError(f"LABKIT_PROFILE must be one of {PROFILE_NAMES}, got {chosen!r}")
         return chosen
     from labkit.runtime.devices import detect_devices
 

@@ -175,7 +175,6 @@ PROFILES: dict[str, AnswerProfile] = {
     ),
 }
 
-GROWTH_WAYS = ("ranks", "micro_batch", "grad_accum")  # `growth` holds one, or several joined by "+" (sorted)
 
 
 # `answer(..., model="gpt")`: the byte-level GPT (labkit.models.gpt) in place of the MLP, per profile.

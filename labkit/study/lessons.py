@@ -21,7 +21,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -344,14 +344,6 @@ def rank_table(runs: Mapping[str, Run], columns: Sequence[str] = RANK_COLUMNS, *
             rows.append(row)
     table = pd.DataFrame(rows).set_index(["run", "rank"])
     return table.dropna(axis=1, how="all")
-
-
-def fit_line(x: Iterable[float], y: Iterable[float]) -> tuple[float, float]:
-    """Least-squares (slope, intercept) of y against x."""
-    import numpy as np
-
-    slope, intercept = np.polyfit(np.asarray(list(x), dtype=float), np.asarray(list(y), dtype=float), 1)
-    return float(slope), float(intercept)
 
 
 def last_census(run: Run, rank: int = 0) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any
 
 from labkit.core.config import RunConfig
 from labkit.runtime.devices import Devices
-from labkit.runtime.profiles import PROFILES
+from labkit.runtime.profiles import PROFILE_NAMES
 
 NOTEBOOKS: dict[str, dict[str, dict[str, Any]]] = {
     "00": {
@@ -153,7 +153,7 @@ def sizes_for(notebook: str, devices: Devices | None = None) -> dict[str, dict[s
         from labkit.runtime.devices import detect_devices
 
         devices = detect_devices()
-    return {profile: resolve(NOTEBOOKS[notebook][profile], devices) for profile in PROFILES}
+    return {profile: resolve(NOTEBOOKS[notebook][profile], devices) for profile in PROFILE_NAMES}
 
 
 def notebook_configs(notebook: str, sizes: dict[str, Any], devices: Devices,

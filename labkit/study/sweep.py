@@ -20,7 +20,6 @@ retried once (`retries`).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -29,7 +28,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -503,11 +502,3 @@ def load_results(path: str | os.PathLike) -> pd.DataFrame:
     return pd.read_csv(path)
 
 
-def configs_for(rows: Iterable[dict[str, Any]]) -> list[RunConfig]:
-    """The RunConfigs behind result rows (from their run directories)."""
-    return [RunConfig.from_saved(json.loads((Path(r["run_dir"]) / "config.json").read_text())) for r in rows]
-
-
-def replace(config: RunConfig, **changes: Any) -> RunConfig:
-    """A validated copy of `config` with `changes` (dataclasses.replace re-runs the checks)."""
-    return dataclasses.replace(config, **changes)

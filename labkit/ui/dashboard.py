@@ -425,10 +425,11 @@ def overlay_label(run_id: str) -> str:
 
 def load_series(run_dir: str | Path, max_points: int = DEFAULT_MAX_POINTS) -> RunSeries:
     """Every rank's series of a run directory (a past run, for overlays)."""
-    return load_run(run_dir, max_points)[0]
+    return load_run_series(run_dir, max_points)[0]
 
 
-def load_run(run_dir: str | Path, max_points: int = DEFAULT_MAX_POINTS) -> tuple[RunSeries, list[Decimated] | None]:
+def load_run_series(run_dir: str | Path,
+                    max_points: int = DEFAULT_MAX_POINTS) -> tuple[RunSeries, list[Decimated] | None]:
     """A past run's series and, for a script run, every rank's outside memory samples (None for
     labkit's own runs); each rank file is read once."""
     config = read_json(Path(run_dir) / "config.json") or {}
@@ -716,7 +717,7 @@ class Dashboard:
             path = Path(run)
             if not path.is_dir():
                 path = default_root() / str(run)
-            loaded.append((path, *load_run(path, self.max_points)))
+            loaded.append((path, *load_run_series(path, self.max_points)))
         with self._lock:
             for path, series, samples in loaded:
                 color = OVERLAY_COLORS[len(self.overlays) % len(OVERLAY_COLORS)]
