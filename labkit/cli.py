@@ -221,7 +221,7 @@ def cmd_export_metrics(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     """Predicted step time on hardware this machine does not have, or calibrated on a finished run
     (labkit.study.predict)."""
-    from labkit.study.predict import cli
+    from labkit.study.predict_cli import cli
 
     return cli(args)
 

@@ -193,8 +193,8 @@ def test_gpu_check_plans_every_stage_offload_and_a_real_oom_and_lists_what_one_g
     """Issue 21 item 7: on one GPU gpu-check said "2-rank runs: skipped" and still counted "failures: 2";
     it ran no ZeRO stage, no offload, no bf16 and no out-of-memory check."""
     from labkit.runtime import devices as devices_module
+    from labkit.study.device_need import predicted_device_bytes
     from labkit.study.gpu_check import run_plan
-    from labkit.study.notebook_sizes import predicted_device_bytes
 
     one = _stand_in(1, bf16=True)
     monkeypatch.setattr(devices_module, "detect_devices", lambda: one)

@@ -129,16 +129,8 @@ def test_no_import_runs_upward_or_sideways():
     assert upward_imports(import_graph()) == []
 
 
-# Cycles inside study/ not yet broken (each a lazy import in a function); the list may only shrink.
-KNOWN_CYCLES = [
-    ["labkit.study.examples", "labkit.study.lessons", "labkit.study.maxbatch", "labkit.study.notebook_sizes"],
-    ["labkit.study.card", "labkit.study.growth", "labkit.study.report"],
-    ["labkit.study.answer", "labkit.study.calibrate", "labkit.study.predict"],
-]
-
-
 def test_no_import_cycle():
-    assert [cycle for cycle in cycles(import_graph()) if cycle not in KNOWN_CYCLES] == []
+    assert cycles(import_graph()) == []
 
 
 def test_the_checks_catch_an_upward_import_and_a_cycle():

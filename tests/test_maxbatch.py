@@ -134,8 +134,8 @@ def test_each_gpu_profile_reaches_a_real_boundary_in_a_few_probes(monkeypatch, p
     from labkit.runtime import devices as devices_module
     from labkit.runtime.devices import Devices
     from labkit.study.answer import PROFILES, maxbatch_templates
+    from labkit.study.device_need import predicted_device_bytes
     from labkit.study.maxbatch import predicted_start, search_limit
-    from labkit.study.notebook_sizes import predicted_device_bytes
 
     gpus = Devices("cuda", count, count, "nccl", True, True, "stand-in GPU", gib * 2**30)
     monkeypatch.setattr(devices_module, "detect_devices", lambda: gpus)

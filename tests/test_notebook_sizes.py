@@ -17,7 +17,8 @@ from labkit.runtime.devices import Devices
 from labkit.runtime.profiles import PROFILE_NAMES as PROFILES
 from labkit.runtime.profiles import default_profile
 from labkit.study import examples, notebook_sizes
-from labkit.study.notebook_sizes import FIT_MARGIN, NOTEBOOKS, notebook_configs, predicted_device_bytes, sizes_for
+from labkit.study.device_need import predicted_device_bytes
+from labkit.study.notebook_sizes import FIT_MARGIN, NOTEBOOKS, notebook_configs, sizes_for
 
 REPO = Path(__file__).resolve().parent.parent
 GiB = 2**30

@@ -45,6 +45,12 @@ def rank_log(run_dir: str | os.PathLike, rank: int) -> Path | None:
     return logs[-1] if logs else None
 
 
+def rank_logs_text(run_dir: str | os.PathLike, rank: int) -> str:
+    """Everything rank `rank` printed (DeepSpeed's launcher writes one log per rank; a restarted rank, more)."""
+    logs = sorted((Path(run_dir) / "logs").glob(f"*rank{rank}.log"))
+    return "\n".join(path.read_text(errors="replace") for path in logs)
+
+
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     """All complete records of a rank file (for a finished run, or a one-off look)."""
     try:

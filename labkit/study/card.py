@@ -25,7 +25,7 @@ from typing import Any
 import pandas as pd
 
 from labkit.study import growth
-from labkit.study.report import _nan, label, with_compute_time
+from labkit.study.tables import is_nan, label, with_compute_time
 from labkit.study.verdict import FLAT_BAND, verdict
 
 CARD_FILE = "answer_card.json"
@@ -52,7 +52,7 @@ def build_card(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, n
 
 def cell(ratio: float | None, from_batch: int | None, to_batch: int | None, condition: str) -> dict[str, Any]:
     """One cell; the verdict is always the one its (rounded) ratio gives."""
-    if ratio is None or _nan(ratio) or not math.isfinite(ratio) or ratio <= 0:
+    if ratio is None or is_nan(ratio) or not math.isfinite(ratio) or ratio <= 0:
         return {"verdict": None, "ratio": None, "from_batch": from_batch, "to_batch": to_batch,
                 "condition": condition}
     ratio = round(float(ratio), 4)
@@ -83,14 +83,14 @@ def _way(results: pd.DataFrame, way: str, strategy: str, scale: dict[str, Any]) 
     for clock, (key, _) in CLOCKS.items():
         before, after = first.get(key), last.get(key)
         batches = (int(first.global_batch), int(last.global_batch))
-        if clock == "to_target" and (_nan(before) or _nan(after)):
-            missed = first if _nan(before) else last
+        if clock == "to_target" and (is_nan(before) or is_nan(after)):
+            missed = first if is_nan(before) else last
             out[clock] = cell(None, *batches, f"batch {int(missed.global_batch)} did not reach the target loss "
                                               f"{_number(missed.get('target_loss'))} within its "
                                               f"{_number(missed.get('steps_completed'))} steps: no time to target"
                               + note)
             continue
-        ratio = None if _nan(before) or _nan(after) or not before else float(after) / float(before)
+        ratio = None if is_nan(before) or is_nan(after) or not before else float(after) / float(before)
         condition = CONDITIONS[(way, clock)](finished, first, last, scale)
         out[clock] = cell(ratio, *batches, condition + note)
     return out
@@ -104,7 +104,7 @@ def _left_out_text(rows: pd.DataFrame, lead: str = "not in the ratio: ") -> str:
 
 
 def _number(value: Any) -> str:
-    return "?" if value is None or _nan(value) else f"{float(value):g}"
+    return "?" if value is None or is_nan(value) else f"{float(value):g}"
 
 
 def _ms(seconds: float) -> str:

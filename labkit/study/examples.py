@@ -348,7 +348,7 @@ def script_twin(config: RunConfig) -> RunConfig:
     """The labkit run (its own worker) that trains what `config`, an example script's run (`script_config`),
     trains: the same MLP (simple_model.py's is labkit's), ranks and steps, the script's sizes from its arguments,
     and the micro-batch, accumulation, ZeRO stage, offload and precision of the DeepSpeed config the script
-    loads. What labkit predicts a script run from (labkit.study.notebook_sizes.predicted_device_bytes); the
+    loads. What labkit predicts a script run from (labkit.study.device_need.predicted_device_bytes); the
     scripts' held-out pass (1,000 samples at each epoch's end, without gradients) is not in it."""
     name = Path(config.script or "").name
     if name not in SCRIPTS.values():
@@ -396,8 +396,8 @@ def config_variant(name: str, out_dir: str | Path, **changes: Any) -> Path:
 def epoch_losses(run: Any) -> pd.DataFrame:
     """What an example script printed at each epoch's end (rank 0's log): one row per epoch with the
     step reached, the last batch's training loss and the held-out loss."""
-    from labkit.study.lessons import rank_log_text
+    from labkit.core.records import rank_logs_text
 
     rows = [{"epoch": int(m["epoch"]), "step": int(m["step"]), "training loss": float(m["train"]),
-             "held-out loss": float(m["held_out"])} for m in _EPOCH_LINE.finditer(rank_log_text(run))]
+             "held-out loss": float(m["held_out"])} for m in _EPOCH_LINE.finditer(rank_logs_text(run.run_dir, 0))]
     return pd.DataFrame(rows, columns=["epoch", "step", "training loss", "held-out loss"]).set_index("epoch")

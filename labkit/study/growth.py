@@ -21,7 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from labkit.study.report import _nan, best_steps, label, lr_study  # the report imports this module lazily
+from labkit.study.tables import best_steps, is_nan, label, lr_study
 from labkit.study.verdict import FLAT_BAND, verdict
 
 WAYS = {"ranks": "more ranks at a fixed per-rank micro-batch",
@@ -35,7 +35,7 @@ PLACE_BATCHES = 5
 
 
 def _ways(value: Any) -> set[str]:
-    return set(str(value).split("+")) if not _nan(value) and value else set()
+    return set(str(value).split("+")) if not is_nan(value) and value else set()
 
 
 def grid_scaling(results: pd.DataFrame) -> str | None:
@@ -83,7 +83,7 @@ def growth_table(results: pd.DataFrame, way: str) -> pd.DataFrame:
 
 
 def _ratio(after: Any, before: Any) -> float | None:
-    if _nan(after) or _nan(before) or not before:
+    if is_nan(after) or is_nan(before) or not before:
         return None
     return float(after) / float(before)
 
@@ -121,7 +121,7 @@ def credit_table(results: pd.DataFrame) -> pd.DataFrame:
 
 def _change(ratio: float | None, noun: str) -> str:
     """'time per step slower (1.88x)': the card's verdict word beside the ratio it comes from."""
-    if ratio is None or _nan(ratio):
+    if ratio is None or is_nan(ratio):
         return f"{noun} not measured at both ends"
     return f"{noun} {verdict(float(ratio))} ({float(ratio):.2f}x)"
 
@@ -144,7 +144,7 @@ def growth_sentences(results: pd.DataFrame, way: str) -> list[str]:
                               f"{int(first.world_size)} rank(s)",
                "grad_accum": f"accumulation {int(first.grad_accum)} -> {int(last.grad_accum)} at micro-batch "
                              f"{int(first.micro_batch)} on {int(first.world_size)} rank(s)"}[way]
-        steps = ("" if _nan(first.steps_to_target) or _nan(last.steps_to_target) else
+        steps = ("" if is_nan(first.steps_to_target) or is_nan(last.steps_to_target) else
                  f" ({int(first.steps_to_target)} -> {int(last.steps_to_target)} steps)")
         out.append(f"{label(strategy)}: global batch {int(first.global_batch)} -> {int(last.global_batch)} "
                    f"({how}): {_change(last.step_time_ratio, 'time per step')}, "
@@ -179,7 +179,7 @@ def credit_sentences(results: pd.DataFrame) -> list[str]:
             continue
         last = table.groupby("strategy").last()
         z0 = last.time_to_target_ratio.get("z0") if "z0" in last.index else None
-        if z0 is None or _nan(z0):
+        if z0 is None or is_nan(z0):
             continue
         # A ratio compares like with like only over the same batches as stage 0's: a strategy measured
         # at one batch (its ratio is 1 by definition) or over another range says nothing here.
@@ -190,7 +190,7 @@ def credit_sentences(results: pd.DataFrame) -> list[str]:
         better: list[str] = []
         for strategy in [s for s in last.index if s in ZERO]:
             ratio = last.time_to_target_ratio.get(strategy)
-            if ratio is None or _nan(ratio) or strategy not in span.index or span.loc[strategy, "size"] < 2:
+            if ratio is None or is_nan(ratio) or strategy not in span.index or span.loc[strategy, "size"] < 2:
                 continue
             if tuple(span.loc[strategy, ["min", "max"]]) != tuple(span.loc["z0", ["min", "max"]]):
                 continue
@@ -200,7 +200,7 @@ def credit_sentences(results: pd.DataFrame) -> list[str]:
                 # A smaller ratio can come from a slower start (a fixed per-step cost that a bigger batch
                 # amortizes): say where it ends against stage 0, not only how far it fell.
                 versus = _ratio(last.compute_time_to_target_s.get(strategy), last.compute_time_to_target_s.get("z0"))
-                if versus is not None and not _nan(versus):
+                if versus is not None and not is_nan(versus):
                     text += f" (at the largest batch still {versus:.2f}x stage 0's time to target)"
             bucket.append(text)
         if same or worse or better:
@@ -229,7 +229,7 @@ def max_micro_batches(maxbatch: pd.DataFrame | None) -> dict[tuple[str, int], in
 
     maxbatch = memory_bound(maxbatch)  # a search capped short of memory gives no ratio
     return {(r.strategy, int(r.world_size)): int(r.max_micro_batch) for r in maxbatch.itertuples()
-            if not _nan(r.max_micro_batch)}
+            if not is_nan(r.max_micro_batch)}
 
 
 def critical_batch(results: pd.DataFrame, study_strategy: str | None = None) -> dict[str, Any] | None:

@@ -30,6 +30,7 @@ import pandas as pd
 import labkit.study.figures  # noqa: F401  (sets plotly's renderer: figures show in JupyterLab and in `make docs` HTML)
 from labkit.core import schema
 from labkit.core.config import ConfigError, RunConfig
+from labkit.core.records import rank_logs_text
 from labkit.launch.run import Run
 
 MiB = 2**20
@@ -555,8 +556,7 @@ def rank_log_text(run: Run, rank: int = 0) -> str:
     """Everything rank `rank` printed (DeepSpeed's launcher writes one log per rank)."""
     if run.run_dir is None:
         raise ValueError("the run was never started: it has no logs")
-    logs = sorted((run.run_dir / "logs").glob(f"*rank{rank}.log"))
-    return "\n".join(path.read_text(errors="replace") for path in logs)
+    return rank_logs_text(run.run_dir, rank)
 
 
 def _step_ends(run: Run, rank: int) -> tuple[float | None, list[tuple[int, float]]]:

@@ -230,10 +230,10 @@ def search_limit(template: RunConfig) -> tuple[int, str]:
 
 def predicted_start(template: RunConfig, limit: int) -> int:
     """A start for the doubling near the boundary (`search(start=0)`): the power of two at or below half the
-    micro-batch labkit's memory model predicts for the capacity (labkit.study.notebook_sizes.predicted_device_bytes:
+    micro-batch labkit's memory model predicts for the capacity (labkit.study.device_need.predicted_device_bytes:
     states, bucket, activations of labkit's MLP, overhead). Doubling from 1 to a GPU's boundary took ~20 probes;
     from here it takes 1-3 (a failing start bisects down)."""
-    from labkit.study.notebook_sizes import DEVICE_OVERHEAD_BYTES, predicted_device_bytes
+    from labkit.study.device_need import DEVICE_OVERHEAD_BYTES, predicted_device_bytes
 
     capacity = template.device_memory_budget_bytes
     emulated = capacity is not None  # the emulated check counts states and activations only: no overhead

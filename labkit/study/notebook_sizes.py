@@ -9,8 +9,9 @@ are resolved for its devices there:
   fp32 on CPU; `"bf16_or_fp32"` for the plain PyTorch loop, which has no loss scaler for fp16.
 
 `notebook_configs` builds the runs a notebook launches from its sizes (the same fields its cells pass to
-`RunConfig`), and `predicted_device_bytes` what one rank of such a run holds (labkit.core.memory's model
-states, DeepSpeed's reduce bucket, the MLP's activations and a working margin): tests/test_notebook_sizes.py
+`RunConfig`), and `labkit.study.device_need.predicted_device_bytes` what one rank of such a run holds
+(labkit.core.memory's model states, DeepSpeed's reduce bucket, the MLP's activations and a working margin):
+tests/test_notebook_sizes.py
 checks every notebook's runs for every profile against stand-in GPUs of 16, 24 and 80 GB, with and without
 bf16, on 1, 4 and 8 GPUs.
 
@@ -119,9 +120,7 @@ NOTEBOOKS: dict[str, dict[str, dict[str, Any]]] = {
                      precision="half"),
     },
 }
-# On top of what is predicted per rank: the CUDA context, cuBLAS's workspaces and the allocator's
-# fragmentation (typically 0.5-1 GB together on current GPUs), and the share of the device a run may plan for.
-DEVICE_OVERHEAD_BYTES = 2 * 2**30
+# The share of a device a notebook's run may plan for.
 FIT_MARGIN = 0.8
 
 
@@ -246,28 +245,3 @@ def _communication_configs(sizes: dict[str, Any]) -> dict[str, RunConfig]:
                                                      grad_accum=1, steps=sizes["timing_steps"], **model)
                     for w in (1, world)})
     return configs
-
-
-def predicted_device_bytes(config: RunConfig) -> int:
-    """What one rank of `config` (labkit's MLP, or an example script's, through its twin: examples.script_twin)
-    holds on its device at its peak, predicted before any launch: model states (labkit.core.memory; plain
-    PyTorch keeps fp32 states whatever its autocast), DeepSpeed's reduce bucket, the activations of a
-    micro-batch, and DEVICE_OVERHEAD_BYTES."""
-    from labkit.core import memory
-    from labkit.models import builders
-    from labkit.study import examples
-
-    if config.script is not None:
-        config = examples.script_twin(config)
-    numels = builders.param_numels(config)
-    plain = config.example == "pytorch"
-    precision = "fp32" if plain else config.precision
-    stage = 0 if plain else int(config.stage or 0)
-    persistent = builders.persistent_params(numels, config.zero_settings().param_persistence_threshold)
-    states = memory.model_state_bytes(sum(numels), stage, config.world_size, precision,
-                                      bool(config.offload_optimizer), persistent_params=persistent if stage == 3 else 0)
-    bucket = 0 if plain else memory.reduce_bucket_bytes(stage, precision)
-    element = 4 if precision == "fp32" else 2
-    activations = config.micro_batch * memory.mlp_activation_bytes_per_sample(
-        config.input_size, config.hidden, config.depth, config.output_size, element)
-    return states["device_bytes"] + bucket + activations + DEVICE_OVERHEAD_BYTES

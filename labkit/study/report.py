@@ -18,7 +18,9 @@ from typing import Any
 import pandas as pd
 
 from labkit.study.noise_scale import aggregate, critical_batch_from_steps
-from labkit.study.sweep import STRATEGY_LABELS
+
+# report.label, .grid, .lr_study and .best_steps stay the names notebooks 04 and 04a use
+from labkit.study.tables import best_steps, grid, grid_scaling, is_nan, label, lr_study, with_compute_time  # noqa: F401
 
 COLORS = {"torch": "#636efa", "z0": "#ef553b", "z1": "#ab63fa", "z2": "#00cc96", "z3": "#ffa15a",
           "z2-offload": "#19d3f3", "z3-offload": "#ff6692"}
@@ -73,12 +75,8 @@ def _banner_html(machine: dict[str, Any] | None, devices: Any, profile: dict[str
 
 
 # -- small helpers ---------------------------------------------------------------------------------
-def label(strategy: str) -> str:
-    return STRATEGY_LABELS.get(strategy, strategy)
-
-
 def mb(value: float | None) -> str:
-    return "n/a" if value is None or _nan(value) else f"{value / 1e6:.2f} MB"
+    return "n/a" if value is None or is_nan(value) else f"{value / 1e6:.2f} MB"
 
 
 def times(ratio: float) -> str:
@@ -87,43 +85,12 @@ def times(ratio: float) -> str:
 
 def change(before: float, after: float, noun: str) -> str:
     """'grew 3.1x' / 'fell 1.8x' / 'stayed within 10%' from before to after."""
-    if not before or not after or _nan(before) or _nan(after):
+    if not before or not after or is_nan(before) or is_nan(after):
         return f"{noun} was not measured at both ends"
     ratio = after / before
     if 0.9 <= ratio <= 1.1:
         return f"{noun} stayed within {abs(ratio - 1) * 100:.0f}%"
     return f"{noun} {'grew' if ratio > 1 else 'fell'} {times(ratio if ratio > 1 else 1 / ratio)}"
-
-
-def _nan(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
-def grid_scaling(results: pd.DataFrame, profile: dict[str, Any] | None = None) -> str | None:
-    """The LR scaling of the main grid (the study of the other scalings runs on one strategy)."""
-    if profile and profile.get("grid_lr_scaling"):
-        return profile["grid_lr_scaling"]
-    if "lr_scaling" not in results or results.empty:
-        return None
-    return results.groupby("lr_scaling")["strategy"].nunique().idxmax()
-
-
-def with_compute_time(results: pd.DataFrame) -> pd.DataFrame:
-    """Adds compute_time_to_target_s = steps to target x median step time: the time to the target
-    on an unshared device. (The sum of the measured step times, train_time_to_target_s, also
-    holds the stalls other processes caused on a shared machine.)"""
-    if "compute_time_to_target_s" in results:
-        return results
-    frame = results.copy()
-    frame["compute_time_to_target_s"] = frame.steps_to_target * frame.median_step_time_s
-    return frame
-
-
-def grid(results: pd.DataFrame, profile: dict[str, Any] | None = None) -> pd.DataFrame:
-    results = with_compute_time(results)
-    scaling = grid_scaling(results, profile)
-    frame = results if scaling is None else results[results.lr_scaling == scaling]
-    return frame.sort_values(["strategy", "global_batch"])
 
 
 # -- conclusions -----------------------------------------------------------------------------------
@@ -215,7 +182,7 @@ def _legacy_growth_text(finished: pd.DataFrame) -> list[str]:
 
 
 def _steps_text(first: Any, last: Any) -> str:
-    if _nan(first.steps_to_target) or _nan(last.steps_to_target):
+    if is_nan(first.steps_to_target) or is_nan(last.steps_to_target):
         return "the target loss was not reached at both batch sizes within the step cap"
     return (f"{int(first.steps_to_target)} -> {int(last.steps_to_target)} steps, "
             f"{first.epochs_to_target:.2f} -> {last.epochs_to_target:.2f} epochs to the target")
@@ -255,9 +222,9 @@ def _maxbatch_text(maxbatch: pd.DataFrame, machine: dict[str, Any] | None) -> li
     if not checked.empty:
         good = checked[checked.consistent.astype(str) == "True"]
         predicted = [f"{label(r.strategy)} {int(r.predicted_max_micro_batch)}" for r in checked.itertuples()
-                     if not _nan(r.predicted_max_micro_batch)]
+                     if not is_nan(r.predicted_max_micro_batch)]
         analytic = [f"{label(r.strategy)} {int(r.analytic_max_micro_batch)}" for r in checked.itertuples()
-                    if "analytic_max_micro_batch" in checked and not _nan(r.analytic_max_micro_batch)]
+                    if "analytic_max_micro_batch" in checked and not is_nan(r.analytic_max_micro_batch)]
         out.append(f"The boundaries agree with the memory numbers for {len(good)} of {len(checked)} strategies "
                    "(states + activations counted at the largest fit stay within the capacity, "
                    "the first OOM exceeds it)"
@@ -275,7 +242,7 @@ def _bracket(r: Any) -> str:
     capped = getattr(r, "capped_by", None)
     if isinstance(capped, str) and capped:
         return f"at least {fit} per rank ({fit * ranks} global; capped by {capped}, not memory)"
-    if _nan(getattr(r, "first_oom", None)):
+    if is_nan(getattr(r, "first_oom", None)):
         return f"at least {fit} per rank ({fit * ranks} global; no OOM up to the search's limit)"
     oom = int(r.first_oom)
     if oom == fit + 1:
@@ -291,33 +258,6 @@ def pooled_noise(noise: pd.DataFrame | None) -> Any:
                      .itertuples(index=False, name=None))
 
 
-def lr_study(results: pd.DataFrame) -> tuple[str | None, pd.DataFrame]:
-    """(strategy, rows) of the LR-scaling study: the strategy run with the most scalings."""
-    finished = results[results.status == "finished"]
-    if finished.empty:
-        return None, finished
-    counts = finished.groupby("strategy").lr_scaling.nunique()
-    strategy = counts.idxmax()
-    if counts.max() < 2:
-        return None, finished.iloc[0:0]
-    study = finished[finished.strategy == strategy]
-    study = study[study.world_size == study.world_size.max()]  # the fixed ranks: the 1-rank points are not in it
-    if "growth" in study:
-        # The study's own points (growth "", or "micro_batch" at the grid's batches); the "grad_accum" way's
-        # points at other batches grow the batch another way (they would add a second point per batch).
-        ways = study.growth.map(lambda g: set() if _nan(g) or not g else set(str(g).split("+")))
-        study = study[ways.map(lambda w: not w or "micro_batch" in w)]
-    return strategy, study
-
-
-def best_steps(study: pd.DataFrame) -> pd.DataFrame:
-    """Per global batch, the fewest steps to target over the LR scalings tried (the tuned LR)."""
-    reached = study[study.steps_to_target.notna()]
-    if reached.empty:
-        return reached
-    return reached.loc[reached.groupby("global_batch").steps_to_target.idxmin()].sort_values("global_batch")
-
-
 def _noise_text(results: pd.DataFrame, noise: pd.DataFrame | None, profile: dict[str, Any] | None) -> list[str]:
     from labkit.study.growth import critical_batch, noise_spread
 
@@ -329,13 +269,13 @@ def _noise_text(results: pd.DataFrame, noise: pd.DataFrame | None, profile: dict
         best = best_steps(study)
         parts = []
         for batch, rows in study.sort_values("global_batch").groupby("global_batch"):
-            tried = ", ".join(f"{r.lr_scaling} {'not reached' if _nan(r.steps_to_target) else int(r.steps_to_target)}"
+            tried = ", ".join(f"{r.lr_scaling} {'not reached' if is_nan(r.steps_to_target) else int(r.steps_to_target)}"
                               for r in rows.sort_values("lr_scaling").itertuples())
             winner = best[best.global_batch == batch]
             best_rule = f" (best {winner.lr_scaling.iloc[0]})" if not winner.empty else ""
             parts.append(f"{int(batch)}: {tried}{best_rule}")
         warmup = (f"warmup {int(study.warmup_samples.iloc[0])} samples" if "warmup_samples" in study
-                  and not _nan(study.warmup_samples.iloc[0]) and study.warmup_samples.iloc[0] else
+                  and not is_nan(study.warmup_samples.iloc[0]) and study.warmup_samples.iloc[0] else
                   f"warmup {int(study.warmup_steps.iloc[0])} steps")
         out.append(f"LR study ({label(strategy)}, every global batch, {warmup}): steps to the target by scaling rule "
                    "at global batch " + "; ".join(parts) + ".")
@@ -730,7 +670,7 @@ def _method_note(results: pd.DataFrame) -> str:
 
 def _html_table(frame: pd.DataFrame, columns: Iterable[str]) -> str:
     def fmt(value: Any) -> str:
-        if _nan(value):
+        if is_nan(value):
             return ""
         if isinstance(value, float):
             return f"{value:.4g}"

@@ -1,0 +1,187 @@
+"""`python -m labkit predict`: the predictor's command line (labkit.cli hands it its parsed arguments), from
+flags or from a measured run (`--from RUN_DIR`, calibrated by labkit.study.calibrate)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from labkit.study import flops
+from labkit.study.predict import (
+    DEFAULT_HOST_MEMORY_GB_PER_S,
+    Cluster,
+    TransformerWorkload,
+    Workload,
+    b_crit_from,
+    find_gpu,
+    lab_workload,
+    measure_links,
+    predict,
+    predicted_card,
+    steps_to_target,
+)
+
+
+def _bad(field_name: str, message: str) -> Exception:
+    from labkit.core.config import ConfigError
+
+    return ConfigError(field_name, message)
+
+
+def _cluster(args: Any) -> Cluster:
+    try:
+        kind = find_gpu(args.gpu)
+        return Cluster(gpu=kind, gpus_per_node=args.gpus_per_node, nodes=args.nodes, intra=args.intra,
+                       inter_gbps=args.inter_gbps)
+    except ValueError as exc:
+        raise _bad("hardware", str(exc)) from None
+
+
+def _strategy(args: Any) -> str:
+    if args.plain_pytorch:
+        if args.stage is not None or args.offload_optimizer:
+            raise _bad("plain_pytorch", "--plain-pytorch takes no --stage or --offload-optimizer")
+        return "torch"
+    stage = 0 if args.stage is None else args.stage
+    if args.offload_optimizer and stage == 0:
+        raise _bad("offload_optimizer", "DeepSpeed offloads the optimizer only with ZeRO stage >= 1 (--stage 1-3)")
+    return f"z{stage}" + ("-offload" if args.offload_optimizer else "")
+
+
+def _workload(args: Any) -> Workload:
+    if args.transformer:
+        try:
+            return TransformerWorkload(flops.Transformer.parse(args.transformer))
+        except ValueError as exc:
+            raise _bad("transformer", str(exc)) from None
+    from labkit.core.config import RunConfig
+    from labkit.models import builders
+
+    values: dict[str, Any] = {"example": "deepspeed", "model": args.model}
+    for name in ("hidden", "depth", "input_size"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    config = RunConfig.from_dict(values)
+    builders.check_importable(config)
+    return lab_workload(config)
+
+
+def _accumulation(args: Any, micro: int, world_size: int) -> int:
+    if args.global_batch is not None:
+        if args.grad_accum is not None:
+            raise _bad("global_batch", "give --global-batch or --grad-accum, not both")
+        accum, rest = divmod(args.global_batch, micro * world_size)
+        if accum < 1 or rest:
+            raise _bad("global_batch", f"--global-batch {args.global_batch} must be micro-batch {micro} x "
+                                       f"accumulation x {world_size} GPUs")
+        return accum
+    return args.grad_accum or 1
+
+
+def _b_crit(args: Any) -> float | None:
+    if args.b_crit is not None:
+        if args.b_crit <= 0:
+            raise _bad("b_crit", "--b-crit must be > 0")
+        return float(args.b_crit)
+    if args.results:
+        if not Path(args.results).is_dir():
+            raise _bad("results", f"no such results directory: {args.results}")
+        return b_crit_from(args.results)
+    return None
+
+
+def cli(args: Any) -> int:
+    """`labkit predict` (labkit.cli builds the parser). Every check runs before any counting or benchmark."""
+    import json
+
+    for name in ("gpus_per_node", "nodes", "micro_batch", "global_batch", "grad_accum", "world_size",
+                 "threads_per_rank"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise _bad(name, f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.from_run:
+        out = _cli_from_run(args)
+    else:
+        cluster, strategy, b_crit = _cluster(args), _strategy(args), _b_crit(args)
+        precision = args.precision or "fp16"
+        try:
+            cluster.gpu.peak(precision)
+        except ValueError as exc:
+            raise _bad("precision", str(exc)) from None
+        micro = args.micro_batch or 1
+        accum = _accumulation(args, micro, cluster.world_size)
+        if args.model and args.activation_checkpointing:
+            raise _bad("activation_checkpointing", "--activation-checkpointing is modelled for --transformer shapes "
+                                                   "(the lab's models do not checkpoint)")
+        workload = _workload(args)
+        try:
+            pred = predict(workload, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
+                           precision=precision, activation_checkpointing=args.activation_checkpointing,
+                           host_memory_gb_per_s=args.host_memory_gb_per_s or DEFAULT_HOST_MEMORY_GB_PER_S)
+        except ValueError as exc:
+            raise _bad("predict", str(exc)) from None
+        out = pred.to_dict()
+        out["model"], out["n_params"] = workload.name, workload.n_params
+        if b_crit is not None:
+            out["b_crit"] = b_crit
+            out["steps_to_target_over_s_min"] = steps_to_target(pred.global_batch, b_crit)
+        if args.card:
+            out["card"] = predicted_card(workload, cluster, strategy=strategy, micro_batch=micro, precision=precision,
+                                         activation_checkpointing=args.activation_checkpointing, b_crit=b_crit)
+    if args.format == "json":
+        print(json.dumps(out, indent=2, default=float))
+    else:
+        print(format_table(out))
+    return 0
+
+
+def _cli_from_run(args: Any) -> dict[str, Any]:
+    import json
+
+    if args.transformer or args.model:
+        raise _bad("from_run", "--from takes the model from the run")
+    from labkit.study.calibrate import calibrated, read_run
+
+    if not Path(args.from_run).is_dir():
+        raise _bad("from_run", f"no such run directory: {args.from_run}")
+    try:
+        run = read_run(args.from_run)
+    except ValueError as exc:
+        raise _bad("from_run", str(exc)) from None
+    stage = args.stage
+    if args.offload_optimizer or args.plain_pytorch:
+        raise _bad("from_run", "--from keeps the run's offload and DeepSpeed: change --world-size, --micro-batch or "
+                               "--stage")
+    if stage == 0 and run.offload:
+        raise _bad("stage", "the run offloads its optimizer: stage 0 cannot")
+    if args.links:
+        if not Path(args.links).is_file():
+            raise _bad("links", f"no such link fit: {args.links}")
+        fit = json.loads(Path(args.links).read_text())
+    else:
+        fit = measure_links(world_size=max(2, args.world_size or run.world_size))
+    return calibrated(run, fit, world_size=args.world_size, micro_batch=args.micro_batch, stage=stage,
+                      threads_per_rank=args.threads_per_rank)
+
+
+def format_table(out: dict[str, Any]) -> str:
+    """The JSON as lines a person reads, every number labelled predicted."""
+    lines = [f"PREDICTED ({out.get('hardware') or 'calibrated on ' + str(out.get('calibrated_from'))})"]
+    for key in ("strategy", "stage", "world_size", "micro_batch", "grad_accum", "global_batch", "step_time_s",
+                "samples_per_s",
+                "model_tflops_per_gpu", "hardware_tflops_per_gpu", "compute_s", "comm_s", "exposed_comm_s",
+                "offload_s", "device_bytes", "fits", "max_micro_batch", "measured_step_time_s",
+                "steps_to_target_over_s_min"):
+        if key in out:
+            value = out[key]
+            text = f"{value:.4g}" if isinstance(value, float) else str(value)
+            label = "measured " if key.startswith("measured_") else "predicted"  # the run it was calibrated on
+            lines.append(f"  {label} {key:28s} {text}")
+    card = out.get("card")
+    if card:
+        lines.append("  predicted answer card (time at the larger batch / at the smaller):")
+        for way, kinds in card["ways"].items():
+            cells = [f"{kind} {e['verdict'] or '-'}" + (f" ({e['ratio']:.2f}x)" if e["ratio"] else "")
+                     for kind, e in kinds.items()]
+            lines.append(f"    {way:12s} " + ", ".join(cells))
+    return "\n".join(lines)
