@@ -78,7 +78,7 @@ def test_lease_directory_must_be_sticky_and_owned_by_root_or_the_user(tmp_path):
 NOBODY = 65534  # the lease code runs as this user in a child process; root's files are "another user's"
 AS_NOBODY_CODE = """
 import json, sys
-from labkit.runtime import device_lease
+from labkit.launch import device_lease
 
 leases, foreign_dir = sys.argv[1], sys.argv[2]
 calls = {

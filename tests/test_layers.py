@@ -57,7 +57,7 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{path}: relative import"
             if node.module and node.module.startswith("labkit"):
-                for alias in node.names:  # `from labkit.study import memory` imports a module
+                for alias in node.names:  # `from labkit.core import memory` imports a module
                     sub = f"{node.module}.{alias.name}"
                     found.add(sub if sub in modules else node.module)
         for child in ast.iter_child_nodes(node):

@@ -4,7 +4,7 @@
 write into the optimizer before every step, labkit.rank.trainers) are these functions applied to
 the run's fields, so a curve drawn from here is the schedule the ranks really use:
 
-    from labkit.launch import schedule
+    from labkit.core import schedule
     peak = schedule.peak_lr(2e-3, global_batch=512, base_batch=64, scaling="sqrt")
     schedule.lr_by_samples([0, 256, 1024], lr=2e-3, global_batch=512, base_batch=64, scaling="sqrt",
                            warmup_samples=1024)
