@@ -207,7 +207,7 @@ def test_export_on_a_login_node_writes_a_self_contained_job(tmp_path):
     assert ds_config["scheduler"] == {"type": "WarmupLR", "params": {
         "warmup_min_lr": 0.0, "warmup_max_lr": peak, "warmup_num_steps": 5, "warmup_type": "linear"}}
     assert ds_config["steps_per_print"] == 20 and ds_config["fp16"]["enabled"]
-    assert (job / "labkit" / "launch" / "worker.py").is_file()
+    assert (job / "labkit" / "rank" / "worker.py").is_file()
     assert (job / "hostfile").read_text().startswith("gpu1 slots=8")
     assert f"PATH={Path(sys.executable).parent}:" in (job / ".deepspeed_env").read_text()
     script = (job / "launch.sh").read_text()

@@ -238,7 +238,7 @@ def test_the_runner_starts_rank_entry_by_path_under_slurm(tmp_path: Path):
     slurm = SlurmRunner(args, runner.encode_world_info(pool), pool)
     command = slurm.get_cmd({}, {host: list(range(n)) for host, n in pool.items()})
     assert command[:4] == ["srun", "-n", "4", "--export=ALL"]
-    assert command[4:] == [sys.executable, "-u", str(tmp_path / "labkit" / "launch" / "rank_entry.py"),
+    assert command[4:] == [sys.executable, "-u", str(tmp_path / "labkit" / "rank" / "entry.py"),
                            "--run-dir", str(tmp_path)]
     assert args.force_multi and args.no_ssh_check
 

@@ -89,7 +89,7 @@ def launcher_command(argv: list[str], launcher: str, package_dir: str | os.PathL
     - `--no_ssh_check`: the runner's `ssh <first host> hostname` (runner.py:483-493) fails where no
       sshd runs (a Slurm node, this host as `localhost`); labkit checks the hosts it must reach itself.
     DeepSpeed's SlurmRunner runs `python -u <script>` whether or not `--module` is given
-    (multinode_runner.py:419-420), so under Slurm the program is rank_entry's file; `--module`
+    (multinode_runner.py:419-420), so under Slurm the program is labkit/rank/entry.py; `--module`
     stays, ignored by that runner, because labkit's supervisor inserts its options before it.
     """
     if launcher not in LAUNCHERS:
@@ -99,7 +99,7 @@ def launcher_command(argv: list[str], launcher: str, package_dir: str | os.PathL
     if launcher == "pdsh":
         return [*argv[:at], "--launcher", "pdsh", *argv[at:]]
     program = argv.index("--module") + 1
-    argv[program] = (str(Path(package_dir).resolve() / "launch" / "rank_entry.py") if launcher == "slurm"
+    argv[program] = (str(Path(package_dir).resolve() / "rank" / "entry.py") if launcher == "slurm"
                      else "labkit.rank.entry")
     return [*argv[:at], "--launcher", launcher, "--force_multi", "--no_ssh_check", *argv[at:]]
 

@@ -67,7 +67,7 @@ def main() -> int:
     try:
         env = rank_env(os.environ)
     except (LauncherEnvError, KeyError, ValueError) as exc:
-        print(f"labkit rank_entry: {exc}", file=sys.stderr)
+        print(f"labkit.rank.entry: {exc}", file=sys.stderr)
         return 2
     os.environ.update(env)
     run_dir = argv[argv.index("--run-dir") + 1]
