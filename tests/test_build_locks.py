@@ -1,4 +1,4 @@
-"""Issue 11 item 14: a build lock left by an interrupted op build is found and named, cleared when no build
+"""A build lock left by an interrupted op build is found and named, cleared when no build
 holds it; a run waiting on a build says so. Real lock files, a real holder process (torch's FileBaton)."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_the_sweeper_removes_a_lock_only_once_it_stayed_stale(tmp_path):
 
 
 def test_a_run_behind_a_stale_build_lock_removes_it_and_says_so(tmp_path, runs_root, monkeypatch):
-    """Issue 21 item 8: a run named the stale lock in its progress line and then waited for ever. Its
+    """A run named the stale lock in its progress line and then waited for ever. Its
     supervisor now removes a lock no process holds, with a line in supervisor.log, and the run trains."""
     import os
     import shutil

@@ -626,7 +626,7 @@ def _frames():
 
 
 def test_stop_is_not_held_back_by_a_tick_recovering_the_run(runs_root, monkeypatch):
-    """Issue 11 item 12: the tick read the run's status (which may recover a run whose supervisor died:
+    """The tick read the run's status (which may recover a run whose supervisor died:
     seconds of killing and summarising) while holding the panel's lock, and Stop waited for that lock."""
     monkeypatch.setattr(labkit.live.panel, "Run", RecoveringRun)
     for event in (RecoveringRun.recovering, RecoveringRun.recovered, RecoveringRun.stop_called):

@@ -1,4 +1,4 @@
-"""GPU leases: a second run on GPUs a live run holds is refused before it starts (issue #6).
+"""GPU leases: a second run on GPUs a live run holds is refused before it starts.
 
 The locks are real flocks and the hand-off to a supervisor is a real child process; only the
 GPUs are absent here, so `Run._lease_plan` is given a CUDA `Devices` description, and CPU runs lease
@@ -34,14 +34,14 @@ def test_candidate_devices_follow_the_visible_devices():
 @pytest.mark.parametrize("visible", ["GPU-8f3a1b2c-0d4e-4f5a-9b6c-7d8e9f0a1b2c",
                                      "0,MIG-4b2d5f6a-1c3e-5a7b-9d0f-2e4a6c8e0b1d", "MIG-GPU-1/0/0"])
 def test_uuid_and_mig_visible_devices_are_refused_with_a_clear_error_before_launch(visible):
-    """Issue 11 item 4: DeepSpeed's runner does int() on each id and crashes after labkit wrote the run."""
+    """DeepSpeed's runner does int() on each id and crashes after labkit wrote the run."""
     with pytest.raises(ConfigError) as refused:
         device_lease.visible_ids(4, visible, "CUDA_VISIBLE_DEVICES")
     assert refused.value.field == "CUDA_VISIBLE_DEVICES" and "nvidia-smi -L" in str(refused.value)
 
 
 def test_a_lease_takes_free_devices_not_always_the_first(tmp_path):
-    """Issue 11 item 7: on an 8-GPU node a second 1-GPU run gets another GPU, not a refusal."""
+    """On an 8-GPU node a second 1-GPU run gets another GPU, not a refusal."""
     candidates = [str(i) for i in range(8)]
     first_ids, first = device_lease.take_free("cuda", candidates, 1, "run runs/first", tmp_path)
     try:
@@ -57,7 +57,7 @@ def test_a_lease_takes_free_devices_not_always_the_first(tmp_path):
 
 
 def test_lease_directory_must_be_sticky_and_owned_by_root_or_the_user(tmp_path):
-    """Issue 11 item 10: in a world-writable directory without the sticky bit anyone can delete a live lease."""
+    """In a world-writable directory without the sticky bit anyone can delete a live lease."""
     loose = tmp_path / "loose"
     loose.mkdir()
     os.chmod(loose, 0o777)
@@ -106,7 +106,7 @@ def _as_nobody(*argv: str) -> subprocess.CompletedProcess:
 
 
 def test_another_users_lease_file_is_refused_by_name_not_with_a_permission_error():
-    """Issue 11 item 10: a lock file another user left (root's, mode 0644) in the shared sticky lease directory
+    """A lock file another user left (root's, mode 0644) in the shared sticky lease directory
     cannot be opened for writing: the lease code must refuse with DevicesBusy naming the file's owner, not
     raise a raw PermissionError, and take_free must go on to the next device. Run as user nobody."""
     if os.getuid() != 0 or shutil.which("setpriv") is None:
@@ -227,7 +227,7 @@ def test_lease_files_are_not_followed_through_symlinks(tmp_path):
 
 
 def test_sweep_waits_for_the_lease_of_the_run_before(tmp_path, monkeypatch):
-    """Issue 11 item 1: a run whose ranks all recorded `done` still holds its devices until its supervisor
+    """A run whose ranks all recorded `done` still holds its devices until its supervisor
     exits. The sweep launched the next point at once and `Run.start()` raised DevicesBusy: `labkit answer`
     stopped after one point on any GPU machine. CPU ranks lease emulated slots here, through the same code."""
     from labkit.study.sweep import Sweep
@@ -276,7 +276,7 @@ def _slow_supervisors(tmp_path, monkeypatch, exit_delay_s: int) -> None:
 
 
 def test_sweep_waits_for_a_supervisor_slower_than_wait(tmp_path, monkeypatch):
-    """Issue 11 item 1, the rest: the sweep dropped a done run once Run.wait() stopped waiting for its supervisor
+    """The sweep dropped a done run once Run.wait() stopped waiting for its supervisor
     (10 s); a slower supervisor still held the devices and the next point's start was refused (DevicesBusy)."""
     from labkit.study.sweep import Sweep
 

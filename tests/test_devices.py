@@ -34,7 +34,7 @@ def test_cpu_ranks_are_capped_at_the_cores():
         assert devices.max_ranks == (os.cpu_count() or 1)
 
 
-# Issue 11 item 13: labkit's public API alone, from 8 threads, in a fresh process whose first
+# labkit's public API alone, from 8 threads, in a fresh process whose first
 # DeepSpeed import this is. Before labkit.runtime.ds_import it deadlocked 4 times out of 4.
 _CONCURRENT_FIRST_IMPORT = """
 import sys, threading, traceback
@@ -75,7 +75,7 @@ def test_first_deepspeed_import_from_eight_threads_does_not_deadlock():
 
 
 def test_ranks_load_the_saved_config_without_probing_devices_again(tmp_path, monkeypatch):
-    """Issue 11 item 2: every rank's RunConfig.load re-ran detect_devices() (on GPUs a child process and a
+    """Every rank's RunConfig.load re-ran detect_devices() (on GPUs a child process and a
     context on GPU 0; refused in exclusive-process mode) and re-opened a relative hostfile path."""
     import json
 
@@ -94,7 +94,7 @@ def test_ranks_load_the_saved_config_without_probing_devices_again(tmp_path, mon
 
 
 def test_bf16_counts_only_native_support():
-    """Issue 11 item 5: torch's is_bf16_supported() counts emulation, so the probe said yes on V100 and T4."""
+    """torch's is_bf16_supported() counts emulation, so the probe said yes on V100 and T4."""
     from labkit.runtime.devices import native_bf16
 
     assert not native_bf16((7, 0)) and not native_bf16([7, 5])  # V100, T4
@@ -143,7 +143,7 @@ def test_gpu_check_names_why_torch_sees_no_gpu(monkeypatch):
 
 
 def test_torch_adam_replaces_deepspeeds_cuda_adam_without_nvcc():
-    """Issue 11 item 3: without an nvcc matching torch's CUDA, FusedAdam cannot be built: torch's Adam runs."""
+    """Without an nvcc matching torch's CUDA, FusedAdam cannot be built: torch's Adam runs."""
     from labkit.launch.config import RunConfig
     from labkit.runtime.ops import choose_optimizer_impl, cuda_ops_buildable, with_optimizer_impl
 
@@ -165,7 +165,7 @@ def test_torch_adam_replaces_deepspeeds_cuda_adam_without_nvcc():
 
 
 def test_telemetry_finishes_a_record_after_a_short_write(tmp_path):
-    """Issue 11 item 11: os.write may write part of a record (here: a signal arrives while a pipe is full);
+    """os.write may write part of a record (here: a signal arrives while a pipe is full);
     the rest must follow, or the partial line is glued onto the next record."""
     import json
     import signal
@@ -204,7 +204,7 @@ def test_telemetry_finishes_a_record_after_a_short_write(tmp_path):
 
 
 def test_noise_probe_matches_a_float64_reference():
-    """Issue 11 item 11: the probe no longer builds float64 gradient vectors; its figures stay those of one."""
+    """The probe no longer builds float64 gradient vectors; its figures stay those of one."""
     import torch
     from torch import nn
 

@@ -1,4 +1,4 @@
-"""Fault suite (issue #6): runs never hang, never orphan a process, never lose recorded results.
+"""Fault suite: runs never hang, never orphan a process, never lose recorded results.
 
 Real processes and real DeepSpeed CPU ranks (gloo), small models. Every scenario that needs a
 run starts when this module starts, in a thread pool (LABKIT_FAULT_WORKERS at a time), and each
@@ -232,10 +232,10 @@ def scenario(name: str):
 
 
 def uses(*names: str):
-    """The scenarios a test needs: only those of the selected tests are started."""
+    """The scenarios a test needs: only those of the selected tests are started (and the test is slow)."""
     def mark(function):
         function.scenarios = names
-        return function
+        return pytest.mark.slow(function)
     return mark
 
 
@@ -250,9 +250,11 @@ def _stop(root: Path) -> dict[str, Any]:
     status = run.stop()
     stop_s = time.time() - started
     watch.join()
+    row = runs(root).set_index("run_id").loc[run.run_dir.name]  # the store lists it and reloads it
     return {"run_dir": str(run.run_dir), "status": status, "stop_s": stop_s, "gone_s": watch.last() - started,
             "processes": sorted(watch.names.values()), "survivors": watch.survivors, "listening": listening,
             "steps_recorded": progress(run.run_dir), "summary": run.summary,
+            "listed_status": row.status, "reloaded_status": Run.load(run.run_dir).status,
             "leftovers": [describe(p) for p in run_processes(run.run_dir)]}
 
 
@@ -338,6 +340,33 @@ def _hang(root: Path) -> dict[str, Any]:
     ended = (run.run_dir / "summary.json").stat().st_mtime
     return {"run_dir": str(run.run_dir), "status": status, "cause": run.cause, "ended_s": ended - last_record,
             "steps": {r: steps_of(run.run_dir, r) for r in range(2)},
+            "leftovers": [describe(p) for p in run_processes(run.run_dir)]}
+
+
+@scenario("hang_quiet")
+def _hang_quiet(root: Path) -> dict[str, Any]:
+    """telemetry=False (the benchmark's baseline) writes no step records, only a heartbeat about once a second:
+    without it a stuck rank would go unnoticed for the whole startup allowance."""
+    run = start(root, "hang@rank1:step40", telemetry=False, heartbeat_s=HEARTBEAT_S)
+    status = run.wait(timeout=STARTUP_S)
+    assert run.summary is not None, explain(run.run_dir)
+    records = read_records(rank_file(run.run_dir, 0))
+    return {"run_dir": str(run.run_dir), "status": status, "cause": run.cause, "summary": run.summary,
+            "beat_steps": [r["step"] for r in records if r["event"] == "beat"],
+            "step_records": sum(r["event"] == "step" for r in records),
+            "leftovers": [describe(p) for p in run_processes(run.run_dir)]}
+
+
+@scenario("dead_supervisor")
+def _dead_supervisor(root: Path) -> dict[str, Any]:
+    """The supervisor is SIGKILLed mid-run: no summary.json, nobody ends the ranks. A fresh look at the store (as
+    after a kernel restart) must not list the run as running."""
+    run = start(root)
+    reach_steps(run, 2)
+    os.kill(supervisor_pid(run.run_dir), 9)
+    run._supervisor.wait()
+    row = runs(root).set_index("run_id").loc[run.run_dir.name]
+    return {"run_dir": str(run.run_dir), "listed_status": row.status, "listed_cause": row.cause,
             "leftovers": [describe(p) for p in run_processes(run.run_dir)]}
 
 
@@ -519,6 +548,8 @@ def test_stop_ends_every_process_within_6s(fleet):
     assert not r["survivors"] and not r["leftovers"], r
     # What the ranks recorded before the stop is kept.
     assert r["summary"]["steps_completed"] >= 3 and r["summary"]["status"] == "stopped"
+    assert r["steps_recorded"] >= 3
+    assert r["listed_status"] == r["reloaded_status"] == "stopped"
 
 
 @uses("parent_kill")
@@ -531,6 +562,7 @@ def test_parent_sigkill_ends_every_rank_within_2s(fleet):
 
 
 # -- a rank fails ---------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAILURES))
 def test_failing_rank_ends_run_within_5s_and_is_named(fleet, name):
     kind, rank, _step, expected = FAILURES[name]
@@ -552,6 +584,7 @@ def test_failing_rank_ends_run_within_5s_and_is_named(fleet, name):
 test_failing_rank_ends_run_within_5s_and_is_named.scenarios = tuple(f"fail_{n}" for n in FAILURES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAILURES))
 def test_crash_at_step_k_keeps_exactly_k_minus_1_steps(fleet, name):
     """A fault at step k fires at the top of step k, before its forward pass. Then every rank's
@@ -565,6 +598,7 @@ def test_crash_at_step_k_keeps_exactly_k_minus_1_steps(fleet, name):
     tail = r["events"][rank][-1]
     assert tail == ("step" if kind == "kill" else "error"), r["events"][rank]
     assert r["summary"]["steps_completed"] == step - 1
+    assert all(r["summary"]["per_rank"][str(other)]["steps"] >= step - 1 for other in (0, 1) if other != rank)
     assert Path(r["run_dir"], "summary.json").is_file()
 
 
@@ -622,6 +656,23 @@ def test_stuck_rank_ends_run_within_heartbeat_plus_5s(fleet):
     assert not r["leftovers"], r
 
 
+@uses("hang_quiet")
+def test_run_without_per_step_records_still_shows_a_hang(fleet):
+    r = fleet.result("hang_quiet")
+    assert r["status"] == "hung" and "heartbeat" in r["cause"], r
+    assert r["beat_steps"] and r["step_records"] == 0, r
+    assert r["beat_steps"][-1] < 40  # rank 0 waits for rank 1 inside step 40's collective
+    assert 0 < r["summary"]["steps_completed"] < 40  # counted from the heartbeats
+    assert not r["leftovers"], r
+
+
+@uses("dead_supervisor")
+def test_run_store_does_not_list_a_run_with_a_dead_supervisor_as_running(fleet):
+    r = fleet.result("dead_supervisor")
+    assert r["listed_status"] == "failed" and "supervisor died" in r["listed_cause"], r
+    assert not r["leftovers"], r
+
+
 @uses("slow_start")
 def test_slow_start_is_not_a_hang(fleet):
     r = fleet.result("slow_start")
@@ -631,6 +682,7 @@ def test_slow_start_is_not_a_hang(fleet):
 
 
 # -- the launcher dies ----------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["kill_runner", "kill_launch_py"])
 def test_killed_launcher_leaves_nothing_and_never_finishes(fleet, which):
     r = fleet.result(which)
@@ -667,6 +719,7 @@ def test_two_runs_at_once_own_ports_no_cross_talk(fleet):
 
 
 # -- the run store survives kills at any moment ---------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(CHAOS)), ids=[f"{p}-{t}" for p, t in CHAOS])
 def test_store_stays_readable_after_kill_at_random_moment(fleet, index):
     r = fleet.result(f"chaos_{index}")

@@ -1,4 +1,4 @@
-"""Issue 21: what a real GPU (and the GPU audit) found, checked on CPU with DeepSpeed's own code and stand-ins.
+"""What a real GPU (and the GPU audit) found, checked on CPU with DeepSpeed's own code and stand-ins.
 
 The arch list DeepSpeed cannot parse, CPU Adam without nvcc, one weight decay for every optimizer, and each
 rank's share of the cores on GPU nodes.
@@ -53,7 +53,7 @@ def test_arch_list_suffixes_are_stripped(given, expected):
 
 
 def test_cpu_adam_is_a_cpp_extension_on_the_cuda_accelerator_and_runs_without_nvcc():
-    """Issue 21 item 3: labkit ran torch's AdamW for ZeRO-Offload whenever nvcc was missing. DeepSpeed 0.19.8's
+    """labkit ran torch's AdamW for ZeRO-Offload whenever nvcc was missing. DeepSpeed 0.19.8's
     CUDA accelerator builds CPU Adam as a CppExtension (accelerator/cuda_accelerator.py:384-388): g++ only."""
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
     from deepspeed.ops.op_builder.builder import CUDAOpBuilder
@@ -95,7 +95,7 @@ def test_optimizer_line_groups_runs_by_optimizer():
 @pytest.mark.parametrize("example,stage,impl", [("deepspeed", 0, "torch_adam"), ("zero3", 3, "torch_adam"),
                                                 ("deepspeed", 2, "fused_adam"), ("offload", 2, "cpu_adam")])
 def test_every_deepspeed_optimizer_uses_no_weight_decay(one_gloo_rank, example, stage, impl):
-    """Issue 21 item 4: without FusedAdam DeepSpeed builds torch.optim.AdamW (runtime/engine.py:2382), whose
+    """Without FusedAdam DeepSpeed builds torch.optim.AdamW (runtime/engine.py:2382), whose
     default weight decay is 0.01, while FusedAdam, CPU Adam and the plain loop's torch.optim.Adam use 0."""
     from labkit.launch.trainers import DeepSpeedTrainer
     from labkit.models.mlp import SimpleModel
@@ -111,7 +111,7 @@ def test_every_deepspeed_optimizer_uses_no_weight_decay(one_gloo_rank, example, 
 
 
 def test_gpu_ranks_get_their_share_of_the_cores(tmp_path):
-    """Issue 21 item 6: OMP_NUM_THREADS was set for CPU ranks only: 8 GPU ranks each ran torch's pool and
+    """OMP_NUM_THREADS was set for CPU ranks only: 8 GPU ranks each ran torch's pool and
     CPU Adam's OpenMP threads on every core. Each rank now gets cores // ranks on the node."""
     config = RunConfig(example="offload", world_size=8, max_world_size=8)
     _, env = build_command(config, tmp_path, master_port=1234, base_env={}, accelerator="cuda", cpu_count=16,
@@ -153,7 +153,7 @@ Failed to CUDA calloc 33554432 bytes
 
 @pytest.mark.parametrize("log,returncode", [(NCCL_OOM_RAISED, 1), (NCCL_OOM_WATCHDOG, -6), (NCCL_CALLOC, 1)])
 def test_an_out_of_memory_inside_nccl_is_out_of_memory(log, returncode):
-    """Issue 21 item 7: the supervisor read only the last 'SomeError: ...' line ("ncclUnhandledCudaError: Call to
+    """The supervisor read only the last 'SomeError: ...' line ("ncclUnhandledCudaError: Call to
     CUDA function failed.", or nothing after a watchdog abort) and called the run failed; a max-batch probe
     failing so stopped `labkit answer` before its report (labkit.study.sweep.settled)."""
     from labkit.launch.failures import classify_exit
@@ -174,7 +174,7 @@ def test_other_failures_stay_failures():
 
 
 def test_stop_waits_long_enough_for_a_gpu_rank_to_free_its_memory():
-    """Issue 21 item 7: Stop gave every rank 3 s after SIGTERM and 2 s after SIGKILL, and Run.stop 6 s in all: a
+    """Stop gave every rank 3 s after SIGTERM and 2 s after SIGKILL, and Run.stop 6 s in all: a
     CUDA context of tens of GB takes longer to tear down, and the run was reported with processes left."""
     from labkit.launch.run import stop_timeout_s
     from labkit.launch.supervisor import stop_timeouts
@@ -190,7 +190,7 @@ def _stand_in(count: int, bf16: bool, gib: int = 80) -> Devices:
 
 
 def test_gpu_check_plans_every_stage_offload_and_a_real_oom_and_lists_what_one_gpu_cannot(monkeypatch):
-    """Issue 21 item 7: on one GPU gpu-check said "2-rank runs: skipped" and still counted "failures: 2";
+    """On one GPU gpu-check said "2-rank runs: skipped" and still counted "failures: 2";
     it ran no ZeRO stage, no offload, no bf16 and no out-of-memory check."""
     from labkit.runtime import devices as devices_module
     from labkit.runtime.gpu_check import run_plan
@@ -226,7 +226,7 @@ def test_gpu_check_report_counts_skips_apart_from_failures(tmp_path):
 
 
 def test_an_unknown_gpus_peak_comes_from_a_large_matmul_timed_with_device_events():
-    """Issue 21 item 7: a 1024 x 1024 matmul timed with the host clock around asynchronous work measured launch
+    """A 1024 x 1024 matmul timed with the host clock around asynchronous work measured launch
     overhead. On a device (not synchronized) labkit now times an 8192 x 8192 product with its events."""
     import time
     from types import SimpleNamespace
@@ -268,7 +268,7 @@ def test_reference_directories_are_named_after_the_gpu(name, count, slug):
 
 
 def test_reference_steps_are_resumable_and_separately_callable(tmp_path, monkeypatch):
-    """Issue 21 item 10: each step of the GPU reference run is its own command, recorded in steps.json; one that
+    """Each step of the GPU reference run is its own command, recorded in steps.json; one that
     passed is skipped when called again (a device call cut off by its time limit is simply repeated)."""
     import json
     import sys

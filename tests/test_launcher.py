@@ -102,7 +102,7 @@ def test_last_exception_line_reads_only_the_last_traceback():
 
 @pytest.mark.parametrize("accelerator, device_ids", [("cpu", None), ("cuda", ["0", "1"])])
 def test_single_node_command_never_reads_the_clusters_default_hostfile(tmp_path, accelerator, device_ids):
-    """Issue 11 item 6: without --hostfile DeepSpeed's runner reads /job/hostfile, and where a cluster has
+    """Without --hostfile DeepSpeed's runner reads /job/hostfile, and where a cluster has
     one a single-node run became a pdsh multi-node launch that bypassed the device lease."""
     from deepspeed.launcher import runner
 

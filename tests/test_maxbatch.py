@@ -67,7 +67,7 @@ def test_summary_says_an_emulated_boundary_is_no_evidence_for_the_model() -> Non
 
 
 def test_a_search_that_reached_its_limit_says_capped_and_gives_no_ratio() -> None:
-    """Issue 21 item 2: on 8x80 GB every strategy stopped at dataset_size // world_size after ~90 launches, and
+    """On 8x80 GB every strategy stopped at dataset_size // world_size after ~90 launches, and
     the report divided those capped values ("plain PyTorch fits 8x ZeRO-3's micro-batch")."""
     import pandas as pd
 
@@ -129,7 +129,7 @@ def test_the_search_passes_the_datasets_end_to_a_real_boundary(tmp_path, runs_ro
                                                ("full", 80, 8)])
 @pytest.mark.parametrize("error", [0.6, 1.0, 1.5])  # the real boundary against the memory model's
 def test_each_gpu_profile_reaches_a_real_boundary_in_a_few_probes(monkeypatch, profile, gib, count, error) -> None:
-    """Issue 21 item 2: on 8x80 GB every strategy stopped at dataset_size // world_size after ~90 launches. Now the
+    """On 8x80 GB every strategy stopped at dataset_size // world_size after ~90 launches. Now the
     limit lies past any boundary and the search starts near the predicted one: a handful of probes each."""
     from labkit.runtime import devices as devices_module
     from labkit.runtime.devices import Devices

@@ -1,4 +1,4 @@
-"""Issue 21 item 1: every notebook's runs, for every profile, against stand-in GPUs of the sizes people get.
+"""Every notebook's runs, for every profile, against stand-in GPUs of the sizes people get.
 
 A stand-in is a `Devices` (what labkit.runtime.devices.detect_devices answers) with a GPU's memory, count and
 bf16 support: RunConfig validates each run against it, and labkit.study.memory's prediction of what one rank

@@ -60,7 +60,7 @@ def test_opens_with_what_youll_do_learn_need(notebook: nbformat.NotebookNode):
     assert positions == sorted(positions), "the opening says do, learn, need in that order"
 
 
-# Issue 14: notebooks that teach. 04 and 05 were being reworked on other branches when this
+# Notebooks that teach. 04 and 05 were being reworked on other branches when this
 # check came in; strict xfail makes this test fail as soon as they gain the section, so the
 # mark is removed then.
 _EXERCISES_PENDING: set[str] = set()

@@ -1,4 +1,4 @@
-"""A learner's Run All on one GPU goes on (issue 21 item 1): notebook 03b, whose every run is between ranks, executed
+"""A learner's Run All on one GPU goes on: notebook 03b, whose every run is between ranks, executed
 by nbval with the `workshop` profile on a stand-in for one H100 80GB (the lead's reference machine).
 
 The kernel's IPython startup file replaces `labkit.runtime.devices.detect_devices` with the stand-in before any cell

@@ -187,7 +187,7 @@ def test_steps_make_no_blocking_calls_outside_census_steps(counting, grad_accum)
     # The figures arrive late, not never: every step but the last few is recorded during the run ...
     assert [r["step"] for r in records] == list(range(1, len(records) + 1)) and len(records) >= config.steps - 2
     assert counting.scalar_pins <= 3  # pinned loss buffers are reused, not one per step
-    # No micro-batch was made inside a timed step (issue 21 item 5: the DataLoader collated there).
+    # No micro-batch was made inside a timed step (the DataLoader collated there).
     assert len(taken_in_step) == config.steps * grad_accum and not any(taken_in_step)
     # ... and the rest after the loop, where waiting once is allowed.
     records += clock.ready(wait=True)
@@ -297,7 +297,7 @@ finally:
 
 
 def test_the_ready_record_and_the_runs_device_peak_leave_out_initializes_transient(tmp_path):
-    """Issue 11 item 11: the device's peak counter was reset only before the first step, so the ready record's
+    """The device's peak counter was reset only before the first step, so the ready record's
     device_peak_bytes, and with it the run's device peak, was deepspeed.initialize's transient."""
     import json
     import subprocess

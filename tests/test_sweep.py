@@ -160,6 +160,23 @@ def test_memory_model_matches_measured_states_within_5_percent(launched):
         assert all(abs(e) <= 0.05 for e in errors.values()), (stage, measured, predicted, errors)
 
 
+def test_zero1_halves_optimizer_state_and_zero3_the_partitioned_parameters_per_rank(launched):
+    """What each stage partitions, read off the sweep's 2-rank points (states per rank, as the census counts)."""
+    from labkit.study import memory
+
+    table = launched["table"].set_index("strategy")
+    assert table.loc["z0", "optim_bytes"] > 0
+    assert table.loc["z1", "optim_bytes"] == pytest.approx(table.loc["z0", "optim_bytes"] / 2, rel=0.02)
+    # ZeRO-3 keeps parameters below stage3_param_persistence_threshold whole on every rank (all of the aligned
+    # model's); the CI model's 512x512 weight is above it: each rank holds half of it.
+    shape = [CI_MODEL[k] for k in ("input_size", "hidden", "depth", "output_size")]
+    whole = 4 * memory.n_params_mlp(*shape)
+    persistent = 4 * memory.mlp_persistent_params(*shape)
+    assert whole - persistent >= 4 * 512 * 512
+    z3 = launched["memory"].set_index("strategy").loc["z3-offload", "param_bytes"]
+    assert z3 - persistent == pytest.approx((whole - persistent) / 2, rel=0.02)
+
+
 def test_memory_table_predicts_stage_1_2_grads_from_deepspeeds_layout(launched):
     from labkit.study.answer import memory_table
 

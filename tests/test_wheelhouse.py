@@ -1,4 +1,4 @@
-"""Issue 21 item 9: an offline install that keeps the node's own torch.
+"""An offline install that keeps the node's own torch.
 
 The node's Python is itself a venv holding torch (as on the lab's GPU machine, /opt/torch/.venv, and on conda- or
 venv-hosted clusters): `python -m venv --system-site-packages` from it did not see that torch. The stand-in node
