@@ -213,17 +213,38 @@ def test_panel_shows_a_bad_import_string_and_launches_nothing(runs_root):
 SCRIPT = str(REPO / "tests" / "scripts" / "ds_train.py")
 
 
-def _script_run(tmp_path, name, *script_args, steps=6):
-    out = tmp_path / name
-    result = subprocess.run(
-        [sys.executable, "-m", "labkit", "run", "--script", SCRIPT, "--world-size", "2", "--steps", str(steps),
-         "--out", str(out), "--", "--steps", str(steps), *script_args],
-        cwd=REPO, capture_output=True, text=True, timeout=500)
-    return result, out, json.loads((out / "summary.json").read_text())
+SCRIPT_RUNS = {  # name: the script's arguments; each a 2-rank `labkit run --script` of 6 steps
+    "recorded": ["--record"],
+    "failing": ["--fail-rank", "1", "--fail-step", "3"],
+    "teardown": ["--record", "--abort-rank", "1"],
+    "abort": ["--record", "--abort-rank", "1", "--abort-step", "3"],
+}
 
 
-def test_script_with_one_record_line_streams_its_steps(tmp_path):
-    result, out, summary = _script_run(tmp_path, "recorded", "--record")
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path, dict]]:
+    """The CLI's script runs, started together and awaited: {name: (result, run directory, summary)}."""
+    root = tmp_path_factory.mktemp("scripts")
+    started = {}
+    for name, script_args in SCRIPT_RUNS.items():
+        out = root / name
+        started[name] = (subprocess.Popen(
+            [sys.executable, "-m", "labkit", "run", "--script", SCRIPT, "--world-size", "2", "--steps", "6",
+             "--out", str(out), "--", "--steps", "6", *script_args],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out)
+    results = {}
+    for name, (process, out) in started.items():
+        try:
+            stdout, stderr = process.communicate(timeout=500)
+        finally:
+            process.kill()
+        result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        results[name] = (result, out, json.loads((out / "summary.json").read_text()))
+    return results
+
+
+def test_script_with_one_record_line_streams_its_steps(script_runs):
+    result, out, summary = script_runs["recorded"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert summary["status"] == "finished" and summary["steps_completed"] == 6
     for rank in (0, 1):
@@ -233,8 +254,8 @@ def test_script_with_one_record_line_streams_its_steps(tmp_path):
     assert summary["final_loss"] is not None and summary["median_step_time_s"] is not None
 
 
-def test_unmodified_script_is_seen_from_outside_and_its_failure_named(tmp_path):
-    result, out, summary = _script_run(tmp_path, "failing", "--fail-rank", "1", "--fail-step", "3")
+def test_unmodified_script_is_seen_from_outside_and_its_failure_named(script_runs):
+    result, out, summary = script_runs["failing"]
     assert result.returncode == 1
     assert summary["status"] == "failed"
     assert "rank 1" in summary["cause"] and "ValueError: bad batch at step 3" in summary["cause"]
@@ -250,10 +271,10 @@ def test_unmodified_script_is_seen_from_outside_and_its_failure_named(tmp_path):
     assert not run_processes(out)  # no orphans
 
 
-def test_script_aborting_in_teardown_after_a_clean_exit_finishes_with_a_warning(tmp_path):
+def test_script_aborting_in_teardown_after_a_clean_exit_finishes_with_a_warning(script_runs):
     # Rank 1 aborts after every atexit hook, labkit's exit record included: what the C++ teardown abort
     # ("terminate called without an active exception") does to plain 2-rank DeepSpeed scripts now and then.
-    result, out, summary = _script_run(tmp_path, "teardown", "--record", "--abort-rank", "1")
+    result, out, summary = script_runs["teardown"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert summary["status"] == "finished" and summary["steps_completed"] == 6
     assert json.loads((out / "rank1.exit").read_text()) == {"rank": 1, "pid": _exit_pid(out, 1), "returncode": -6,
@@ -268,8 +289,8 @@ def _exit_pid(out, rank):
     return next(r["pid"] for r in read_records(rank_file(out, rank)) if r["event"] == "exit")
 
 
-def test_script_aborting_mid_training_fails(tmp_path):
-    result, out, summary = _script_run(tmp_path, "abort", "--record", "--abort-rank", "1", "--abort-step", "3")
+def test_script_aborting_mid_training_fails(script_runs):
+    result, out, summary = script_runs["abort"]
     assert result.returncode == 1
     assert summary["status"] == "failed" and summary["warnings"] == []
     assert summary["cause"] == ("rank 1: killed by SIGABRT before its script exited cleanly (last step recorded: 3; "
