@@ -140,15 +140,41 @@ def _steps(run_dir: Path, rank: int) -> list[int]:
     return [r["step"] for r in map(json.loads, lines) if r.get("event") == "step"]
 
 
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory) -> dict:
+    """The three examples' runs, started together and awaited: Example 3 as the README types it (the CLI from the
+    repository's root, the run store redirected, not the command), Examples 2 and 1 under labkit, and Example 1
+    plainly with python in an empty directory (no launcher, no --local_rank, no LABKIT_RUN_DIR)."""
+    root = tmp_path_factory.mktemp("examples")
+    store = root / "ex3"
+    ex3 = subprocess.Popen([str(Path(sys.executable).parent / "labkit"), "run", "--script",
+                            "notebooks/examples/ex3_zero3.py", "--world-size", "2", "--", "--steps", "20"],
+                           cwd=REPO, env={**os.environ, "LABKIT_RUNS_DIR": str(store)}, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    ex2 = Run(examples.script_config("ex2_zero_offload.py", world_size=1, steps=8), root=root / "ex2").start()
+    ex1 = Run(examples.script_config("ex1_pytorch.py", world_size=1, steps=30), root=root / "ex1").start()
+    elsewhere = root / "elsewhere"
+    elsewhere.mkdir()
+    plain = subprocess.Popen([sys.executable, str(EXAMPLES / "ex1_pytorch.py"), "--steps", "15"], cwd=elsewhere,
+                             env={k: v for k, v in os.environ.items() if k != "LABKIT_RUN_DIR"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = {}
+    for name, process in (("ex3", ex3), ("plain", plain)):
+        try:
+            stdout, stderr = process.communicate(timeout=600)
+        finally:
+            process.kill()
+        done[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    ex2.wait(timeout=600)
+    ex1.wait(timeout=600)
+    return {"ex3": (done["ex3"], store), "ex2": ex2, "ex1": ex1, "plain": (done["plain"], elsewhere)}
+
+
 @pytest.mark.slow
-def test_example3_runs_on_two_ranks_as_written_from_the_repo_root(tmp_path):
-    # The README's command, typed from the repository's root; the run store is redirected, not the command.
-    env = {**os.environ, "LABKIT_RUNS_DIR": str(tmp_path)}
-    result = subprocess.run([str(Path(sys.executable).parent / "labkit"), "run", "--script",
-                             "notebooks/examples/ex3_zero3.py", "--world-size", "2", "--", "--steps", "20"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+def test_example3_runs_on_two_ranks_as_written_from_the_repo_root(example_runs):
+    result, store = example_runs["ex3"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (run_dir,) = tmp_path.iterdir()
+    (run_dir,) = store.iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["mode"] == "script"
     for rank in (0, 1):
@@ -162,27 +188,23 @@ def test_example3_runs_on_two_ranks_as_written_from_the_repo_root(tmp_path):
 
 
 @pytest.mark.slow
-def test_example2_offloads_to_deepspeeds_cpu_adam_on_one_rank(runs_root):
-    run = Run(examples.script_config("ex2_zero_offload.py", world_size=1, steps=8)).start()
-    assert run.wait(timeout=600) == "finished", run.cause
+def test_example2_offloads_to_deepspeeds_cpu_adam_on_one_rank(example_runs):
+    run = example_runs["ex2"]
+    assert run.status == "finished", run.cause
     assert _steps(run.run_dir, 0) == list(range(1, 9))
     assert re.search(r"1 rank\(s\), global batch 64, 15 steps per epoch, optimizer DeepSpeedCPUAdam",
                      lessons.rank_log_text(run))
 
 
 @pytest.mark.slow
-def test_example1_runs_under_labkit_and_plainly_with_python(runs_root, tmp_path):
-    run = Run(examples.script_config("ex1_pytorch.py", world_size=1, steps=30)).start()
-    assert run.wait(timeout=600) == "finished", run.cause
+def test_example1_runs_under_labkit_and_plainly_with_python(example_runs):
+    run = example_runs["ex1"]
+    assert run.status == "finished", run.cause
     assert _steps(run.run_dir, 0) == list(range(1, 31))
     losses = examples.epoch_losses(run)
     assert list(losses["step"]) == [15, 30] and losses["held-out loss"].is_monotonic_decreasing
     # Plainly: no launcher, no --local_rank, and labkit.record a no-op (nothing written anywhere).
-    env = {k: v for k, v in os.environ.items() if k != "LABKIT_RUN_DIR"}
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    plain = subprocess.run([sys.executable, str(EXAMPLES / "ex1_pytorch.py"), "--steps", "15"], cwd=elsewhere,
-                           env=env, capture_output=True, text=True, timeout=300)
+    plain, elsewhere = example_runs["plain"]
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert re.fullmatch(r"Epoch 1, step 15: training loss [\d.]+, held-out loss [\d.]+\n", plain.stdout)
     assert list(elsewhere.iterdir()) == []
