@@ -215,6 +215,7 @@ def spans(run) -> tuple[float, float]:
     return min(times), max(times)
 
 
+@pytest.mark.slow
 def test_two_runs_that_fit_only_one_at_a_time_run_one_after_the_other(runs_root, monkeypatch):
     from labkit.study import lessons
 
@@ -247,6 +248,7 @@ def test_a_run_that_cannot_fit_alone_is_refused_before_anything_launches(runs_ro
     assert not list(runs_root.glob("*/config.json")) and not list((runs_root / "sweep").glob("runs/*"))
 
 
+@pytest.mark.slow
 def test_runs_wait_for_device_leases_instead_of_failing(runs_root, monkeypatch):
     """CI's emulated device slots go through the GPU's lease code: two 1-rank runs on one slot."""
     from labkit.runtime import device_lease
@@ -263,6 +265,7 @@ def test_runs_wait_for_device_leases_instead_of_failing(runs_root, monkeypatch):
     assert spans(runs["a"])[1] < spans(runs["b"])[0]
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_run_that_cannot_fit_with_exit_2_and_the_figures(tmp_path):
     out = tmp_path / "run"
     result = subprocess.run(

@@ -225,6 +225,7 @@ def test_credit_says_grew_less_when_both_grew():
 
 
 # -- end to end ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_answer_smoke_end_to_end(tmp_path):
     """`answer --profile smoke`: real runs, timed one at a time, both growth ways, eval-loss target, report."""
     from labkit.launch.summary import rank_records, steps_of

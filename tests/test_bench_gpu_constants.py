@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "bench_gpu_constants.py"
 
 
+@pytest.mark.slow
 def test_cpu_path_writes_every_section(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
@@ -48,6 +49,7 @@ def test_cpu_path_writes_every_section(tmp_path: Path) -> None:
         hardware.load_measured(out)
 
 
+@pytest.mark.slow
 def test_unknown_section_is_refused() -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), "--only", "gemm,nccl", "--out", "/dev/null"],
                           capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -130,6 +130,7 @@ def test_phase_rows_without_a_first_step_measure_nothing() -> None:
     assert run["rows"] == {} and run["missing"] == ["rank"]
 
 
+@pytest.mark.slow
 def test_the_probe_stamps_a_real_interpreter(tmp_path: Path) -> None:
     """A real interpreter with the probe on: up, torch's import, the first forward and optimizer step; off
     without the variable."""

@@ -6,9 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from labkit.runtime.build_locks import find_build_locks, report_stale_locks
 
 
+@pytest.mark.slow
 def test_stale_lock_is_named_and_cleared_but_a_held_one_is_left(tmp_path, capsys):
     (tmp_path / "deepspeed_shm_comm").mkdir()
     stale = tmp_path / "deepspeed_shm_comm" / "lock"
@@ -51,6 +54,7 @@ def test_the_sweeper_removes_a_lock_only_once_it_stayed_stale(tmp_path):
     assert sweeper.poll(now=103.0) == [] and lock.exists()
 
 
+@pytest.mark.slow
 def test_a_run_behind_a_stale_build_lock_removes_it_and_says_so(tmp_path, runs_root, monkeypatch):
     """A run named the stale lock in its progress line and then waited for ever. Its
     supervisor now removes a lock no process holds, with a line in supervisor.log, and the run trains."""

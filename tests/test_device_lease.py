@@ -105,6 +105,7 @@ def _as_nobody(*argv: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": repo, "HOME": "/nonexistent"})
 
 
+@pytest.mark.slow
 def test_another_users_lease_file_is_refused_by_name_not_with_a_permission_error():
     """A lock file another user left (root's, mode 0644) in the shared sticky lease directory
     cannot be opened for writing: the lease code must refuse with DevicesBusy naming the file's owner, not
@@ -162,6 +163,7 @@ def test_second_lease_on_a_held_device_is_refused_naming_the_holder(tmp_path):
     device_lease.release(device_lease.take("cuda", ["0", "1"], "run runs/fourth", tmp_path))
 
 
+@pytest.mark.slow
 def test_lease_lives_in_the_process_it_was_handed_to_and_dies_with_it(tmp_path):
     fds = device_lease.take("cuda", ["0"], "run runs/handed-over", tmp_path)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], pass_fds=fds)
@@ -226,6 +228,7 @@ def test_lease_files_are_not_followed_through_symlinks(tmp_path):
     assert victim.read_text() == "precious"
 
 
+@pytest.mark.slow
 def test_sweep_waits_for_the_lease_of_the_run_before(tmp_path, monkeypatch):
     """A run whose ranks all recorded `done` still holds its devices until its supervisor
     exits. The sweep launched the next point at once and `Run.start()` raised DevicesBusy: `labkit answer`
@@ -275,6 +278,7 @@ def _slow_supervisors(tmp_path, monkeypatch, exit_delay_s: int) -> None:
     monkeypatch.setattr(run_module, "SUPERVISOR_EXIT_WAIT_S", 1.0)
 
 
+@pytest.mark.slow
 def test_sweep_waits_for_a_supervisor_slower_than_wait(tmp_path, monkeypatch):
     """The sweep dropped a done run once Run.wait() stopped waiting for its supervisor
     (10 s); a slower supervisor still held the devices and the next point's start was refused (DevicesBusy)."""
@@ -288,6 +292,7 @@ def test_sweep_waits_for_a_supervisor_slower_than_wait(tmp_path, monkeypatch):
     device_lease.release(device_lease.take("emulated", ["0", "1"], "the next sweep", tmp_path / "leases"))
 
 
+@pytest.mark.slow
 def test_sweep_names_a_run_whose_supervisor_keeps_the_lease(tmp_path, monkeypatch):
     """Bounded: a supervisor that never lets go is named (run directory, PID), finished points are kept."""
     import psutil

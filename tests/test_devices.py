@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from labkit.runtime.devices import Devices, _probe_in_child, detect_devices
 
 
+@pytest.mark.slow
 def test_gpu_probe_runs_in_a_child_and_fills_every_field():
     """On GPUs detect_devices() asks in a child process (the kernel must hold no device context).
     Here the child answers for the CPU accelerator; what it prints must build a Devices."""
@@ -62,6 +65,7 @@ sys.exit(1 if errors else 0)
 """
 
 
+@pytest.mark.slow
 def test_first_deepspeed_import_from_eight_threads_does_not_deadlock():
     import subprocess
     import sys
@@ -101,6 +105,7 @@ def test_bf16_counts_only_native_support():
     assert native_bf16((8, 0)) and native_bf16((8, 9)) and native_bf16([9, 0])  # A100, L4, H100
 
 
+@pytest.mark.slow
 def test_gpu_check_without_a_gpu_says_so_fails_and_still_writes_its_report(tmp_path):
     """`make gpu-check` on a machine with no GPU: it said "no GPU" in passing, built CPU ops, ran nothing and
     exited 0 with "failures: none", as if the GPU path had passed. It must say plainly that there is no GPU

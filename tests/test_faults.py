@@ -763,6 +763,7 @@ def test_no_shell_true_in_labkit():
     assert not offenders
 
 
+@pytest.mark.slow
 def test_make_lab_binds_loopback_with_token_auth():
     text = (REPO / "Makefile").read_text()
     recipe = re.search(r"^lab:.*\n((?:\t.*\n?)+)", text, re.MULTILINE)
@@ -854,6 +855,7 @@ def test_bad_cli_value_types_are_refused_naming_the_flag(args, flag, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_bad_cli_inputs_end_to_end_start_nothing(tmp_path):
     """The real `python -m labkit run`: exit code 2, the field named, no run directory, no process."""
     # One bad value, one bad triplet, one bad DeepSpeed override, one impossible combination.

@@ -52,6 +52,7 @@ def test_arch_list_suffixes_are_stripped(given, expected):
     assert ops.deepspeed_arch_list(None) == (None, None)
 
 
+@pytest.mark.slow
 def test_cpu_adam_is_a_cpp_extension_on_the_cuda_accelerator_and_runs_without_nvcc():
     """labkit ran torch's AdamW for ZeRO-Offload whenever nvcc was missing. DeepSpeed 0.19.8's
     CUDA accelerator builds CPU Adam as a CppExtension (accelerator/cuda_accelerator.py:384-388): g++ only."""
@@ -92,6 +93,7 @@ def test_optimizer_line_groups_runs_by_optimizer():
                                     "cpu_adam (stage 2 + offload, stage 3 + offload)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example,stage,impl", [("deepspeed", 0, "torch_adam"), ("zero3", 3, "torch_adam"),
                                                 ("deepspeed", 2, "fused_adam"), ("offload", 2, "cpu_adam")])
 def test_every_deepspeed_optimizer_uses_no_weight_decay(one_gloo_rank, example, stage, impl):
@@ -267,6 +269,7 @@ def test_reference_directories_are_named_after_the_gpu(name, count, slug):
     assert gpu_slug(Devices("cuda", count, count, "nccl", True, True, name, 80 * 2**30)) == slug
 
 
+@pytest.mark.slow
 def test_reference_steps_are_resumable_and_separately_callable(tmp_path, monkeypatch):
     """Each step of the GPU reference run is its own command, recorded in steps.json; one that
     passed is skipped when called again (a device call cut off by its time limit is simply repeated)."""

@@ -37,6 +37,7 @@ def test_gpu_command_gives_each_rank_its_share_of_the_cores(tmp_path):
     assert env["OMP_NUM_THREADS"] == "16" and env["DS_ACCELERATOR"] == "cuda"
 
 
+@pytest.mark.slow
 def test_multi_node_command_uses_hostfile(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("gpu-node-1 slots=8\ngpu-node-2 slots=8\n")
@@ -100,6 +101,7 @@ def test_last_exception_line_reads_only_the_last_traceback():
     assert last_exception_line(log) == "RuntimeError: injected fault"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accelerator, device_ids", [("cpu", None), ("cuda", ["0", "1"])])
 def test_single_node_command_never_reads_the_clusters_default_hostfile(tmp_path, accelerator, device_ids):
     """Without --hostfile DeepSpeed's runner reads /job/hostfile, and where a cluster has

@@ -220,6 +220,7 @@ def test_lr_lessons_build_comparable_runs():
         lessons.sgd_scaling_configs("resnet")
 
 
+@pytest.mark.slow
 def test_launch_all_shows_one_bar_over_the_runs_and_each_runs_step_and_status(runs_root, capsys):
     import io
 
@@ -237,6 +238,7 @@ def test_launch_all_shows_one_bar_over_the_runs_and_each_runs_step_and_status(ru
     assert "2 run(s) in" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_build_ops_streams_the_builds_output_under_a_bar():
     import io
 

@@ -127,6 +127,7 @@ def test_labkit_run_refuses_a_launcher_it_cannot_use(tmp_path: Path):
 
 
 # -- real runs under mpirun ----------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_exported_openmpi_job_trains_to_finished(mpirun: str, tmp_path: Path):
     job = export_mpi(tmp_path)
@@ -140,6 +141,7 @@ def test_exported_openmpi_job_trains_to_finished(mpirun: str, tmp_path: Path):
     assert_trained(job, "openmpi")  # ranks from mpirun's OMPI_COMM_WORLD_RANK / _LOCAL_RANK / _SIZE
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_kill_of_the_script_ends_every_rank_and_the_summary_says_stopped(mpirun: str, tmp_path: Path):
     job = export_mpi(tmp_path, steps=100000)
@@ -166,6 +168,7 @@ def test_kill_of_the_script_ends_every_rank_and_the_summary_says_stopped(mpirun:
     assert not run_processes(job)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_a_rank_killed_under_mpirun_is_named(mpirun: str, tmp_path: Path):
     job = export_mpi(tmp_path, steps=400)
@@ -177,6 +180,7 @@ def test_a_rank_killed_under_mpirun_is_named(mpirun: str, tmp_path: Path):
     assert not run_processes(job)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_a_job_mpirun_cannot_run_is_refused_before_it_starts(mpirun: str, tmp_path: Path):
     job = export_mpi(tmp_path)
@@ -195,6 +199,7 @@ def test_a_job_mpirun_cannot_run_is_refused_before_it_starts(mpirun: str, tmp_pa
     assert not (job / "supervisor.log").exists() and not list(job.glob("rank*"))
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_labkit_run_with_a_hostfile_and_the_openmpi_launcher(mpirun: str, tmp_path: Path):
     (tmp_path / "hosts").write_text("localhost slots=2\n")

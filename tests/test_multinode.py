@@ -171,6 +171,7 @@ def test_ssh_alias_resolves_to_its_hostname():
     assert hostname_from_ssh_config("user root\n") is None
 
 
+@pytest.mark.slow
 def test_stop_pattern_matches_only_this_runs_processes(tmp_path):
     run_dir = tmp_path / "run.1"
     pattern = run_process_pattern(run_dir)
@@ -195,6 +196,7 @@ def _export(*args: str) -> subprocess.CompletedProcess:
                           cwd=REPO, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_export_on_a_login_node_writes_a_self_contained_job(tmp_path):
     job = tmp_path / "job"
     (tmp_path / "hosts").write_text("gpu1 slots=8\ngpu2 slots=8\n")
@@ -223,6 +225,7 @@ def test_export_on_a_login_node_writes_a_self_contained_job(tmp_path):
     assert "--hostfile" in _export("--world-size", "2", "--out", str(tmp_path / "x")).stderr
 
 
+@pytest.mark.slow
 def test_master_addr_is_the_first_hosts_address_not_its_ssh_alias(cluster: Cluster, tmp_path: Path):
     from labkit.launch.launcher import build_command
 
@@ -232,6 +235,7 @@ def test_master_addr_is_the_first_hosts_address_not_its_ssh_alias(cluster: Clust
 
 
 # -- real runs on the loopback cluster ---------------------------------------------------
+@pytest.mark.slow
 def test_run_on_two_nodes_records_every_rank(cluster: Cluster, tmp_path: Path):
     hostfile = cluster.hostfile(tmp_path / "hostfile", cluster.nodes)
     run = Run(tiny(hostfile), out=tmp_path / "run").start()
@@ -251,6 +255,7 @@ def test_run_on_two_nodes_records_every_rank(cluster: Cluster, tmp_path: Path):
     assert [list(s.trace("samples_per_s")[0]) for s in series] == [[1, 2, 3, 4], [1, 2, 3, 4]]
 
 
+@pytest.mark.slow
 def test_rank_killed_on_second_node_ends_the_run_naming_cause_and_node(cluster: Cluster, tmp_path: Path):
     hostfile = cluster.hostfile(tmp_path / "hostfile", cluster.nodes)
     run = Run(tiny(hostfile, steps=400), out=tmp_path / "run", env={"LABKIT_FAULT": "kill@rank1:step3"}).start()
@@ -264,6 +269,7 @@ def test_rank_killed_on_second_node_ends_the_run_naming_cause_and_node(cluster: 
     assert not run_processes(run.run_dir)
 
 
+@pytest.mark.slow
 def test_stop_ends_this_run_on_every_node_and_spares_other_deepspeed_launches(cluster: Cluster, tmp_path: Path):
     # Another DeepSpeed launch of the same user on the same host, by the command line DeepSpeed's
     # own Stop (`pkill -f "<python> -u -m deepspeed.launcher.launch"`) would kill.
@@ -293,6 +299,7 @@ def test_stop_ends_this_run_on_every_node_and_spares_other_deepspeed_launches(cl
         unrelated.wait()
 
 
+@pytest.mark.slow
 def test_run_dir_a_node_cannot_see_is_refused_before_launch(cluster: Cluster, tmp_path: Path):
     hostfile = cluster.hostfile(tmp_path / "hostfile", [cluster.nodes[0], cluster.isolated])
     out = cluster.hidden / "run"
@@ -305,6 +312,7 @@ def test_run_dir_a_node_cannot_see_is_refused_before_launch(cluster: Cluster, tm
     assert list(out.iterdir()) == []  # the nonce is gone too
 
 
+@pytest.mark.slow
 def test_exported_pdsh_job_runs_unchanged_on_the_cluster(cluster: Cluster, tmp_path: Path):
     hostfile = cluster.hostfile(tmp_path / "hostfile", cluster.nodes)
     job = tmp_path / "job"

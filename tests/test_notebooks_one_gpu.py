@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 ONE_H100 = {"accelerator": "cuda", "device_count": 1, "max_ranks": 1, "backend": "nccl", "bf16": True, "fp16": True,
             "device_name": "NVIDIA H100 80GB HBM3", "total_memory_bytes": 80 * 2**30}
@@ -30,6 +32,7 @@ devices.detect_devices = lambda: STAND_IN
 """
 
 
+@pytest.mark.slow
 def test_03b_runs_all_on_one_gpu_with_the_workshop_profile(tmp_path):
     startup = tmp_path / "ipython" / "profile_default" / "startup"
     startup.mkdir(parents=True)

@@ -40,6 +40,7 @@ def test_malformed_import_strings_are_refused_by_the_config(fields, field_name):
     assert error.value.field == field_name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fields,field_name,words", [
     (dict(OWN, model="tests.no_such_module:build_model"), "model", "No module named 'tests.no_such_module'"),
     (dict(OWN, data="tests.own_model:no_such_builder"), "data", "no_such_builder"),
@@ -53,6 +54,7 @@ def test_unimportable_strings_fail_before_launch(fields, field_name, words, runs
     assert run.run_dir is None and not runs_root.exists()  # nothing launched, nothing written
 
 
+@pytest.mark.slow
 def test_a_module_edited_after_its_check_is_checked_again(tmp_path, monkeypatch):
     """A learner's module passes, then they break it in the notebook: the next launch's check sees it."""
     from labkit.models.builders import check_importable
@@ -68,6 +70,7 @@ def test_a_module_edited_after_its_check_is_checked_again(tmp_path, monkeypatch)
         check_importable(config)
 
 
+@pytest.mark.slow
 def test_own_model_data_and_loss_train_under_zero2(tmp_path):
     out = tmp_path / "own"
     result = subprocess.run(
@@ -85,6 +88,7 @@ def test_own_model_data_and_loss_train_under_zero2(tmp_path):
     assert done["n_params"] == 12 * 32 + 32 + 32 + 1
 
 
+@pytest.mark.slow
 def test_sweep_and_max_batch_search_train_the_learners_model(tmp_path):
     """The sweep and the max-batch search pass the import strings to every rank they launch."""
     from labkit.study.maxbatch import search
@@ -109,6 +113,7 @@ def test_sweep_and_max_batch_search_train_the_learners_model(tmp_path):
         assert read_records(rank_file(run_dir, 0))[-1]["n_params"] == n_params
 
 
+@pytest.mark.slow
 def test_gpt_trains_on_python_source_under_zero3(runs_root):
     # Warmup as in the answer's profile: without it Adam at 3e-3 may spike (seen at step 12).
     config = RunConfig(example="zero3", world_size=2, micro_batch=8, steps=12, census_every=4, warmup_steps=3,
@@ -195,6 +200,7 @@ def test_answer_switches_to_gpt_with_one_parameter():
     assert all(c.data == OWN["data"] and c.loss == OWN["loss"] for c in points(own))
 
 
+@pytest.mark.slow
 def test_panel_shows_a_bad_import_string_and_launches_nothing(runs_root):
     from labkit.live.panel import LabPanel
 
@@ -243,6 +249,7 @@ def script_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess
     return results
 
 
+@pytest.mark.slow
 def test_script_with_one_record_line_streams_its_steps(script_runs):
     result, out, summary = script_runs["recorded"]
     assert result.returncode == 0, result.stderr[-3000:]
@@ -254,6 +261,7 @@ def test_script_with_one_record_line_streams_its_steps(script_runs):
     assert summary["final_loss"] is not None and summary["median_step_time_s"] is not None
 
 
+@pytest.mark.slow
 def test_unmodified_script_is_seen_from_outside_and_its_failure_named(script_runs):
     result, out, summary = script_runs["failing"]
     assert result.returncode == 1
@@ -271,6 +279,7 @@ def test_unmodified_script_is_seen_from_outside_and_its_failure_named(script_run
     assert not run_processes(out)  # no orphans
 
 
+@pytest.mark.slow
 def test_script_aborting_in_teardown_after_a_clean_exit_finishes_with_a_warning(script_runs):
     # Rank 1 aborts after every atexit hook, labkit's exit record included: what the C++ teardown abort
     # ("terminate called without an active exception") does to plain 2-rank DeepSpeed scripts now and then.
@@ -289,6 +298,7 @@ def _exit_pid(out, rank):
     return next(r["pid"] for r in read_records(rank_file(out, rank)) if r["event"] == "exit")
 
 
+@pytest.mark.slow
 def test_script_aborting_mid_training_fails(script_runs):
     result, out, summary = script_runs["abort"]
     assert result.returncode == 1
@@ -298,6 +308,7 @@ def test_script_aborting_mid_training_fails(script_runs):
     assert not [r for r in read_records(rank_file(out, 1)) if r["event"] in ("exit", "done")]
 
 
+@pytest.mark.slow
 def test_unmodified_script_is_charted_from_outside_and_an_abort_at_exit_not_excused(runs_root):
     """Without labkit.record the guard knows only the return code: a SIGABRT at exit is a failure, whose
     cause says why. Its memory samples are charted live, and its summary has no labkit fields."""
@@ -327,6 +338,7 @@ def test_unmodified_script_is_charted_from_outside_and_an_abort_at_exit_not_excu
         assert summary["per_rank"][rank]["peak_rss_bytes"] > 10_000_000
 
 
+@pytest.mark.slow
 def test_stop_ends_a_script_run_without_orphans_and_keeps_its_records(runs_root):
     import psutil
 
@@ -354,6 +366,7 @@ def test_stop_ends_a_script_run_without_orphans_and_keeps_its_records(runs_root)
 _CRASHES = {"abort": ("os.abort", -6), "segv": ("lambda: os.kill(os.getpid(), signal.SIGSEGV)", -11)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("crash", list(_CRASHES))
 @pytest.mark.parametrize("ending,verdict", [
     ("", "teardown_abort"),                         # clean Python exit, then the crash in teardown
@@ -401,6 +414,7 @@ def _scalars(event_dir):
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+@pytest.mark.slow
 def test_tensorboard_monitor_gets_labkits_fields_and_export_metrics_converts_a_run(tmp_path):
     out = tmp_path / "monitored"
     result = subprocess.run(
@@ -439,6 +453,7 @@ def test_monitor_keys_are_checked_by_deepspeeds_own_model():
 
 
 # -- command line habits -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_runs_lists_as_csv_and_json(tmp_path):
     from labkit.launch.history import COLUMNS
 
@@ -465,6 +480,7 @@ def test_answer_strict_exit_code_names_unfinished_points(capsys):
     assert strict_exit_code(results[results.status == "finished"], strict=True) == 0
 
 
+@pytest.mark.slow
 def test_help_lists_choices_examples_and_exit_codes():
     from labkit.cli import build_parser
 

@@ -290,6 +290,7 @@ def test_a_bad_transformer_spec_and_a_missing_run_exit_2(capsys):
     assert "--transformer shapes" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_lab_mlp_and_the_card_on_the_command_line(capsys):
     assert main(["predict", "--model", "mlp", "--gpu", "L4", "--gpus-per-node", "4", "--micro-batch", "64",
                  "--card", "--results", "data/reference-ci"]) == 0

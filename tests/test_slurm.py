@@ -296,6 +296,7 @@ def test_nodes_that_did_not_see_the_job_directory_are_named():
     assert nodes_not_seeing("gpu01 seen\ngpu03 seen\n", ["gpu01", "gpu02", "gpu03"]) == ["gpu02"]
 
 
+@pytest.mark.slow
 def test_export_refuses_a_slurm_job_where_it_cannot_be_submitted(tmp_path: Path):
     done = subprocess.run([sys.executable, "-m", "labkit", "export", "--example", "zero3", "--world-size", "2",
                            "--launcher", "slurm", "--out", str(tmp_path / "job")], cwd=REPO, capture_output=True,
@@ -304,6 +305,7 @@ def test_export_refuses_a_slurm_job_where_it_cannot_be_submitted(tmp_path: Path)
     assert not (tmp_path / "job").exists()
 
 
+@pytest.mark.slow
 def test_export_refuses_a_hostfile_and_slurm_options_without_slurm(tmp_path: Path):
     (tmp_path / "hosts").write_text("a slots=2\n")
     done = export_slurm(tmp_path / "job", "--hostfile", str(tmp_path / "hosts"))
@@ -316,6 +318,7 @@ def test_export_refuses_a_hostfile_and_slurm_options_without_slurm(tmp_path: Pat
 
 
 # -- real jobs on the one-machine cluster -------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_sbatch_of_the_exported_job_trains_to_finished(slurm_cluster: SlurmCluster, tmp_path: Path):
     job = tmp_path / "job"
@@ -341,6 +344,7 @@ def test_sbatch_of_the_exported_job_trains_to_finished(slurm_cluster: SlurmClust
     assert_trained(job, "slurm")  # ranks from srun's SLURM_PROCID / SLURM_LOCALID / SLURM_STEP_NUM_TASKS
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_scancel_ends_every_rank_and_the_summary_says_stopped(slurm_cluster: SlurmCluster, tmp_path: Path):
     job = tmp_path / "job"
@@ -364,6 +368,7 @@ def test_scancel_ends_every_rank_and_the_summary_says_stopped(slurm_cluster: Slu
     assert "stopped" in job_output(job, job_id)
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_a_rank_killed_inside_the_allocation_is_named(slurm_cluster: SlurmCluster, tmp_path: Path):
     job = tmp_path / "job"
@@ -380,6 +385,7 @@ def test_a_rank_killed_inside_the_allocation_is_named(slurm_cluster: SlurmCluste
     assert not run_processes(job)
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_a_job_is_refused_before_anything_starts(slurm_cluster: SlurmCluster, tmp_path: Path):
     job = tmp_path / "job"

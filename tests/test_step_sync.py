@@ -296,6 +296,7 @@ finally:
 '''
 
 
+@pytest.mark.slow
 def test_the_ready_record_and_the_runs_device_peak_leave_out_initializes_transient(tmp_path):
     """The device's peak counter was reset only before the first step, so the ready record's
     device_peak_bytes, and with it the run's device peak, was deepspeed.initialize's transient."""
@@ -334,6 +335,7 @@ def test_the_ready_record_and_the_runs_device_peak_leave_out_initializes_transie
     assert summary["per_rank"]["0"]["device_peak_bytes"] == resident
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example,grad_accum", [("zero3", 2), ("offload", 1)])
 def test_deepspeed_steps_add_no_blocking_calls_outside_census_steps(counting, one_gloo_rank, tmp_path, example,
                                                                     grad_accum):

@@ -97,6 +97,7 @@ def test_plan_splits_batches_and_dedupes():
     assert len({point_key(p) for p in points}) == len(points)
 
 
+@pytest.mark.slow
 def test_sweep_runs_points_into_a_tidy_table(launched):
     table = launched["table"]
     assert len(table) == 4 and launched["first"].launched == 4
@@ -113,6 +114,7 @@ def test_sweep_runs_points_into_a_tidy_table(launched):
     assert table.noise_g2.max() == pytest.approx(table.noise_g2.min(), rel=1e-2)
 
 
+@pytest.mark.slow
 def test_sweep_resumes_without_new_launches(launched):
     root = launched["root"] / "sweep"
     again = Sweep(launched["points"], root, parallel=4, progress=False, timed=False)
@@ -126,6 +128,7 @@ def test_sweep_resumes_without_new_launches(launched):
     assert {point_key(p) for p in launched["points"]} == set(pd.read_csv(root / "results.csv").key)
 
 
+@pytest.mark.slow
 def test_points_measured_by_an_older_labkit_are_not_reused(launched, tmp_path):
     import shutil
 
@@ -145,6 +148,7 @@ def test_points_measured_by_an_older_labkit_are_not_reused(launched, tmp_path):
     assert list(Sweep([point], tmp_path / "old", progress=False).known_rows({key})) == [key]
 
 
+@pytest.mark.slow
 def test_memory_model_matches_measured_states_within_5_percent(launched):
     from labkit.study import memory
 
@@ -160,6 +164,7 @@ def test_memory_model_matches_measured_states_within_5_percent(launched):
         assert all(abs(e) <= 0.05 for e in errors.values()), (stage, measured, predicted, errors)
 
 
+@pytest.mark.slow
 def test_zero1_halves_optimizer_state_and_zero3_the_partitioned_parameters_per_rank(launched):
     """What each stage partitions, read off the sweep's 2-rank points (states per rank, as the census counts)."""
     from labkit.study import memory
@@ -177,6 +182,7 @@ def test_zero1_halves_optimizer_state_and_zero3_the_partitioned_parameters_per_r
     assert z3 - persistent == pytest.approx((whole - persistent) / 2, rel=0.02)
 
 
+@pytest.mark.slow
 def test_memory_table_predicts_stage_1_2_grads_from_deepspeeds_layout(launched):
     from labkit.study.answer import memory_table
 
@@ -193,6 +199,7 @@ def test_memory_table_predicts_stage_1_2_grads_from_deepspeeds_layout(launched):
     assert row.measured_grad_bytes > 1.5 * row.predicted_grad_bytes, row
 
 
+@pytest.mark.slow
 def test_offload_census_matches_the_memory_model_on_device_and_host(launched):
     """Optimizer offload keeps the optimizer states, the fp32 master and the grad partitions (at
     ZeRO-3 the low-precision one too) on the host: only the params count as device bytes."""
@@ -223,6 +230,7 @@ def test_offload_census_matches_the_memory_model_on_device_and_host(launched):
 
 
 # -- max-batch search -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_maxbatch_finds_the_emulated_boundary(launched):
     from labkit.study import memory
 
@@ -246,6 +254,7 @@ def test_maxbatch_finds_the_emulated_boundary(launched):
     assert "no evidence" in result.summary_row()["boundary_evidence"]
 
 
+@pytest.mark.slow
 def test_points_that_did_not_finish_have_no_throughput(launched):
     from labkit.study.sweep import row_from_run
 
@@ -258,12 +267,14 @@ def test_points_that_did_not_finish_have_no_throughput(launched):
     assert all(r["samples_per_s"] > 0 and r["time_per_epoch_s"] > 0 for r in fits)
 
 
+@pytest.mark.slow
 def test_maxbatch_search_replays_cached_probes(launched):
     again = search(launched["template"], launched["root"] / "maxbatch", start=2)
     assert again.max_micro_batch == BOUNDARY and again.launches == 5 and again.new_launches == 0
 
 
 # -- stop at target (worker) ------------------------------------------------------------------------
+@pytest.mark.slow
 def test_stop_at_target_ends_the_run_at_the_target(launched):
     run = launched["stop"]
     summary = run.summary

@@ -39,6 +39,7 @@ def node_python(tmp_path: Path) -> Path:
     return node / "bin" / "python"
 
 
+@pytest.mark.slow
 def test_make_venv_from_a_venv_python_keeps_its_torch(node_python: Path, tmp_path: Path):
     target = tmp_path / "lab-venv"
     before = subprocess.run([str(node_python), "-m", "venv", "--system-site-packages", "--without-pip",
