@@ -14,6 +14,7 @@ import os
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -52,6 +53,21 @@ def _slow_if_it_starts_a_process(request: pytest.FixtureRequest, monkeypatch: py
     if started:
         pytest.fail(f"starts a process but is not marked slow: {started[0]!r}"
                     + (f" and {len(started) - 1} more" if len(started) > 1 else ""), pytrace=False)
+
+
+def run_together(commands: dict[str, dict[str, Any]], timeout: float) -> dict[str, subprocess.CompletedProcess]:
+    """Starts every command at once ({name: Popen keyword arguments: args, cwd, env}), then awaits each:
+    runs that several tests read cost the slowest of them, not their sum."""
+    started = {name: subprocess.Popen(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+               for name, kwargs in commands.items()}
+    done = {}
+    for name, process in started.items():
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        finally:
+            process.kill()
+        done[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return done
 
 
 @pytest.fixture

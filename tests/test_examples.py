@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 from labkit import Run, RunConfig
 from labkit.study import examples, lessons
+from tests.conftest import run_together
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "notebooks" / "examples"
@@ -146,28 +146,19 @@ def example_runs(tmp_path_factory) -> dict:
     repository's root, the run store redirected, not the command), Examples 2 and 1 under labkit, and Example 1
     plainly with python in an empty directory (no launcher, no --local_rank, no LABKIT_RUN_DIR)."""
     root = tmp_path_factory.mktemp("examples")
-    store = root / "ex3"
-    ex3 = subprocess.Popen([str(Path(sys.executable).parent / "labkit"), "run", "--script",
-                            "notebooks/examples/ex3_zero3.py", "--world-size", "2", "--", "--steps", "20"],
-                           cwd=REPO, env={**os.environ, "LABKIT_RUNS_DIR": str(store)}, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
     ex2 = Run(examples.script_config("ex2_zero_offload.py", world_size=1, steps=8), root=root / "ex2").start()
     ex1 = Run(examples.script_config("ex1_pytorch.py", world_size=1, steps=30), root=root / "ex1").start()
-    elsewhere = root / "elsewhere"
-    elsewhere.mkdir()
-    plain = subprocess.Popen([sys.executable, str(EXAMPLES / "ex1_pytorch.py"), "--steps", "15"], cwd=elsewhere,
-                             env={k: v for k, v in os.environ.items() if k != "LABKIT_RUN_DIR"},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    done = {}
-    for name, process in (("ex3", ex3), ("plain", plain)):
-        try:
-            stdout, stderr = process.communicate(timeout=600)
-        finally:
-            process.kill()
-        done[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    (root / "elsewhere").mkdir()
+    done = run_together({
+        "ex3": dict(args=[str(Path(sys.executable).parent / "labkit"), "run", "--script",
+                          "notebooks/examples/ex3_zero3.py", "--world-size", "2", "--", "--steps", "20"],
+                    cwd=REPO, env={**os.environ, "LABKIT_RUNS_DIR": str(root / "ex3")}),
+        "plain": dict(args=[sys.executable, str(EXAMPLES / "ex1_pytorch.py"), "--steps", "15"], cwd=root / "elsewhere",
+                      env={k: v for k, v in os.environ.items() if k != "LABKIT_RUN_DIR"}),
+    }, timeout=600)
     ex2.wait(timeout=600)
     ex1.wait(timeout=600)
-    return {"ex3": (done["ex3"], store), "ex2": ex2, "ex1": ex1, "plain": (done["plain"], elsewhere)}
+    return {"ex3": (done["ex3"], root / "ex3"), "ex2": ex2, "ex1": ex1, "plain": (done["plain"], root / "elsewhere")}
 
 
 @pytest.mark.slow

@@ -14,36 +14,27 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_together
 
 NOTEBOOKS = ("04-the-answer.ipynb", "04a-learning-rate.ipynb", "05-live-panel.ipynb")
 
 
 @pytest.fixture(scope="module")
-def gpt_sessions(tmp_path_factory) -> dict[str, tuple[int, str]]:
-    """The three nbval sessions, started together and awaited: {notebook: (return code, its output)}."""
-    started = {}
+def gpt_sessions(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """The three nbval sessions, started together and awaited."""
+    commands = {}
     for name in NOTEBOOKS:
         runs = tmp_path_factory.mktemp(name.split("-")[0]) / "runs"
         env = {**os.environ, "LABKIT_MODEL": "gpt", "LABKIT_PROFILE": "ci", "LABKIT_RUNS_DIR": str(runs)}
         env.pop("LABKIT_RESULTS_DIR", None)  # 04 must read the GPT's own committed results
-        started[name] = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
-             str(REPO / "notebooks" / name)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True)
-    done = {}
-    for name, session in started.items():
-        try:
-            output, _ = session.communicate(timeout=900)
-        finally:
-            session.kill()
-        done[name] = (session.returncode, output)
-    return done
+        commands[name] = dict(args=[sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
+                                    str(REPO / "notebooks" / name)], cwd=REPO, env=env)
+    return run_together(commands, timeout=900)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_on_the_gpt(name: str, gpt_sessions):
-    returncode, output = gpt_sessions[name]
-    assert returncode == 0, output[-8000:]
-    assert " passed" in output and " failed" not in output
+    done = gpt_sessions[name]
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout

@@ -17,7 +17,7 @@ from labkit.launch.config import ConfigError
 from labkit.live.telemetry import rank_file, read_records
 from labkit.models import builders
 from labkit.study.sweep import point_key, strategy_of
-from tests.conftest import REPO
+from tests.conftest import REPO, run_together
 
 OWN = dict(model="tests.own_model:build_model", data="tests.own_model:build_dataset",
            loss="tests.own_model:loss_fn")
@@ -232,25 +232,14 @@ SCRIPT_RUNS = {  # name: the script's arguments; each a 2-rank `labkit run --scr
 def script_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path, dict]]:
     """The CLI's script runs, started together and awaited: {name: (result, run directory, summary)}."""
     root = tmp_path_factory.mktemp("scripts")
-    started = {}
-    for name, script_args in SCRIPT_RUNS.items():
-        out = root / name
-        started[name] = (subprocess.Popen(
-            [sys.executable, "-m", "labkit", "run", "--script", SCRIPT, "--world-size", "2", "--steps", "6",
-             "--out", str(out), "--", "--steps", "6", *script_args],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out)
-    results = {}
-    for name, (process, out) in started.items():
-        try:
-            stdout, stderr = process.communicate(timeout=500)
-        finally:
-            process.kill()
-        result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-        results[name] = (result, out, json.loads((out / "summary.json").read_text()))
-    return results
+    commands = {name: dict(args=[sys.executable, "-m", "labkit", "run", "--script", SCRIPT, "--world-size", "2",
+                                 "--steps", "6", "--out", str(root / name), "--", "--steps", "6", *script_args],
+                           cwd=REPO)
+                for name, script_args in SCRIPT_RUNS.items()}
+    return {name: (result, root / name, json.loads((root / name / "summary.json").read_text()))
+            for name, result in run_together(commands, timeout=500).items()}
 
 
-@pytest.mark.slow
 def test_script_with_one_record_line_streams_its_steps(script_runs):
     result, out, summary = script_runs["recorded"]
     assert result.returncode == 0, result.stderr[-3000:]

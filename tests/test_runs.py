@@ -22,7 +22,7 @@ import pytest
 
 from labkit import RunConfig, load_run
 from labkit.live.telemetry import rank_file, read_records
-from tests.conftest import REPO, run_processes
+from tests.conftest import REPO, run_processes, run_together
 
 SMALL = dict(hidden=512, depth=2, micro_batch=32, dataset_size=2048)
 
@@ -42,21 +42,10 @@ def cli_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, P
     secret, which launch.json and command.txt must leave out."""
     root = tmp_path_factory.mktemp("cli")
     env = {**os.environ, "AWS_SECRET_ACCESS_KEY": SECRET}
-    started = {}
-    for example, extra in EXAMPLES.items():
-        out = root / example
-        started[example] = (subprocess.Popen(
-            [sys.executable, "-m", "labkit", "run", "--example", example, "--micro-batch", "32", "--steps", "6",
-             "--out", str(out), *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True), out)
-    results = {}
-    for example, (process, out) in started.items():
-        try:
-            stdout, stderr = process.communicate(timeout=600)
-        finally:
-            process.kill()
-        results[example] = (subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), out)
-    return results
+    commands = {example: dict(args=[sys.executable, "-m", "labkit", "run", "--example", example, "--micro-batch", "32",
+                                    "--steps", "6", "--out", str(root / example), *extra], cwd=REPO, env=env)
+                for example, extra in EXAMPLES.items()}
+    return {example: (result, root / example) for example, result in run_together(commands, timeout=600).items()}
 
 
 @pytest.mark.slow
