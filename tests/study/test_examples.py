@@ -19,7 +19,7 @@ from labkit import Run, RunConfig
 from labkit.study import examples, lessons
 from tests.conftest import run_together
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "notebooks" / "examples"
 
 

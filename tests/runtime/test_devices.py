@@ -71,7 +71,7 @@ def test_first_deepspeed_import_from_eight_threads_does_not_deadlock():
     import sys
     from pathlib import Path
 
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     result = subprocess.run([sys.executable, "-c", _CONCURRENT_FIRST_IMPORT], capture_output=True, text=True,
                             env=env, timeout=600)
@@ -119,7 +119,7 @@ def test_gpu_check_without_a_gpu_says_so_fails_and_still_writes_its_report(tmp_p
 
     if not detect_devices().is_cpu:
         pytest.skip("a GPU is here: make gpu-check checks it for real")
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     report = tmp_path / "report.txt"
     result = subprocess.run([sys.executable, "-m", "labkit.runtime.gpu_check", "--report", str(report), "--runs-root",
                              str(tmp_path / "runs")], capture_output=True, text=True, timeout=900, cwd=root)

@@ -31,8 +31,8 @@ from labkit.launch.launcher import free_port
 from labkit.launch.multinode import check_slots, check_tools, deepspeed_env_text
 from labkit.launch.rank_entry import LauncherEnvError, rank_env, tasks_per_node
 from labkit.live.dashboard import load_series
-from tests.cluster_jobs import assert_trained
 from tests.conftest import REPO, run_processes
+from tests.launch.cluster_jobs import assert_trained
 
 SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")
 JOB_TIMEOUT_S = 400  # a 2-rank DeepSpeed job on a loaded 2-core machine, queueing included

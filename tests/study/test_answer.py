@@ -272,7 +272,7 @@ def test_results_dir_for_reads_the_committed_reference_then_a_sweep_run_here(tmp
     from labkit.study.answer import results_dir_for
 
     monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path))
-    data = Path(__file__).resolve().parents[1] / "data"
+    data = Path(__file__).resolve().parents[2] / "data"
     assert results_dir_for("ci") == data / "reference-ci"
     assert results_dir_for("ci", "gpt") == data / "reference-ci-gpt"
     assert results_dir_for("full") == data / "reference-ci"  # no full answer anywhere: the ci one (banner says so)

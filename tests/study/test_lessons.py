@@ -144,7 +144,7 @@ def test_source_line_finds_a_line_through_decorators_with_and_without_wraps():
     found = lessons.source_line(_decorated, "y = x + 1")
     lines, first = inspect.getsourcelines(_decorated.__closure__[0].cell_contents)
     number = first + next(i for i, line in enumerate(lines) if "y = x + 1" in line)
-    assert re.fullmatch(rf"\S*tests/test_lessons.py:{number}: y = x \+ 1  # the line to find", found), found
+    assert re.fullmatch(rf"\S*tests/study/test_lessons.py:{number}: y = x \+ 1  # the line to find", found), found
     # A DeepSpeed method under instrument_w_nvtx, as notebook 02 cites it.
     line = lessons.source_line(DeepSpeedZeroOptimizer_Stage3._offload_grad_partition_at_boundary,
                                "fp32_grad_tensor.copy_(")

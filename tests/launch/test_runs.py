@@ -1,8 +1,8 @@
 """Runs from the outside: the CLI runs each example (all four at once), what the run store keeps private, a
 run whose supervisor may live on another host, Ctrl-C in a kernel (both kernels at once).
 
-ZeRO's memory effect per stage is tests/test_sweep.py's (its 4-point sweep); failures, hangs, Stop and a dead
-supervisor are the fault suite's (tests/test_faults.py)."""
+ZeRO's memory effect per stage is tests/study/test_sweep.py's (its 4-point sweep); failures, hangs, Stop and a dead
+supervisor are the fault suite's (tests/launch/test_faults.py)."""
 
 from __future__ import annotations
 

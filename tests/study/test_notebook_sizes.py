@@ -18,7 +18,7 @@ from labkit.runtime.profiles import PROFILES, default_profile
 from labkit.study import examples, notebook_sizes
 from labkit.study.notebook_sizes import FIT_MARGIN, NOTEBOOKS, notebook_configs, predicted_device_bytes, sizes_for
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
 
 

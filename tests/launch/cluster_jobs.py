@@ -1,4 +1,4 @@
-"""What every finished job of DeepSpeed's slurm and openmpi launchers must show (tests/test_slurm.py, test_mpi.py)."""
+"""What every finished job of DeepSpeed's slurm and openmpi launchers must show (test_slurm.py, test_mpi.py)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 from labkit.study import calibrate as C
 from labkit.study import predict as P
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "predict-ci"
+DATA = Path(__file__).resolve().parents[2] / "data" / "predict-ci"
 GOAL_MEDIAN, GOAL_MAX = 0.15, 0.30
 
 

@@ -1,5 +1,5 @@
 """The max-batch search's logic (labkit.study.maxbatch.find_boundary) with a fake `fits` predicate: no launches.
-The real path (probes that launch DeepSpeed runs against the emulated budget) is tests/test_sweep.py's."""
+The real path (probes that launch DeepSpeed runs against the emulated budget) is tests/study/test_sweep.py's."""
 
 from __future__ import annotations
 

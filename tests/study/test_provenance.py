@@ -15,7 +15,7 @@ from labkit.study import memory
 from labkit.study.answer import PROFILES, points
 from labkit.study.report import build_report, provenance_banner
 
-REFERENCE = Path(__file__).resolve().parents[1] / "data" / "reference-ci"
+REFERENCE = Path(__file__).resolve().parents[2] / "data" / "reference-ci"
 CPU_MACHINE = json.loads((REFERENCE / "machine.json").read_text())
 
 

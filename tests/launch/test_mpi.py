@@ -25,8 +25,8 @@ from labkit.launch.multinode import check_tools, deepspeed_env_text
 from labkit.launch.rank_entry import rank_env
 from labkit.launch.summary import rank_records
 from labkit.live.dashboard import load_series
-from tests.cluster_jobs import assert_trained
 from tests.conftest import REPO, run_processes
+from tests.launch.cluster_jobs import assert_trained
 
 RUN_TIMEOUT_S = 400  # a 2-rank DeepSpeed run on a loaded 2-core machine
 

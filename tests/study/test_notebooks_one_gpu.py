@@ -4,7 +4,7 @@ by nbval with the `workshop` profile on a stand-in for one H100 80GB (the lead's
 The kernel's IPython startup file replaces `labkit.runtime.devices.detect_devices` with the stand-in before any cell
 runs, so every cell takes the one-GPU path for real: sizes resolved for it (bf16, world size capped at 1), the skip
 note, the formulas computed for 2 ranks, and no launch and no link fit (the only parts that would need the GPU).
-03 and 03a launch runs on their one rank, which needs the device itself: see tests/test_notebook_sizes.py for their
+03 and 03a launch runs on their one rank, which needs the device itself: see test_notebook_sizes.py for their
 runs on one GPU.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ONE_H100 = {"accelerator": "cuda", "device_count": 1, "max_ranks": 1, "backend": "nccl", "bf16": True, "fp16": True,
             "device_name": "NVIDIA H100 80GB HBM3", "total_memory_bytes": 80 * 2**30}
 STARTUP = """\
