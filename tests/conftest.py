@@ -61,12 +61,13 @@ def run_together(commands: dict[str, dict[str, Any]], timeout: float) -> dict[st
     started = {name: subprocess.Popen(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
                for name, kwargs in commands.items()}
     done = {}
-    for name, process in started.items():
-        try:
+    try:
+        for name, process in started.items():
             stdout, stderr = process.communicate(timeout=timeout)
-        finally:
+            done[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    finally:  # one that timed out ends them all
+        for process in started.values():
             process.kill()
-        done[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     return done
 
 
