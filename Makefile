@@ -77,8 +77,9 @@ lint: install
 test: ops lint
 	LABKIT_PROFILE=ci $(BIN)/python -m pytest -ra tests --nbval-lax notebooks
 
+# The tests that start no process (every one that does is marked slow: tests/conftest.py), under 2 minutes.
 test-fast: install
-	$(BIN)/python -m pytest -ra tests -m "not slow and not browser and not faults and not multinode and not slurm and not mpi"
+	$(BIN)/python -m pytest -ra tests -m "not slow"
 
 bench: ops
 	$(BIN)/python benchmarks/run_all.py

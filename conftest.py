@@ -9,6 +9,9 @@ NBVAL_OUTPUT_TIMEOUT_S = 120
 
 
 def pytest_collection_modifyitems(items) -> None:
+    import pytest
+
     for item in items:
         if type(item).__name__ == "IPyNbCell":
             item.output_timeout = NBVAL_OUTPUT_TIMEOUT_S
+            item.add_marker(pytest.mark.slow)  # a notebook runs in a kernel, its own process

@@ -8,7 +8,7 @@ DeepSpeed engine, and the kernel launch overhead.
 Self-contained (torch, deepspeed, labkit; no network), <= 90 s on one H100 including DeepSpeed's init: every
 section checks the time left (`--budget-s`) and records itself as skipped, with the reason, rather than overrun.
 Without a CUDA GPU the GPU sections are recorded as skipped and the host ones still run (CPU Adam if its op builds,
-ZeRO-3 on gloo, the per-op dispatch cost): that is the path tests/test_bench_gpu_constants.py runs.
+ZeRO-3 on gloo, the per-op dispatch cost): that is the path tests/runtime/test_bench_gpu_constants.py runs.
 The JSON (format "labkit-gpu-constants/1", with its `source`: "measured on <GPU> in this lab, <date>") is meant to
 be read by labkit.runtime.hardware as a GPU preset's measured constants.
 

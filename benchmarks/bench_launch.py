@@ -94,7 +94,7 @@ HOW = {"interpreter start": "outside+probe", OTHER: "derived", NOT_SPLIT: "outsi
 ROLE_ORDER = ("caller", "supervisor", "runner", "launch.py", "rank guard", "rank", "after the step")
 
 
-# -- pure helpers (tests/test_bench_launch.py) ---------------------------------------------------------------
+# -- pure helpers (tests/launch/test_bench_launch.py) ---------------------------------------------------------------
 def role_of(cmdline: list[str]) -> str | None:
     """Which hop of a launch a process is, from its command line."""
     for module, role in (("labkit.launch.supervisor", "supervisor"), ("deepspeed.launcher.runner", "runner"),

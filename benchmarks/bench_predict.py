@@ -4,7 +4,7 @@
     python benchmarks/bench_predict.py --measure       # re-measure the CPU runs here first (~10 min, quiet machine)
 
 1. Published GPU points (data/published/points.csv): predicted / published per point; goals: median |error| <= 25%,
-   every point <= 40% (tests/test_predict_published.py holds what the model reaches today).
+   every point <= 40% (tests/study/test_predict_published.py holds what the model reaches today).
    Where this lab measured a GPU kind (data/reference-*/gpu_constants.json, benchmarks/bench_gpu_constants.py),
    the GEMM roofline against every GEMM of that grid (the model takes only its best GEMM from it).
 2. This machine: calibrated on 1-rank runs (the answer's ci MLP, every strategy, micro-batch 16/64/256, one thread

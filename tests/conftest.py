@@ -1,15 +1,74 @@
-"""Shared fixtures: real runs write into a per-test directory, and no process may outlive a test."""
+"""Shared fixtures: real runs write into a per-test directory, and no process may outlive a test.
+
+Markers say what a test costs: `slow` on every test that starts a process (a DeepSpeed run, a Python or
+tool subprocess, a kernel, a browser), so `make test-fast` (`-m "not slow"`) starts none. The rule is
+enforced: a test not marked `slow` that starts a process from the test's own thread fails. One probe is not
+counted: DeepSpeed's CPU accelerator runs `numactl --hardware` on every `device_count()`
+(deepspeed/accelerator/cpu_accelerator.py:75 and utils/numa.py:27 in 0.19.8), a few milliseconds that any
+config check pays.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import threading
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+
+
+NOT_COUNTED = ("numactl --hardware",)  # DeepSpeed's probe (module docstring)
+
+
+@pytest.fixture(autouse=True)
+def _slow_if_it_starts_a_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Fails a test not marked `slow` that starts a process (subprocess, fork, posix_spawn) from its own
+    thread; threads of a module's shared runs (the fault suite's fleet) are theirs to account for."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    started: list[str] = []
+
+    def watched(real, describe):
+        def call(*args, **kwargs):
+            what = describe(args)
+            if threading.current_thread() is threading.main_thread() and not what.startswith(NOT_COUNTED):
+                started.append(what)
+            return real(*args, **kwargs)
+        return call
+
+    execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+    monkeypatch.setattr(subprocess.Popen, "_execute_child",
+                        watched(execute_child, lambda args: " ".join(map(str, args[1] if isinstance(
+                            args[1], (list, tuple)) else [args[1]]))[:200]))
+    monkeypatch.setattr(os, "fork", watched(os.fork, lambda args: "os.fork()"))
+    monkeypatch.setattr(os, "posix_spawn", watched(os.posix_spawn, lambda args: f"os.posix_spawn({args[0]})"))
+    yield
+    if started:
+        pytest.fail(f"starts a process but is not marked slow: {started[0]!r}"
+                    + (f" and {len(started) - 1} more" if len(started) > 1 else ""), pytrace=False)
+
+
+def run_together(commands: dict[str, dict[str, Any]], timeout: float) -> dict[str, subprocess.CompletedProcess]:
+    """Starts every command at once ({name: Popen keyword arguments: args, cwd, env}), then awaits each:
+    runs that several tests read cost the slowest of them, not their sum."""
+    started = {name: subprocess.Popen(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+               for name, kwargs in commands.items()}
+    done = {}
+    try:
+        for name, process in started.items():
+            stdout, stderr = process.communicate(timeout=timeout)
+            done[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    finally:  # one that timed out ends them all
+        for process in started.values():
+            process.kill()
+    return done
 
 
 @pytest.fixture

@@ -88,9 +88,11 @@ def _watch_script(child: subprocess.Popen, run_dir: Path, rank: int) -> tuple[in
             pass
         try:
             tree = [process, *process.children(recursive=True)]
-            sample(sum(p.memory_info().rss for p in tree))
+            rss = sum(p.memory_info().rss for p in tree)
         except psutil.Error:
             continue  # exiting: the next wait returns
+        if rss:  # 0: the script exited since the wait (a zombie has no memory); the next wait returns
+            sample(rss)
     verdict = judge_exit(run_dir, rank, child.pid, return_code)
     done(verdict, return_code)
     return return_code, verdict == "teardown_abort"

@@ -84,6 +84,7 @@ def run_smoke(root: Path, update_chart: bool = True, screenshot_name: str = "smo
         harness.screenshot(page, ARTIFACTS / screenshot_name, scroll_to=".js-plotly-plot")
 
 
+@pytest.mark.slow
 @pytest.mark.browser
 def test_figurewidget_fills_from_background_thread(tmp_path: Path, chromium: str) -> None:
     t0 = time.monotonic()

@@ -77,6 +77,7 @@ def run_dir_of(runs_root: Path, status: str) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.browser
 def test_panel_launches_plots_stops_and_compares(tmp_path: Path, chromium: str) -> None:
     runs_root = tmp_path / "runs"

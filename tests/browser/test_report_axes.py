@@ -88,6 +88,7 @@ def _reference_report(out: Path) -> Path:
                         profile={"name": machine.get("profile")})
 
 
+@pytest.mark.slow
 def test_every_report_chart_has_sane_axes(chromium: str, tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 

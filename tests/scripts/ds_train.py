@@ -1,4 +1,4 @@
-"""A plain DeepSpeed training script, as a learner writes it (run by tests/test_own_model.py).
+"""A plain DeepSpeed training script, as a learner writes it (run by tests/launch/test_own_model.py).
 
     deepspeed ds_train.py --steps 6 [--record] [--fail-rank 1 --fail-step 3] [--abort-rank 1 [--abort-step 3]]
                           [--sleep-s 0.2]

@@ -1,0 +1,1 @@
+"""The run's configuration (RunConfig, ConfigError), the DeepSpeed config built from it, the schedule."""

@@ -1,0 +1,291 @@
+"""Admission (labkit.launch.admission): estimates in, decisions out; then real runs that must wait for
+memory or devices, a run refused before launch, and the CLI's exit 2 with the figures."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from labkit import RunConfig
+from labkit.core import memory
+from labkit.launch import admission
+from labkit.launch.admission import (
+    MIN_MARGIN_BYTES,
+    Capacity,
+    Decision,
+    Estimate,
+    LearnedMemory,
+    NotEnoughMemory,
+    admit_from,
+    available_bytes,
+    decide,
+    estimate,
+    memory_limit,
+    refusal,
+    room_bytes,
+    runs_module,
+)
+from tests.conftest import REPO
+
+GB = 10**9
+MiB = 2**20
+
+
+def est(total_gb: float, *, ranks: int = 1, threads: int = 2, devices: int = 0) -> Estimate:
+    """A run whose whole estimate is `total_gb` (no launcher), on `ranks` CPU ranks."""
+    return Estimate(ranks=ranks, rank_bytes=int(total_gb * GB / ranks), launcher_bytes=0, cpu_ranks=ranks,
+                    threads=threads, devices=devices)
+
+
+# -- estimates ---------------------------------------------------------------------------------------
+def test_estimate_adds_the_memory_models_states_activations_base_and_launchers():
+    config = RunConfig(example="zero3", world_size=2, hidden=1024, depth=2, micro_batch=32, precision="fp32")
+    facts = admission.builtin_model_facts(config)
+    assert facts is not None and facts.n_params == memory.n_params_mlp(100, 1024, 2, 10)
+    got = estimate(config, rank_base_bytes=400 * MiB, launcher_bytes=600 * MiB, model=facts, cores=2)
+    states = memory.model_state_bytes(facts.n_params, 3, 2, "fp32",
+                                      persistent_params=memory.mlp_persistent_params(100, 1024, 2, 10))
+    # The worker counted 276,484 saved bytes for this micro-batch of 32 (ci machine, 2026-11-24).
+    assert abs(32 * facts.activation_bytes_per_sample - 276_484) < 100
+    assert got.rank_bytes == 400 * MiB + states["device_bytes"] + states["host_bytes"] + 276_480
+    assert got.launcher_bytes == 600 * MiB + 2 * admission.GUARD_BYTES
+    assert got.total_bytes == 2 * got.rank_bytes + got.launcher_bytes
+    assert (got.ranks, got.cpu_ranks, got.threads, got.devices) == (2, 2, 2, 0)  # 1 thread per rank, 2 cores
+
+
+def test_on_a_gpu_only_what_offload_keeps_on_the_host_counts():
+    config = RunConfig(example="offload", stage=2, world_size=1, hidden=1024, depth=2, micro_batch=32)
+    facts = admission.builtin_model_facts(config)
+    gpu = estimate(config, rank_base_bytes=0, launcher_bytes=0, model=facts, is_cpu=False, leases_devices=True)
+    host = memory.model_state_bytes(facts.n_params, 2, 1, config.precision, True)["host_bytes"]
+    assert gpu.rank_bytes == host > 0 and gpu.cpu_ranks == gpu.threads == 0 and gpu.devices == 1
+    plain = RunConfig(example="zero3", world_size=1, hidden=1024, depth=2)
+    assert estimate(plain, rank_base_bytes=5, launcher_bytes=0, model=facts, is_cpu=False).rank_bytes == 5
+
+
+def test_a_model_labkit_cannot_count_is_estimated_from_what_its_last_run_taught(tmp_path):
+    config = RunConfig(example="zero3", world_size=1, model="gpt", hidden=64, depth=2, input_size=64)
+    learned = LearnedMemory(tmp_path / "m.json")
+    assert learned.model(config) is None
+    unknown = estimate(config, rank_base_bytes=100, launcher_bytes=0, model=None)
+    assert unknown.rank_bytes == 100 and not unknown.states_known and "unknown" in unknown.describe()
+    summary = {"n_params": 120_576, "per_rank": {"0": {"peak_rss_bytes": 600 * MiB, "param_bytes": 482_304,
+                                                        "grad_bytes": 482_304, "optim_bytes": 964_608,
+                                                        "master_bytes": 0, "activation_bytes": 16 * 1_020_416}}}
+    assert learned.observe(config, summary, is_cpu=True)
+    learned.save()
+    facts = LearnedMemory.load(learned.path).model(config)
+    assert facts.n_params == 120_576 and facts.activation_bytes_per_sample == 16 * 1_020_416 / config.micro_batch
+
+
+def test_learned_figures_are_the_largest_of_the_last_observations_and_survive_a_new_kernel(tmp_path):
+    path = tmp_path / ".admission" / "host.json"
+    learned = LearnedMemory.load(path)
+    assert learned.rank_base_bytes == admission.PRIOR_RANK_BASE_BYTES  # before any run: the prior
+    assert learned.launcher_bytes == admission.PRIOR_LAUNCHER_BYTES
+    config = RunConfig(example="zero3", world_size=2, hidden=64)
+    ranks = {str(r): {"peak_rss_bytes": (500 + r) * MiB, "param_bytes": MiB, "grad_bytes": MiB, "optim_bytes": 2 * MiB,
+                      "master_bytes": MiB, "activation_bytes": MiB} for r in range(2)}
+    assert learned.observe(config, {"per_rank": ranks}, is_cpu=True, launcher_peak_bytes=700 * MiB)
+    learned.save()
+    again = LearnedMemory.load(path)  # what a new kernel reads
+    assert again.rank_base_bytes == 501 * MiB - 6 * MiB  # peak less the states and activations it measured
+    assert again.launcher_bytes == 700 * MiB - 2 * admission.GUARD_BYTES
+    for _ in range(admission.KEEP):
+        again.observe(config, {"per_rank": {"0": {**ranks["0"], "peak_rss_bytes": 300 * MiB}}}, is_cpu=True)
+    assert again.rank_base_bytes == 300 * MiB - 6 * MiB  # the old, larger one has aged out
+    script = RunConfig(example="zero3", world_size=1, script=str(REPO / "tests" / "scripts" / "ds_train.py"))
+    assert not again.observe(script, {"per_rank": ranks}, is_cpu=True)  # a script's states are unknown
+
+
+# -- what the machine has -----------------------------------------------------------------------------
+def test_the_simulated_limit_caps_what_the_admission_sees_less_the_margin():
+    free, source = available_bytes(vm_available=20 * GB, vm_total=24 * GB, limit=8 * GB, tree_rss=1 * GB)
+    assert free == 8 * GB - 1 * GB - round(0.1 * 8 * GB) and admission.MEMORY_LIMIT_ENV in source
+    free, source = available_bytes(vm_available=3 * GB, vm_total=24 * GB, limit=8 * GB, tree_rss=1 * GB)
+    assert free == 3 * GB - round(0.1 * 8 * GB) and source == "psutil available"  # the real machine has less
+    free, _ = available_bytes(vm_available=3 * GB, vm_total=24 * GB, limit=None, tree_rss=0)
+    assert free == 3 * GB - round(0.1 * 24 * GB)
+    assert available_bytes(vm_available=GB, vm_total=2 * GB, limit=GB, tree_rss=GB)[0] == 0
+    assert available_bytes(vm_available=GB, vm_total=2 * GB, limit=None, tree_rss=0)[0] == GB - MIN_MARGIN_BYTES
+
+
+@pytest.mark.parametrize("value,expected", [("8e9", 8 * GB), ("2500000000", 2_500_000_000), ("", None)])
+def test_memory_limit_reads_bytes(value, expected):
+    assert memory_limit({admission.MEMORY_LIMIT_ENV: value}) == expected
+
+
+@pytest.mark.parametrize("value", ["8GB", "-1", "0", "inf"])
+def test_memory_limit_refuses_what_is_not_a_positive_number(value):
+    with pytest.raises(admission.ConfigError, match=admission.MEMORY_LIMIT_ENV):
+        memory_limit({admission.MEMORY_LIMIT_ENV: value})
+
+
+# -- the decision ----------------------------------------------------------------------------------------
+def test_a_run_waits_for_memory_while_the_running_ones_may_still_grow():
+    capacity = Capacity(available_bytes=int(2.9 * GB), cores=8)
+    assert decide(est(2.5), [], capacity).admit
+    # The running run's estimate is 2 GB; 0.5 GB of it is in its RSS already (so gone from `available`).
+    waiting = decide(est(1.5), [(est(2.0), int(0.5 * GB))], capacity)
+    assert waiting == Decision(False, "memory", 3 * GB, int(2.9 * GB))
+    assert waiting.describe() == "waiting for memory: needs 3.00 GB, 2.90 GB available"
+    assert decide(est(1.0), [(est(2.0), int(0.5 * GB))], capacity).admit  # 1 + 1.5 fits in 2.9
+    # A run above its estimate grows no more: only what it holds (in `available` already) counts.
+    assert decide(est(2.8), [(est(1.0), 2 * GB)], capacity).admit
+    assert not decide(est(3.0), [], capacity).admit  # alone and too big now: it waits (refused only up front)
+
+
+def test_a_run_waits_for_cores_only_beside_others_and_for_devices():
+    capacity = Capacity(available_bytes=100 * GB, cores=2, devices=2)
+    assert decide(est(1, ranks=4, threads=4), [], capacity).admit  # alone, a run is never held back for cores
+    # Two 1-rank runs (2 threads each: all the cores) share 2 cores; a 2-rank run beside a 1-rank one does not.
+    assert decide(est(1, ranks=1, threads=2), [(est(1, ranks=1, threads=2), 0)], capacity).admit
+    cores = decide(est(1, ranks=2, threads=2), [(est(1, ranks=1, threads=2), 0)], capacity)
+    assert (cores.admit, cores.waiting_for, cores.needed, cores.available) == (False, "cores", 3, 2)
+    assert cores.describe() == "waiting for cores: 3 rank processes, at most 2 at once"
+    threads = decide(est(1, ranks=1, threads=3), [(est(1, ranks=1, threads=2), 0)], capacity)
+    assert (threads.waiting_for, threads.needed, threads.available) == ("threads", 5, 4)
+    assert "5 rank threads, at most 4" in threads.describe()
+    done = Estimate(ranks=2, rank_bytes=GB, launcher_bytes=0)  # its ranks all recorded done: no cores held
+    assert decide(est(1, ranks=2, threads=2), [(done, 0)], capacity).admit
+    assert decide(est(1, ranks=2), [(est(1, ranks=2), 0)], capacity, count_cores=False).admit
+    gpu = Estimate(ranks=1, rank_bytes=GB, launcher_bytes=0, devices=1)  # GPU ranks take no cores here
+    devices = decide(Estimate(ranks=2, rank_bytes=GB, launcher_bytes=0, devices=2), [(gpu, 0)], capacity)
+    assert (devices.waiting_for, devices.needed, devices.available) == ("devices", 2, 1)
+
+
+def test_the_queue_admits_in_order_and_nothing_overtakes_a_run_that_waits():
+    capacity = Capacity(available_bytes=4 * GB, cores=64)
+    queue = [est(1.0), est(2.0), est(2.0), est(0.1)]
+    admitted, why = admit_from(queue, [], capacity)
+    assert admitted == 2 and why is not None and why.waiting_for == "memory"  # 1 + 2 fit; the next 2 does not
+    # The small one at the end would fit, but it waits behind the big one.
+    assert admit_from(queue[2:], [(est(1.0), 0), (est(2.0), 0)], capacity)[0] == 0
+    assert admit_from(queue[1:], [(est(1.0), 0)], Capacity(100 * GB, 64)) == (3, None)
+
+
+def test_a_run_that_cannot_fit_alone_is_refused_with_both_figures():
+    assert refusal(est(1.0), int(1.2 * GB), "run 'small'") is None
+    error = refusal(est(1.5), int(1.2 * GB), "run 'big'", "8.00 GB of memory less ...")
+    assert isinstance(error, NotEnoughMemory) and isinstance(error, admission.ConfigError)
+    assert (error.needed_bytes, error.available_bytes) == (int(1.5 * GB), int(1.2 * GB))
+    assert "run 'big' needs 1.50 GB but at most 1.20 GB is available" in str(error)
+
+
+def test_the_room_a_run_is_refused_beyond_is_the_machine_less_this_process_tree_not_what_others_hold_now():
+    room, where = room_bytes(vm_total=24 * GB, limit=None, tree_rss=GB)
+    assert room == 23 * GB - round(0.1 * 24 * GB) and "24.00 GB of memory less this process tree's 1.00 GB" in where
+    room, where = room_bytes(vm_total=24 * GB, limit=8 * GB, tree_rss=GB)
+    assert room == 7 * GB - round(0.1 * 8 * GB) and admission.MEMORY_LIMIT_ENV in where
+    assert room_bytes(vm_total=4 * GB, limit=8 * GB, tree_rss=0)[0] == 4 * GB - round(0.1 * 4 * GB)
+
+
+def test_launch_py_names_the_rank_guard_but_is_no_guard():
+    launch_py = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", "--world_info=x", "--module",
+                 "labkit.rank.guard", "--run-dir", "/r"]
+    guard = [sys.executable, "-u", "-m", "labkit.rank.guard", "--local_rank=0", "--run-dir", "/r"]
+    assert not runs_module(launch_py, "labkit.rank.guard") and runs_module(guard, "labkit.rank.guard")
+    assert not runs_module(["python"], "labkit.rank.guard")
+
+
+# -- real runs ------------------------------------------------------------------------------------------
+SMALL = dict(example="deepspeed", stage=0, world_size=1, hidden=64, micro_batch=8, steps=4, dataset_size=256)
+
+
+def limit_for(runs_fitting: float, one: Estimate) -> int:
+    """A LABKIT_MEMORY_LIMIT_BYTES that leaves this process room for `runs_fitting` runs of `one`'s size."""
+    tree, wanted = admission.tree_rss(), runs_fitting * one.total_bytes
+    limit = int((tree + wanted) / (1 - admission.MARGIN_FRACTION))
+    if admission.MARGIN_FRACTION * limit < MIN_MARGIN_BYTES:  # the margin's floor applies
+        limit = int(tree + wanted + MIN_MARGIN_BYTES)
+    free, _ = available_bytes(vm_available=psutil.virtual_memory().available, vm_total=1, limit=limit, tree_rss=tree)
+    assert one.total_bytes * (runs_fitting - 0.1) < free < one.total_bytes * (runs_fitting + 0.1), free
+    return limit
+
+
+def spans(run) -> tuple[float, float]:
+    """The first and last wall time its ranks recorded."""
+    times = [r["wall_time"] for records in run.records().values() for r in records if "wall_time" in r]
+    return min(times), max(times)
+
+
+@pytest.mark.slow
+def test_two_runs_that_fit_only_one_at_a_time_run_one_after_the_other(runs_root, monkeypatch):
+    from labkit.study import lessons
+
+    config = RunConfig(**SMALL)
+    one = admission.Admission.here().estimate(config)
+    monkeypatch.setenv(admission.MEMORY_LIMIT_ENV, str(limit_for(1.5, one)))
+    stream = io.StringIO()
+    runs = lessons.launch_all({"first": config, "second": config}, file=stream)
+    assert [run.status for run in runs.values()] == ["finished", "finished"]
+    first, second = spans(runs["first"]), spans(runs["second"])
+    assert first[1] < second[0], (first, second)  # never overlapping
+    assert "waiting for memory: needs" in stream.getvalue()
+    learned = json.loads(next((runs_root / ".admission").glob("*.json")).read_text())
+    assert len(learned["rank_base_bytes"]) == 2 and len(learned["launcher_bytes"]) == 2  # one of each per run
+
+
+def test_a_run_that_cannot_fit_alone_is_refused_before_anything_launches(runs_root, monkeypatch):
+    from labkit.study import lessons
+    from labkit.study.sweep import Sweep
+
+    config = RunConfig(**SMALL)
+    one = admission.Admission.here().estimate(config)
+    monkeypatch.setenv(admission.MEMORY_LIMIT_ENV, str(limit_for(0.5, one)))
+    with pytest.raises(NotEnoughMemory) as refused:
+        lessons.launch_all({"fits": RunConfig(**{**SMALL, "steps": 1}), "too big": config})
+    assert refused.value.needed_bytes == one.total_bytes and refused.value.available_bytes < one.total_bytes
+    assert "run 'fits'" in str(refused.value)  # the first in the queue; nothing was launched at all
+    with pytest.raises(NotEnoughMemory):
+        Sweep([config], runs_root / "sweep", progress=False).run()
+    assert not list(runs_root.glob("*/config.json")) and not list((runs_root / "sweep").glob("runs/*"))
+
+
+@pytest.mark.slow
+def test_runs_wait_for_device_leases_instead_of_failing(runs_root, monkeypatch):
+    """CI's emulated device slots go through the GPU's lease code: two 1-rank runs on one slot."""
+    from labkit.launch import device_lease
+    from labkit.study import lessons
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("two 1-thread runs need 2 cores, or the cores hold the second back before the lease does")
+    monkeypatch.setenv(device_lease.EMULATED_DEVICES_ENV, "1")
+    stream = io.StringIO()
+    one_thread = RunConfig(**SMALL, threads_per_rank=1)  # the cores hold two: only the lease holds one back
+    runs = lessons.launch_all({"a": one_thread, "b": one_thread}, file=stream)
+    assert [run.status for run in runs.values()] == ["finished", "finished"]
+    assert "waiting for devices" in stream.getvalue()
+    assert spans(runs["a"])[1] < spans(runs["b"])[0]
+
+
+@pytest.mark.slow
+def test_cli_refuses_a_run_that_cannot_fit_with_exit_2_and_the_figures(tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "labkit", "run", "--example", "zero3", "--world-size", "2", "--steps", "2",
+         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, admission.MEMORY_LIMIT_ENV: "1e9", "LABKIT_RUNS_DIR": str(tmp_path / "runs")})
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = next(line for line in result.stderr.splitlines() if line.startswith("error: memory:"))
+    assert "this run needs" in line and "GB is available to runs" in line and admission.MEMORY_LIMIT_ENV in line
+    assert not out.exists()  # refused before anything was written
+
+
+def test_the_panel_shows_the_refusal_and_launches_nothing(runs_root, monkeypatch):
+    import re
+
+    from labkit.ui.panel import LabPanel
+
+    monkeypatch.setenv(admission.MEMORY_LIMIT_ENV, "1e9")
+    panel = LabPanel(world_size=2, micro_batch=32)
+    assert panel.launch() is None and panel.run is None
+    message = re.sub(r"<[^>]+>", "", panel.message.value)
+    assert message.startswith("⚠ memory: this run needs") and "GB is available" in message
+    assert not runs_root.exists() or not list(runs_root.glob("*/config.json"))

@@ -1,0 +1,186 @@
+"""Runs from the outside: the CLI runs each example (all four at once), what the run store keeps private, a
+run whose supervisor may live on another host, Ctrl-C in a kernel (both kernels at once).
+
+ZeRO's memory effect per stage is tests/study/test_sweep.py's (its 4-point sweep); failures, hangs, Stop and a dead
+supervisor are the fault suite's (tests/launch/test_faults.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+
+from labkit import RunConfig, load_run
+from labkit.core.records import rank_file, read_records
+from tests.conftest import REPO, run_processes, run_together
+
+SMALL = dict(hidden=512, depth=2, micro_batch=32, dataset_size=2048)
+
+
+EXAMPLES = {
+    "pytorch": [],
+    "offload": ["--world-size", "2"],
+    "deepspeed": ["--world-size", "2", "--stage", "1"],
+    "zero3": ["--world-size", "2", "--grad-accum", "2"],
+}
+SECRET = "not-for-the-run-store"
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """`labkit run --example X` for each example, started together and awaited. The environment holds a cloud
+    secret, which launch.json and command.txt must leave out."""
+    root = tmp_path_factory.mktemp("cli")
+    env = {**os.environ, "AWS_SECRET_ACCESS_KEY": SECRET}
+    commands = {example: dict(args=[sys.executable, "-m", "labkit", "run", "--example", example, "--micro-batch", "32",
+                                    "--steps", "6", "--out", str(root / example), *extra], cwd=REPO, env=env)
+                for example, extra in EXAMPLES.items()}
+    return {example: (result, root / example) for example, result in run_together(commands, timeout=600).items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", list(EXAMPLES))
+def test_cli_runs_each_example(example, cli_runs):
+    result, out = cli_runs[example]
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps_completed"] == 6
+    for name in ("config.json", "ds_config.json", "command.txt", "launcher.log"):
+        assert (out / name).is_file(), name
+    world_size = summary["world_size"]
+    for rank in range(world_size):
+        records = read_records(rank_file(out, rank))
+        steps = [r for r in records if r["event"] == "step"]
+        assert [r["step"] for r in steps] == list(range(1, 7))
+        assert records[-1]["event"] == "done"
+        for key in ("time_s", "step_time_s", "samples_per_s", "loss", "lr", "rss_bytes", "param_bytes",
+                    "grad_bytes", "optim_bytes", "forward_s", "backward_s", "optimizer_s"):
+            assert key in steps[-1], key
+    assert summary["samples_per_s"] > 0 and summary["achieved_flops"] > 0
+    assert not run_processes(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", list(EXAMPLES))
+def test_launch_record_keeps_only_what_labkit_set_and_is_private(example, cli_runs):
+    """launch.json once stored the whole environment (cloud keys, tokens), world-readable."""
+    out = cli_runs[example][1]
+    launch = json.loads((out / "launch.json").read_text())
+    assert "AWS_SECRET_ACCESS_KEY" not in launch["env"] and "DS_ACCELERATOR" in launch["env"]
+    for name in ("launch.json", "command.txt"):
+        assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o600
+        assert SECRET not in (out / name).read_text()
+
+
+def _dead_pid() -> int:
+    """A PID no process has now (found without starting one)."""
+    pid = max(psutil.pids()) + 1
+    while psutil.pid_exists(pid):
+        pid += 1
+    return pid
+
+
+def test_a_run_whose_supervisor_may_live_on_another_host_is_not_recovered(tmp_path):
+    """On a shared run store (another host, a container, hidepid) a PID this process cannot
+    see says nothing; "recovering" such a run wrote "failed" into a live run's summary."""
+    from labkit.core.files import write_json_atomic
+    from labkit.launch.supervisor import host_identity
+
+    here = host_identity()
+    for name, host in (("elsewhere", {**here, "boot_id": "another-machine"}), ("legacy", None), ("here", here)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        write_json_atomic(run_dir / "config.json", RunConfig(example="zero3", world_size=2, **SMALL).to_dict())
+        status = {"status": "running", "supervisor_pid": _dead_pid(), "started_at": time.time()}
+        write_json_atomic(run_dir / "status.json", {**status, **({"host": host} if host else {})})
+        run = load_run(run_dir)
+        if name == "here":  # provably this host and the PID is gone: the run is recovered
+            assert run.status == "failed" and "supervisor died" in run.cause
+        else:
+            assert run.status not in ("failed", "finished") and not (run_dir / "summary.json").exists()
+
+
+_INTERRUPTED_KERNEL = """
+import signal, sys, time
+# Ctrl-C raises KeyboardInterrupt, as ipykernel makes it do, even when this test runs in a background
+# shell job (which starts every child with SIGINT ignored, and then Python installs no handler).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from labkit import Run, RunConfig
+from labkit.study.lessons import launch_all
+config = RunConfig(example="zero3", world_size=2, steps=100_000, hidden=64, micro_batch=8, dataset_size=256)
+try:
+    if sys.argv[1] == "wait":
+        run = Run(config).start()
+        print("waiting", run.run_dir, flush=True)
+        run.wait()
+    else:
+        print("waiting", flush=True)
+        launch_all({"a": config, "b": config})
+except KeyboardInterrupt:
+    from labkit import runs
+    print("interrupted", ",".join(runs()["status"]), flush=True)
+time.sleep(120)  # the kernel lives on after Ctrl-C
+"""
+
+
+def _line(process: subprocess.Popen, prefix: str) -> str:
+    """The next line of `process` that starts with `prefix` (DeepSpeed logs to stdout too)."""
+    for line in process.stdout:
+        if line.startswith(prefix):
+            return line
+    return ""
+
+
+def _interrupt(entry: str, runs_root: Path) -> list[str]:
+    """A kernel starts runs into `runs_root` (Run.wait or launch_all), gets Ctrl-C once a run steps, and prints
+    the statuses its run store then holds: the "interrupted" line, split."""
+    kernel = subprocess.Popen([sys.executable, "-c", _INTERRUPTED_KERNEL, entry], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "LABKIT_RUNS_DIR": str(runs_root)})
+    watchdog = threading.Timer(400, kernel.kill)  # a kernel that never answers fails the test instead of hanging it
+    watchdog.start()
+    try:
+        assert _line(kernel, "waiting")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(
+                any(r.get("event") == "step" for r in read_records(path)) for path in runs_root.glob("*/rank0.jsonl")):
+            time.sleep(0.5)
+        time.sleep(1)  # every run of launch_all started
+        kernel.send_signal(signal.SIGINT)
+        return _line(kernel, "interrupted").split()
+    finally:
+        watchdog.cancel()
+        kernel.kill()
+        kernel.wait()
+
+
+ENTRIES = ("wait", "launch_all")
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> dict[str, tuple[list[str], Path]]:
+    """Both kernels at once, each with its own run store."""
+    roots = {entry: tmp_path_factory.mktemp(f"ctrl-c-{entry}") for entry in ENTRIES}
+    with ThreadPoolExecutor(max_workers=len(ENTRIES)) as pool:
+        lines = {entry: pool.submit(_interrupt, entry, roots[entry]) for entry in ENTRIES}
+        return {entry: (lines[entry].result(), roots[entry]) for entry in ENTRIES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_ctrl_c_while_waiting_stops_the_runs_it_started(interrupted, entry):
+    """Ctrl-C in the kernel during Run.wait() or launch_all once left the runs going, unattended."""
+    line, runs_root = interrupted[entry]
+    assert line and line[0] == "interrupted" and set(line[1].split(",")) == {"stopped"}, line
+    assert list(runs_root.iterdir())
+    for run_dir in runs_root.iterdir():
+        assert not run_processes(run_dir)

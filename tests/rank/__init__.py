@@ -1,0 +1,1 @@
+"""What runs inside a rank: the step loop, its clock, its records."""

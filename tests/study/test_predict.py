@@ -1,0 +1,502 @@
+"""labkit.study.predict and its parts: presets, the meta-device census, the step model, the card, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from labkit.cli import main
+from labkit.runtime import hardware as hw
+from labkit.study import calibrate as C
+from labkit.study import flops
+from labkit.study import predict as P
+from labkit.study.verdict import verdict
+
+SMALL = flops.Transformer(layers=2, hidden=128, heads=4, seq=64, vocab=512)
+GPT2_XL = flops.Transformer(layers=48, hidden=1600, heads=25, seq=1024)
+
+
+# -- hardware presets --------------------------------------------------------------------------------------------
+def test_gpu_names_follow_the_issue_and_sxm_is_the_default():
+    for name in ("V100-32GB", "A100-80GB", "A100-40GB-PCIE", "H100-SXM", "T4", "L4", "A10G", "V100-16GB"):
+        assert hw.gpu(name).name == name
+    assert hw.gpu("a100").name == "A100-80GB"      # SXM where both exist
+    assert hw.gpu("H100").name == "H100-SXM"
+    assert P.HARDWARE is hw.GPUS
+    assert all(g.source for g in hw.GPUS.values())
+
+
+def test_unknown_gpu_and_link_name_every_known_one():
+    with pytest.raises(ValueError, match=r"V100-32GB.*H100-SXM"):
+        hw.gpu("X100")
+    with pytest.raises(ValueError, match=r"nvlink3.*pcie5"):
+        hw.intra_link("nvlink9", hw.gpu("A100-80GB"))
+    with pytest.raises(ValueError, match="no NVLink"):
+        hw.intra_link("nvswitch", hw.gpu("T4"))
+
+
+def test_nvswitch_is_the_nvlink_of_the_gpus_generation():
+    assert hw.intra_link("nvswitch", hw.gpu("V100-32GB")).name == "nvlink2"
+    assert hw.intra_link("nvswitch", hw.gpu("A100-80GB")).name == "nvlink3"
+    assert hw.intra_link("nvswitch", hw.gpu("H100-SXM")).name == "nvlink4"
+    assert hw.intra_link("auto", hw.gpu("L4")).name == "pcie4"
+
+
+def test_a_ring_across_nodes_runs_at_the_slower_of_link_and_network():
+    one = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
+    four = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=4, inter_gbps=200)
+    assert one.bus_bytes_per_s() == pytest.approx(300e9 * hw.NVLINK3_EFFICIENCY)
+    # NCCL's developers' figure for InfiniBand: 192 GB/s bus bandwidth from 8 x 200 Gb/s (hardware.py cites it)
+    assert four.bus_bytes_per_s() == pytest.approx(25e9 * hw.NETWORK_EFFICIENCY) == pytest.approx(24e9)
+    assert four.bus_bytes_per_s(8) == one.bus_bytes_per_s()  # a ring inside one node never crosses the network
+    # NCCL's latency model: base + intra steps x link + inter steps x network; all-reduce passes twice.
+    assert four.ring_latency_s("all_gather") == pytest.approx(8.4e-6 + 28 * 3.4e-6 + 3 * 14e-6)
+    assert four.ring_latency_s("all_reduce") == pytest.approx(8.4e-6 + 56 * 3.4e-6 + 6 * 14e-6)
+    with pytest.raises(ValueError, match="inter-gbps"):
+        hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=2)
+
+
+# -- the census on the meta device ---------------------------------------------------------------------------------
+def test_census_counts_what_torchs_flop_counter_counts_on_the_meta_device():
+    model = flops._gpt2(SMALL, 2, torch.float32)
+    ids = torch.zeros(2, SMALL.seq, dtype=torch.long, device="meta")
+    census = flops.count(lambda: model(input_ids=ids, labels=ids).loss, list(model.parameters()))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert census.flops() == counter.get_total_flops() > 0
+    assert census.flops("backward") == pytest.approx(2 * census.flops("forward"), rel=0.05)
+    assert census.saved_bytes > 0 and all(op.bytes >= 0 for op in census.forward)
+    assert sum(1 for op in census.forward if op.gemm) >= 2 * 4  # qkv, proj, fc, out per layer
+
+
+def test_layer_extrapolation_is_exact_for_a_stack_of_identical_blocks():
+    three = flops.Transformer(layers=3, hidden=128, heads=4, seq=64, vocab=512)
+    costs = flops.transformer_costs(three, 2, "fp32")
+    model = flops._gpt2(three, 3, torch.float32)
+    ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    direct = flops.count(lambda: model(input_ids=ids, labels=ids).loss, list(model.parameters()))
+    assert costs.scaled(lambda c: c.flops(), 3) == pytest.approx(direct.flops(), rel=1e-9)
+    assert costs.scaled(lambda c: c.saved_bytes, 3) == pytest.approx(direct.saved_bytes, rel=1e-9)
+    assert three.n_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_small_micro_batches_run_below_peak_and_efficiency_rises_with_the_batch():
+    gpu = hw.gpu("A100-80GB")
+    shape = flops.Transformer(layers=4, hidden=1024, heads=16, seq=1024)
+    work = P.TransformerWorkload(shape)
+    efficiency = []
+    for micro in (1, 4, 16):
+        c = work.costs(micro, gpu, "bf16", False)
+        efficiency.append(c.hardware_flops / (c.forward_s + c.backward_s) / gpu.peak("bf16"))
+    assert efficiency[0] < efficiency[1] < efficiency[2] < flops.GEMM_EFFICIENCY
+
+
+def test_gemm_waves_and_volta_tensor_core_alignment():
+    v100 = hw.gpu("V100-32GB")
+    aligned = flops.Op("aten.mm", 2 * 1024 * 1024 * 1024, 0, (1, 1024, 1024, 1024))
+    misaligned = flops.Op("aten.mm", 2 * 1024 * 1021 * 1024, 0, (1, 1024, 1021, 1024))
+    assert flops.op_seconds(misaligned, v100, "fp16") > 3 * flops.op_seconds(aligned, v100, "fp16")
+    a100 = hw.gpu("A100-80GB")  # Ampere uses tensor cores for any shape
+    assert flops.op_seconds(misaligned, a100, "bf16") < 1.1 * flops.op_seconds(aligned, a100, "bf16")
+    # 109 tiles on 108 SMs take two waves: nearly twice 108 tiles.
+    full = flops.Op("aten.bmm", 0, 0, (108, 128, 128, 4096))
+    over = flops.Op("aten.bmm", 0, 0, (109, 128, 128, 4096))
+    assert flops.op_seconds(over, a100, "bf16") == pytest.approx(2 * flops.op_seconds(full, a100, "bf16"))
+
+
+def test_transformer_spec_parsing_refuses_bad_input():
+    assert flops.Transformer.parse("layers=2,hidden=64,heads=4,seq=32").vocab == 50257
+    for bad in ("layers=2,hidden=64", "layers=x,hidden=64,heads=4,seq=8", "depth=2,hidden=64,heads=4,seq=8",
+                "layers=2,hidden=66,heads=4,seq=8", "layers=0,hidden=64,heads=4,seq=8"):
+        with pytest.raises(ValueError):
+            flops.Transformer.parse(bad)
+
+
+# -- the step model --------------------------------------------------------------------------------------------------
+def _predict(strategy="z0", nodes=1, micro=4, **kw):
+    cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=nodes, inter_gbps=200 if nodes > 1 else 0)
+    return P.predict(P.TransformerWorkload(GPT2_XL), cluster, strategy=strategy, micro_batch=micro,
+                     precision="bf16", **kw)
+
+
+def test_a_prediction_is_a_sum_of_parts_and_says_it_is_predicted():
+    p = _predict("z2", nodes=2)
+    out = p.to_dict()
+    for key in ("step_time_s", "samples_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "compute_s",
+                "comm_s", "exposed_comm_s", "offload_s", "device_bytes", "fits", "max_micro_batch"):
+        assert key in out
+    assert out["predicted"] is True
+    assert p.step_time_s == pytest.approx(p.compute_s + p.exposed_comm_s + p.offload_s)
+    assert 0 <= p.exposed_comm_s <= p.comm_s
+    assert p.samples_per_s == pytest.approx(p.global_batch / p.step_time_s)
+
+
+def test_communication_grows_with_a_slower_network_and_zero3_sends_more():
+    near, far = _predict("z0"), _predict("z0", nodes=4)
+    assert far.comm_s > near.comm_s
+    assert _predict("z3").comm_s > _predict("z0").comm_s
+    assert _predict("z3").exposed_comm_s < _predict("z3").comm_s  # prefetch / overlap_comm hide some
+    assert _predict("z0").exposed_comm_s == pytest.approx(_predict("z0").comm_s)  # stage 0 reduces after backward
+
+
+def test_offload_moves_the_optimizer_to_the_host_and_the_pcie_link():
+    plain, off = _predict("z2"), _predict("z2-offload")
+    assert plain.offload_s == 0 and off.offload_s > 0 and off.optimizer_s == 0 and plain.optimizer_s > 0
+    assert off.device_bytes < plain.device_bytes
+
+
+def test_checkpointing_recomputes_the_forward_and_saves_memory():
+    plain, ckpt = _predict(micro=2), _predict(micro=2, activation_checkpointing=True)
+    assert ckpt.activation_bytes < plain.activation_bytes / 5
+    assert ckpt.compute_s > plain.compute_s
+    assert plain.hardware_tflops_per_gpu == pytest.approx(plain.model_tflops_per_gpu)
+    assert ckpt.hardware_tflops_per_gpu > ckpt.model_tflops_per_gpu
+    assert ckpt.max_micro_batch > plain.max_micro_batch
+
+
+def test_max_micro_batch_is_the_largest_that_fits():
+    p = _predict("z3", micro=1)
+    assert _predict("z3", micro=p.max_micro_batch).fits
+    assert not _predict("z3", micro=p.max_micro_batch + 1).fits
+    assert _predict("z3", micro=1).max_micro_batch > _predict("z0", micro=1).max_micro_batch
+
+
+def test_bad_strategy_precision_and_batch_are_refused():
+    cluster = hw.Cluster(gpu=hw.gpu("T4"))
+    work = P.TransformerWorkload(SMALL)
+    with pytest.raises(ValueError, match="bf16"):
+        P.predict(work, cluster, strategy="z0", micro_batch=1, precision="bf16")  # Turing: no bf16 tensor cores
+    with pytest.raises(ValueError, match="strategy"):
+        P.predict(work, cluster, strategy="z4", micro_batch=1)
+    with pytest.raises(ValueError):
+        P.predict(work, cluster, strategy="z0", micro_batch=0)
+
+
+# -- time to the same loss and the card ------------------------------------------------------------------------------
+def test_steps_to_target_and_the_labs_measured_b_simple():
+    assert P.steps_to_target(100, 100) == 2.0
+    assert P.steps_to_target(1e9, 100) == pytest.approx(1.0)
+    b = P.b_crit_from("data/reference-ci")
+    assert b is not None and 100 < b < 170  # README: B_simple ~ 133 pooled over the run
+
+
+def test_the_predicted_card_has_the_measured_cards_shape_and_its_verdicts_agree_with_its_ratios():
+    cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
+    card = P.predicted_card(P.TransformerWorkload(SMALL), cluster, micro_batch=8, precision="bf16", b_crit=256.0)
+    assert card["predicted"] is True and "measured_on" not in card and card["predicted_for"]["gpu"] == "A100-80GB"
+    assert set(card["ways"]) == {"ranks", "micro_batch", "grad_accum"}
+    for kinds in card["ways"].values():
+        assert set(kinds) == {"per_step", "per_epoch", "to_target"}
+        for entry in kinds.values():
+            assert set(entry) == {"verdict", "ratio", "from_batch", "to_batch", "condition"}
+            assert entry["verdict"] == verdict(entry["ratio"]) and entry["condition"]
+    assert card["ways"]["ranks"]["per_step"]["from_batch"] == 8
+    assert card["ways"]["ranks"]["per_step"]["to_batch"] == 64
+    one = P.predicted_card(P.TransformerWorkload(SMALL), hw.Cluster(gpu=hw.gpu("L4")), micro_batch=8)
+    assert one["ways"]["ranks"]["per_step"]["verdict"] is None
+    assert "1 device" in one["ways"]["ranks"]["per_step"]["condition"]
+    assert one["ways"]["micro_batch"]["to_target"]["verdict"] is None  # no B_crit given
+
+
+# -- calibrated on a run -----------------------------------------------------------------------------------------------
+FIT = {"fits": {"all_reduce": {"alpha_s": 3e-4, "beta_s_per_byte": 2e-9},
+               "all_gather": {"alpha_s": 2e-4, "beta_s_per_byte": 1e-9},
+               "reduce_scatter": {"alpha_s": 2e-4, "beta_s_per_byte": 1e-9}}}
+CONFIG = {"example": "deepspeed", "stage": 0, "world_size": 1, "micro_batch": 64, "grad_accum": 1,
+          "threads_per_rank": 1, "hidden": 512, "depth": 2, "precision": "fp32", "offload_optimizer": False}
+
+
+def _run(**config):
+    return C.MeasuredRun("synthetic", {**CONFIG, **config}, 0.001, 0.002, 0.0005, 0.0035, 20)
+
+
+def test_calibration_adds_the_collectives_of_more_ranks_and_splits_the_optimizer():
+    one = C.calibrated(_run(), FIT, world_size=1, cores=2, threads_per_rank=1)
+    two = C.calibrated(_run(), FIT, world_size=2, cores=2, threads_per_rank=1)
+    assert one["comm_s"] == 0 and one["step_time_s"] == pytest.approx(0.0035)
+    assert two["comm_s"] > 0 and two["exposed_comm_s"] == two["comm_s"]  # no spare core to hide it behind
+    z2 = C.calibrated(_run(stage=2), FIT, world_size=2, cores=2, threads_per_rank=1)
+    assert z2["optimizer_s"] == pytest.approx(0.0005 / 2)  # each rank updates half
+    assert two["predicted"] is True
+
+
+def test_ranks_that_oversubscribe_the_cores_compute_on_their_share():
+    assert C.effective_cores(2, 2, 2) == 1.0 and C.effective_cores(1, 2, 2) == 1.0
+    fast = C.calibrated(_run(threads_per_rank=2), FIT, world_size=1, cores=2)
+    shared = C.calibrated(_run(threads_per_rank=2), FIT, world_size=2, cores=2, threads_per_rank=2)
+    assert shared["compute_s"] == pytest.approx(2 * fast["compute_s"])
+
+
+def test_calibration_to_another_micro_batch_follows_the_counted_cost():
+    device = C.CpuDevice(flops_per_s=5e10, bytes_per_s=1e10, op_overhead_s=5e-6)
+    base = C.calibrated(_run(), FIT, cores=2, device=device)
+    bigger = C.calibrated(_run(), FIT, micro_batch=256, cores=2, device=device)
+    assert base["step_time_s"] < bigger["step_time_s"] < 4 * base["step_time_s"]
+
+
+def test_read_run_takes_the_medians_after_the_first_steps(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    records = [{"event": "step", "step": i, "forward_s": 1.0 if i < 2 else 0.1, "backward_s": 0.2,
+                "optimizer_s": 0.05, "step_time_s": 0.35} for i in range(10)]
+    (tmp_path / "rank0.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    run = C.read_run(tmp_path)
+    assert run.forward_s == 0.1 and run.steps == 8 and run.world_size == 1
+    with pytest.raises(ValueError, match=r"config\.json"):
+        C.read_run(tmp_path / "missing")
+
+
+# -- the command line --------------------------------------------------------------------------------------------------
+ISSUE_COMMAND = ["predict", "--transformer", "layers=48,hidden=1600,heads=16,seq=1024,vocab=50257", "--gpu",
+                 "V100-32GB", "--gpus-per-node", "16", "--nodes", "4", "--intra", "nvswitch", "--inter-gbps", "800",
+                 "--stage", "1", "--micro-batch", "8", "--global-batch", "2048", "--precision", "fp16",
+                 "--activation-checkpointing", "--format", "json"]
+
+
+def test_the_issues_command_prints_every_key(capsys):
+    assert main(ISSUE_COMMAND) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("step_time_s", "samples_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "compute_s",
+                "comm_s", "exposed_comm_s", "offload_s", "device_bytes", "fits", "max_micro_batch"):
+        assert key in out and out[key] is not None
+    assert out["predicted"] is True and out["grad_accum"] == 4 and out["world_size"] == 64
+    assert math.isclose(out["samples_per_s"], 2048 / out["step_time_s"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--gpu", "X100"], "V100-32GB"),
+    (["--intra", "nvlink9"], "nvlink3"),
+    (["--stage", "0", "--offload-optimizer"], "stage >= 1"),
+    (["--gpus-per-node", "8", "--nodes", "2"], "inter-gbps"),
+    (["--global-batch", "100", "--micro-batch", "8", "--gpus-per-node", "8"], "global-batch"),
+    (["--gpu", "T4", "--precision", "bf16"], "bf16"),
+    (["--gpus-per-node", "0"], "must be >= 1"),
+])
+def test_bad_input_exits_2_naming_the_problem(capsys, argv, says):
+    assert main(["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_bad_transformer_spec_and_a_missing_run_exit_2(capsys):
+    assert main(["predict", "--transformer", "layers=2,hidden=64"]) == 2
+    assert "missing" in capsys.readouterr().err
+    assert main(["predict", "--from", "/nonexistent/run"]) == 2
+    assert "no such run directory" in capsys.readouterr().err
+    assert main(["predict", "--model", "mlp", "--activation-checkpointing"]) == 2
+    assert "--transformer shapes" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_lab_mlp_and_the_card_on_the_command_line(capsys):
+    assert main(["predict", "--model", "mlp", "--gpu", "L4", "--gpus-per-node", "4", "--micro-batch", "64",
+                 "--card", "--results", "data/reference-ci"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("PREDICTED") and "predicted answer card" in text and "ranks" in text
+    assert all(line.lstrip().startswith(("predicted", "PREDICTED", "ranks", "micro_batch", "grad_accum"))
+               for line in text.strip().splitlines())
+
+
+def test_the_report_section_labels_every_number_predicted():
+    html = P.report_section("data/reference-ci")
+    assert "Predicted on other hardware" in html
+    assert "one node of 8 A100-80GB" in html and "4 such nodes" in html
+    cells = [c for c in html.split("<td") if "x)</td>" in c]
+    assert cells and all("predicted" in c for c in cells)
+
+
+def test_zero3_micro_steps_cannot_be_shorter_than_the_hosts_fetch_hooks(assumed_only):
+    tiny = flops.Transformer(layers=24, hidden=256, heads=4, seq=128, vocab=512)
+    cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
+    z0 = P.predict(P.TransformerWorkload(tiny), cluster, strategy="z0", micro_batch=1, precision="bf16")
+    z3 = P.predict(P.TransformerWorkload(tiny), cluster, strategy="z3", micro_batch=1, precision="bf16")
+    assert z0.host_overhead_s == 0
+    assert z3.host_overhead_s == pytest.approx(2 * tiny.param_modules() * P.zero3_fetch_s())
+    assert z3.forward_s + z3.backward_s == pytest.approx(z3.host_overhead_s)  # host-bound at micro-batch 1
+    big = P.predict(P.TransformerWorkload(GPT2_XL), cluster, strategy="z3", micro_batch=8, precision="bf16")
+    assert big.forward_s + big.backward_s > big.host_overhead_s  # the device's work hides the hooks
+
+
+def test_from_a_run_on_the_command_line_labels_the_measured_step_measured(tmp_path, capsys):
+    config = {**CONFIG, "example": "deepspeed", "stage": 2, "dataset_size": 8192}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    records = [{"event": "step", "step": i, "forward_s": 0.001, "backward_s": 0.002, "optimizer_s": 0.0005,
+                "step_time_s": 0.0035} for i in range(10)]
+    (tmp_path / "rank0.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    links = tmp_path / "links.json"
+    links.write_text(json.dumps(FIT))
+    assert main(["predict", "--from", str(tmp_path), "--world-size", "2", "--links", str(links)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:2] == ["measured", "measured_step_time_s"] for line in lines)
+    assert any(line.split()[:2] == ["predicted", "step_time_s"] for line in lines)
+    assert main(["predict", "--from", str(tmp_path), "--links", str(tmp_path / "none.json")]) == 2
+
+
+def test_the_lab_gpt_is_counted_as_the_transformer_it_is():
+    from labkit.core.config import RunConfig
+    from labkit.models import builders
+    from labkit.models.gpt import SIZES
+    from labkit.study import comms
+
+    config = RunConfig.from_dict({"example": "deepspeed", **SIZES["ci"]})
+    work = P.lab_workload(config)
+    assert isinstance(work, P.TransformerWorkload)
+    assert work.shape.dropout == 0.0  # the lab's GPT trains without dropout (labkit.models.gpt)
+    assert work.n_params == sum(builders.param_numels(config))
+    assert work.module_layout() == comms.module_layout(builders.meta_model(config))
+
+
+# -- dropout, and constants measured on a GPU kind ------------------------------------------------------------------
+def test_zero3_hooks_every_module_and_the_count_is_hugging_faces():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=128, n_head=4, n_positions=64, vocab_size=512))
+    own = [bool(list(m.parameters(recurse=False))) for m in model.modules()]
+    three = flops.Transformer(layers=3, hidden=128, heads=4, seq=64, vocab=512)
+    assert three.paramless_modules() == own.count(False)
+    assert three.param_modules() == own.count(True) - 1  # the LM head's weight is wte's (tied): counted once
+
+
+def test_dropout_is_a_kernel_each_way_and_keeps_its_mask():
+    plain = flops.Transformer(layers=2, hidden=128, heads=4, seq=64, vocab=512, dropout=0.0)
+    dropped = flops.Transformer(layers=2, hidden=128, heads=4, seq=64, vocab=512)  # GPT-2's and Megatron-LM's 0.1
+    assert dropped.dropout == 0.1
+    a, b = flops.transformer_costs(plain, 2, "fp16"), flops.transformer_costs(dropped, 2, "fp16")
+    assert len(b.ops2.forward) > len(a.ops2.forward) and len(b.ops2.backward) > len(a.ops2.backward)
+    assert b.ops2.saved_bytes > a.ops2.saved_bytes
+    assert b.ops2.flops() == a.ops2.flops()  # no FLOPs: memory traffic only
+    assert flops.Transformer.parse("layers=2,hidden=128,heads=4,seq=64,dropout=0").dropout == 0.0
+    with pytest.raises(ValueError, match="dropout"):
+        flops.Transformer.parse("layers=2,hidden=128,heads=4,seq=64,dropout=1.5")
+
+
+# What benchmarks/bench_gpu_constants.py writes on a GPU (its keys; the figures are this test's own inputs).
+MEASURED = {
+    "format": "labkit-gpu-constants/1", "source": "measured on NVIDIA H100 80GB HBM3 in this lab, 2026-11-24, "
+    "benchmarks/bench_gpu_constants.py", "device": {"cuda": True, "name": "NVIDIA H100 80GB HBM3", "sms": 132},
+    "gemm": {"bf16": {"shapes": [{"label": "square 8192", "m": 8192, "n": 8192, "k": 8192, "seconds": 1.6e-3,
+                                  "flops_per_s": 6.87e14},
+                                 {"label": "qkv h=768 T=512", "m": 512, "n": 2304, "k": 768, "seconds": 2.0e-5},
+                                 {"label": "skipped one", "m": 1, "n": 1, "k": 1, "skipped": "time budget"}],
+                      "best_flops_per_s": 6.87e14},
+             "fp16": {"shapes": [], "best_flops_per_s": 7.0e14}, "fp32": {"shapes": [], "best_flops_per_s": 5.0e13}},
+    "memory": {"copy_bytes_per_s": 2.9e12}, "host_copy": {"pinned_h2d_bytes_per_s": 5.0e10,
+                                                          "pinned_d2h_bytes_per_s": 4.5e10},
+    "cpu_adam": {"s_per_param": 1.0e-9}, "gpu_adamw": {"skipped": "failed: ..."}, "launch": {"launch_s": 6e-6},
+    "zero3": {"per_module_per_micro_step_s": 3e-4, "per_micro_step_s": -1e-4,
+              "per_paramless_module_per_micro_step_s": 1e-4}}
+
+
+@pytest.fixture
+def assumed_only(monkeypatch):
+    """Every preset without measured constants, as on a checkout with no data/reference-*/gpu_constants.json."""
+    import dataclasses
+
+    for name, kind in list(hw.GPUS.items()):
+        monkeypatch.setitem(hw.GPUS, name, dataclasses.replace(kind, measured=None))
+
+
+def test_the_committed_h100_measurement_is_loaded_onto_its_preset():
+    measured = hw.gpu("H100-SXM").measured
+    assert measured is not None and measured.device_name == "NVIDIA H100 80GB HBM3"
+    assert measured.source.startswith("measured on NVIDIA H100 80GB HBM3")
+    assert hw.gpu("A100-80GB").measured is None  # nothing measured there: datasheet and assumptions
+    # another GPU kind borrows the measured node host's costs, and says whose they are
+    assert "its node's host; A100-80GB's not measured" in P.host_costs(hw.gpu("A100-80GB")).source
+
+
+@pytest.fixture
+def h100(tmp_path, assumed_only):
+    path = tmp_path / "gpu_constants.json"
+    path.write_text(json.dumps(MEASURED))
+    return hw.with_measured(hw.gpu("H100-SXM"), hw.load_measured(path))
+
+
+def test_measured_constants_replace_the_assumed_ones(h100):
+    assumed = hw.gpu("H100-SXM")
+    assert assumed.measured is None and assumed.gemm_efficiency("bf16") == hw.GEMM_EFFICIENCY
+    assert h100.gemm_efficiency("bf16") == pytest.approx(6.87e14 / 989e12)
+    assert h100.gemm_efficiency("fp32") == pytest.approx(5.0e13 / 67e12)
+    assert h100.memory_efficiency == pytest.approx(2.9 / 3.35)
+    assert h100.constants_source.startswith("measured on NVIDIA H100") and "assumed" in assumed.constants_source
+    assert [s["label"] for s in h100.measured.gemm_shapes["bf16"]] == ["square 8192", "qkv h=768 T=512"]
+    work = P.TransformerWorkload(SMALL)
+    before = P.predict(work, hw.Cluster(gpu=assumed), strategy="z0", micro_batch=4, precision="bf16")
+    after = P.predict(work, hw.Cluster(gpu=h100), strategy="z0", micro_batch=4, precision="bf16")
+    assert after.step_time_s != before.step_time_s
+
+
+def test_the_measured_host_issues_every_op_and_zero3s_hooks(h100):
+    work = P.TransformerWorkload(SMALL)
+    cluster = hw.Cluster(gpu=h100, gpus_per_node=8)
+    costs = work.costs(1, h100, "bf16", False)
+    z0 = P.predict(work, cluster, strategy="z0", micro_batch=1, precision="bf16")
+    z3 = P.predict(work, cluster, strategy="z3", micro_batch=1, precision="bf16")
+    assert costs.ops > 0
+    assert z0.host_overhead_s == pytest.approx(costs.ops * 6e-6)  # this tiny model is launch-bound on an H100
+    assert z0.forward_s + z0.backward_s == pytest.approx(z0.host_overhead_s)
+    # ZeRO-3: the measured per-module cost; a fixed cost that read below 0 (noise) counts as 0
+    assert z3.host_overhead_s == pytest.approx(costs.ops * 6e-6 + SMALL.param_modules() * 3e-4
+                                               + SMALL.paramless_modules() * 1e-4)
+    assert P.host_costs(h100).source == MEASURED["source"]
+    assert z3.to_dict()["constants"].startswith(f"device: {MEASURED['source']}")
+    assert "assumed" in P.predict(work, hw.Cluster(gpu=hw.gpu("H100-SXM")), strategy="z0", micro_batch=1,
+                                  precision="bf16").constants
+
+
+def test_offload_uses_the_measured_cpu_adam_and_pinned_copies(h100):
+    work = P.TransformerWorkload(GPT2_XL)
+    cluster = hw.Cluster(gpu=h100, gpus_per_node=8)
+    pred = P.predict(work, cluster, strategy="z2-offload", micro_batch=1, precision="bf16")
+    owned = GPT2_XL.n_params() / 8
+    expected = 4 * owned / 4.5e10 + owned * 1e-9 * 8 + 2 * owned / 5.0e10  # down fp32, Adam (8 ranks share it), up
+    assert pred.offload_s == pytest.approx(expected)
+
+
+def test_a_file_without_gpu_figures_is_refused(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({**MEASURED, "device": {"cuda": False, "name": "CPU (AMD EPYC)"}}))
+    with pytest.raises(ValueError, match="without a CUDA GPU"):
+        hw.load_measured(path)
+    path.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ValueError, match="labkit-gpu-constants/1"):
+        hw.load_measured(path)
+
+
+def test_device_names_map_to_presets():
+    assert hw.preset_for("NVIDIA H100 80GB HBM3") == "H100-SXM"
+    assert hw.preset_for("NVIDIA H100 PCIe") == "H100-PCIE"
+    assert hw.preset_for("NVIDIA H100 NVL") is None
+    assert hw.preset_for("NVIDIA A100-SXM4-40GB") == "A100-40GB"
+    assert hw.preset_for("NVIDIA A100 80GB PCIe") == "A100-80GB-PCIE"
+    assert hw.preset_for("Tesla V100-SXM2-32GB") == "V100-32GB"
+    assert hw.preset_for("Tesla T4") == "T4" and hw.preset_for("NVIDIA A10G") == "A10G"
+    assert hw.preset_for("NVIDIA GeForce RTX 4090") is None
+
+
+def test_a_measured_file_in_the_repository_becomes_its_presets_constants(tmp_path, monkeypatch):
+    folder = tmp_path / "data" / "reference-h100-80gb"
+    folder.mkdir(parents=True)
+    (folder / "gpu_constants.json").write_text(json.dumps(MEASURED))
+    monkeypatch.setattr(hw, "REPO", tmp_path)
+    monkeypatch.setitem(hw.GPUS, "H100-SXM", hw.GPUS["H100-SXM"])  # restored after the test
+    hw._attach_measured()
+    assert hw.gpu("H100-SXM").measured is not None and hw.gpu("H100-PCIE").measured is None
+    assert hw.gpu("H100").gemm_efficiency("bf16") == pytest.approx(6.87e14 / 989e12)
+    # a GPU node's host measured once is every GPU kind's host where that kind's own is not (stated in the source)
+    v100 = P.host_costs(hw.gpu("V100-32GB"))
+    assert v100.zero3_per_module_s == 3e-4 and v100.launch_s == 6e-6
+    assert "V100-32GB's not measured" in v100.source
+    assert hw.gpu("V100-32GB").gemm_efficiency("fp16") == hw.GEMM_EFFICIENCY  # its device figures stay its own
+
+
+def test_the_gemm_roofline_is_checked_against_every_measured_gemm(h100):
+    rows = flops.gemm_check(h100)
+    assert [r["label"] for r in rows] == ["square 8192", "qkv h=768 T=512"]
+    for row in rows:
+        assert row["predicted_s"] > 0 and row["error"] == pytest.approx(row["predicted_s"] / row["measured_s"] - 1)
+    assert flops.gemm_check(hw.gpu("A100-80GB")) == []

@@ -1,0 +1,1 @@
+"""The notebook's widgets: dashboard and panel (a real browser: tests/browser/)."""
