@@ -2,7 +2,7 @@
 its data: the step's micro-batches are made before its clock starts).
 
 Factored out of `labkit.rank.worker` (a script) so that a test can run the real loop, with a real model
-and trainer, and count the synchronising calls it makes (tests/test_step_sync.py).
+and trainer, and count the synchronising calls it makes (tests/rank/test_step_sync.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
 `collectives` reads DeepSpeed's code paths, not the ZeRO paper: every `Collective` names the file and
 line (deepspeed 0.19.8, as installed) of the call it stands for, and the function the comms log
 names as its caller, so a measured run checks it record by record (`predicted_vs_measured`,
-tests/test_comms.py). Message sizes follow DeepSpeed's padding and bucketing exactly when the
+tests/study/test_comms.py). Message sizes follow DeepSpeed's padding and bucketing exactly when the
 parameter layout is given (`modules`); without it the sizes are exact in bytes and approximate in
 counts. Settings this module does not model are refused with the setting named.
 

@@ -1,5 +1,5 @@
 """What one rank of a run needs on its device, predicted before any launch (the max-batch search starts from it;
-tests/test_notebook_sizes.py checks every notebook's runs against stand-in GPUs with it)."""
+tests/study/test_notebook_sizes.py checks every notebook's runs against stand-in GPUs with it)."""
 
 from __future__ import annotations
 

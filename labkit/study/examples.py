@@ -34,7 +34,7 @@ EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "notebooks" / "examples"
 SOURCE_TEXT = "source_text.md"  # the text's three examples, verbatim
 SCRIPTS = {1: "ex1_pytorch.py", 2: "ex2_zero_offload.py", 3: "ex3_zero3.py"}
 # The DeepSpeed config each script reads when no --deepspeed_config is given (Example 1 has none), and the values
-# the scripts' own arguments default to (tests/test_examples.py reads them from the scripts).
+# the scripts' own arguments default to (tests/study/test_examples.py reads them from the scripts).
 SCRIPT_DS_CONFIGS = {"ex2_zero_offload.py": "ex2_ds_config.json", "ex3_zero3.py": "ex3_ds_config.json"}
 SCRIPT_DEFAULTS = {"hidden": 500, "depth": 1, "num-samples": 1000, "batch-size": 64}
 SAME_SHOWN = 3  # a run of unchanged lines longer than this shows its first and last line only
