@@ -153,6 +153,7 @@ def test_imports_inside_functions_count_and_type_checking_ones_do_not(tmp_path, 
     assert imports_of(source, {"labkit.study.sweep"}) == {"labkit.study.sweep"}
 
 
+@pytest.mark.slow  # a python subprocess
 @pytest.mark.parametrize("entry", ["labkit.rank.worker", "labkit.rank.guard", "labkit.rank.entry"])
 def test_a_ranks_entry_point_loads_nothing_of_launch_ui_or_study(entry):
     code = (f"import sys, {entry}\n"
