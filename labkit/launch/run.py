@@ -26,10 +26,12 @@ import psutil
 from labkit.core.config import RunConfig, hostfile_slots
 from labkit.core.files import read_json, write_json_atomic, write_text_atomic
 from labkit.core.records import RecordTail, rank_file
-from labkit.launch import device_lease
+from labkit.launch import device_lease, zygote
 from labkit.launch.launcher import build_command, command_text
 from labkit.launch.store import new_run_dir
 from labkit.launch.summary import rank_records, summarize
+from labkit.launch.warm_launch import WARM_LAUNCH_TITLE, warm_spec
+from labkit.launch.zygote import ForkedSupervisor
 from labkit.runtime.devices import Devices, detect_devices
 
 FINAL_STATUSES = ("finished", "failed", "oom", "hung", "stopped")
@@ -58,16 +60,23 @@ def run_name(config: RunConfig) -> str:
 
 class Run:
     def __init__(self, config: RunConfig, *, out: str | os.PathLike | None = None,
-                 root: str | os.PathLike | None = None, env: dict[str, str] | None = None, launcher: str = "pdsh"):
+                 root: str | os.PathLike | None = None, env: dict[str, str] | None = None, launcher: str = "pdsh",
+                 warm: bool | None = None):
         """`out`: the run directory to use (must be empty or absent); else a new one under `root`.
-        `launcher`: DeepSpeed's multi-node launcher of a run with a hostfile, pdsh or openmpi."""
+        `launcher`: DeepSpeed's multi-node launcher of a run with a hostfile, pdsh or openmpi.
+        `warm`: fork the ranks from this process's zygote (labkit.launch.zygote), which imported torch and
+        DeepSpeed once, instead of DeepSpeed's launcher starting four interpreters per rank; single-node CPU runs
+        of labkit's worker only, others launch cold. None: warm where LABKIT_WARM=1 (not yet the default: the
+        whole test suite has not run warm)."""
         self.config = config
         self.launcher = launcher
+        self.warm = os.environ.get("LABKIT_WARM") == "1" if warm is None else warm
+        self.launch_mode: str | None = None  # after start(): "warm", or "cold" and why it was not warm
         self._out = Path(out) if out is not None else None
         self._root = root
         self._extra_env = env or {}
         self.run_dir: Path | None = None
-        self._supervisor: subprocess.Popen | None = None
+        self._supervisor: subprocess.Popen | ForkedSupervisor | None = None
         self._stop_requested = False
         self._progress_tail: RecordTail | None = None  # rank 0's file, read incrementally by progress()
         self._progress = 0
@@ -163,12 +172,21 @@ class Run:
         write_json_atomic(self.run_dir / "ds_config.json", self.config.ds_config())
         # Private: they hold the variables labkit and the caller (`env=`) set, which may be tokens.
         write_text_atomic(self.run_dir / "command.txt", command_text(argv, env, base_env) + "\n", private=True)
+        warm, self.launch_mode = self._launch_mode(argv, devices)
         write_json_atomic(self.run_dir / "launch.json", {
             # Only what labkit (and `env=`) set, never the whole environment (cloud keys, tokens): the
             # supervisor inherits the rest from this process.
             "argv": argv, "env": {k: v for k, v in env.items() if os.environ.get(k) != v},
-            "world_size": self.config.world_size,
+            "world_size": self.config.world_size, "launch": "warm" if warm else "cold",
             "heartbeat_s": self.config.heartbeat_s, "startup_timeout_s": self.config.startup_timeout_s}, private=True)
+        if warm:
+            try:
+                self._supervisor = zygote.shared(env).supervise(self.run_dir, env, leases)
+                return self
+            except zygote.ZygoteUnavailable as exc:
+                self.launch_mode = f"cold: {exc}"
+                launch = json.loads((self.run_dir / "launch.json").read_text())
+                write_json_atomic(self.run_dir / "launch.json", {**launch, "launch": "cold"}, private=True)
         with open(self.run_dir / "supervisor.log", "ab") as log:  # the supervisor keeps its own copy
             self._supervisor = subprocess.Popen(
                 [sys.executable, "-m", "labkit.launch.supervisor", str(self.run_dir), "--parent-pid", str(os.getpid()),
@@ -176,6 +194,16 @@ class Run:
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 pass_fds=leases)
         return self
+
+    def _launch_mode(self, argv: list[str], devices: Devices) -> tuple[bool, str]:
+        """(warm or not, what to say): warm where asked and the ranks can be forked from the zygote."""
+        if not self.warm:
+            return False, "cold"
+        if not devices.is_cpu:
+            return False, "cold: GPU runs launch cold (forking after CUDA initialised is unsafe; untried on a GPU)"
+        if warm_spec(argv) is None:
+            return False, "cold: multi-node and script runs use DeepSpeed's own launcher"
+        return True, "warm"
 
     # -- watching ----------------------------------------------------------------------
     @property
@@ -415,7 +443,7 @@ class Run:
         return f"Run({self.run_dir}, status={self.status})"
 
 
-_RUN_MODULES = ("deepspeed.launcher.runner", "deepspeed.launcher.launch",
+_RUN_MODULES = (WARM_LAUNCH_TITLE, "deepspeed.launcher.runner", "deepspeed.launcher.launch",
                 "labkit.rank.guard", "labkit.rank.worker")
 
 

@@ -41,6 +41,7 @@ from labkit.core.files import read_json, write_json_atomic
 from labkit.core.records import RecordTail, rank_file, rank_log
 from labkit.launch.launcher import is_multi_node
 from labkit.launch.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
+from labkit.launch.warm_launch import ForkedLauncher, warm_spec
 from labkit.rank.faults import supervisor_exit_delay_s
 from labkit.rank.script import TEARDOWN_SIGNALS
 from labkit.runtime.build_locks import StaleLockSweeper
@@ -122,6 +123,9 @@ class Supervisor:
         self.world_size: int = launch["world_size"]
         self.heartbeat_s: float = launch["heartbeat_s"]
         self.startup_timeout_s: float = launch["startup_timeout_s"]
+        # A warm launch (labkit.launch.zygote forked this supervisor): the ranks are forked here, not started by
+        # DeepSpeed's runner. Older launch.json files have no "launch": cold.
+        self.warm = warm_spec(self.argv) if launch.get("launch") == "warm" else None
         self.multi_node = is_multi_node(self.argv)
         self.script_mode = "--script" in self.argv  # labkit.rank.script: a learner's script on every rank
         # Multi-node: each rank's host as the hostfile names it, to name the node a rank died on.
@@ -150,15 +154,21 @@ class Supervisor:
         argv = list(self.argv)
         # Per-rank logs: the launcher's own option, inserted before the user module.
         argv.insert(argv.index("--module"), f"--enable_each_rank_log={self.run_dir / 'logs'}")
-        with open(self.run_dir / "launcher.log", "ab") as launcher_log:
-            self.launcher = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=launcher_log,
-                                             stderr=subprocess.STDOUT, start_new_session=True,
-                                             pass_fds=self.lease_fds,
-                                             # Multi-node: the runner reads `.deepspeed_env` from its working
-                                             # directory and pdsh `cd`s every node into it: the shared run dir.
-                                             cwd=self.run_dir if self.multi_node else None)
+        self.launcher: subprocess.Popen | ForkedLauncher
+        if self.warm is not None:  # its ranks inherit the lease descriptors through the fork
+            self.launcher = ForkedLauncher(self.warm, self.env, self.run_dir / "logs", self.run_dir / "launcher.log")
+            argv = self.launcher.args
+        else:
+            with open(self.run_dir / "launcher.log", "ab") as launcher_log:
+                self.launcher = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=launcher_log,
+                                                 stderr=subprocess.STDOUT, start_new_session=True,
+                                                 pass_fds=self.lease_fds,
+                                                 # Multi-node: the runner reads `.deepspeed_env` from its working
+                                                 # directory and pdsh `cd`s every node into it: the shared run dir.
+                                                 cwd=self.run_dir if self.multi_node else None)
         self.started = time.monotonic()
-        log(f"launcher pid {self.launcher.pid}: {' '.join(argv)}")
+        log(f"{'warm launch (ranks forked from the zygote)' if self.warm else 'launcher'} pid "
+            f"{self.launcher.pid}: {' '.join(argv)}")
         write_json_atomic(self.run_dir / "status.json", {
             "status": "running", "supervisor_pid": os.getpid(), "launcher_pid": self.launcher.pid,
             "pgid": self.launcher.pid, "started_at": time.time(), "host": host_identity()})
@@ -558,12 +568,12 @@ def _oom_counter_files() -> list[Path]:
     return files
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Supervise one labkit run.")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--lease-fds", default="", help="inherited lease descriptors to hand to the launcher")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     lease_fds = tuple(int(fd) for fd in args.lease_fds.split(",") if fd)
     supervisor = Supervisor(args.run_dir, args.parent_pid, lease_fds)
     outcome = Outcome("failed", "supervisor crashed")

@@ -1,0 +1,224 @@
+"""A warm launch: the ranks of a run forked from a process that has already imported torch, DeepSpeed and
+the worker's modules (the zygote, `labkit.launch.zygote`), instead of DeepSpeed's runner -> launch.py ->
+rank guard -> worker, four interpreters each importing torch and DeepSpeed again.
+
+The supervisor (itself forked from the zygote) calls `ForkedLauncher`: a child in a session of its own that
+plays DeepSpeed's `launch.py` (one rank per local rank, the same environment, the same per-rank log file)
+and the rank guard's part (each rank's exit status in `rank<N>.exit`). Each rank is a fresh process running
+`labkit.rank.worker` as `python -m` would: its own process group member, its own `init_process_group`
+and `deepspeed.initialize`, its own memory from the fork on.
+
+Only single-node CPU runs of labkit's worker go warm: forking after CUDA initialised breaks the child, and
+no GPU has proven the zygote keeps none (the lab's GPU runs, script mode and multi-node keep the cold path).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKER_MODULE = "labkit.rank.worker"
+WARM_LAUNCH_TITLE = "labkit.launch.warm_launch"  # the forked launcher's process title, where launch.py's would be
+POLL_S = 0.05
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmSpec:
+    """What DeepSpeed's runner would hand launch.py for a single-node run (read from build_command's argv)."""
+    world_size: int
+    master_addr: str
+    master_port: int
+    worker_args: list[str]  # the rank module's arguments: --run-dir RUN_DIR
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.worker_args[self.worker_args.index("--run-dir") + 1])
+
+
+def warm_spec(argv: list[str]) -> WarmSpec | None:
+    """The warm launch of a launch command, None where the command must stay cold: a hostfile with hosts
+    (multi-node), a script (script mode: the learner's own interpreter start is part of what it measures),
+    leased devices (GPU runs) or another launcher."""
+    if "--module" not in argv or "--num_gpus" not in argv or "--script" in argv:
+        return None
+    module_at = argv.index("--module")
+    if argv[module_at + 1] != "labkit.rank.guard":
+        return None
+    from labkit.launch.launcher import is_multi_node
+
+    if is_multi_node(argv):
+        return None
+    return WarmSpec(world_size=int(argv[argv.index("--num_gpus") + 1]),
+                    master_addr=argv[argv.index("--master_addr") + 1],
+                    master_port=int(argv[argv.index("--master_port") + 1]),
+                    worker_args=argv[module_at + 2:])
+
+
+def rank_env(env: dict[str, str], spec: WarmSpec, rank: int) -> dict[str, str]:
+    """The environment DeepSpeed's launch.py gives local rank `rank` of a single-node run
+    (deepspeed/launcher/launch.py:177-182 and 214-215, 0.19.8)."""
+    return {**env, "MASTER_ADDR": spec.master_addr, "MASTER_PORT": str(spec.master_port),
+            "WORLD_SIZE": str(spec.world_size), "CROSS_RANK": "0", "CROSS_SIZE": "1",
+            "LOCAL_SIZE": str(spec.world_size), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+
+
+def rank_argv(spec: WarmSpec, rank: int) -> list[str]:
+    """The command line a cold rank has (launch.py puts --local_rank before the script's arguments): the
+    forked rank takes it as its process title, so whatever finds a run's ranks by their command line
+    (the supervisor, `Run`, the tests) finds warm ones alike."""
+    return [sys.executable, "-u", "-m", WORKER_MODULE, f"--local_rank={rank}", *spec.worker_args]
+
+
+def set_title(argv: list[str]) -> None:
+    """Show `argv` as this process's command line (/proc/PID/cmdline), what a forked process cannot get
+    otherwise: it keeps the zygote's."""
+    import setproctitle
+
+    setproctitle.setproctitle(" ".join(argv))
+
+
+class ForkedLauncher:
+    """The warm launch's launcher process, with the part of `subprocess.Popen` the supervisor uses."""
+
+    def __init__(self, spec: WarmSpec, env: dict[str, str], log_dir: Path, launcher_log: Path):
+        self.args = [sys.executable, "-m", WARM_LAUNCH_TITLE, *spec.worker_args]
+        self.returncode: int | None = None
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                _redirect(launcher_log, append=True)
+                code = _launch(spec, env, log_dir, self.args)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (the supervisor's orphan reaping)
+                self.returncode = -1
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(POLL_S)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def _launch(spec: WarmSpec, env: dict[str, str], log_dir: Path, title: list[str]) -> int:
+    """launch.py's part: a session of its own (the supervisor signals the group), one forked rank per
+    local rank, each rank's exit recorded as the guard records it; a failed rank ends the others, as
+    launch.py's sigkill_handler does (launch.py:251-282, 0.19.8), and this exits with its code."""
+    from labkit.core.files import write_json_atomic
+
+    os.setsid()
+    set_title(title)
+    ranks: dict[int, int] = {}  # pid -> rank
+
+    def forward(signum: int, _frame: object) -> None:
+        for pid in ranks:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, forward)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    prefix = time.strftime("%Y%m%d%H%M%S", time.localtime())  # launch.py's rank log names: <prefix>_rank<N>.log
+    for rank in range(spec.world_size):
+        pid = os.fork()
+        if pid == 0:
+            _rank(spec, rank_env(env, spec, rank), rank, log_dir / f"{prefix}_rank{rank}.log")  # never returns
+        ranks[pid] = rank
+    print(f"forked ranks {sorted(ranks.values())} as pids {sorted(ranks)}", flush=True)
+    code = 0
+    while ranks:
+        pid, status = os.wait()
+        if pid not in ranks:
+            continue
+        rank = ranks.pop(pid)
+        returncode = os.waitstatus_to_exitcode(status)
+        write_json_atomic(spec.run_dir / f"rank{rank}.exit", {"rank": rank, "pid": pid, "returncode": returncode})
+        if returncode != 0 and code == 0:
+            code = returncode if returncode > 0 else 128 - returncode
+            print(f"rank {rank} exited with {returncode}: ending the others", flush=True)
+            forward(signal.SIGTERM, None)
+    return code
+
+
+def _rank(spec: WarmSpec, env: dict[str, str], rank: int, log_file: Path) -> None:
+    """One rank: the environment and log launch.py would give it, then the worker as `python -u -m` runs it."""
+    code = 1
+    try:
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(env)
+        _redirect(log_file, append=False)
+        argv = rank_argv(spec, rank)
+        set_title(argv)
+        import torch
+
+        # libgomp read OMP_NUM_THREADS when the zygote loaded it: the rank's share is set here instead.
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or torch.get_num_threads()))
+        sys.argv = [WORKER_MODULE, *argv[4:]]
+        code = _run_worker(argv[4:])
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _run_worker(args: list[str]) -> int:
+    """Run the worker's main and return the exit code the interpreter would have."""
+    from labkit.rank.worker import main
+
+    try:
+        code = main(args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    # What interpreter exit runs: atexit handlers (DeepSpeed's and torch's), here before _exit.
+    atexit._run_exitfuncs()
+    return code
+
+
+def _redirect(path: Path, *, append: bool) -> None:
+    """stdout and stderr to `path` (line by line, as `python -u` writes), stdin from /dev/null."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    fd = os.open(path, flags, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(null)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=True)

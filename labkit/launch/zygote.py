@@ -1,0 +1,302 @@
+"""The zygote: one process per Jupyter kernel (or CLI sweep) that has imported torch, DeepSpeed, the worker's
+modules and the supervisor, and loaded the built CPU ops, so that a run starts without paying for them.
+
+    python -m labkit.launch.zygote --socket PATH --parent-pid PID     (started by `Zygote.start`)
+
+`Run.start` asks it (a Unix socket, the run's lease descriptors passed along) to fork the run's supervisor;
+the supervisor forks the ranks (`labkit.launch.warm_launch`). Every run still gets fresh rank processes, a
+fresh process group and a fresh `deepspeed.initialize`: only the imports are shared, copy-on-write. The zygote
+touches no device (CPU runs only) and starts no thread, so forking it is safe. It ends when the process that
+started it does (checked every second), and its supervisors, whose parent it is, then end their runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from labkit.launch.warm_launch import set_title
+
+# What a forked process cannot change once the zygote imported torch and DeepSpeed: a run whose environment
+# differs in one of these launches cold (DeepSpeed picked its accelerator and op cache at import).
+IMPORT_TIME_KEYS = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "PYTHONPATH")
+READY_TIMEOUT_S = 120.0  # a first import of torch and DeepSpeed on a loaded laptop; CPU ops are built by `make ops`
+ACCEPT_S = 1.0  # how often the zygote checks that the process that started it is alive
+# The CPU ops CPU runs load (Adam on CPU ranks is DeepSpeed's CPU FusedAdam; ZeRO-Offload's is CPU Adam), when built.
+PRELOADED_OPS = ("FusedAdamBuilder", "CPUAdamBuilder", "ShareMemCommBuilder")
+MESSAGE_MAX = 1 << 20
+
+
+class ZygoteUnavailable(RuntimeError):
+    """The zygote could not fork this run: it launches cold, and says why."""
+
+
+# -- the zygote process -----------------------------------------------------------------------------------
+def preload() -> list[str]:
+    """Import what every rank and supervisor imports, and load the CPU ops already built; returns the ops."""
+    import deepspeed  # noqa: F401
+    import setproctitle
+
+    # Its first call finds the memory of argv and environ; the forked processes replace their environment
+    # before they take their titles, and a later first call would then find nothing to write into.
+    setproctitle.setproctitle(setproctitle.getproctitle())
+    import torch  # noqa: F401
+    from deepspeed.accelerator import get_accelerator
+
+    import labkit.launch.summary
+    import labkit.launch.supervisor
+    import labkit.rank.worker  # noqa: F401
+
+    loaded = []
+    extensions = Path(os.environ.get("TORCH_EXTENSIONS_DIR", ""))
+    for name in PRELOADED_OPS:
+        builder = get_accelerator().create_op_builder(name)
+        built = builder is not None and (extensions / builder.name / f"{builder.name}.so").exists()
+        # Never a build, never a wait here: only what `make ops` (or an earlier run) built and nobody is building
+        # (a lock, even a stale one, is the run's supervisor's to clear: labkit.runtime.build_locks).
+        if built and not (extensions / builder.name / "lock").exists():
+            builder.load(verbose=False)
+            loaded.append(builder.name)
+    return loaded
+
+
+def serve(socket_path: Path, parent_pid: int) -> int:
+    started = time.monotonic()
+    ops = preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(socket_path))
+    listener.listen(16)
+    listener.settimeout(ACCEPT_S)
+    print(json.dumps({"ready": True, "pid": os.getpid(), "preload_s": round(time.monotonic() - started, 3),
+                      "ops": ops}), flush=True)
+    # Nobody reads the pipe once ready: what the zygote says later goes to a file beside its socket.
+    from labkit.launch.warm_launch import _redirect
+
+    _redirect(socket_path.with_name("zygote.log"), append=True)
+    while os.getppid() == parent_pid:
+        _reap()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        with conn:
+            conn.settimeout(None)
+            try:
+                message, fds, _, _ = socket.recv_fds(conn, MESSAGE_MAX, 16)
+            except OSError:
+                continue
+            try:
+                reply = _answer(json.loads(message), fds, listener, conn)
+            except Exception as exc:  # a bad request must not end the zygote
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            try:
+                conn.send(json.dumps(reply).encode())
+            except OSError:
+                pass
+    return 0
+
+
+def _answer(request: dict, fds: list[int], listener: socket.socket, conn: socket.socket) -> dict:
+    if request.get("op") == "ping":
+        return {"pid": os.getpid(), "env": {key: os.environ.get(key) for key in IMPORT_TIME_KEYS}}
+    if request.get("op") != "supervise":
+        raise ValueError(f"unknown request {request.get('op')!r}")
+    env = request["env"]
+    differs = [key for key in IMPORT_TIME_KEYS if env.get(key) != os.environ.get(key)]
+    if differs:
+        return {"error": f"the run's {', '.join(differs)} differ from the zygote's (fixed at its import)"}
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        conn.close()
+        _supervise(Path(request["run_dir"]), env, fds)  # never returns
+    return {"pid": pid}
+
+
+def _supervise(run_dir: Path, env: dict[str, str], lease_fds: list[int]) -> None:
+    """The forked supervisor: as `python -m labkit.launch.supervisor RUN_DIR --parent-pid ZYGOTE` would run."""
+    code = 1
+    try:
+        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.setsid()
+        from labkit.launch.warm_launch import _redirect
+
+        _redirect(run_dir / "supervisor.log", append=True)
+        os.environ.clear()
+        os.environ.update(env)
+        argv = [str(run_dir), "--parent-pid", str(os.getppid()), "--lease-fds", ",".join(map(str, lease_fds))]
+        set_title([sys.executable, "-m", "labkit.launch.supervisor", *argv])
+        from labkit.launch.supervisor import main
+
+        code = main(argv)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+# -- the client (the kernel's, the CLI's side) --------------------------------------------------------------
+class ForkedSupervisor:
+    """A supervisor the zygote forked, with the part of `subprocess.Popen` that `Run` uses: it is the
+    zygote's child, not ours, so it is watched by its PID and command line."""
+
+    def __init__(self, pid: int, run_dir: Path, zygote_pid: int):
+        self.pid = pid
+        self.run_dir = run_dir
+        self.zygote_pid = zygote_pid
+
+    def poll(self) -> int | None:
+        import psutil
+
+        try:
+            # Ours while the zygote is its parent (it takes its title a moment after the fork), or, orphaned, while
+            # its title names the run.
+            proc = psutil.Process(self.pid)
+            alive = proc.status() != psutil.STATUS_ZOMBIE and (
+                proc.ppid() == self.zygote_pid or str(self.run_dir) in " ".join(proc.cmdline()))
+        except psutil.Error:
+            alive = False
+        return None if alive else 0  # its exit code is the zygote's to reap; summary.json says how it ended
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired([f"supervisor {self.pid}"], timeout or 0.0)
+            time.sleep(0.05)
+        return 0
+
+
+class Zygote:
+    """The client: starts the zygote, asks it to fork a run's supervisor, ends it."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self._dir = Path(tempfile.mkdtemp(prefix="labkit-zygote-"))
+        self.socket_path = self._dir / "socket"
+        self.process: subprocess.Popen | None = None
+        self.ready: dict | None = None
+
+    def start(self) -> Zygote:
+        if self.process is None:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "labkit.launch.zygote", "--socket", str(self.socket_path),
+                 "--parent-pid", str(os.getpid())],
+                env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> dict:
+        """Block until the zygote has preloaded (its first line), or raise ZygoteUnavailable with its output."""
+        if self.ready is not None:
+            return self.ready
+        self.start()
+        assert self.process is not None and self.process.stdout is not None
+        import selectors
+
+        selector = selectors.DefaultSelector()
+        selector.register(self.process.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        output = b""
+        while time.monotonic() < deadline:
+            if selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                line = self.process.stdout.readline()
+                output += line
+                if not line:
+                    break
+                if line.startswith(b"{"):
+                    self.ready = json.loads(line)
+                    return self.ready
+        self.close()
+        tail = output.decode(errors="replace").strip().splitlines()[-3:]
+        raise ZygoteUnavailable(f"the zygote did not start within {timeout:g} s: {' | '.join(tail) or 'no output'}")
+
+    def supervise(self, run_dir: Path, env: dict[str, str], lease_fds: list[int]) -> ForkedSupervisor:
+        """Fork the supervisor of the run in `run_dir` (its launch.json written) with `env` as its environment."""
+        self.wait_ready()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            try:
+                conn.connect(str(self.socket_path))
+                socket.send_fds(conn, [json.dumps({"op": "supervise", "run_dir": str(run_dir), "env": env}).encode()],
+                                lease_fds)
+                reply = json.loads(conn.recv(MESSAGE_MAX) or b"{}")
+            except (OSError, ValueError) as exc:
+                raise ZygoteUnavailable(f"the zygote did not answer: {exc}") from exc
+        if "pid" not in reply:
+            raise ZygoteUnavailable(reply.get("error") or "the zygote gave no answer")
+        return ForkedSupervisor(reply["pid"], run_dir, self.wait_ready()["pid"])
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        if self.process is not None and self.process.stdout is not None:
+            self.process.stdout.close()
+        self.socket_path.unlink(missing_ok=True)
+        self.socket_path.with_name("zygote.log").unlink(missing_ok=True)
+        try:
+            self._dir.rmdir()
+        except OSError:
+            pass
+
+
+_shared: Zygote | None = None
+
+
+def shared(env: dict[str, str]) -> Zygote:
+    """This process's zygote for runs whose import-time environment is `env`'s (started once, ended at exit);
+    a different one replaces it."""
+    global _shared
+    if _shared is not None and all(_shared.env.get(k) == env.get(k) for k in IMPORT_TIME_KEYS) \
+            and (_shared.process is None or _shared.process.poll() is None):
+        return _shared
+    if _shared is not None:
+        _shared.close()
+    _shared = Zygote({k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")})
+    atexit.register(_shared.close)
+    return _shared.start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="labkit's zygote: forks warm runs (see the module's docstring)")
+    parser.add_argument("--socket", type=Path, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    return serve(args.socket, args.parent_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

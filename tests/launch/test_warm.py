@@ -1,0 +1,135 @@
+"""Warm launches (labkit.launch.zygote, labkit.launch.warm_launch): ranks forked from a process that imported torch
+and DeepSpeed once. The command they stand in for is built by the same pure function as a cold launch's; the
+runs are real: a finished run's records, a SIGKILLed rank named, Stop and the parent's death ending every process.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from labkit import Run, RunConfig
+from labkit.core.records import rank_file, read_records
+from labkit.launch.launcher import build_command
+from labkit.launch.warm_launch import rank_argv, rank_env, warm_spec
+from tests.conftest import REPO, run_processes
+
+SMALL = dict(example="zero3", world_size=2, hidden=256, micro_batch=16, dataset_size=1024)
+WAIT_S = 300  # a loaded 2-core machine, the zygote's first import included
+
+
+def argv_of(**overrides) -> list[str]:
+    config = RunConfig(**{**SMALL, "steps": 5, **overrides})
+    argv, _ = build_command(config, "/tmp/some-run", master_port=29600, base_env={})
+    return argv
+
+
+def test_a_single_node_run_of_labkits_worker_goes_warm_with_launch_pys_environment():
+    spec = warm_spec(argv_of())
+    assert spec is not None
+    assert (spec.world_size, spec.master_addr, spec.master_port) == (2, "127.0.0.1", 29600)
+    assert spec.run_dir == Path("/tmp/some-run")
+    env = rank_env({"KEEP": "1"}, spec, 1)
+    # deepspeed/launcher/launch.py:177-182, 214-215 (0.19.8) sets exactly these for local rank 1 of 2 on one node.
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
+                                "MASTER_ADDR", "MASTER_PORT", "KEEP")} == {
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "2", "CROSS_RANK": "0", "CROSS_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29600", "KEEP": "1"}
+    # The title a forked rank takes is the command line launch.py would have given it.
+    assert rank_argv(spec, 1)[1:] == ["-u", "-m", "labkit.rank.worker", "--local_rank=1", "--run-dir", "/tmp/some-run"]
+
+
+def test_script_and_multi_node_runs_stay_cold(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    assert warm_spec(argv_of(script=str(script))) is None
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    config = RunConfig(**{**SMALL, "steps": 5, "hostfile": str(hostfile)})
+    argv, _ = build_command(config, tmp_path / "run", master_port=29600, base_env={}, master_addr="127.0.0.1")
+    assert warm_spec(argv) is None
+
+
+def _wait_steps(run: Run, n: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and not run.done:
+        if min(len([r for r in read_records(rank_file(run.run_dir, k)) if r.get("event") == "step"])
+               for k in range(2)) >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{run.run_dir} did not reach step {n}: {run.status} {run.cause}")
+
+
+@pytest.mark.slow
+def test_warm_runs_finish_name_a_killed_rank_and_stop_with_no_process_left(tmp_path):
+    finished = Run(RunConfig(**{**SMALL, "steps": 5}), root=tmp_path, warm=True).start()
+    assert finished.wait(timeout=WAIT_S) == "finished", finished.cause
+    assert finished.launch_mode == "warm"
+    assert json.loads((finished.run_dir / "launch.json").read_text())["launch"] == "warm"
+    for rank in range(2):
+        events = [r["event"] for r in read_records(rank_file(finished.run_dir, rank))]
+        assert events[0] == "start" and events[-1] == "done" and events.count("step") == 5
+        assert json.loads((finished.run_dir / f"rank{rank}.exit").read_text())["returncode"] == 0
+    assert "warm launch" in (finished.run_dir / "supervisor.log").read_text()
+
+    # Started together, now that the zygote is up: one rank SIGKILLs itself, one run is stopped.
+    killed = Run(RunConfig(**{**SMALL, "steps": 100_000}), root=tmp_path, warm=True,
+                 env={"LABKIT_FAULT": "kill@rank1:step3"}).start()
+    stopped = Run(RunConfig(**{**SMALL, "steps": 100_000}), root=tmp_path, warm=True).start()
+    _wait_steps(stopped, 2)
+    ranks = [p for p in run_processes(stopped.run_dir) if "labkit.rank.worker" in p.cmdline()]
+    assert len(ranks) == 2, [p.cmdline() for p in run_processes(stopped.run_dir)]  # found by their command line
+    assert stopped.stop() == "stopped"
+    assert run_processes(stopped.run_dir) == []
+    assert killed.wait(timeout=WAIT_S) == "failed"
+    assert killed.summary["failed_rank"] == 1 and "SIGKILL" in killed.cause, killed.cause
+    assert json.loads((killed.run_dir / "rank1.exit").read_text())["returncode"] == -signal.SIGKILL
+    assert run_processes(killed.run_dir) == []
+
+
+PARENT = """
+import sys, time
+from labkit import Run, RunConfig
+run = Run(RunConfig(example="zero3", world_size=2, hidden=256, micro_batch=16, dataset_size=1024, steps=100000),
+          root=sys.argv[1], warm=True).start()
+print("RUN_DIR=" + str(run.run_dir), flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.slow
+def test_the_parents_death_ends_a_warm_runs_zygote_supervisor_and_ranks(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert parent.stdout is not None
+        line = ""
+        while not line.startswith("RUN_DIR="):  # DeepSpeed's import may print first
+            line = parent.stdout.readline()
+            assert line, "the parent exited before it started its run"
+        run_dir = Path(line.strip().removeprefix("RUN_DIR="))
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and not any(
+                r.get("event") == "step" for r in read_records(rank_file(run_dir, 0))):
+            time.sleep(0.1)
+        zygotes = [p for p in psutil.Process(parent.pid).children() if "labkit.launch.zygote" in p.cmdline()]
+        assert len(zygotes) == 1
+        parent.kill()
+        parent.wait()
+        _, alive = psutil.wait_procs(zygotes, timeout=30)
+        assert not alive
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and run_processes(run_dir):
+            time.sleep(0.2)
+        assert run_processes(run_dir) == []
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "stopped" and "parent process" in summary["cause"], summary
+    finally:
+        parent.kill()
