@@ -167,7 +167,7 @@ def test_memory_model_matches_measured_states_within_5_percent(launched):
 @pytest.mark.slow
 def test_zero1_halves_optimizer_state_and_zero3_the_partitioned_parameters_per_rank(launched):
     """What each stage partitions, read off the sweep's 2-rank points (states per rank, as the census counts)."""
-    from labkit.study import memory
+    from labkit.core import memory
 
     table = launched["table"].set_index("strategy")
     assert table.loc["z0", "optim_bytes"] > 0
