@@ -449,7 +449,7 @@ class Supervisor:
             if not procs:
                 break
         self.launcher.poll()
-        _reap_orphans()
+        reap_children()
         for path in remove_shm_segments(self.argv):
             log(f"removed {path}")
         return left + [f"pid {p.pid}" for p in self.tree() if _alive(p)]
@@ -524,7 +524,7 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def _reap_orphans() -> None:
+def reap_children() -> None:
     """As subreaper we inherit orphaned ranks; collect their exit status so no zombie stays."""
     while True:
         try:

@@ -72,6 +72,8 @@ def preload() -> list[str]:
 def serve(socket_path: Path, parent_pid: int) -> int:
     started = time.monotonic()
     ops = preload()
+    from labkit.launch.supervisor import reap_children
+
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(str(socket_path))
     listener.listen(16)
@@ -83,7 +85,7 @@ def serve(socket_path: Path, parent_pid: int) -> int:
 
     _redirect(socket_path.with_name("zygote.log"), append=True)
     while os.getppid() == parent_pid:
-        _reap()
+        reap_children()
         try:
             conn, _ = listener.accept()
         except TimeoutError:
@@ -153,16 +155,6 @@ def _supervise(run_dir: Path, env: dict[str, str], lease_fds: list[int]) -> None
             sys.stderr.flush()
         finally:
             os._exit(code)
-
-
-def _reap() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
 
 
 # -- the client (the kernel's, the CLI's side) --------------------------------------------------------------
