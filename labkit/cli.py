@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -266,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(Slurm: labkit export --launcher slurm, then sbatch)")
     run.add_argument("--script", default=None, metavar="TRAIN.PY",
                      help="script mode: run this unmodified DeepSpeed script on every rank (arguments after --)")
+    _add_cold_flag(run)
     run.set_defaults(func=cmd_run)
     export = sub.add_parser("export", **tail, help="write a multi-node job directory (launch.sh, ds_config.json, ...)")
     _add_config_flags(export)
@@ -307,10 +309,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="exit 1 when a sweep point did not finish (CI); default: report it and exit 0")
     for name in ("model", "data", "loss"):
         answer.add_argument("--" + name, default=None, help=_HELP[name] + " (default: the profile's MLP)")
+    _add_cold_flag(answer)
     answer.set_defaults(func=cmd_answer)
     _add_predict_parser(sub.add_parser("predict", **tail, help="PREDICTED step time on GPUs you don't have, or on "
                                        "another world size / micro-batch / stage calibrated on a finished run"))
     return parser
+
+
+def _add_cold_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cold", action="store_true",
+                        help="launch every run through DeepSpeed's launcher, as `deepspeed` does (default: CPU runs "
+                             "fork their ranks from a process that imported torch and DeepSpeed once; LABKIT_WARM=0)")
 
 
 def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
@@ -362,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     script_args = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     args.script_args = script_args
+    if getattr(args, "cold", False):
+        os.environ["LABKIT_WARM"] = "0"  # labkit.launch.run.warm_by_default; the sweep's runs too
     try:
         return args.func(args)
     except (ConfigError, FileExistsError) as exc:

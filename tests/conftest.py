@@ -26,6 +26,18 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_exten
 NOT_COUNTED = ("numactl --hardware",)  # DeepSpeed's probe (module docstring)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_zygote_for_the_session(request: pytest.FixtureRequest):
+    """Where the session starts real runs: one zygote (labkit.launch.zygote), started now in the background and
+    lent to every process the tests start (the CLI's runs, the notebooks' kernels), so each warm run forks from
+    it instead of each process preloading torch and DeepSpeed for itself. LABKIT_WARM=0 runs the suite cold."""
+    if any(item.get_closest_marker("slow") for item in request.session.items):
+        from labkit.launch.run import warm_up
+
+        warm_up()
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _slow_if_it_starts_a_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """Fails a test not marked `slow` that starts a process (subprocess, fork, posix_spawn) from its own

@@ -113,9 +113,7 @@ def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port:
         # eth0 would open the run to the network.
         env["GLOO_SOCKET_IFNAME"] = "lo"
         env["NCCL_SOCKET_IFNAME"] = "lo"
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
-    if accelerator:
-        env["DS_ACCELERATOR"] = accelerator
+    env.update(import_time_env(env, accelerator))
     # Every rank its share of the node's cores, GPU ranks too: unset, each of 8 GPU ranks runs torch's
     # intra-op pool and, under ZeRO-Offload, DeepSpeed's OpenMP CPU Adam on every core (8x oversubscribed).
     # The same figure DeepSpeed's own --bind_cores_to_rank sets (launcher/launch.py:219-221, 0.19.8) without
@@ -128,10 +126,19 @@ def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port:
         arch_list, note = deepspeed_arch_list(env.get("TORCH_CUDA_ARCH_LIST"))
         if note:
             env["TORCH_CUDA_ARCH_LIST"] = arch_list or ""
-    # Ranks must import this checkout of labkit even when it is not installed.
-    package_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     return argv, env
+
+
+def import_time_env(base_env: Mapping[str, str], accelerator: str | None) -> dict[str, str]:
+    """What a run's environment sets that its ranks' imports fix (labkit.launch.zygote.IMPORT_TIME_KEYS): the
+    op cache, DeepSpeed's accelerator, and this checkout first on the path (ranks must import this checkout of
+    labkit even when it is not installed)."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {"TORCH_EXTENSIONS_DIR": base_env.get("TORCH_EXTENSIONS_DIR") or str(DEFAULT_EXTENSIONS_DIR),
+           "PYTHONPATH": os.pathsep.join(p for p in (package_root, base_env.get("PYTHONPATH", "")) if p)}
+    if accelerator:
+        env["DS_ACCELERATOR"] = accelerator
+    return env
 
 
 def threads_per_rank(config: RunConfig, cpu_count: int | None = None) -> int:

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from labkit.launch import device_lease, zygote
 from labkit.launch.launcher import build_command, command_text
 from labkit.launch.store import new_run_dir
 from labkit.launch.summary import rank_records, summarize
-from labkit.launch.warm_launch import WARM_LAUNCH_TITLE, warm_spec
+from labkit.launch.warm_launch import WARM_ENV, WARM_LAUNCH_TITLE, warm_spec
 from labkit.launch.zygote import ForkedSupervisor
 from labkit.runtime.devices import Devices, detect_devices
 
@@ -58,6 +59,25 @@ def run_name(config: RunConfig) -> str:
     return f"{config.example}{model}-{stage}{offload}-w{config.world_size}-b{config.global_batch}"
 
 
+def warm_by_default() -> bool:
+    """Runs launch warm unless LABKIT_WARM=0 (the CLI's --cold, the panel's "cold launch" box)."""
+    return os.environ.get(WARM_ENV) != "0"
+
+
+def warm_up(env: dict[str, str] | None = None) -> None:
+    """Start this process's zygote now, in the background, so that the first warm run finds it preloaded, and lend
+    it to the processes started from here (a notebook's `!labkit run`): the panel, a sweep. Nothing on a GPU
+    machine (GPU runs launch cold) or with warm launches off."""
+    base_env = {**os.environ, **(env or {})}
+    if base_env.get(WARM_ENV) == "0" or not detect_devices().is_cpu:
+        return
+    # A run's whole environment, not only what the imports fix: the zygote loads the built ops, and a PATH with
+    # another ninja first would make torch rebuild them (labkit.launch.launcher.build_command).
+    _, run_env = build_command(RunConfig(example="zero3", world_size=1), Path(tempfile.gettempdir()), master_port=0,
+                               base_env=base_env, accelerator="cpu")
+    zygote.share(run_env)
+
+
 class Run:
     def __init__(self, config: RunConfig, *, out: str | os.PathLike | None = None,
                  root: str | os.PathLike | None = None, env: dict[str, str] | None = None, launcher: str = "pdsh",
@@ -66,11 +86,10 @@ class Run:
         `launcher`: DeepSpeed's multi-node launcher of a run with a hostfile, pdsh or openmpi.
         `warm`: fork the ranks from this process's zygote (labkit.launch.zygote), which imported torch and
         DeepSpeed once, instead of DeepSpeed's launcher starting four interpreters per rank; single-node CPU runs
-        of labkit's worker only, others launch cold. None: warm where LABKIT_WARM=1 (not yet the default: the
-        whole test suite has not run warm)."""
+        of labkit's worker only, others launch cold. None: warm unless LABKIT_WARM=0 (`labkit run --cold`)."""
         self.config = config
         self.launcher = launcher
-        self.warm = os.environ.get("LABKIT_WARM") == "1" if warm is None else warm
+        self.warm = warm_by_default() if warm is None else warm
         self.launch_mode: str | None = None  # after start(): "warm", or "cold" and why it was not warm
         self._out = Path(out) if out is not None else None
         self._root = root

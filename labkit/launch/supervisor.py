@@ -25,6 +25,7 @@ import argparse
 import ctypes
 import itertools
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -103,6 +104,39 @@ class RankState:
                 self.error = record
 
 
+class ProcessWatch:
+    """Whether the process that started a run still runs. It is not always this supervisor's parent: a warm
+    launch's supervisor is the zygote's child, and a zygote may serve several processes. A pidfd where Linux has
+    one (exited means exited, a zombie too, and a PID reused since cannot fool it), else PID and start time."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._fd: int | None = None
+        self._process: psutil.Process | None = None
+        self._gone = False
+        try:
+            self._fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._gone = True
+        except (AttributeError, OSError):  # not Linux 5.3+: psutil compares the start time
+            try:
+                self._process = psutil.Process(pid)
+            except psutil.Error:
+                self._gone = True
+
+    def alive(self) -> bool:
+        if self._gone:
+            return False
+        if self._fd is not None:
+            self._gone = bool(select.select([self._fd], [], [], 0)[0])  # readable once the process exited
+        elif self._process is not None:
+            try:
+                self._gone = not self._process.is_running() or self._process.status() == psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                self._gone = True
+        return not self._gone
+
+
 @dataclass
 class Outcome:
     status: str                 # finished / failed / oom / hung / stopped
@@ -114,6 +148,7 @@ class Supervisor:
     def __init__(self, run_dir: Path, parent_pid: int, lease_fds: tuple[int, ...] = ()):
         self.run_dir = run_dir
         self.parent_pid = parent_pid
+        self.parent = ProcessWatch(parent_pid)
         self.lease_fds = lease_fds  # GPU and port leases: the launcher holds them too (labkit.launch.device_lease)
         launch = _read_run_file(run_dir / "launch.json")
         self.argv: list[str] = launch["argv"]
@@ -194,7 +229,7 @@ class Supervisor:
                 state.absorb(state.tail.poll())
             if self.stop_reason:
                 return Outcome("stopped", self.stop_reason)
-            if os.getppid() != self.parent_pid:
+            if not self.parent.alive():
                 return Outcome("stopped", f"parent process {self.parent_pid} exited")
             if all(state.done for state in self.ranks):
                 # Every record is on disk: give the launcher a moment, then end what lingers

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WORKER_MODULE = "labkit.rank.worker"
+WARM_ENV = "LABKIT_WARM"  # "0": every run launches cold, through DeepSpeed's launcher (`labkit run --cold`)
 WARM_LAUNCH_TITLE = "labkit.launch.warm_launch"  # the forked launcher's process title, where launch.py's would be
 POLL_S = 0.05
 

@@ -1,5 +1,5 @@
-"""The zygote: one process per Jupyter kernel (or CLI sweep) that has imported torch, DeepSpeed, the worker's
-modules and the supervisor, and loaded the built CPU ops, so that a run starts without paying for them.
+"""The zygote: one process per Jupyter kernel, CLI command or test session that has imported torch, DeepSpeed,
+the worker's modules and the supervisor, and loaded the built CPU ops, so that a run starts without paying for them.
 
     python -m labkit.launch.zygote --socket PATH --parent-pid PID     (started by `Zygote.start`)
 
@@ -8,6 +8,10 @@ the supervisor forks the ranks (`labkit.launch.warm_launch`). Every run still ge
 fresh process group and a fresh `deepspeed.initialize`: only the imports are shared, copy-on-write. The zygote
 touches no device (CPU runs only) and starts no thread, so forking it is safe. It ends when the process that
 started it does (checked every second), and its supervisors, whose parent it is, then end their runs.
+
+A process that started one can lend it to its children (`share`: its socket in LABKIT_ZYGOTE): a notebook's
+`!labkit run`, the test session's CLI and kernel runs then start warm too, without a preload of their own. Each
+run's supervisor watches the process that asked for it, so a run still ends when that process dies.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +39,16 @@ ACCEPT_S = 1.0  # how often the zygote checks that the process that started it i
 # The CPU ops CPU runs load (Adam on CPU ranks is DeepSpeed's CPU FusedAdam; ZeRO-Offload's is CPU Adam), when built.
 PRELOADED_OPS = ("FusedAdamBuilder", "CPUAdamBuilder", "ShareMemCommBuilder")
 MESSAGE_MAX = 1 << 20
+SHARED_ENV = "LABKIT_ZYGOTE"  # the socket of a zygote this process's parent lends it (`share`)
+
+
+def import_env(env: dict[str, str]) -> dict[str, str | None]:
+    """The part of `env` fixed at the zygote's import, PYTHONPATH without repeats (a child's launch prepends the
+    checkout again to a PYTHONPATH that already starts with it: the same modules are found)."""
+    out: dict[str, str | None] = {key: env.get(key) for key in IMPORT_TIME_KEYS}
+    if out["PYTHONPATH"] is not None:
+        out["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in out["PYTHONPATH"].split(os.pathsep) if p))
+    return out
 
 
 class ZygoteUnavailable(RuntimeError):
@@ -112,23 +127,25 @@ def serve(socket_path: Path, parent_pid: int) -> int:
 
 def _answer(request: dict, fds: list[int], listener: socket.socket, conn: socket.socket) -> dict:
     if request.get("op") == "ping":
-        return {"pid": os.getpid(), "env": {key: os.environ.get(key) for key in IMPORT_TIME_KEYS}}
+        return {"pid": os.getpid(), "env": import_env(dict(os.environ))}
     if request.get("op") != "supervise":
         raise ValueError(f"unknown request {request.get('op')!r}")
     env = request["env"]
-    differs = [key for key in IMPORT_TIME_KEYS if env.get(key) != os.environ.get(key)]
+    mine, theirs = import_env(dict(os.environ)), import_env(env)
+    differs = [key for key in IMPORT_TIME_KEYS if mine[key] != theirs[key]]
     if differs:
         return {"error": f"the run's {', '.join(differs)} differ from the zygote's (fixed at its import)"}
     pid = os.fork()
     if pid == 0:
         listener.close()
         conn.close()
-        _supervise(Path(request["run_dir"]), env, fds)  # never returns
+        _supervise(Path(request["run_dir"]), env, fds, request["parent_pid"], request["cwd"])  # never returns
     return {"pid": pid}
 
 
-def _supervise(run_dir: Path, env: dict[str, str], lease_fds: list[int]) -> None:
-    """The forked supervisor: as `python -m labkit.launch.supervisor RUN_DIR --parent-pid ZYGOTE` would run."""
+def _supervise(run_dir: Path, env: dict[str, str], lease_fds: list[int], parent_pid: int, cwd: str) -> None:
+    """The forked supervisor: as `python -m labkit.launch.supervisor RUN_DIR --parent-pid PARENT` started by the
+    process that asked for the run (`parent_pid`, in its working directory `cwd`) would run."""
     code = 1
     try:
         for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
@@ -138,9 +155,10 @@ def _supervise(run_dir: Path, env: dict[str, str], lease_fds: list[int]) -> None
         from labkit.launch.warm_launch import _redirect
 
         _redirect(run_dir / "supervisor.log", append=True)
+        os.chdir(cwd)  # a lent zygote runs in its starter's directory, not in the asker's
         os.environ.clear()
         os.environ.update(env)
-        argv = [str(run_dir), "--parent-pid", str(os.getppid()), "--lease-fds", ",".join(map(str, lease_fds))]
+        argv = [str(run_dir), "--parent-pid", str(parent_pid), "--lease-fds", ",".join(map(str, lease_fds))]
         set_title([sys.executable, "-m", "labkit.launch.supervisor", *argv])
         from labkit.launch.supervisor import main
 
@@ -190,7 +208,8 @@ class ForkedSupervisor:
 
 
 class Zygote:
-    """The client: starts the zygote, asks it to fork a run's supervisor, ends it."""
+    """The client: starts the zygote (or attaches to one lent by the parent process, `attach`), asks it to fork a
+    run's supervisor, ends the one it started."""
 
     def __init__(self, env: dict[str, str]):
         self.env = env
@@ -198,9 +217,23 @@ class Zygote:
         self.socket_path = self._dir / "socket"
         self.process: subprocess.Popen | None = None
         self.ready: dict | None = None
+        self.lent = False  # attached to another process's zygote: never ours to end
+        self._lock = threading.Lock()  # a sweep's or the fault suite's threads start runs side by side
+
+    @classmethod
+    def attach(cls, socket_path: Path, env: dict[str, str]) -> Zygote:
+        """The zygote listening on `socket_path`, if it answers and its import-time environment is `env`'s."""
+        zygote = cls.__new__(cls)
+        zygote.env, zygote.socket_path, zygote.process, zygote.lent = env, socket_path, None, True
+        zygote._dir, zygote._lock = socket_path.parent, threading.Lock()
+        reply = zygote._ask({"op": "ping"}, [])
+        if reply.get("env") != import_env(env):
+            raise ZygoteUnavailable(f"the zygote at {socket_path} was started for another environment")
+        zygote.ready = reply
+        return zygote
 
     def start(self) -> Zygote:
-        if self.process is None:
+        if self.process is None and not self.lent:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "labkit.launch.zygote", "--socket", str(self.socket_path),
                  "--parent-pid", str(os.getpid())],
@@ -208,47 +241,62 @@ class Zygote:
                 start_new_session=True)
         return self
 
+    def alive(self) -> bool:
+        if self.lent:
+            try:
+                return self._ask({"op": "ping"}, []).get("pid") == (self.ready or {}).get("pid")
+            except ZygoteUnavailable:
+                return False
+        return self.process is None or self.process.poll() is None
+
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> dict:
         """Block until the zygote has preloaded (its first line), or raise ZygoteUnavailable with its output."""
-        if self.ready is not None:
-            return self.ready
-        self.start()
-        assert self.process is not None and self.process.stdout is not None
-        import selectors
+        with self._lock:
+            if self.ready is not None:
+                return self.ready
+            self.start()
+            assert self.process is not None and self.process.stdout is not None
+            import selectors
 
-        selector = selectors.DefaultSelector()
-        selector.register(self.process.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout
-        output = b""
-        while time.monotonic() < deadline:
-            if selector.select(timeout=max(0.0, deadline - time.monotonic())):
-                line = self.process.stdout.readline()
-                output += line
-                if not line:
-                    break
-                if line.startswith(b"{"):
-                    self.ready = json.loads(line)
-                    return self.ready
+            selector = selectors.DefaultSelector()
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            deadline = time.monotonic() + timeout
+            output = b""
+            while time.monotonic() < deadline:
+                if selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                    line = self.process.stdout.readline()
+                    output += line
+                    if not line:
+                        break
+                    if line.startswith(b"{"):
+                        self.ready = json.loads(line)
+                        return self.ready
         self.close()
         tail = output.decode(errors="replace").strip().splitlines()[-3:]
         raise ZygoteUnavailable(f"the zygote did not start within {timeout:g} s: {' | '.join(tail) or 'no output'}")
 
     def supervise(self, run_dir: Path, env: dict[str, str], lease_fds: list[int]) -> ForkedSupervisor:
-        """Fork the supervisor of the run in `run_dir` (its launch.json written) with `env` as its environment."""
-        self.wait_ready()
+        """Fork the supervisor of the run in `run_dir` (its launch.json written) with `env` as its environment;
+        it watches this process and runs in its working directory."""
+        zygote_pid = self.wait_ready()["pid"]
+        reply = self._ask({"op": "supervise", "run_dir": str(run_dir), "env": env, "parent_pid": os.getpid(),
+                           "cwd": os.getcwd()}, lease_fds)
+        if "pid" not in reply:
+            raise ZygoteUnavailable(reply.get("error") or "the zygote gave no answer")
+        return ForkedSupervisor(reply["pid"], run_dir, zygote_pid)
+
+    def _ask(self, request: dict, fds: list[int]) -> dict:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
             try:
                 conn.connect(str(self.socket_path))
-                socket.send_fds(conn, [json.dumps({"op": "supervise", "run_dir": str(run_dir), "env": env}).encode()],
-                                lease_fds)
-                reply = json.loads(conn.recv(MESSAGE_MAX) or b"{}")
+                socket.send_fds(conn, [json.dumps(request).encode()], fds)
+                return json.loads(conn.recv(MESSAGE_MAX) or b"{}")
             except (OSError, ValueError) as exc:
                 raise ZygoteUnavailable(f"the zygote did not answer: {exc}") from exc
-        if "pid" not in reply:
-            raise ZygoteUnavailable(reply.get("error") or "the zygote gave no answer")
-        return ForkedSupervisor(reply["pid"], run_dir, self.wait_ready()["pid"])
 
     def close(self) -> None:
+        if self.lent:
+            return
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
@@ -265,21 +313,40 @@ class Zygote:
             pass
 
 
-_shared: Zygote | None = None
+_zygotes: dict[tuple, Zygote] = {}  # by import-time environment: a test with its own op cache keeps the others
+_zygotes_lock = threading.Lock()
 
 
 def shared(env: dict[str, str]) -> Zygote:
-    """This process's zygote for runs whose import-time environment is `env`'s (started once, ended at exit);
-    a different one replaces it."""
-    global _shared
-    if _shared is not None and all(_shared.env.get(k) == env.get(k) for k in IMPORT_TIME_KEYS) \
-            and (_shared.process is None or _shared.process.poll() is None):
-        return _shared
-    if _shared is not None:
-        _shared.close()
-    _shared = Zygote({k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")})
-    atexit.register(_shared.close)
-    return _shared.start()
+    """This process's zygote for runs whose import-time environment is `env`'s: the one its parent lent
+    (LABKIT_ZYGOTE) where that fits, else one started here once (ended at exit)."""
+    key = tuple(import_env(env).items())
+    with _zygotes_lock:
+        zygote = _zygotes.get(key)
+        if zygote is not None and zygote.alive():
+            return zygote
+        if zygote is not None:
+            zygote.close()
+        zygote = None
+        lent = os.environ.get(SHARED_ENV)
+        if lent:
+            try:
+                zygote = Zygote.attach(Path(lent), env)
+            except ZygoteUnavailable:
+                pass  # gone, or for another environment: this process starts its own
+        if zygote is None:
+            zygote = Zygote({k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")})
+            atexit.register(zygote.close)
+        _zygotes[key] = zygote
+        return zygote.start()
+
+
+def share(env: dict[str, str]) -> Zygote:
+    """Start (in the background) this process's zygote for `env` and lend it to the processes this one starts
+    from now on (LABKIT_ZYGOTE in its environment): the panel's kernel, the CLI, the test session."""
+    zygote = shared(env)
+    os.environ[SHARED_ENV] = str(zygote.socket_path)
+    return zygote
 
 
 def main(argv: list[str] | None = None) -> int:

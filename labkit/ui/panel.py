@@ -27,7 +27,7 @@ from labkit.core.model_specs import MODELS
 from labkit.core.records import rank_log, read_end
 from labkit.launch.admission import Admission
 from labkit.launch.history import COLUMNS, runs
-from labkit.launch.run import FINAL_STATUSES, Run
+from labkit.launch.run import FINAL_STATUSES, Run, warm_by_default, warm_up
 from labkit.ui.dashboard import REFRESH_S, Dashboard, RunSeries
 
 LOG_REFRESH_S = 1.0    # log tails are re-read at most this often
@@ -167,6 +167,10 @@ class LabPanel:
         self.message = W.HTML()   # the ConfigError of an invalid choice
         self.launch_button = W.Button(description="Launch", button_style="success", icon="play")
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
+        # Cold: through DeepSpeed's launcher, every interpreter importing torch and DeepSpeed again (~8 s here), to
+        # compare with the default warm launch (labkit.launch.zygote).
+        self.cold = W.Checkbox(value=not warm_by_default(), description="cold launch", indent=False,
+                               tooltip="launch as the deepspeed command does, without the preloaded zygote")
         self.status = W.HTML(value=status_line("created"))
         self.logs = W.Accordion(children=[])
         self.dashboard = Dashboard(refresh_s=refresh_s, on_tick=self._on_tick)
@@ -200,7 +204,7 @@ class LabPanel:
                     column("hidden", "depth", "lr", "lr_scaling", "base_batch")]),
             W.HBox([column("model", "data", "loss")]),
             self.derived, self.message,
-            W.HBox([self.launch_button, self.stop_button]),
+            W.HBox([self.launch_button, self.stop_button, self.cold]),
             self.status,
             self.dashboard.widget,
             self.logs,
@@ -213,6 +217,8 @@ class LabPanel:
         from IPython.display import display
 
         display(self.widget)
+        if not self.cold.value:
+            warm_up(self.env)  # the zygote preloads while the learner picks a configuration
 
     # -- binding ---------------------------------------------------------------------------
     def config(self) -> RunConfig:
@@ -259,7 +265,7 @@ class LabPanel:
             if not decision.admit:  # other programs hold the memory now
                 self._show_error(f"{decision.describe()}: close other programs, then Launch again")
                 return None
-            run = Run(config, env=self.env, root=self.root).start()  # refuses GPUs another run holds
+            run = Run(config, env=self.env, root=self.root, warm=not self.cold.value).start()  # refuses busy GPUs
         except ConfigError as exc:
             self._show_error(str(exc))
             return None

@@ -55,9 +55,10 @@ HANG_LIMIT_S = HEARTBEAT_S + 5.0
 
 
 # -- helpers ----------------------------------------------------------------------------------
-def start(root: Path, fault: str = "", **overrides: Any) -> Run:
+def start(root: Path, fault: str = "", warm: bool | None = None, **overrides: Any) -> Run:
+    """A run of SMALL; `warm`: as Run's (None: the default, warm on this CPU machine)."""
     config = RunConfig(**{**SMALL, "steps": LONG, **overrides})
-    return Run(config, root=root, env={"LABKIT_FAULT": fault}).start()
+    return Run(config, root=root, env={"LABKIT_FAULT": fault}, warm=warm).start()
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, poll_s: float = 0.05) -> bool:
@@ -239,9 +240,8 @@ def uses(*names: str):
     return mark
 
 
-@scenario("stop")
-def _stop(root: Path) -> dict[str, Any]:
-    run = start(root)
+def _stop(root: Path, warm: bool) -> dict[str, Any]:
+    run = start(root, warm=warm)
     reach_steps(run, 3)
     procs = process_tree(run.run_dir)
     listening = listening_sockets(procs)  # measured mid-run, every rank initialised
@@ -255,22 +255,33 @@ def _stop(root: Path) -> dict[str, Any]:
             "processes": sorted(watch.names.values()), "survivors": watch.survivors, "listening": listening,
             "steps_recorded": progress(run.run_dir), "summary": run.summary,
             "listed_status": row.status, "reloaded_status": Run.load(run.run_dir).status,
-            "leftovers": [describe(p) for p in run_processes(run.run_dir)]}
+            "launch": run.launch_mode, "leftovers": [describe(p) for p in run_processes(run.run_dir)]}
+
+
+@scenario("stop")
+def _stop_warm(root: Path) -> dict[str, Any]:
+    return _stop(root, warm=True)
+
+
+@scenario("stop_cold")
+def _stop_cold(root: Path) -> dict[str, Any]:
+    return _stop(root, warm=False)
 
 
 HELPER = """
 import json, sys, time
 from labkit import Run, RunConfig
-run = Run(RunConfig(**json.loads(sys.argv[1])), root=sys.argv[2], env={"LABKIT_FAULT": ""}).start()
-print("RUN_DIR=" + str(run.run_dir), flush=True)
+run = Run(RunConfig(**json.loads(sys.argv[1])), root=sys.argv[2], env={"LABKIT_FAULT": ""},
+          warm=sys.argv[3] == "warm").start()
+print("RUN_DIR=" + str(run.run_dir), run.launch_mode, flush=True)
 time.sleep(3600)
 """
 
 
-@scenario("parent_kill")
-def _parent_kill(root: Path) -> dict[str, Any]:
-    """The process holding the Run (a Jupyter kernel, the CLI) is SIGKILLed mid-run."""
-    helper = subprocess.Popen([sys.executable, "-c", HELPER, json.dumps({**SMALL, "steps": LONG}), str(root)],
+def _parent_kill(root: Path, launch: str) -> dict[str, Any]:
+    """The process holding the Run (a Jupyter kernel, the CLI) is SIGKILLed mid-run. Warm: its run forked
+    from the session's zygote, which lives on; the supervisor watches the killed process, not its parent."""
+    helper = subprocess.Popen([sys.executable, "-c", HELPER, json.dumps({**SMALL, "steps": LONG}), str(root), launch],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         line = ""
@@ -278,7 +289,8 @@ def _parent_kill(root: Path) -> dict[str, Any]:
             line = helper.stdout.readline()
             if not line:
                 raise RuntimeError("the helper exited before it started its run")
-        run_dir = Path(line.strip().removeprefix("RUN_DIR="))
+        run_dir_text, launch_mode = line.strip().removeprefix("RUN_DIR=").split(" ", 1)
+        run_dir = Path(run_dir_text)
         run = Run.load(run_dir)
         reach_steps(run, 2)
         procs = process_tree(run_dir)
@@ -295,7 +307,18 @@ def _parent_kill(root: Path) -> dict[str, Any]:
             "ranks_gone_after_kill_s": watch.last(ranks_only=True) - killed,
             "ranks_gone_after_notice_s": watch.last(ranks_only=True) - noticed,
             "all_gone_after_kill_s": watch.last() - killed, "noticed_after_s": noticed - killed,
-            "survivors": watch.survivors, "leftovers": [describe(p) for p in run_processes(run_dir)]}
+            "launch": launch_mode, "survivors": watch.survivors,
+            "leftovers": [describe(p) for p in run_processes(run_dir)]}
+
+
+@scenario("parent_kill")
+def _parent_kill_warm(root: Path) -> dict[str, Any]:
+    return _parent_kill(root, "warm")
+
+
+@scenario("parent_kill_cold")
+def _parent_kill_cold(root: Path) -> dict[str, Any]:
+    return _parent_kill(root, "cold")
 
 
 # kind, rank, step, expected status
@@ -382,8 +405,8 @@ def _slow_start(root: Path) -> dict[str, Any]:
             "leftovers": [describe(p) for p in run_processes(run.run_dir)]}
 
 
-def _kill_launcher(root: Path, which: str) -> dict[str, Any]:
-    run = start(root)
+def _kill_launcher(root: Path, which: str, warm: bool = False) -> dict[str, Any]:
+    run = start(root, warm=warm)
     reach_steps(run, 2)
     procs = process_tree(run.run_dir)
     victim = next(p for p in procs if describe(p).endswith(which))
@@ -404,6 +427,12 @@ def _kill_runner(root: Path) -> dict[str, Any]:
 @scenario("kill_launch_py")
 def _kill_launch_py(root: Path) -> dict[str, Any]:
     return _kill_launcher(root, "deepspeed.launcher.launch")
+
+
+@scenario("kill_warm_launcher")
+def _kill_warm_launcher(root: Path) -> dict[str, Any]:
+    """A warm run's stand-in for the runner and launch.py (labkit.launch.warm_launch), the ranks' parent."""
+    return _kill_launcher(root, "labkit.launch.warm_launch", warm=True)
 
 
 PAIR = {"a": dict(micro_batch=16, steps=5), "b": dict(micro_batch=32, steps=8)}
@@ -539,11 +568,18 @@ def fleet(request, tmp_path_factory):
 
 
 # -- stop, parent death --------------------------------------------------------------------------
-@uses("stop")
-def test_stop_ends_every_process_within_6s(fleet):
-    r = fleet.result("stop")
+# Each launch's processes: warm, the supervisor, its launcher (labkit.launch.warm_launch) and the ranks; cold,
+# the supervisor, DeepSpeed's runner and launch.py, a guard and a worker per rank.
+PROCESSES = {"warm": 4, "cold": 7}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["warm", "cold"])
+def test_stop_ends_every_process_within_6s(fleet, launch):
+    r = fleet.result("stop" if launch == "warm" else "stop_cold")
+    assert r["launch"] == launch, r
     assert r["status"] == "stopped"
-    assert len(r["processes"]) >= 7, r["processes"]  # supervisor, runner, launch.py, 2 guards, 2 workers
+    assert len(r["processes"]) >= PROCESSES[launch], r["processes"]
     assert r["stop_s"] < STOP_LIMIT_S and r["gone_s"] < STOP_LIMIT_S, r
     assert not r["survivors"] and not r["leftovers"], r
     # What the ranks recorded before the stop is kept.
@@ -552,13 +588,21 @@ def test_stop_ends_every_process_within_6s(fleet):
     assert r["listed_status"] == r["reloaded_status"] == "stopped"
 
 
-@uses("parent_kill")
-def test_parent_sigkill_ends_every_rank_within_2s(fleet):
-    r = fleet.result("parent_kill")
+test_stop_ends_every_process_within_6s.scenarios = ("stop", "stop_cold")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["warm", "cold"])
+def test_parent_sigkill_ends_every_rank_within_2s(fleet, launch):
+    r = fleet.result("parent_kill" if launch == "warm" else "parent_kill_cold")
+    assert r["launch"] == launch, r
     assert r["status"] == "stopped" and "parent process" in r["cause"], r
     # The issue's limit, from the SIGKILL itself to the last rank gone.
     assert r["ranks_gone_after_kill_s"] < PARENT_KILL_LIMIT_S, r
     assert not r["survivors"] and not r["leftovers"], r
+
+
+test_parent_sigkill_ends_every_rank_within_2s.scenarios = ("parent_kill", "parent_kill_cold")
 
 
 # -- a rank fails ---------------------------------------------------------------------------------
@@ -683,7 +727,7 @@ def test_slow_start_is_not_a_hang(fleet):
 
 # -- the launcher dies ----------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["kill_runner", "kill_launch_py"])
+@pytest.mark.parametrize("which", ["kill_runner", "kill_launch_py", "kill_warm_launcher"])
 def test_killed_launcher_leaves_nothing_and_never_finishes(fleet, which):
     r = fleet.result(which)
     assert r["status"] not in ("finished", "running"), r
@@ -692,7 +736,8 @@ def test_killed_launcher_leaves_nothing_and_never_finishes(fleet, which):
     assert not r["survivors"] and not r["leftovers"], r
 
 
-test_killed_launcher_leaves_nothing_and_never_finishes.scenarios = ("kill_runner", "kill_launch_py")
+test_killed_launcher_leaves_nothing_and_never_finishes.scenarios = ("kill_runner", "kill_launch_py",
+                                                                    "kill_warm_launcher")
 
 
 # -- two runs at once -----------------------------------------------------------------------------

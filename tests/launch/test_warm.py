@@ -6,6 +6,7 @@ runs are real: a finished run's records, a SIGKILLed rank named, Stop and the pa
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,8 +18,10 @@ import pytest
 
 from labkit import Run, RunConfig
 from labkit.core.records import rank_file, read_records
-from labkit.launch.launcher import build_command
+from labkit.launch import zygote
+from labkit.launch.launcher import build_command, import_time_env
 from labkit.launch.warm_launch import rank_argv, rank_env, warm_spec
+from labkit.launch.zygote import SHARED_ENV, import_env
 from tests.conftest import REPO, run_processes
 
 SMALL = dict(example="zero3", world_size=2, hidden=256, micro_batch=16, dataset_size=1024)
@@ -106,8 +109,9 @@ time.sleep(3600)
 
 @pytest.mark.slow
 def test_the_parents_death_ends_a_warm_runs_zygote_supervisor_and_ranks(tmp_path):
+    own = {k: v for k, v in os.environ.items() if k != SHARED_ENV}  # its own zygote, not the session's
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
-                              text=True)
+                              text=True, env=own)
     try:
         assert parent.stdout is not None
         line = ""
@@ -133,3 +137,65 @@ def test_the_parents_death_ends_a_warm_runs_zygote_supervisor_and_ranks(tmp_path
         assert summary["status"] == "stopped" and "parent process" in summary["cause"], summary
     finally:
         parent.kill()
+
+
+def test_import_env_finds_the_same_modules_through_a_repeated_path():
+    # A child's launch puts the checkout first again on a PYTHONPATH that already starts with it.
+    env = import_time_env({"PYTHONPATH": "/a"}, "cpu")
+    again = import_time_env(env, "cpu")
+    assert again["PYTHONPATH"] != env["PYTHONPATH"] and import_env(again) == import_env(env)
+    assert import_env({**env, "DS_ACCELERATOR": "cuda"}) != import_env(env)
+
+
+CHILD = """
+import os, sys, time
+from labkit import Run, RunConfig
+from labkit.launch import zygote
+run = Run(RunConfig(example="zero3", world_size=2, hidden=256, micro_batch=16, dataset_size=1024, steps=100000),
+          root=sys.argv[1], warm=True).start()
+print("RUN_DIR=" + str(run.run_dir), run.launch_mode, flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.slow
+def test_a_child_process_runs_warm_on_the_lent_zygote_and_its_death_still_ends_its_run(tmp_path):
+    lender = zygote.share({**os.environ, **import_time_env(os.environ, "cpu")})
+    zygote_pid = lender.wait_ready()["pid"]
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], cwd=workdir, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert child.stdout is not None
+        line = ""
+        while not line.startswith("RUN_DIR="):
+            line = child.stdout.readline()
+            assert line, "the child exited before it started its run"
+        run_dir_text, mode = line.strip().removeprefix("RUN_DIR=").split(" ", 1)
+        run_dir = Path(run_dir_text)
+        assert mode == "warm"
+        # No zygote of its own: the supervisor is the lent zygote's child, watching the child that asked.
+        assert not [p for p in psutil.Process(child.pid).children() if "labkit.launch.zygote" in p.cmdline()]
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and not any(
+                r.get("event") == "step" for r in read_records(rank_file(run_dir, 0))):
+            time.sleep(0.1)
+        status = json.loads((run_dir / "status.json").read_text())
+        supervisor = psutil.Process(status["supervisor_pid"])
+        assert supervisor.ppid() == zygote_pid
+        assert f"--parent-pid {child.pid}" in " ".join(supervisor.cmdline())
+        # The ranks run where the child runs, not where the zygote was started.
+        ranks = [p for p in run_processes(run_dir) if "labkit.rank.worker" in " ".join(p.cmdline())]
+        assert len(ranks) == 2 and {p.cwd() for p in ranks} == {str(workdir)}
+        killed = time.monotonic()
+        child.kill()
+        child.wait()
+        while time.monotonic() < killed + 30 and run_processes(run_dir):
+            time.sleep(0.1)
+        assert run_processes(run_dir) == []
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "stopped" and f"parent process {child.pid}" in summary["cause"], summary
+        assert lender.alive()  # the zygote serves the session on
+    finally:
+        child.kill()
