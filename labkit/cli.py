@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -17,90 +16,58 @@ import time
 from pathlib import Path
 from typing import Any
 
-from labkit.core.config import EXAMPLES, LR_SCALINGS, OPTIMIZERS, PRECISIONS, ConfigError, RunConfig
+from labkit.core.config import FIELDS, GROUPS, ConfigError, RunConfig
 
-# RunConfig fields exposed as flags: --micro-batch for micro_batch, and so on.
-_FLAG_FIELDS = ("model", "data", "loss", "stage", "precision", "world_size", "micro_batch", "grad_accum",
-                "train_batch", "steps", "optimizer", "lr", "lr_scaling", "base_batch", "warmup_steps", "warmup_samples",
-                "input_size", "hidden", "depth", "output_size", "dataset_size", "seed", "target_loss", "eval_every",
-                "eval_samples", "threads_per_rank", "heartbeat_s", "startup_timeout_s", "device_memory_budget_bytes",
-                "census_every", "noise_scale_every", "hostfile")
-_HELP = {
-    "model": "what to train: 'mlp', 'gpt' (byte-level GPT-2 on Python's source, needs [hf]) or "
-             "'package.module:build_model' (build_model(config) -> torch.nn.Module)",
-    "data": "'package.module:build_dataset' (build_dataset(config) -> Dataset of (inputs, labels)); "
-            "default: the built-in model's",
-    "loss": "'package.module:loss_fn' (loss_fn(model, inputs, labels) -> scalar tensor); default: cross-entropy",
-    "stage": "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters partitioned",
-    "precision": "fp32, bf16 or fp16 (fp16 needs a GPU)",
-    "world_size": "ranks: one per GPU, or CPU processes",
-    "micro_batch": "samples per rank per forward/backward",
-    "grad_accum": "micro-batches per optimizer step",
-    "train_batch": "global batch; must equal micro_batch x grad_accum x world_size",
-    "steps": "optimizer steps (script mode: the progress bar's length)",
-    "optimizer": "adam or sgd",
-    "lr": "learning rate at --base-batch",
-    "lr_scaling": "how the LR follows the global batch: none, linear, sqrt",
-    "input_size": "MLP input features; GPT context length in bytes",
-    "hidden": "MLP width; GPT n_embd",
-    "depth": "MLP hidden layers; GPT n_layer",
-    "warmup_samples": "linear LR warmup over this many samples (the same data at every batch size)",
-    "target_loss": "record the time this loss is first reached (on the held-out eval loss with --eval-every)",
-    "eval_every": "evaluate the held-out loss every N steps (0: off)",
-    "eval_samples": "size of the held-out evaluation set",
-    "threads_per_rank": "CPU ranks: OpenMP threads each (default: cores / ranks)",
-    "hostfile": "multi-node: DeepSpeed hostfile ('host slots=N' lines)",
-    "base_batch": "the global batch --lr was tuned for (--lr-scaling scales from it)",
-    "warmup_steps": "linear LR warmup over this many optimizer steps (or --warmup-samples, not both)",
-    "output_size": "MLP classes (the GPT's vocabulary is always 256 bytes)",
-    "dataset_size": "training samples (GPT: windows of --input-size bytes)",
-    "seed": "initial weights, data order and the built-in datasets",
-    "heartbeat_s": "a rank silent this long after its first step is reported hung",
-    "startup_timeout_s": "allowance for process start and DeepSpeed's JIT op builds",
-    "device_memory_budget_bytes": "emulated device capacity per rank (CPU); passing it is an out-of-memory failure",
-    "census_every": "recount model-state bytes every N steps",
-    "noise_scale_every": "estimate the gradient noise scale every N steps (0: off)",
-}
 _SLURM_FLAGS = ("nodes", "partition", "time", "gpus_per_node", "account")  # labkit.launch.export.SlurmOptions
-_CHOICES = {"stage": (0, 1, 2, 3), "precision": PRECISIONS, "optimizer": OPTIMIZERS, "lr_scaling": LR_SCALINGS}
-_TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
+
+
+def flag(name: str) -> str:
+    """The CLI's flag for RunConfig field `name`: --micro-batch for micro_batch."""
+    return "--" + name.replace("_", "-")
+
+
+def _flag_help(name: str) -> str:
+    """A field's help as the CLI shows it: the fields it names written as their flags."""
+    return FIELDS[name].describe(lambda ref: flag(ref) if ref in FIELDS and FIELDS[ref].cli else ref)
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
-    parser.add_argument("--example", choices=EXAMPLES, default=None,
-                        help="pytorch: plain PyTorch loop, 1 process; deepspeed: DeepSpeed's engine, give --stage; "
-                             "offload: ZeRO-2 + optimizer offload; zero3: ZeRO stage 3 (required unless --script)")
-    for name in _FLAG_FIELDS:
-        kind = _TYPES.get(str(fields[name].type), str)
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
-                            choices=_CHOICES.get(name),
-                            help=_HELP.get(name, f"RunConfig.{name}") + f" (default: {fields[name].default})")
-    parser.add_argument("--offload-optimizer", dest="offload_optimizer", action=argparse.BooleanOptionalAction,
-                        default=None, help="optimizer state and step on the CPU (ZeRO stages 1-3)")
-    parser.add_argument("--no-distributed-sampler", dest="distributed_sampler", action="store_false", default=None,
-                        help="reproduce the seed text's bug: every rank reads the whole dataset")
-    parser.add_argument("--stop-at-target", dest="stop_at_target", action="store_true", default=None,
-                        help="end the run once --target-loss is reached")
-    parser.add_argument("--no-telemetry", dest="telemetry", action="store_false", default=None,
-                        help="write only start/done records (benchmark baseline)")
-    parser.add_argument("--comms-log", dest="comms_log", action="store_true", default=None,
-                        help="record what DeepSpeed's collectives sent, per rank, into comms_rank<N>.json "
-                             "(DeepSpeed's comms logger; it makes every collective blocking on a GPU: not for timing)")
-    parser.add_argument("--ds-override", dest="ds_overrides", action="append", default=None, metavar="JSON",
-                        help='extra DeepSpeed config, e.g. \'{"gradient_clipping": 1.0}\' (checked by DeepSpeed\'s own '
-                             'config; a key it never reads is refused)')
+    """One flag per RunConfig field the CLI sets (`cli` in its metadata), in the fields' groups: name, type,
+    choices and help from the field. Every default is None, so config_from_args passes only what was given."""
+    groups = {group: parser.add_argument_group(f"{group} (RunConfig)") for group in GROUPS}
+    for name, spec in FIELDS.items():
+        if not spec.cli:
+            continue
+        group, text = groups[spec.group], _flag_help(name)
+        if name == "example":  # RunConfig's default is for Python; the command line asks
+            group.add_argument(flag(name), choices=spec.choices, default=None,
+                               help=text + " (required unless --script)")
+        elif spec.kind is bool and spec.optional:  # unset: the example's preset
+            group.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+                               help=text)
+        elif spec.kind is bool:  # the flag turns the default around
+            negated = "--no-" + name.replace("_", "-") if spec.default else flag(name)
+            group.add_argument(negated, dest=name, action="store_false" if spec.default else "store_true",
+                               default=None, help=text)
+        else:
+            kind = type(spec.choices[0]) if spec.choices else spec.kind
+            default = "" if spec.default is None else f" (default: {spec.default})"  # None: the help says
+            group.add_argument(flag(name), dest=name, type=kind, default=None, choices=spec.choices,
+                               help=text + default)
+    # Not one value each: repeated JSON objects, merged.
+    groups["strategy"].add_argument("--ds-override", dest="ds_overrides", action="append", default=None,
+                                    metavar="JSON", help=_flag_help("ds_overrides"))
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     script = getattr(args, "script", None)
     if args.example is None and not script:
-        raise ConfigError("example", f"--example is required ({', '.join(EXAMPLES)}), or --script")
+        raise ConfigError("example", f"--example is required ({', '.join(FIELDS['example'].choices or ())}), "
+                          "or --script")
     values: dict[str, Any] = {"example": args.example or "zero3"}
     if script:
         values.update(script=script, script_args=list(getattr(args, "script_args", None) or []))
-    for name in (*_FLAG_FIELDS, "offload_optimizer", "distributed_sampler", "stop_at_target", "telemetry",
-                 "comms_log"):
+    for name in (name for name, spec in FIELDS.items() if spec.cli and name != "example"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.ds_overrides:
@@ -266,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --hostfile: DeepSpeed's multi-node launcher, pdsh over ssh or Open MPI's mpirun "
                           "(Slurm: labkit export --launcher slurm, then sbatch)")
     run.add_argument("--script", default=None, metavar="TRAIN.PY",
-                     help="script mode: run this unmodified DeepSpeed script on every rank (arguments after --)")
+                     help=_flag_help("script") + " (its arguments: everything after --)")
     _add_cold_flag(run)
     run.set_defaults(func=cmd_run)
     export = sub.add_parser("export", **tail, help="write a multi-node job directory (launch.sh, ds_config.json, ...)")
@@ -308,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     answer.add_argument("--strict", action="store_true",
                         help="exit 1 when a sweep point did not finish (CI); default: report it and exit 0")
     for name in ("model", "data", "loss"):
-        answer.add_argument("--" + name, default=None, help=_HELP[name] + " (default: the profile's MLP)")
+        answer.add_argument(flag(name), default=None, help=_flag_help(name) + " (default: the profile's MLP)")
     _add_cold_flag(answer)
     answer.set_defaults(func=cmd_answer)
     _add_predict_parser(sub.add_parser("predict", **tail, help="PREDICTED step time on GPUs you don't have, or on "
@@ -331,7 +298,7 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
     what.add_argument("--from", dest="from_run", metavar="RUN_DIR",
                       help="calibrate on a finished run and predict it at another --world-size/--micro-batch/--stage")
     for name in ("hidden", "depth", "input_size"):
-        predict.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=_HELP[name])
+        predict.add_argument(flag(name), type=int, default=None, help=_flag_help(name))
     predict.add_argument("--gpu", default="A100-80GB",
                          help="GPU kind (labkit.study.predict.HARDWARE; default A100-80GB)")
     predict.add_argument("--gpus-per-node", type=int, default=1, help="GPUs in one node (default 1)")

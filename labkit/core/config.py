@@ -5,6 +5,9 @@ triplet, model size, ...). It checks itself in `__post_init__`, so a bad value f
 the notebook or CLI with a message naming the field, instead of 7-9 s later inside the
 ranks (or never: DeepSpeed accepts offload with stage 0 and unknown keys silently).
 `RunConfig.ds_config()` produces the DeepSpeed JSON config the ranks use.
+
+Each field is declared once, in its group, with its help text and its choices (`labkit.core.fields`);
+`FIELDS` is what the CLI's flags and the panel's dropdowns are built from.
 """
 
 from __future__ import annotations
@@ -13,19 +16,14 @@ import contextlib
 import contextvars
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from labkit.core import schedule
-
-EXAMPLES = ("pytorch", "deepspeed", "offload", "zero3")
-PRECISIONS = ("fp32", "bf16", "fp16")
-LR_SCALINGS = schedule.SCALINGS
-OPTIMIZERS = ("adam", "sgd")
+from labkit.core.fields import FieldSpec, field_specs, first_problem, setting
 
 # The seed text's three examples, corrected, and "deepspeed": DeepSpeed's engine with the
 # stage and offload you choose (nothing turned on by default), for runs that are none of the
@@ -91,89 +89,131 @@ def _validation_detail(exc: Exception) -> str:
     return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) or str(exc)
 
 
+# The groups RunConfig's fields come in, as a reader thinks of them; the CLI's --help and the docs show them so.
+GROUPS = ("model", "data", "batch", "optimizer and schedule", "strategy", "run control")
+
+
 @dataclass(kw_only=True)
 class RunConfig:
-    example: Literal["pytorch", "deepspeed", "offload", "zero3"] = "zero3"
-    # What is trained (labkit.models.builders): a built-in name ("mlp", "gpt") or "package.module:build_model";
-    # data/loss: "package.module:callable" import strings (None: the built-in model's dataset / cross-entropy).
-    model: str = "mlp"
-    data: str | None = None
-    loss: str | None = None
-    # Script mode (labkit.rank.script): an unmodified DeepSpeed training script run on every rank with these
-    # arguments instead of labkit's worker; `steps` is then only the progress bar's length.
-    script: str | None = None
-    script_args: list[str] = field(default_factory=list)
-    stage: int | None = None              # ZeRO stage 0-3; None = the example's preset
-    offload_optimizer: bool | None = None  # optimizer state + step on the CPU; None = preset
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    world_size: int = 1                   # ranks (one per GPU; CPU ranks without GPUs)
-    micro_batch: int = 64                 # samples per rank per forward/backward
-    grad_accum: int = 1                   # micro-batches per optimizer step
-    train_batch: int | None = None        # global batch; derived when None, checked when set
-    steps: int = 20                       # optimizer steps
-    optimizer: Literal["adam", "sgd"] = "adam"
-    lr: float = 1e-3                      # learning rate at base_batch
-    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
-    base_batch: int = 64                  # global batch that `lr` was tuned for
-    warmup_steps: int = 0
-    warmup_samples: int = 0               # warmup in samples (same share of the data at every batch); 0 = off
-    input_size: int = 100                 # the seed's SimpleModel: 100 -> 500 -> 10
-    hidden: int = 500
-    depth: int = 1                        # hidden layers of width `hidden`
-    output_size: int = 10
-    dataset_size: int = 8192
-    distributed_sampler: bool = True      # False reproduces the seed's bug: every rank reads all data
-    sample_with_replacement: bool = False  # each rank draws its samples at random, with replacement: a micro-batch
-    #                                       may exceed the dataset (max-batch probes: memory, not the data, is the cap)
-    seed: int = 0
-    target_loss: float | None = None      # record the time this loss is first reached
-    stop_at_target: bool = False          # end the run once target_loss is reached
-    hostfile: str | None = None           # multi-node: DeepSpeed hostfile ("host slots=N" lines)
-    heartbeat_s: float = 120.0            # a rank silent this long after its first step is hung
-    startup_timeout_s: float = 900.0      # allowance for process start and JIT op builds
-    device_memory_budget_bytes: int | None = None  # emulated device capacity (CPU); exceeding it is an OOM
-    telemetry: bool = True                # per-step records; False writes only start/done (benchmark)
-    comms_log: bool = False               # DeepSpeed's comms logger -> comms_rank<N>.json (labkit.rank.comms_log);
-                                          # it synchronizes the GPU after every collective: not for timed runs
-    census_every: int = 10                # recount model-state bytes every N steps (they rarely change)
-    noise_scale_every: int = 0            # estimate the gradient noise scale every N steps (0 = off)
-    eval_every: int = 0                   # held-out eval loss every N steps, every step near the target (0 = off)
-    eval_samples: int = 1024              # size of the fixed held-out eval set (labkit.models.data.make_eval_set)
-    threads_per_rank: int | None = None   # CPU ranks: OpenMP threads each; None = cores // world_size
-    ds_overrides: dict[str, Any] = field(default_factory=dict)
-    max_world_size: int | None = None     # devices present; filled by `labkit.runtime.devices` when None
+    """One training run. Each field says here, once, what it means (`help`), where it belongs (`group`) and what
+    it takes (its annotation: a `Literal` lists the choices; `bound` limits a number). `__post_init__` checks
+    every value against its annotation (labkit.core.fields), then the combinations; `labkit.cli` builds its
+    flags and `labkit.ui.panel` its dropdowns from the same fields (`FIELDS`)."""
+
+    # -- model: what is trained (labkit.models.builders) -------------------------------------------------
+    model: str = setting("mlp", group="model", help=(
+        "what to train: 'mlp', 'gpt' (byte-level GPT-2 on Python's source, needs [hf]) or "
+        "'package.module:build_model' (build_model(config) -> torch.nn.Module)"))
+    loss: str | None = setting(None, group="model", help=(
+        "'package.module:loss_fn' (loss_fn(model, inputs, labels) -> scalar tensor); default: cross-entropy"))
+    input_size: int = setting(100, group="model", bound="positive",  # the seed's SimpleModel: 100 -> 500 -> 10
+                              help="MLP input features; GPT context length in bytes")
+    hidden: int = setting(500, group="model", bound="positive", help="MLP width; GPT n_embd")
+    depth: int = setting(1, group="model", bound="positive", help="MLP hidden layers; GPT n_layer")
+    output_size: int = setting(10, group="model", bound="positive",
+                               help="MLP classes (the GPT's vocabulary is always 256 bytes)")
+    # Script mode (labkit.rank.script): the CLI's --script and the arguments after "--".
+    script: str | None = setting(None, group="model", cli=False, help=(
+        "script mode: an unmodified DeepSpeed training script run on every rank, with its own arguments, instead "
+        "of labkit's worker; `steps` is then only the progress bar's length"))
+    # setting() returns a dataclasses.Field (a fresh list or dict per instance), not a shared default: noqa.
+    script_args: list[str] = setting(default_factory=list, group="model", cli=False,  # noqa: RUF009
+                                     help="the script's command-line arguments")
+
+    # -- data: what it reads --------------------------------------------------------------------------------
+    data: str | None = setting(None, group="data", help=(
+        "'package.module:build_dataset' (build_dataset(config) -> Dataset of (inputs, labels)); "
+        "default: the built-in model's"))
+    dataset_size: int = setting(8192, group="data", bound="positive",
+                                help="training samples (GPT: windows of `input_size` bytes)")
+    distributed_sampler: bool = setting(True, group="data", help=(
+        "each rank reads its own share of the dataset; off reproduces the seed text's bug: every rank reads the "
+        "whole dataset"))
+    # Max-batch probes (labkit.study.maxbatch): memory, not the data, is the cap.
+    sample_with_replacement: bool = setting(False, group="data", cli=False, help=(
+        "each rank draws its samples at random, with replacement: a micro-batch may exceed the dataset"))
+    seed: int = setting(0, group="data", bound="non-negative",
+                        help="initial weights, data order and the built-in datasets")
+    eval_samples: int = setting(1024, group="data", bound="positive",
+                                help="size of the held-out evaluation set (labkit.models.data.make_eval_set)")
+
+    # -- batch: train_batch_size = micro_batch x grad_accum x world_size ------------------------------------
+    world_size: int = setting(1, group="batch", bound="positive", help="ranks: one per GPU, or CPU processes")
+    micro_batch: int = setting(64, group="batch", bound="positive", help="samples per rank per forward/backward")
+    grad_accum: int = setting(1, group="batch", bound="positive", help="micro-batches per optimizer step")
+    train_batch: int | None = setting(None, group="batch", bound="positive", help=(
+        "global batch; must equal `micro_batch` x `grad_accum` x `world_size` (derived when unset)"))
+
+    # -- optimizer and schedule (labkit.core.schedule) ------------------------------------------------------
+    optimizer: Literal["adam", "sgd"] = setting("adam", group="optimizer and schedule", help="adam or sgd")
+    lr: float = setting(1e-3, group="optimizer and schedule", bound="positive",
+                        help="learning rate at `base_batch`")
+    lr_scaling: Literal["none", "linear", "sqrt"] = setting("none", group="optimizer and schedule", help=(
+        "how the LR follows the global batch: none, linear, sqrt (of global batch / `base_batch`)"))
+    base_batch: int = setting(64, group="optimizer and schedule", bound="positive",
+                              help="the global batch `lr` was tuned for (`lr_scaling` scales from it)")
+    warmup_steps: int = setting(0, group="optimizer and schedule", bound="non-negative", help=(
+        "linear LR warmup over this many optimizer steps (or `warmup_samples`, not both)"))
+    warmup_samples: int = setting(0, group="optimizer and schedule", bound="non-negative", help=(
+        "linear LR warmup over this many samples (the same data at every batch size; 0: off)"))
+
+    # -- strategy: how DeepSpeed runs it, and where the ranks run -------------------------------------------
+    example: Literal["pytorch", "deepspeed", "offload", "zero3"] = setting("zero3", group="strategy", help=(
+        "pytorch: plain PyTorch loop, 1 process; deepspeed: DeepSpeed's engine, give `stage`; "
+        "offload: ZeRO-2 + optimizer offload; zero3: ZeRO stage 3"))
+    stage: int | None = setting(None, group="strategy", choices=(0, 1, 2, 3), help=(
+        "ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters partitioned "
+        "(unset: the example's preset)"))
+    offload_optimizer: bool | None = setting(None, group="strategy", help=(
+        "optimizer state and step on the CPU (ZeRO stages 1-3; unset: the example's preset)"))
+    precision: Literal["fp32", "bf16", "fp16"] = setting("fp32", group="strategy",
+                                                         help="fp32, bf16 or fp16 (fp16 needs a GPU)")
+    ds_overrides: dict[str, Any] = setting(default_factory=dict, group="strategy", cli=False, help=(  # noqa: RUF009
+        'extra DeepSpeed config, e.g. {"gradient_clipping": 1.0} (checked by DeepSpeed\'s own config; '
+        "a key it never reads is refused)"))
+    hostfile: str | None = setting(None, group="strategy",
+                                   help="multi-node: DeepSpeed hostfile ('host slots=N' lines)")
+    threads_per_rank: int | None = setting(None, group="strategy", bound="positive",
+                                           help="CPU ranks: OpenMP threads each (default: cores / ranks)")
+    max_world_size: int | None = setting(None, group="strategy", cli=False, help=(
+        "ranks this machine can host (devices present); filled by labkit.runtime.devices when unset"))
+
+    # -- run control: how long, when to stop, what is recorded, when a rank counts as hung ------------------
+    steps: int = setting(20, group="run control", bound="positive",
+                         help="optimizer steps (script mode: the progress bar's length)")
+    target_loss: float | None = setting(None, group="run control", bound="positive", help=(
+        "record the time this loss is first reached (on the held-out eval loss with `eval_every`)"))
+    stop_at_target: bool = setting(False, group="run control", help="end the run once `target_loss` is reached")
+    eval_every: int = setting(0, group="run control", bound="non-negative", help=(
+        "evaluate the held-out loss every N steps, every step near the target (0: off)"))
+    heartbeat_s: float = setting(120.0, group="run control", bound="positive",
+                                 help="a rank silent this long after its first step is reported hung")
+    startup_timeout_s: float = setting(900.0, group="run control", bound="positive",
+                                       help="allowance for process start and DeepSpeed's JIT op builds")
+    device_memory_budget_bytes: int | None = setting(None, group="run control", bound="positive", help=(
+        "emulated device capacity per rank (CPU); passing it is an out-of-memory failure"))
+    telemetry: bool = setting(True, group="run control", help=(
+        "per-step records; off writes only the start and done records (benchmark baseline)"))
+    comms_log: bool = setting(False, group="run control", help=(
+        "record what DeepSpeed's collectives sent, per rank, into comms_rank<N>.json (DeepSpeed's comms logger, "
+        "labkit.rank.comms_log; it makes every collective blocking on a GPU: not for timing)"))
+    census_every: int = setting(10, group="run control", bound="positive",
+                                help="recount model-state bytes every N steps (they rarely change)")
+    noise_scale_every: int = setting(0, group="run control", bound="non-negative",
+                                     help="estimate the gradient noise scale every N steps (0: off)")
 
     def __post_init__(self) -> None:
-        _require(self.example in EXAMPLES, "example", f"must be one of {EXAMPLES}, got {self.example!r}")
+        wrong = first_problem(self, FIELDS)  # each value against its annotation and bound, in the order above
+        if wrong is not None:
+            raise ConfigError(*wrong)
         preset = PRESETS[self.example]
         self._check_builders()
         if self.stage is None:
             self.stage = preset["stage"]
         if self.offload_optimizer is None:
             self.offload_optimizer = preset["offload_optimizer"]
-        for name in ("world_size", "micro_batch", "grad_accum", "steps", "base_batch", "input_size",
-                     "hidden", "depth", "output_size", "dataset_size", "census_every"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
-                     f"must be a positive integer, got {value!r}")
-        for name in ("warmup_steps", "warmup_samples", "noise_scale_every", "eval_every", "seed"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name,
-                     f"must be a non-negative integer, got {value!r}")
-        for name in ("lr", "heartbeat_s", "startup_timeout_s"):
-            value = getattr(self, name)
-            _require(isinstance(value, (int, float)) and not isinstance(value, bool)
-                     and math.isfinite(value) and value > 0, name, f"must be a positive number, got {value!r}")
-        _require(isinstance(self.eval_samples, int) and not isinstance(self.eval_samples, bool)
-                 and self.eval_samples > 0, "eval_samples", f"must be a positive integer, got {self.eval_samples!r}")
-        _require(self.threads_per_rank is None or (isinstance(self.threads_per_rank, int)
-                 and not isinstance(self.threads_per_rank, bool) and self.threads_per_rank > 0),
-                 "threads_per_rank", f"must be a positive integer or None, got {self.threads_per_rank!r}")
         _require(not (self.warmup_steps and self.warmup_samples), "warmup_samples",
                  f"set warmup_steps ({self.warmup_steps}) or warmup_samples ({self.warmup_samples}), not both")
-        _require(self.precision in PRECISIONS, "precision", f"must be one of {PRECISIONS}, got {self.precision!r}")
-        _require(self.lr_scaling in LR_SCALINGS, "lr_scaling", f"must be one of {LR_SCALINGS}, got {self.lr_scaling!r}")
-        _require(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {OPTIMIZERS}, got {self.optimizer!r}")
 
         if self.example == "pytorch":
             _require(self.stage is None, "stage",
@@ -185,8 +225,6 @@ class RunConfig:
             _require(self.precision != "fp16", "precision",
                      "fp16 needs a loss scaler; the plain PyTorch example supports fp32 and bf16")
         else:
-            _require(isinstance(self.stage, int) and not isinstance(self.stage, bool) and 0 <= self.stage <= 3,
-                     "stage", f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage!r}")
             # Stage 0 has no ZeRO optimizer to move the states and step to the host. DeepSpeed does
             # not refuse the config: it builds CPU Adam over the model's own parameters, which on a
             # GPU asserts at the first step (ops/adam/cpu_adam.py) and on CPU offloads nothing.
@@ -194,7 +232,6 @@ class RunConfig:
                      "optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 has no ZeRO optimizer to offload; "
                      "DeepSpeed would start, then CPU Adam would fail at the first step on GPU parameters)")
 
-        _require(isinstance(self.comms_log, bool), "comms_log", f"must be True or False, got {self.comms_log!r}")
         _require(not (self.comms_log and self.script), "comms_log",
                  "script mode runs the learner's script, not labkit's worker: nothing would capture the comms log "
                  "(turn DeepSpeed's comms_logger on in the script's own ds_config)")
@@ -209,14 +246,7 @@ class RunConfig:
                  or self.sample_with_replacement,
                  "micro_batch", f"micro_batch {self.micro_batch} exceeds the {self.dataset_size // self.world_size} "
                  f"samples each of {self.world_size} ranks gets from dataset_size {self.dataset_size}")
-        if self.target_loss is not None:
-            _require(isinstance(self.target_loss, (int, float)) and self.target_loss > 0, "target_loss",
-                     f"must be a positive number, got {self.target_loss!r}")
         _require(not self.stop_at_target or self.target_loss is not None, "stop_at_target", "needs target_loss")
-        if self.device_memory_budget_bytes is not None:
-            _require(isinstance(self.device_memory_budget_bytes, int) and self.device_memory_budget_bytes > 0,
-                     "device_memory_budget_bytes",
-                     f"must be a positive integer, got {self.device_memory_budget_bytes!r}")
         if self.hostfile is not None:
             slots = hostfile_slots(self.hostfile)
             _require(self.world_size == sum(slots.values()), "world_size",
@@ -231,10 +261,7 @@ class RunConfig:
             problem = check_spec_syntax(name, getattr(self, name), builtin_ok=name == "model")
             _require(problem is None, name, problem or "")
         if self.script is not None:
-            _require(isinstance(self.script, str) and Path(self.script).is_file(), "script",
-                     f"no such file: {self.script!r}")
-            _require(isinstance(self.script_args, list) and all(isinstance(a, str) for a in self.script_args),
-                     "script_args", f"must be a list of strings, got {self.script_args!r}")
+            _require(Path(self.script).is_file(), "script", f"no such file: {self.script!r}")
         _require(self.model in MODELS or self.data is not None, "data",
                  f"model {self.model!r} is an import string: name its dataset too, "
                  "data='package.module:build_dataset'")
@@ -357,3 +384,7 @@ class RunConfig:
         if unknown:
             raise ConfigError(unknown[0], f"unknown config key(s) {unknown} in {path}; known: {sorted(names)}")
         return cls.from_saved(data)
+
+
+# Every field of RunConfig, its annotation resolved: what the CLI's flags and the panel's dropdowns are built from.
+FIELDS: dict[str, FieldSpec] = field_specs(RunConfig)

@@ -15,14 +15,13 @@ restart shows the same history.
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import os
 import threading
 import time
 from typing import Any
 
-from labkit.core.config import EXAMPLES, LR_SCALINGS, PRECISIONS, ConfigError, RunConfig
+from labkit.core.config import FIELDS, ConfigError, RunConfig
 from labkit.core.model_specs import MODELS
 from labkit.core.records import rank_log, read_end
 from labkit.launch.admission import Admission
@@ -32,7 +31,6 @@ from labkit.ui.dashboard import REFRESH_S, Dashboard, RunSeries
 
 LOG_REFRESH_S = 1.0    # log tails are re-read at most this often
 LOG_LINES = 40
-_FIELDS = {f.name for f in dataclasses.fields(RunConfig)}
 # Dropdowns cannot show None as a chosen value (it means "nothing selected"): "preset" stands
 # for RunConfig's None, "use the example's preset".
 PRESET = "preset"
@@ -43,6 +41,16 @@ def _preset(value: Any) -> Any:
 
 
 # -- pure helpers (unit-tested) ------------------------------------------------------------
+def dropdown_options(name: str) -> list[tuple[str, Any]]:
+    """(label, value) for each value RunConfig field `name` takes (its Literal's choices; off/on for a switch),
+    after "preset" where the field may be None."""
+    spec = FIELDS[name]
+    values = (False, True) if spec.kind is bool else spec.choices
+    assert values is not None, f"{name} has no fixed set of values"
+    options = [({False: "off", True: "on"}[v] if spec.kind is bool else str(v), v) for v in values]
+    return [(PRESET, PRESET), *options] if spec.optional else options
+
+
 def status_line(status: str, *, step: int = 0, steps: int = 0, run_id: str = "",
                 summary: dict[str, Any] | None = None, waiting_on: str | None = None) -> str:
     """The panel's one-line status. Every line starts with "status: <state>". `waiting_on`: what a run
@@ -106,7 +114,7 @@ class LabPanel:
 
         from labkit.runtime.devices import detect_devices
 
-        unknown = sorted(set(defaults) - _FIELDS)
+        unknown = sorted(set(defaults) - set(FIELDS))
         if unknown:
             raise TypeError(f"LabPanel got unknown RunConfig field(s) {unknown}")
         self.env = env
@@ -117,49 +125,48 @@ class LabPanel:
         # by the dashboard's thread (ticks): one writer at a time.
         self._lock = threading.RLock()
         self._logs_read_at = 0.0
-        values = {f.name: f.default for f in dataclasses.fields(RunConfig)
-                  if f.default is not dataclasses.MISSING}
+        values = {name: spec.default for name, spec in FIELDS.items()}
         values.update(defaults)
         max_ranks = detect_devices().max_ranks
         wide = {"description_width": "120px"}
 
-        def intbox(name: str, description: str) -> W.IntText:
+        # Every control is named after the RunConfig field it sets and shows the field's help as its tooltip.
+        descriptions = {
+            "example": "example", "stage": "ZeRO stage", "offload_optimizer": "optimizer offload",
+            "precision": "precision", "world_size": f"world size (≤{max_ranks})", "micro_batch": "micro-batch",
+            "grad_accum": "grad. accumulation", "steps": "steps", "hidden": "hidden width", "depth": "depth (layers)",
+            "lr": "LR", "lr_scaling": "LR scaling", "base_batch": "LR tuned at batch", "model": "model",
+            "data": "dataset", "loss": "loss",
+        }
+
+        def described(name: str) -> dict[str, Any]:
+            return {"description": descriptions[name], "tooltip": FIELDS[name].describe(), "style": wide}
+
+        def intbox(name: str) -> W.IntText:
             # Unbounded: a bounded box would clamp silently; RunConfig says what is wrong.
-            return W.IntText(value=values[name], description=description, style=wide)
+            return W.IntText(value=values[name], **described(name))
+
+        def dropdown(name: str) -> W.Dropdown:
+            return W.Dropdown(options=dropdown_options(name), value=_preset(values[name]), **described(name))
 
         # One control per RunConfig field, keyed by the field's name: config() reads them as they are.
         self.controls: dict[str, W.ValueWidget] = {
-            "example": W.Dropdown(options=EXAMPLES, value=values["example"], description="example", style=wide),
-            "stage": W.Dropdown(options=[(PRESET, PRESET), ("0", 0), ("1", 1), ("2", 2), ("3", 3)],
-                                value=_preset(values["stage"]), description="ZeRO stage", style=wide),
-            "offload_optimizer": W.Dropdown(options=[(PRESET, PRESET), ("off", False), ("on", True)],
-                                            value=_preset(values["offload_optimizer"]),
-                                            description="optimizer offload", style=wide),
-            "precision": W.Dropdown(options=PRECISIONS, value=values["precision"], description="precision",
-                                    style=wide),
+            **{name: dropdown(name) for name in ("example", "stage", "offload_optimizer", "precision")},
             # What this machine can host: one rank per GPU, or per core on CPU (RunConfig checks it).
-            "world_size": intbox("world_size", f"world size (≤{max_ranks})"),
-            "micro_batch": intbox("micro_batch", "micro-batch"),
-            "grad_accum": intbox("grad_accum", "grad. accumulation"),
-            "steps": intbox("steps", "steps"),
-            "hidden": intbox("hidden", "hidden width"),
-            "depth": intbox("depth", "depth (layers)"),
-            "lr": W.BoundedFloatText(value=values["lr"], min=1e-9, max=10.0, step=1e-4, description="LR",
-                                     style=wide),
-            "lr_scaling": W.Dropdown(options=LR_SCALINGS, value=values["lr_scaling"], description="LR scaling",
-                                     style=wide),
-            "base_batch": intbox("base_batch", "LR tuned at batch"),
+            **{name: intbox(name) for name in ("world_size", "micro_batch", "grad_accum", "steps", "hidden",
+                                               "depth")},
+            "lr": W.BoundedFloatText(value=values["lr"], min=1e-9, max=10.0, step=1e-4, **described("lr")),
+            "lr_scaling": dropdown("lr_scaling"),
+            "base_batch": intbox("base_batch"),
             # What is trained (labkit.models.builders): a built-in name or the learner's import strings. Launch
             # imports them in a child process first: a bad one is shown here and nothing starts.
             "model": W.Combobox(options=list(MODELS), value=values["model"], ensure_option=False,
-                                description="model", placeholder="mlp, gpt or package.module:build_model",
-                                style=wide, layout=W.Layout(width="520px")),
-            "data": W.Text(value=values["data"] or "", description="dataset", style=wide,
-                           placeholder="package.module:build_dataset (default: the model's)",
-                           layout=W.Layout(width="520px")),
-            "loss": W.Text(value=values["loss"] or "", description="loss", style=wide,
-                           placeholder="package.module:loss_fn (default: cross-entropy)",
-                           layout=W.Layout(width="520px")),
+                                placeholder="mlp, gpt or package.module:build_model",
+                                layout=W.Layout(width="520px"), **described("model")),
+            "data": W.Text(value=values["data"] or "", layout=W.Layout(width="520px"),
+                           placeholder="package.module:build_dataset (default: the model's)", **described("data")),
+            "loss": W.Text(value=values["loss"] or "", layout=W.Layout(width="520px"),
+                           placeholder="package.module:loss_fn (default: cross-entropy)", **described("loss")),
         }
         self._extra = {k: v for k, v in defaults.items() if k not in self.controls}
 
