@@ -350,7 +350,8 @@ class Supervisor:
             where = f" on node {self.hosts[rank]}" if rank < len(self.hosts) else ""
             return Outcome(status, f"rank {rank}{where}: {text}", rank)
         if launcher_code is not None:
-            return Outcome("failed", f"DeepSpeed launcher exited with code {launcher_code} before every rank "
+            who = "the warm launcher (labkit.launch.warm_launch)" if self.warm else "DeepSpeed launcher"
+            return Outcome("failed", f"{who} exited with code {launcher_code} before every rank "
                            f"finished (last steps: {self.last_steps()}){self.failed_nodes()}; see launcher.log")
         if launch_py_died:
             pid = f" (pid {self.launch_py.pid})" if self.launch_py is not None else ""

@@ -183,6 +183,7 @@ def _rank(spec: WarmSpec, env: dict[str, str], rank: int, log_file: Path) -> Non
         # libgomp read OMP_NUM_THREADS when the zygote loaded it: the rank's share is set here instead.
         torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or torch.get_num_threads()))
         sys.argv = [WORKER_MODULE, *argv[4:]]
+        sys.path[0] = os.getcwd()  # what `python -m` puts first: the learner's modules beside the asker's notebook
         code = _run_worker(argv[4:])
     finally:
         try:

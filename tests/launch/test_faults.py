@@ -482,12 +482,15 @@ def _chaos(index: int, root: Path) -> dict[str, Any]:
     else:
         wait_until(lambda: any(r.get("event") == "done" for r in read_records(rank_file(run_dir, 0))), STARTUP_S)
         time.sleep(rng.uniform(0.0, 4.0))
-    sup = psutil.Process(run._supervisor.pid)
-    tree = [sup, *sup.children(recursive=True)] if not gone(sup) else []
+    try:
+        sup = psutil.Process(run._supervisor.pid)
+    except psutil.NoSuchProcess:  # it ended and was reaped (a warm run's by the zygote, a cold one's stays a zombie)
+        sup = None
+    tree = [sup, *sup.children(recursive=True)] if sup is not None and not gone(sup) else []
     victims = {
-        "supervisor": [sup],
+        "supervisor": tree[:1],
         "everything": tree,
-        "supervisor+workers": [sup] + [p for p in tree if describe(p).endswith("labkit.rank.worker")],
+        "supervisor+workers": tree[:1] + [p for p in tree if describe(p).endswith("labkit.rank.worker")],
         "worker": [p for p in tree if describe(p).endswith("labkit.rank.worker")][:1],
     }[target]
     moment = time.time()

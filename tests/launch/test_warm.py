@@ -150,8 +150,8 @@ def test_import_env_finds_the_same_modules_through_a_repeated_path():
 CHILD = """
 import os, sys, time
 from labkit import Run, RunConfig
-from labkit.launch import zygote
-run = Run(RunConfig(example="zero3", world_size=2, hidden=256, micro_batch=16, dataset_size=1024, steps=100000),
+run = Run(RunConfig(example="zero3", world_size=2, micro_batch=16, dataset_size=1024, steps=100000,
+                    model="beside_me:build_model", data="beside_me:build_dataset", loss="beside_me:loss_fn"),
           root=sys.argv[1], warm=True).start()
 print("RUN_DIR=" + str(run.run_dir), run.launch_mode, flush=True)
 time.sleep(3600)
@@ -159,11 +159,13 @@ time.sleep(3600)
 
 
 @pytest.mark.slow
-def test_a_child_process_runs_warm_on_the_lent_zygote_and_its_death_still_ends_its_run(tmp_path):
+def test_a_child_process_runs_warm_on_the_lent_zygote_in_its_directory_and_its_death_ends_its_run(tmp_path):
     lender = zygote.share({**os.environ, **import_time_env(os.environ, "cpu")})
     zygote_pid = lender.wait_ready()["pid"]
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
+    # The learner's module, beside the notebook that asks for the run: the ranks import it as `python -m` would.
+    (workdir / "beside_me.py").write_text("from tests.own_model import build_dataset, build_model, loss_fn  # noqa\n")
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], cwd=workdir, stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
