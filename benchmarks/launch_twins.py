@@ -33,7 +33,7 @@ from labkit.core.records import RecordTail, rank_file, read_records
 from labkit.launch.launcher import build_command, free_port
 from labkit.runtime.devices import detect_devices
 
-TIMED_FROM_STEP = 3  # as labkit.rank.worker: steps 1-2 pay for lazy allocations
+TIMED_FROM_STEP = 3  # as labkit.rank.done: steps 1-2 pay for lazy allocations
 # The seed's Example 3 corrected (micro-batch 64, MLP 100-1024-1024-10), and the same MLP wider.
 MODELS = {"example3": {"hidden": 1024, "depth": 2}, "large": {"hidden": 4096, "depth": 2}}
 

@@ -63,7 +63,7 @@ class DoneRecord(Census, total=False):
     stopped_at_target: bool      # stop_at_target met
     n_params: int
     optimizer_impl: str
-    timed_steps: int             # steps from TIMED_FROM_STEP (labkit.rank.worker) on
+    timed_steps: int             # steps from TIMED_FROM_STEP (labkit.rank.done) on
     timed_s: float               # their wall time, evaluation left out
     telemetry_s: float           # labkit's own instrumentation within timed_s
     eval_s: float

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from labkit.core.schema import CENSUS_KEYS
+from labkit.core.schema import CENSUS_KEYS, device_bytes
 
 # Attribute names of DeepSpeed optimizer wrappers, per category (missing ones are skipped).
 _PARAM_ATTRS = ("bit16_groups_flat", "fp16_groups_flat", "bf16_groups_flat",
@@ -184,3 +184,36 @@ def take_census(model: nn.Module, optimizer: Any, *, offload_optimizer: bool) ->
 
 def _on_host(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu"
+
+
+def check_emulated_capacity(budget: int | None, rank: int, census: dict[str, int], activation_bytes: int) -> None:
+    """On CPU, an explicit per-rank budget (`device_memory_budget_bytes`; None: no check) stands in for a GPU's
+    memory size: the model states a GPU would hold (optimizer states and grad partitions that offload keeps on the
+    host left out) plus saved activations. Communication buffers (buffer_bytes) and params gathered
+    transiently by ZeRO-3 are not counted. Exceeding it raises torch.OutOfMemoryError, as a GPU would."""
+    if budget is None:
+        return
+    on_device = int(device_bytes(census, activation_bytes))
+    if on_device > budget:
+        raise torch.OutOfMemoryError(
+            f"emulated device capacity exceeded: rank {rank} needs {on_device} bytes "
+            f"(model states + {activation_bytes} activation bytes) but the budget is {budget} bytes")
+
+
+class RankMemory:
+    """The last census a rank took and its peak of saved activations so far (both go into every step record and
+    the done record), checked against the emulated capacity where the step's memory peaks."""
+
+    def __init__(self, *, budget_bytes: int | None, rank: int):
+        self.budget_bytes, self.rank = budget_bytes, rank
+        self.census: dict[str, int] = {}
+        self.activation_bytes = 0
+
+    def check(self, census: dict[str, int], activation_bytes: int) -> None:
+        """labkit.rank.step_loop.train_step's `on_census`: at the step's peak (gradients held, before the optimizer
+        step), with the step's activation bytes so far; the peak over earlier steps counts too."""
+        check_emulated_capacity(self.budget_bytes, self.rank, census, max(self.activation_bytes, activation_bytes))
+
+    def update(self, census: dict[str, int], activation_bytes: int) -> None:
+        """After a measured step: its census, and the activation peak raised to its bytes."""
+        self.census, self.activation_bytes = census, max(self.activation_bytes, activation_bytes)

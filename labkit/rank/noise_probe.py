@@ -1,10 +1,14 @@
 """The rank-side half of the gradient noise scale (labkit.study.noise_scale holds the estimator): squared gradient
-norms at a small and a big batch, measured on sampled steps inside a rank."""
+norms at a small and a big batch, measured on sampled steps inside a rank (`NoiseProbe`, every
+`noise_scale_every` steps)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from labkit.core.config import RunConfig
 
 
 def unbiased_estimates(g_small_sq: float, g_big_sq: float, b_small: float, b_big: float) -> tuple[float, float]:
@@ -20,6 +24,33 @@ def noise_scale(g_small_sq: float, g_big_sq: float, b_small: float, b_big: float
     """B_simple from one pair of measurements (noisy; prefer `aggregate` over many)."""
     g2, trace = unbiased_estimates(g_small_sq, g_big_sq, b_small, b_big)
     return trace / g2 if g2 > 0 else None
+
+
+class NoiseProbe:
+    """The worker's probe (`noise_scale_every` > 0): every N steps, before the step's clock starts, each rank takes
+    gradients on a fresh sample of micro_batch examples of its training items, drawn by a generator of its own
+    (seeded by the run's seed and the rank), on an fp32 copy of the model (`gradient_noise_probe`). Calling it
+    returns the step's noise fields, or {} on other steps (and then draws nothing)."""
+
+    def __init__(self, config: RunConfig, dataset: Any, *, rank: int, make_model: Callable[[], Any],
+                 loss_fn: Callable[..., Any] | None = None):
+        """`make_model`: builds the model as the run did (the probe's fp32 copy)."""
+        import torch
+
+        self.every, self.micro_batch = config.noise_scale_every, config.micro_batch
+        self.dataset, self.make_model, self.loss_fn = dataset, make_model, loss_fn
+        self.rng = torch.Generator().manual_seed(config.seed * 1_000_003 + 7919 + rank)
+
+    def __call__(self, step: int, trainer: Any) -> dict[str, float]:
+        if not self.every or step % self.every:
+            return {}
+        import torch
+        from torch.utils.data import default_collate
+
+        picks = torch.randint(len(self.dataset), (self.micro_batch,), generator=self.rng)
+        inputs, labels = default_collate([self.dataset[int(i)] for i in picks])
+        return gradient_noise_probe(self.make_model, list(trainer.parameters()), inputs, labels,
+                                    device=trainer.device, loss_fn=self.loss_fn)
 
 
 def gradient_noise_probe(make_model: Callable[[], Any], params: list, inputs, labels, *, device,

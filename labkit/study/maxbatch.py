@@ -9,7 +9,7 @@ Each probe is a real 2-step run (`labkit.Run`, supervised, OOM classified). On a
 boundary is the device's real out-of-memory error. On a CPU there is no device memory to run
 out of, so the run's `device_memory_budget_bytes` acts as an **emulated device capacity**: the
 worker counts what a GPU would hold (model states not offloaded + saved activations, see
-`labkit.rank.worker._check_emulated_capacity`; communication buffers and the params ZeRO-3 gathers
+`labkit.rank.census.check_emulated_capacity`; communication buffers and the params ZeRO-3 gathers
 for a moment are not counted) and raises `torch.OutOfMemoryError` past the budget.
 
 The search doubles the micro-batch from `start` until a probe runs out of memory, then bisects
