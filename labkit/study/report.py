@@ -74,6 +74,19 @@ def _banner_html(machine: dict[str, Any] | None, devices: Any, profile: dict[str
             f"<b>Note:</b> {html.escape(text)}</p>" if text else "")
 
 
+def require_growth(results: pd.DataFrame, profile: dict[str, Any] | None = None) -> None:
+    """ValueError unless `results` has the `growth` column every results.csv of labkit.study.sweep has: the
+    report reads each way of growing the batch from it, and an older labkit's table has none."""
+    if "growth" in results:
+        return
+    name = (profile or {}).get("name")
+    raise ValueError(
+        "results.csv has no `growth` column: it was written by an older labkit, before the sweep recorded which "
+        "way each point grows the batch (ranks, micro_batch, grad_accum), and the report is built from that column. "
+        f"Re-run `python -m labkit answer{f' --profile {name}' if name else ' --profile NAME'}` (its points are "
+        "measured again) and build the report from the results.csv it writes.")
+
+
 # -- small helpers ---------------------------------------------------------------------------------
 def mb(value: float | None) -> str:
     return "n/a" if value is None or is_nan(value) else f"{value / 1e6:.2f} MB"
@@ -81,16 +94,6 @@ def mb(value: float | None) -> str:
 
 def times(ratio: float) -> str:
     return f"{ratio:.1f}x" if ratio >= 1.95 or ratio <= 0.55 else f"{ratio:.2f}x"
-
-
-def change(before: float, after: float, noun: str) -> str:
-    """'grew 3.1x' / 'fell 1.8x' / 'stayed within 10%' from before to after."""
-    if not before or not after or is_nan(before) or is_nan(after):
-        return f"{noun} was not measured at both ends"
-    ratio = after / before
-    if 0.9 <= ratio <= 1.1:
-        return f"{noun} stayed within {abs(ratio - 1) * 100:.0f}%"
-    return f"{noun} {'grew' if ratio > 1 else 'fell'} {times(ratio if ratio > 1 else 1 / ratio)}"
 
 
 # -- conclusions -----------------------------------------------------------------------------------
@@ -101,16 +104,12 @@ def conclusions(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, 
     way of growing the batch, and ZeRO's room and cost per step, are the card's (`labkit.study.card`), not here."""
     from labkit.study import growth
 
+    require_growth(results, profile)
     out: list[str] = []
     table = grid(results, profile)
-    finished = table[table.status == "finished"]
 
-    if "growth" in results:
-        # 1-2. What ZeRO did to the time to target beyond stage 0 over the same growth.
-        out.extend(growth.credit_sentences(results))
-    else:
-        # Results of an older labkit (no `growth` column): one way, strategy by strategy.
-        out.extend(_legacy_growth_text(finished))
+    # 1-2. What ZeRO did to the time to target beyond stage 0 over the same growth.
+    out.extend(growth.credit_sentences(results))
 
     # 3. Out of memory, compared only at the same per-rank micro-batch and the same ranks.
     ooms = table[table.status == "oom"]
@@ -163,29 +162,6 @@ def conclusions(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, 
                      "so compare them within this report, not across machines.")
         out.append(text)
     return out
-
-
-def _legacy_growth_text(finished: pd.DataFrame) -> list[str]:
-    out = []
-    for strategy, rows in finished.groupby("strategy", sort=False):
-        rows = rows.sort_values("global_batch")
-        if len(rows) < 2:
-            continue
-        first, last = rows.iloc[0], rows.iloc[-1]
-        out.append(
-            f"{label(strategy)}: from global batch {int(first.global_batch)} to {int(last.global_batch)}, "
-            f"{change(first.median_step_time_s, last.median_step_time_s, 'step time')}, "
-            f"{change(first.time_per_epoch_s, last.time_per_epoch_s, 'time per epoch')} and "
-            f"{change(first.compute_time_to_target_s, last.compute_time_to_target_s, 'time to target loss')} "
-            f"({_steps_text(first, last)}).")
-    return out
-
-
-def _steps_text(first: Any, last: Any) -> str:
-    if is_nan(first.steps_to_target) or is_nan(last.steps_to_target):
-        return "the target loss was not reached at both batch sizes within the step cap"
-    return (f"{int(first.steps_to_target)} -> {int(last.steps_to_target)} steps, "
-            f"{first.epochs_to_target:.2f} -> {last.epochs_to_target:.2f} epochs to the target")
 
 
 def _capacity_text(table: pd.DataFrame, machine: dict[str, Any] | None) -> str:
@@ -367,13 +343,8 @@ def figures(results: pd.DataFrame, *, maxbatch: pd.DataFrame | None = None, prob
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    figs: list[tuple[str, Any]] = []
-    table = grid(results, profile)
-    finished = table[table.status == "finished"]
-    if "growth" in results:
-        figs.extend(_growth_figures(results, go, make_subplots))
-    else:
-        figs.extend(_legacy_figures(table, finished, go, make_subplots))
+    require_growth(results, profile)
+    figs = _growth_figures(results, go, make_subplots)
     figs.extend(_study_figures(results, noise, memory, probes, activation, go))
     for _, fig in figs:
         fig.update_layout(height=420, margin={"l": 50, "r": 20, "t": 50, "b": 40}, template="plotly_white")
@@ -415,33 +386,6 @@ def _growth_figures(results: pd.DataFrame, go: Any, make_subplots: Any) -> list[
         fig.add_hline(y=1.0, line_dash="dot")
         fig.update_yaxes(title_text="step time ratio")
         figs.append(("Credit: each DeepSpeed point's step time against stage 0 and plain PyTorch", fig))
-    return figs
-
-
-def _legacy_figures(table: pd.DataFrame, finished: pd.DataFrame, go: Any, make_subplots: Any) -> list[tuple[str, Any]]:
-    """The figures of results from an older labkit (one way of growing the batch)."""
-    figs = []
-    fig = make_subplots(rows=1, cols=3, subplot_titles=("median step time (s)", "samples / s", "time per epoch (s)"))
-    for strategy, rows in finished.groupby("strategy", sort=False):
-        for col, key in enumerate(("median_step_time_s", "samples_per_s", "time_per_epoch_s"), start=1):
-            fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].round(5), mode="lines+markers",
-                                     name=label(strategy),
-                                     legendgroup=strategy, showlegend=col == 1,
-                                     line={"color": COLORS.get(strategy)}), row=1, col=col)
-    _oom_markers(fig, table, go, cols=3)
-    fig.update_xaxes(type="log", title_text="global batch")
-    figs.append(("Throughput vs global batch (x: out of memory)", fig))
-
-    fig = make_subplots(rows=1, cols=3, subplot_titles=("time to target: steps x median step (s)", "steps to target",
-                                                        "epochs to target"))
-    for strategy, rows in finished.groupby("strategy", sort=False):
-        for col, key in enumerate(("compute_time_to_target_s", "steps_to_target", "epochs_to_target"), start=1):
-            fig.add_trace(go.Scatter(x=rows.global_batch, y=rows[key].round(4), mode="lines+markers",
-                                     name=label(strategy),
-                                     legendgroup=strategy, showlegend=col == 1,
-                                     line={"color": COLORS.get(strategy)}), row=1, col=col)
-    fig.update_xaxes(type="log", title_text="global batch")
-    figs.append(("Time to the target loss vs global batch", fig))
     return figs
 
 
@@ -539,32 +483,15 @@ def _study_figures(results: pd.DataFrame, noise: pd.DataFrame | None, memory: pd
     return figs
 
 
-def _vline_on_log_x(fig: Any, x: float, dash: str, text: str | None, *, row: int | None = None,
-                    col: int | None = None, **line: Any) -> None:
-    """A labelled vertical line at data value ``x`` on a log x axis.
+def _vline_on_log_x(fig: Any, x: float, dash: str, text: str) -> None:
+    """A labelled vertical line at data value ``x`` on a figure's log x axis.
 
     Plotly.js takes a shape's x0/x1 on a log axis in data units but an annotation's x in log10 units, and
     ``add_vline(annotation_text=...)`` gives both the data value: the label then sits at 10**x and drags
     the autorange there (an axis from 1 to 10^279).  So the line is a shape and the label is placed at log10(x).
     """
-    at = {} if row is None else {"row": row, "col": col}
-    fig.add_vline(x=x, line_dash=dash, **line, **at)
-    if text:
-        # Refs named by hand: add_annotation(row=, col=) would turn yref "paper" into data units of the subplot.
-        n = "" if col in (None, 1) else str(col) if row in (None, 1) else None
-        if n is None:
-            raise ValueError("_vline_on_log_x labels lines in the first row of subplots only")
-        fig.add_annotation(x=math.log10(x), xref=f"x{n}", y=1, yref=f"y{n} domain", yanchor="bottom", text=text,
-                           showarrow=False)
-
-
-def _oom_markers(fig: Any, table: pd.DataFrame, go: Any, cols: int) -> None:
-    """A dotted vertical line at each (strategy, batch) that ran out of memory."""
-    for row in table[table.status == "oom"].itertuples():
-        for col in range(1, cols + 1):
-            # Every caller puts global batch on a log x axis.
-            _vline_on_log_x(fig, row.global_batch, "dot", f"{row.strategy} OOM" if col == 1 else None, row=1,
-                            col=col, line_color=COLORS.get(row.strategy, "grey"), opacity=0.5)
+    fig.add_vline(x=x, line_dash=dash)
+    fig.add_annotation(x=math.log10(x), xref="x", y=1, yref="y domain", yanchor="bottom", text=text, showarrow=False)
 
 
 # -- the page --------------------------------------------------------------------------------------
@@ -586,13 +513,14 @@ def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFr
     from labkit.study import card as answer_card
     from labkit.study.growth import WAYS, growth_sentences
 
+    require_growth(results, profile)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(devices, str) and devices == "detect":
         from labkit.runtime.devices import detect_devices
 
         devices = detect_devices()
-    if card is None and "growth" in results:
+    if card is None:
         card = answer_card.build_card(results, maxbatch=maxbatch, noise=noise, machine=machine)
     statements = conclusions(results, maxbatch=maxbatch, memory=memory, activation=activation, noise=noise,
                              machine=machine, profile=profile)
@@ -612,8 +540,7 @@ def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFr
         *[f"<li>{html.escape(s)}</li>" for s in statements],
         "</ul>",
     ]
-    under = {f"Growing the batch by {words}": growth_sentences(results, way) for way, words in WAYS.items()} \
-        if "growth" in results else {}
+    under = {f"Growing the batch by {words}": growth_sentences(results, way) for way, words in WAYS.items()}
     for title, fig in figs:
         parts.append(f"<h2>{html.escape(title)}</h2>")
         parts.append(fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False}))

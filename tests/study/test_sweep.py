@@ -328,71 +328,154 @@ def test_critical_batch_fit_recovers_the_empirical_model():
 
 
 # -- report (pure) ----------------------------------------------------------------------------------
-def _results_frame() -> pd.DataFrame:
-    """Results without a growth column: an older labkit's (one way of growing the batch)."""
+DATASET = 8192  # samples per epoch of the table below
+# (strategy, growth, ranks, micro-batch, accumulation, median step s, steps to target): the shape of
+# data/reference-ci/results.csv. Points two ways share carry both ("grad_accum+micro_batch+ranks"); ZeRO-3 on one
+# rank runs out of the emulated capacity at micro-batch 64, where plain PyTorch and ZeRO-0 fit.
+REPORT_POINTS = [
+    ("torch", "micro_batch", 1, 16, 1, 0.0010, 350),
+    ("torch", "micro_batch+ranks", 1, 64, 1, 0.0017, 100),
+    ("torch", "micro_batch", 1, 256, 1, 0.0051, 24),
+    ("z0", "ranks", 1, 64, 1, 0.0021, 88),
+    ("z0", "micro_batch", 2, 16, 1, 0.0045, 180),
+    ("z0", "grad_accum+micro_batch+ranks", 2, 64, 1, 0.0054, 48),
+    ("z0", "micro_batch", 2, 256, 1, 0.0100, 16),
+    ("z0", "grad_accum", 2, 64, 4, 0.0114, 16),
+    ("z0", "grad_accum", 2, 64, 16, 0.0267, 30),
+    ("z2", "micro_batch", 2, 16, 1, 0.0080, 180),
+    ("z2", "micro_batch", 2, 256, 1, 0.0175, 16),
+    ("z3", "micro_batch", 2, 16, 1, 0.0120, 180),
+    ("z3", "grad_accum+micro_batch+ranks", 2, 64, 1, 0.0121, 48),
+    ("z3", "micro_batch", 2, 256, 1, 0.0156, 16),
+    ("z3", "grad_accum", 2, 64, 4, 0.0377, 16),
+    ("z3", "grad_accum", 2, 64, 16, 0.1248, 30),
+    ("z3", "ranks", 1, 64, 1, None, None),  # out of memory
+]
+
+
+def _results_frame(step_times: dict | None = None) -> pd.DataFrame:
+    """A results.csv as labkit.study.sweep writes it (the columns the report reads), from REPORT_POINTS;
+    `step_times` = {(strategy, ranks, micro-batch, accumulation): median step s} overrides a point's."""
     rows = []
-    for strategy, factor in (("torch", 1.0), ("z3", 1.5)):
-        for batch, step, steps in ((32, 0.010, 200), (256, 0.031, 40)):
-            rows.append({"key": f"{strategy}{batch}", "strategy": strategy,
-                         "world_size": 1 if strategy == "torch" else 2,
-                         "micro_batch": batch if strategy == "torch" else batch // 2, "grad_accum": 1,
-                         "global_batch": batch, "lr_scaling": "sqrt",
-                         "warmup_steps": 5, "status": "finished", "median_step_time_s": step * factor,
-                         "samples_per_s": batch / (step * factor), "time_per_epoch_s": step * factor * 8192 / batch,
-                         "steps_to_target": steps, "epochs_to_target": steps * batch / 8192,
-                         "train_time_to_target_s": steps * step * factor, "time_to_target_s": 9.0 + steps * step,
-                         "final_loss": 0.79, "device_budget_bytes": 6e6, "activation_bytes": 1000.0 * batch,
-                         "model_state_bytes": 1e6, "device_bytes": 2e6, "run_id": f"run-{strategy}-{batch}"})
-    rows.append({**rows[-1], "key": "z3-1024", "global_batch": 1024, "micro_batch": 512, "status": "oom",
-                 "median_step_time_s": None, "steps_to_target": None, "train_time_to_target_s": None})
+    for strategy, growth, ranks, micro, accum, step, steps in REPORT_POINTS:
+        step = (step_times or {}).get((strategy, ranks, micro, accum), step)
+        batch, done = ranks * micro * accum, step is not None
+        rows.append({
+            "key": f"{strategy}-w{ranks}-m{micro}-a{accum}", "strategy": strategy, "growth": growth,
+            "world_size": ranks, "micro_batch": micro, "grad_accum": accum, "global_batch": batch,
+            "threads_per_rank": 1, "concurrent_runs": 0, "lr_scaling": "sqrt", "warmup_samples": 1024,
+            "warmup_steps": max(1, 1024 // batch), "target_loss": 0.8, "target_measured_on": "eval_loss",
+            "status": "finished" if done else "oom",
+            "median_step_time_s": step, "samples_per_s": batch / step if done else None,
+            "time_per_epoch_s": step * DATASET / batch if done else None, "steps_to_target": steps,
+            "epochs_to_target": steps * batch / DATASET if done else None,
+            "compute_time_to_target_s": steps * step if done else None,
+            "train_time_to_target_s": steps * step * 1.05 if done else None,
+            "time_to_target_s": 4.0 + steps * step * 1.1 if done else None,
+            "final_loss": 0.79 if done else None, "eval_loss": 0.795 if done else None,
+            "model_state_bytes": 5.1e6 / (ranks if strategy == "z3" else 1), "activation_bytes": 4500.0 * micro,
+            "device_bytes": 5.1e6 / (ranks if strategy == "z3" else 1) + 4500.0 * micro,
+            "device_budget_bytes": 6.5e6, "peak_rss_bytes": 4e8, "run_id": f"run-{strategy}-w{ranks}-b{batch}"})
     return pd.DataFrame(rows)
 
 
+def _at(results: pd.DataFrame, strategy: str, ranks: int, micro: int, accum: int = 1) -> pd.Series:
+    return results[(results.strategy == strategy) & (results.world_size == ranks) & (results.micro_batch == micro)
+                   & (results.grad_accum == accum)].iloc[0]
+
+
+def _time_to_target_ratio(results: pd.DataFrame, strategy: str) -> float:
+    """The micro-batch way's time to target, micro-batch 256 over 16 on 2 ranks: steps x median step time."""
+    first, last = _at(results, strategy, 2, 16), _at(results, strategy, 2, 256)
+    return (last.steps_to_target * last.median_step_time_s) / (first.steps_to_target * first.median_step_time_s)
+
+
 def test_report_conclusions_are_computed_from_the_numbers(tmp_path):
-    from labkit.study.report import build_report, conclusions
+    import html
+
+    from labkit.study.report import build_report, conclusions, figures
 
     results = _results_frame()
     text = "\n".join(conclusions(results))
-    assert "plain PyTorch: from global batch 32 to 256, step time grew 3.1x" in text
-    assert "time to target loss fell 1.61x" in text  # 200 x 0.010 s -> 40 x 0.031 s
-    assert "200 -> 40 steps" in text
-    # An OOM is set beside what fit at the same per-rank micro-batch and ranks only (none here).
-    assert "At micro-batch 512 per rank on 2 rank(s), ZeRO-3 ran out of memory (emulated device capacity 6.00 MB " \
-           "per rank)." in text
-    # Change the numbers, the text follows.
-    slower = results.copy()
-    slower.loc[slower.strategy == "z3", "median_step_time_s"] = [0.005, 0.075, float("nan")]  # 1.0 s -> 3.0 s
-    assert "ZeRO-3: from global batch 32 to 256, step time grew 15.0x" in "\n".join(conclusions(slower))
+    # Credit over the micro-batch way: ZeRO-2 changed the time to target by stage 0's factor, ZeRO-3 by more.
+    z0, z2, z3 = (_time_to_target_ratio(results, s) for s in ("z0", "z2", "z3"))
+    z3_vs_z0 = _at(results, "z3", 2, 256).compute_time_to_target_s / _at(results, "z0", 2, 256).compute_time_to_target_s
+    assert (f"Credit (a bigger micro-batch on fixed ranks): stage 0 alone changed the time to target {z0:.2f}x; "
+            f"ZeRO-2 {z2:.2f}x changed it by the same factor (within 10%): that change belongs to the bigger batch "
+            f"and data parallelism, not to ZeRO; ZeRO-3 {z3:.2f}x (fell further than stage 0's) (at the largest "
+            f"batch still {z3_vs_z0:.2f}x stage 0's time to target): a smaller ratio than stage 0's.") in text
+    engine = _at(results, "z0", 1, 64).median_step_time_s / _at(results, "torch", 1, 64).median_step_time_s
+    assert f"plain PyTorch loop at the same micro-batch 64: {engine:.2f}x the step time" in text
+    # An OOM is set beside what fit at the same per-rank micro-batch and ranks.
+    assert ("At micro-batch 64 per rank on 1 rank(s), ZeRO-3 ran out of memory (emulated device capacity 6.50 MB "
+            "per rank) while plain PyTorch, ZeRO-0 (DDP) fit at the same micro-batch and ranks.") in text
+    # Change the numbers, the text follows: a slower ZeRO-3 at micro-batch 256 falls less than stage 0.
+    slower = _results_frame({("z3", 2, 256, 1): 0.0300})
+    slower_text = "\n".join(conclusions(slower))
+    z3_slower = _time_to_target_ratio(slower, "z3")
+    assert f"ZeRO-3 {z3_slower:.2f}x (fell less than stage 0's): a larger ratio than stage 0's" in slower_text
+    assert "fell further" not in slower_text and f"{z3_slower:.2f}x" not in text
+
+    # The micro-batch way's figure plots each strategy's step times at its global batches.
+    figs = dict(figures(results))
+    way = "Growing the batch by a bigger micro-batch on fixed ranks"
+    assert set(figs) == {"Growing the batch by more ranks at a fixed per-rank micro-batch", way,
+                         "Growing the batch by more gradient accumulation at a fixed micro-batch and ranks",
+                         "Credit: each DeepSpeed point's step time against stage 0 and plain PyTorch"}
+    step_time = next(t for t in figs[way].data if t.name == "ZeRO-3" and t.xaxis == "x")
+    assert list(step_time.x) == [32, 128, 512]
+    assert list(step_time.y) == [_at(results, "z3", 2, m).median_step_time_s for m in (16, 64, 256)]
 
     path = build_report(results, tmp_path / "report.html", machine={"cpu_model": "test CPU", "cpu_cores": 2,
-                                                                     "parallel": 1})
+                                                                     "parallel": 1}, devices=None)
     page = path.read_text()
     assert "Plotly.newPlot" in page and "plotly.js" in page.lower()  # figures with the library embedded
     assert "<script src=" not in page                                 # nothing fetched: works offline
-    assert "step time grew 3.1x" in page and "run-z3-256" in page
+    assert "The answer card (answer_card.json)" in page
+    first, last = _at(results, "z3", 2, 16), _at(results, "z3", 2, 256)
+    under = (f"ZeRO-3: global batch 32 -> 512 (micro-batch 16 -> 256 on 2 rank(s)): time per step slower "
+             f"({last.median_step_time_s / first.median_step_time_s:.2f}x)")
+    assert page.index(html.escape(way)) < page.index(html.escape(under))  # the way's sentences under its figure
+    assert html.escape(f"stage 0 alone changed the time to target {z0:.2f}x") in page and "run-z3-w2-b512" in page
     assert path.stat().st_size < 5_000_000
 
 
 def test_report_with_every_table(tmp_path):
-    from labkit.study.report import build_report
+    from labkit.study.report import TABLE_COLUMNS, build_report
 
     results = _results_frame()
-    noise = pd.DataFrame([{"strategy": "torch", "global_batch": 32, "lr_scaling": "sqrt", "step": s,
+    noise = pd.DataFrame([{"strategy": "z0", "global_batch": 32, "lr_scaling": "sqrt", "step": s,
                            "loss": 2.0 - s / 50, "grad_norm_small_sq": 1.0 + 100 / 16,
                            "grad_norm_big_sq": 1.0 + 100 / 32, "noise_b_small": 16, "noise_b_big": 32,
                            "noise_scale": 100.0} for s in range(2, 60, 2)])
-    maxbatch = pd.DataFrame([{"strategy": "torch", "world_size": 1, "budget_bytes": 6e6, "emulated_capacity": True,
+    maxbatch = pd.DataFrame([{"strategy": "torch", "world_size": 1, "budget_bytes": 6.5e6, "emulated_capacity": True,
                               "max_micro_batch": 150, "max_global_batch": 150, "first_oom": 160, "launches": 6,
                               "new_launches": 6, "predicted_max_micro_batch": 155, "consistent": True,
                               "analytic_max_micro_batch": 140},
-                             {"strategy": "z3", "world_size": 2, "budget_bytes": 6e6, "emulated_capacity": True,
+                             {"strategy": "z3", "world_size": 2, "budget_bytes": 6.5e6, "emulated_capacity": True,
                               "max_micro_batch": 300, "max_global_batch": 600, "first_oom": 320, "launches": 7,
                               "new_launches": 7, "predicted_max_micro_batch": 310, "consistent": True,
                               "analytic_max_micro_batch": 290}])
-    text = build_report(results, tmp_path / "r.html", noise=noise, maxbatch=maxbatch).read_text()
+    text = build_report(results, tmp_path / "r.html", noise=noise, maxbatch=maxbatch, devices=None).read_text()
     assert "B_simple = tr(Sigma)/|G|^2 ~ 100 samples" in text and "it ranged 100-100" in text
     assert "ZeRO-3 fits 2.0x the micro-batch of plain PyTorch" in text
     assert "13 launches for 2 strategies" in text
+    assert "<h2>Results (results.csv)</h2>" in text and "<h2>Max-batch search (maxbatch.csv)</h2>" in text
+    assert all(f"<th>{c}</th>" in text for c in TABLE_COLUMNS if c in results)
+
+
+def test_report_refuses_results_without_a_growth_column(tmp_path):
+    from labkit.study.report import build_report, conclusions, figures
+
+    older = _results_frame().drop(columns="growth")  # an older labkit's results.csv
+    ci = {"name": "ci"}
+    for draw in (lambda: conclusions(older, profile=ci), lambda: figures(older, profile=ci),
+                 lambda: build_report(older, tmp_path / "out" / "report.html", profile=ci, devices=None)):
+        with pytest.raises(ValueError, match=r"no `growth` column.*Re-run `python -m labkit answer --profile ci`"):
+            draw()
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+    with pytest.raises(ValueError, match=r"--profile NAME"):  # no profile given: the flag still named
+        conclusions(older)
 
 
 def test_report_memory_and_maxbatch_text_follow_the_numbers():
