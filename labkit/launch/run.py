@@ -21,16 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from labkit.core.config import RunConfig, hostfile_slots
 from labkit.core.files import read_json, write_json_atomic, write_text_atomic
 from labkit.core.records import RecordTail, rank_file
-from labkit.launch import device_lease, zygote
+from labkit.launch import device_lease, proctree, zygote
 from labkit.launch.launcher import build_command, command_text
 from labkit.launch.store import new_run_dir
 from labkit.launch.summary import rank_records, summarize
-from labkit.launch.warm_launch import WARM_LAUNCH_TITLE, warm_spec
+from labkit.launch.warm_launch import warm_spec
 from labkit.launch.zygote import ForkedSupervisor
 from labkit.runtime.devices import Devices, detect_devices
 
@@ -253,23 +251,7 @@ class Run:
         if self._supervisor is not None:
             return self._supervisor.poll() is None
         pid = self._supervisor_pid()
-        if not pid:
-            return False
-        try:  # hidepid hides other users' /proc entries, not their PIDs from kill(0)
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True  # a live process of another user: not ours to declare dead
-        try:  # a reused PID is not our supervisor: it must be supervising this run directory
-            proc = psutil.Process(pid)
-            cmdline = proc.cmdline()
-            return (proc.status() != psutil.STATUS_ZOMBIE and "labkit.launch.supervisor" in cmdline
-                    and any(Path(proc.cwd(), arg).resolve() == self._dir.resolve() for arg in cmdline[1:]))
-        except psutil.AccessDenied:
-            return True  # not ours to inspect, so not ours to declare dead
-        except (psutil.Error, OSError):
-            return False
+        return pid is not None and pid > 0 and proctree.supervisor_alive(pid, self._dir)
 
     def _supervisor_lost(self) -> bool:
         """The supervisor is gone and left no summary.json: nobody is ending the run's processes."""
@@ -373,31 +355,16 @@ class Run:
         """End what the supervisor left running and write the summary it could not write."""
         status = read_json(self._dir / "status.json") or {}
         groups = []
-        # The launcher's group id comes from a file that may be days old: its number may belong
-        # to someone else's processes by now. Only a group one of this run's processes is in.
-        if status.get("pgid") and self._group_is_this_run(status["pgid"]):
+        # The launcher's group id comes from a file that may be days old: only a group one of this run's
+        # processes is in.
+        if status.get("pgid") and proctree.is_run_group(status["pgid"], self._dir):
             groups.append(status["pgid"])
-        if kill_supervisor and self._supervisor_alive():
-            groups.append(self._supervisor_pid())  # its own session: start_new_session=True
-        for pgid in groups:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        # Killed before it wrote status.json, it never told us the launcher's group: the
-        # launcher, launch.py and every rank name the run directory on their command lines.
-        # Scan until a pass finds none: a process forked during a scan can escape it.
-        for _ in range(5):
-            found = [proc for proc in psutil.process_iter(["cmdline"])
-                     if _is_run_process(proc.info["cmdline"] or [], self._dir)]
-            if not found:
-                break
-            for proc in found:
-                try:
-                    proc.kill()
-                except psutil.Error:
-                    continue
-            psutil.wait_procs(found, timeout=2)
+        supervisor = self._supervisor_pid()
+        if kill_supervisor and supervisor and self._supervisor_alive():
+            groups.append(supervisor)  # its own session: start_new_session=True
+        # Killed before it wrote status.json, it never told us the launcher's group: the launcher,
+        # launch.py and every rank name the run directory on their command lines.
+        proctree.terminate(lambda: proctree.run_processes(self._dir), grace_s=0.0, kill_wait_s=2.0, groups=groups)
         if self.config.hostfile:
             # Multi-node: the ranks on the other nodes are not ours to find here; end them over ssh.
             from labkit.launch.multinode import launcher_of, ssh_hosts, stop_remote
@@ -430,30 +397,6 @@ class Run:
             write_json_atomic(self._dir / "status.json", {"status": outcome[0], "cause": outcome[1],
                                                           "finished_at": time.time()})
 
-    def _group_is_this_run(self, pgid: int) -> bool:
-        for proc in psutil.process_iter(["cmdline"]):
-            try:
-                if os.getpgid(proc.pid) == pgid and _is_run_process(proc.info["cmdline"] or [], self._dir):
-                    return True
-            except (ProcessLookupError, PermissionError, psutil.Error):
-                continue
-        return False
-
     def __repr__(self) -> str:
         return f"Run({self.run_dir}, status={self.status})"
 
-
-_RUN_MODULES = (WARM_LAUNCH_TITLE, "deepspeed.launcher.runner", "deepspeed.launcher.launch",
-                "labkit.rank.guard", "labkit.rank.worker")
-
-
-def _is_run_process(cmdline: list[str], run_dir: Path) -> bool:
-    """A launcher or rank process of this run (not, say, a CLI that waits on it with --out)."""
-    if not any(module in cmdline for module in _RUN_MODULES):
-        return False
-    roots = {str(run_dir), str(run_dir.resolve())}
-    for arg in cmdline:
-        value = arg.split("=", 1)[-1]
-        if any(value == root or value.startswith(root + os.sep) for root in roots):
-            return True
-    return False

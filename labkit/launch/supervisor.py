@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import itertools
 import os
 import signal
 import socket
@@ -39,6 +38,7 @@ import psutil
 from labkit.core.failures import classify_exit, describe_exit, is_knock_on, last_exception_line
 from labkit.core.files import read_json, write_json_atomic
 from labkit.core.records import RecordTail, rank_file, rank_log
+from labkit.launch import proctree
 from labkit.launch.launcher import is_multi_node
 from labkit.launch.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
 from labkit.launch.warm_launch import ForkedLauncher, warm_spec
@@ -243,7 +243,7 @@ class Supervisor:
             except psutil.Error:
                 return False
             return False
-        return not _alive(self.launch_py)
+        return not proctree.alive(self.launch_py)
 
     def watch_oom_kills(self) -> None:
         kills = _cgroup_oom_kills()
@@ -397,62 +397,30 @@ class Supervisor:
         return left
 
     def tree(self) -> list[psutil.Process]:
-        found: dict[int, psutil.Process] = {}
-        try:
-            for child in psutil.Process().children(recursive=True):
-                found[child.pid] = child
-        except psutil.Error:
-            pass
-        for proc in psutil.process_iter():
-            try:
-                if os.getpgid(proc.pid) == self.launcher.pid:
-                    found[proc.pid] = proc
-            except (ProcessLookupError, PermissionError, psutil.Error):
-                continue
-        return list(found.values())
+        """Every process below this one (the subreaper of the run's tree) and in the launcher's process group."""
+        return proctree.union(proctree.descendants(os.getpid(), itself=False), proctree.group(self.launcher.pid))
 
     def terminate(self) -> list[str]:
         """End every process of the run; returns what could not be verified gone (empty: all gone)."""
         left = [f"{host}: {what}" for host, what in self.stop_remote_ranks().items()] if self.remote_stop else []
-        procs = self.tree()
-        ranks = {p.pid for p in procs if _is_rank(p)}
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self.remote_stop and sig == signal.SIGTERM:
-                # Not SIGTERM: the runner's handler would `pdsh pkill -f ... deepspeed.launcher.launch`,
-                # ending every DeepSpeed launch of this user on those hosts. Its ranks are gone already.
-                try:
-                    os.kill(self.launcher.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        if self.remote_stop:
+            # Not SIGTERM: the runner's handler would `pdsh pkill -f ... deepspeed.launcher.launch`,
+            # ending every DeepSpeed launch of this user on those hosts. Its ranks are gone already.
             try:
-                os.killpg(self.launcher.pid, sig)
-            except (ProcessLookupError, PermissionError):
+                os.kill(self.launcher.pid, signal.SIGKILL)
+            except ProcessLookupError:
                 pass
-            for proc in procs:
-                try:
-                    proc.send_signal(sig)
-                except psutil.Error:
-                    pass
-            if sig == signal.SIGTERM:
-                # The grace is the ranks': a worker exits, its guard records how. DeepSpeed's
-                # launch.py does not exit on SIGTERM (0.19.8: it lingers until SIGKILL), so once
-                # no rank is left, what remains gets SIGKILL at once instead of after GRACE_S.
-                deadline = time.monotonic() + self.grace_s
-                # mpirun and srun (multi-node, not pdsh) end their remote ranks on SIGTERM: they get the grace too.
-                waited = {p.pid for p in procs} if self.multi_node and not self.remote_stop else ranks
-                while time.monotonic() < deadline and any(p.pid in waited and _alive(p) for p in procs):
-                    time.sleep(POLL_S / 4)
-                procs = [p for p in procs if _alive(p)]
-            else:
-                _, procs = psutil.wait_procs(procs, timeout=self.kill_wait_s)
-            procs += [p for p in self.tree() if p not in procs and _alive(p)]
-            if not procs:
-                break
+        # The grace is the ranks': a worker exits, its guard records how. DeepSpeed's launch.py does not exit
+        # on SIGTERM (0.19.8: it lingers until SIGKILL), so once no rank is left, what remains gets SIGKILL at
+        # once. mpirun and srun (multi-node, not pdsh) end their remote ranks on SIGTERM: they get the grace too.
+        waited = proctree.alive if self.multi_node and not self.remote_stop else proctree.is_rank
+        survivors = proctree.terminate(self.tree, grace_s=self.grace_s, kill_wait_s=self.kill_wait_s,
+                                       groups=[self.launcher.pid], wait_for=waited)
         self.launcher.poll()
         reap_children()
         for path in remove_shm_segments(self.argv):
             log(f"removed {path}")
-        return left + [f"pid {p.pid}" for p in self.tree() if _alive(p)]
+        return left + [f"pid {p.pid}" for p in survivors if proctree.alive(p)]
 
 
 def host_identity() -> dict[str, str]:
@@ -504,24 +472,6 @@ def _read_run_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RuntimeError(f"{path} is missing or not a JSON object: the run directory changed under its supervisor")
     return data
-
-
-def _is_rank(proc: psutil.Process) -> bool:
-    try:
-        cmdline = proc.cmdline()
-    except psutil.Error:
-        return False
-    # The module run (`-m labkit.rank.worker`), not an argument: the launchers carry
-    # `--module labkit.rank.guard`.
-    ours = ("labkit.rank.guard", "labkit.rank.worker")
-    return any(a == "-m" and b in ours for a, b in itertools.pairwise(cmdline))
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def reap_children() -> None:

@@ -36,6 +36,7 @@ import pytest
 
 from labkit import Run, RunConfig, runs
 from labkit.core.records import rank_file, read_records
+from labkit.launch import proctree
 from tests.conftest import REPO, run_processes
 
 pytestmark = pytest.mark.faults
@@ -103,16 +104,7 @@ def supervisor_pid(run_dir: Path) -> int:
 
 def process_tree(run_dir: Path) -> list[psutil.Process]:
     """The supervisor, everything under it, and anything else naming the run directory."""
-    found: dict[int, psutil.Process] = {}
-    try:
-        sup = psutil.Process(supervisor_pid(run_dir))
-        for proc in [sup, *sup.children(recursive=True)]:
-            found[proc.pid] = proc
-    except psutil.Error:
-        pass
-    for proc in run_processes(run_dir):
-        found.setdefault(proc.pid, proc)
-    return list(found.values())
+    return proctree.tree(run_dir, supervisor_pid(run_dir))
 
 
 def describe(proc: psutil.Process) -> str:
@@ -124,15 +116,8 @@ def describe(proc: psutil.Process) -> str:
         return str(proc.pid)
 
 
-def is_rank(proc: psutil.Process) -> bool:
-    return describe(proc).split(" ", 1)[-1] in ("labkit.rank.guard", "labkit.rank.worker")
-
-
 def gone(proc: psutil.Process) -> bool:
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return True
+    return not proctree.alive(proc)
 
 
 class DeathWatch:
@@ -141,7 +126,7 @@ class DeathWatch:
     def __init__(self, procs: list[psutil.Process]):
         self.procs = procs
         self.names = {p.pid: describe(p) for p in procs}
-        self.ranks = {p.pid for p in procs if is_rank(p)}
+        self.ranks = {p.pid for p in procs if proctree.is_rank(p)}
         self.deaths: dict[int, float] = {}
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -454,7 +439,7 @@ def _chaos(index: int, root: Path) -> dict[str, Any]:
         wait_until(lambda: any(r.get("event") == "done" for r in read_records(rank_file(run_dir, 0))), STARTUP_S)
         time.sleep(rng.uniform(0.0, 4.0))
     sup = psutil.Process(run._supervisor.pid)
-    tree = [sup, *sup.children(recursive=True)] if not gone(sup) else []
+    tree = proctree.descendants(sup.pid) if not gone(sup) else []
     victims = {
         "supervisor": [sup],
         "everything": tree,
@@ -531,8 +516,7 @@ def fleet(request, tmp_path_factory):
     yield fleet
     fleet.close()
     # Nothing any scenario started may outlive the module, whatever the assertions said.
-    stray = [proc for proc in psutil.process_iter(["cmdline"])
-             if str(root) in " ".join(proc.info["cmdline"] or []) and not gone(proc)]
+    stray = proctree.naming(root)
     for proc in stray:
         proc.kill()
     assert not stray, f"processes outlived the fault suite: {[describe(p) for p in stray]}"
@@ -873,7 +857,7 @@ def test_bad_cli_inputs_end_to_end_start_nothing(tmp_path):
         assert f"error: {field}: " in err, err[-2000:]
         assert not out.exists()
     assert not (tmp_path / "runs").exists()
-    assert not [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert not proctree.naming(tmp_path)
 
 
 def test_out_directory_in_use_is_refused(tmp_path, capsys):
