@@ -2,12 +2,13 @@
 
     run = Run(RunConfig(example="zero3", world_size=2, steps=20)).start()
     run.wait()            # or run.stop()
-    run.status            # running / finished / failed / oom / hung / stopped
+    run.status            # running / finished / failed / oom / hung / stopped (only reads)
     run.summary           # summary.json as a dict
 
 `start()` writes the run directory, then starts `labkit.launch.supervisor`, which owns every
 process of the run and outlives nothing: if this Python process dies, the supervisor
-notices and ends the run.
+notices and ends the run. If the supervisor itself dies first (SIGKILLed, OOM-killed), the run
+is `lost`: `recover()` (which `wait()` and `stop()` call) ends what it left and writes its summary.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from labkit.runtime.devices import Devices, detect_devices
 
 FINAL_STATUSES = ("finished", "failed", "oom", "hung", "stopped")
 STOP_TIMEOUT_S = 6.0
+LOST_CAUSE = ("the run's supervisor died without ending the run; its processes may still run "
+              "(Run.recover() or `labkit runs` ends them and writes summary.json)")
 SUPERVISOR_EXIT_WAIT_S = 10.0  # wait() gives a done run's supervisor this long to exit (it may hold a lease longer)
 
 
@@ -210,6 +213,8 @@ class Run:
 
     @property
     def status(self) -> str:
+        """created / starting / running, or the final status. Only reads: a run whose supervisor died
+        without a summary (`lost`) reads "failed" until `recover()` ends what it left and writes one."""
         if self.run_dir is None:
             return "created"
         summary = self.summary
@@ -218,12 +223,23 @@ class Run:
         if self._supervisor_alive():
             return "running"
         if self._supervisor_lost():
-            # Gone without a summary (SIGKILLed, OOM-killed): whoever looks ends what it left
-            # running and writes the summary, so a widget or CLI polling `done` never walks
-            # away from orphaned ranks.
-            self._recover_from_dead_supervisor()
-            return (self.summary or {}).get("status", "failed")
+            return "failed"
         return "starting"
+
+    @property
+    def lost(self) -> bool:
+        """Its supervisor is gone and left no summary.json (SIGKILLed, OOM-killed, a reboot): nobody ends
+        what it left running until someone calls `recover()`."""
+        return self._supervisor_lost()
+
+    def recover(self) -> bool:
+        """End what a lost run's supervisor left running and write the summary it could not write; returns
+        whether the run was lost. An explicit call, made where the run is the caller's to end: `wait()`,
+        `stop()`, the CLI, the panel's own run, `labkit.launch.history.recover_stale`."""
+        if not self._supervisor_lost():
+            return False
+        self._recover_from_dead_supervisor()
+        return True
 
     @property
     def holds_devices(self) -> bool:
@@ -239,7 +255,9 @@ class Run:
     @property
     def cause(self) -> str | None:
         summary = self.summary
-        return summary.get("cause") if summary else None
+        if summary:
+            return summary.get("cause")
+        return LOST_CAUSE if self._supervisor_lost() else None
 
     def _supervisor_pid(self) -> int | None:
         if self._supervisor is not None:
@@ -313,8 +331,7 @@ class Run:
         # Not `while not self.done`: `status` reads "failed" as soon as the supervisor is gone,
         # and a supervisor killed without writing summary.json leaves the ranks to us.
         while self.run_dir is not None and not self.summary:
-            if self._supervisor_lost():
-                self._recover_from_dead_supervisor()
+            if self.recover():
                 break
             if deadline is not None and time.monotonic() > deadline:
                 break

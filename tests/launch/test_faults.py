@@ -37,6 +37,7 @@ import pytest
 from labkit import Run, RunConfig, runs
 from labkit.core.records import rank_file, read_records
 from labkit.launch import proctree
+from labkit.launch.history import recover_stale
 from tests.conftest import REPO, run_processes
 
 pytestmark = pytest.mark.faults
@@ -350,8 +351,13 @@ def _dead_supervisor(root: Path) -> dict[str, Any]:
     reach_steps(run, 2)
     os.kill(supervisor_pid(run.run_dir), 9)
     run._supervisor.wait()
-    row = runs(root).set_index("run_id").loc[run.run_dir.name]
+    row = runs(root).set_index("run_id").loc[run.run_dir.name]  # only reads
+    left_before = [describe(p) for p in run_processes(run.run_dir)]
+    summary_before = (run.run_dir / "summary.json").exists()
+    recovered = recover_stale(root)
     return {"run_dir": str(run.run_dir), "listed_status": row.status, "listed_cause": row.cause,
+            "left_before_recovery": left_before, "summary_before_recovery": summary_before,
+            "recovered": [str(path) for path in recovered], "summary": run.summary,
             "leftovers": [describe(p) for p in run_processes(run.run_dir)]}
 
 
@@ -654,6 +660,10 @@ def test_run_without_per_step_records_still_shows_a_hang(fleet):
 def test_run_store_does_not_list_a_run_with_a_dead_supervisor_as_running(fleet):
     r = fleet.result("dead_supervisor")
     assert r["listed_status"] == "failed" and "supervisor died" in r["listed_cause"], r
+    # Listing only read: the ranks ran on and no summary was written, until recover_stale was called.
+    assert r["left_before_recovery"] and not r["summary_before_recovery"], r
+    assert r["recovered"] == [r["run_dir"]] and r["summary"]["status"] == "failed", r
+    assert "supervisor died" in r["summary"]["cause"], r
     assert not r["leftovers"], r
 
 
