@@ -122,11 +122,6 @@ def ssh_hosts(launcher: str, hosts: list[str]) -> list[str]:
 OMPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
-def launcher_of(argv: list[str]) -> str:
-    """The DeepSpeed launcher a launch command names (pdsh when none: the runner's default)."""
-    return argv[argv.index("--launcher") + 1] if "--launcher" in argv else "pdsh"
-
-
 def master_of(argv: list[str]) -> dict[str, str]:
     """MASTER_ADDR and MASTER_PORT of a launch command, as the ranks of mpirun and srun need them."""
     return {"MASTER_ADDR": argv[argv.index("--master_addr") + 1], "MASTER_PORT": argv[argv.index("--master_port") + 1]}

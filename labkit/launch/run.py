@@ -26,6 +26,7 @@ from labkit.core.config import RunConfig, hostfile_slots
 from labkit.core.files import read_json, write_json_atomic, write_text_atomic
 from labkit.core.records import RecordTail, rank_file
 from labkit.launch import device_lease, proctree, zygote
+from labkit.launch.launch_spec import LaunchSpec
 from labkit.launch.launcher import build_command, command_text
 from labkit.launch.store import new_run_dir
 from labkit.launch.summary import rank_records, summarize
@@ -174,20 +175,20 @@ class Run:
         # Private: they hold the variables labkit and the caller (`env=`) set, which may be tokens.
         write_text_atomic(self.run_dir / "command.txt", command_text(argv, env, base_env) + "\n", private=True)
         warm, self.launch_mode = self._launch_mode(argv, devices)
-        write_json_atomic(self.run_dir / "launch.json", {
-            # Only what labkit (and `env=`) set, never the whole environment (cloud keys, tokens): the
-            # supervisor inherits the rest from this process.
-            "argv": argv, "env": {k: v for k, v in env.items() if os.environ.get(k) != v},
-            "world_size": self.config.world_size, "launch": "warm" if warm else "cold",
-            "heartbeat_s": self.config.heartbeat_s, "startup_timeout_s": self.config.startup_timeout_s}, private=True)
+        # Only what labkit (and `env=`) set, never the whole environment (cloud keys, tokens): the
+        # supervisor inherits the rest from this process.
+        spec = LaunchSpec.from_command(argv, {k: v for k, v in env.items() if os.environ.get(k) != v},
+                                       world_size=self.config.world_size, heartbeat_s=self.config.heartbeat_s,
+                                       startup_timeout_s=self.config.startup_timeout_s,
+                                       launch="warm" if warm else "cold")
+        spec.write(self.run_dir)
         if warm:
             try:
                 self._supervisor = zygote.shared(env).supervise(self.run_dir, env, leases)
                 return self
             except zygote.ZygoteUnavailable as exc:
                 self.launch_mode = f"cold: {exc}"
-                launch = json.loads((self.run_dir / "launch.json").read_text())
-                write_json_atomic(self.run_dir / "launch.json", {**launch, "launch": "cold"}, private=True)
+                spec.replace(launch="cold").write(self.run_dir)  # the supervisor reads it once it starts
         with open(self.run_dir / "supervisor.log", "ab") as log:  # the supervisor keeps its own copy
             self._supervisor = subprocess.Popen(
                 [sys.executable, "-m", "labkit.launch.supervisor", str(self.run_dir), "--parent-pid", str(os.getpid()),
@@ -294,8 +295,10 @@ class Run:
         from labkit.runtime.build_locks import find_build_locks
         from labkit.runtime.ops import DEFAULT_EXTENSIONS_DIR
 
-        env = (read_json(self.run_dir / "launch.json") or {}).get("env", {})
-        extensions = env.get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR", DEFAULT_EXTENSIONS_DIR)
+        spec = LaunchSpec.read(self.run_dir)
+        env = spec.env if spec else {}
+        extensions = (env.get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR")
+                      or DEFAULT_EXTENSIONS_DIR)
         locks = find_build_locks(extensions)
         return "; ".join(lock.describe() for lock in locks) or None
 
@@ -352,8 +355,8 @@ class Run:
             # Multi-node: the supervisor ends the remote ranks over ssh first; not cut short.
             from labkit.launch.multinode import REMOTE_STOP_TIMEOUT_S
 
-            launch_env = (read_json(self.run_dir / "launch.json") or {}).get("env") or {}
-            accelerator = launch_env.get("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR"))
+            spec = LaunchSpec.read(self.run_dir)
+            accelerator = (spec.env if spec else {}).get("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR"))
             timeout = stop_timeout_s(accelerator) + (REMOTE_STOP_TIMEOUT_S if self.config.hostfile else 0.0)
         self._stop_requested = True
         pid = self._supervisor_pid()
@@ -382,12 +385,12 @@ class Run:
         # Killed before it wrote status.json, it never told us the launcher's group: the launcher,
         # launch.py and every rank name the run directory on their command lines.
         proctree.terminate(lambda: proctree.run_processes(self._dir), grace_s=0.0, kill_wait_s=2.0, groups=groups)
+        spec = LaunchSpec.read(self._dir)
         if self.config.hostfile:
             # Multi-node: the ranks on the other nodes are not ours to find here; end them over ssh.
-            from labkit.launch.multinode import launcher_of, ssh_hosts, stop_remote
+            from labkit.launch.multinode import ssh_hosts, stop_remote
 
-            launcher = launcher_of((read_json(self._dir / "launch.json") or {}).get("argv", []))
-            hosts = ssh_hosts(launcher, list(hostfile_slots(self.config.hostfile)))
+            hosts = ssh_hosts(spec.launcher if spec else "pdsh", list(hostfile_slots(self.config.hostfile)))
             if hosts:
                 stop_remote(self._dir, hosts)
         if self._supervisor is not None:
@@ -397,7 +400,8 @@ class Run:
                 pass
         from labkit.launch.supervisor import remove_shm_segments
 
-        remove_shm_segments((read_json(self._dir / "launch.json") or {}).get("argv", []))
+        if spec:
+            remove_shm_segments(spec.master_addr, spec.master_port)
         if not self.summary:
             records = self.records()
             if records and all(any(r.get("event") == "done" for r in rank) for rank in records.values()):

@@ -39,9 +39,9 @@ from labkit.core.failures import classify_exit, describe_exit, is_knock_on, last
 from labkit.core.files import read_json, write_json_atomic
 from labkit.core.records import RecordTail, rank_file, rank_log
 from labkit.launch import proctree
-from labkit.launch.launcher import is_multi_node
+from labkit.launch.launch_spec import LAUNCH_FILE, LaunchSpec
 from labkit.launch.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
-from labkit.launch.warm_launch import ForkedLauncher, warm_spec
+from labkit.launch.warm_launch import ForkedLauncher
 from labkit.rank.faults import supervisor_exit_delay_s
 from labkit.rank.script import TEARDOWN_SIGNALS
 from labkit.runtime.build_locks import StaleLockSweeper
@@ -115,24 +115,23 @@ class Supervisor:
         self.run_dir = run_dir
         self.parent_pid = parent_pid
         self.lease_fds = lease_fds  # GPU and port leases: the launcher holds them too (labkit.launch.device_lease)
-        launch = _read_run_file(run_dir / "launch.json")
-        self.argv: list[str] = launch["argv"]
+        self.spec = spec = LaunchSpec.from_dict(_read_run_file(run_dir / LAUNCH_FILE))
+        self.argv = spec.argv
         # launch.json keeps only what labkit set; an exported job (`labkit export`) too runs in the
         # environment of whoever starts it.
-        self.env: dict[str, str] = {**os.environ, **launch["env"]}
-        self.world_size: int = launch["world_size"]
-        self.heartbeat_s: float = launch["heartbeat_s"]
-        self.startup_timeout_s: float = launch["startup_timeout_s"]
+        self.env: dict[str, str] = {**os.environ, **spec.env}
+        self.world_size = spec.world_size
+        self.heartbeat_s = spec.heartbeat_s
+        self.startup_timeout_s = spec.startup_timeout_s
         # A warm launch (labkit.launch.zygote forked this supervisor): the ranks are forked here, not started by
-        # DeepSpeed's runner. Older launch.json files have no "launch": cold.
-        self.warm = warm_spec(self.argv) if launch.get("launch") == "warm" else None
-        self.multi_node = is_multi_node(self.argv)
-        self.script_mode = "--script" in self.argv  # labkit.rank.script: a learner's script on every rank
+        # DeepSpeed's runner.
+        self.warm = spec.warm_launch()
+        self.multi_node = spec.multi_node
+        self.script_mode = spec.script  # labkit.rank.script: a learner's script on every rank
         # Multi-node: each rank's host as the hostfile names it, to name the node a rank died on.
-        self.hosts = rank_hosts(self.argv[self.argv.index("--hostfile") + 1]) if self.multi_node else []
+        self.hosts = rank_hosts(spec.hostfile) if spec.hostfile else []
         # pdsh jobs: their ranks are ended over ssh (mpirun and srun end their own on SIGTERM).
-        launcher = self.argv[self.argv.index("--launcher") + 1] if "--launcher" in self.argv else "pdsh"
-        self.remote_stop = self.multi_node and launcher == "pdsh"
+        self.remote_stop = self.multi_node and spec.launcher == "pdsh"
         self.ranks = [RankState(r, RecordTail(rank_file(run_dir, r))) for r in range(self.world_size)]
         self.stop_reason: str | None = None
         self.oom_kills_seen = _cgroup_oom_kills()
@@ -418,7 +417,7 @@ class Supervisor:
                                        groups=[self.launcher.pid], wait_for=waited)
         self.launcher.poll()
         reap_children()
-        for path in remove_shm_segments(self.argv):
+        for path in remove_shm_segments(self.spec.master_addr, self.spec.master_port):
             log(f"removed {path}")
         return left + [f"pid {p.pid}" for p in survivors if proctree.alive(p)]
 
@@ -437,7 +436,7 @@ def host_identity() -> dict[str, str]:
             "pid_namespace": read("/proc/self/ns/pid")}
 
 
-def remove_shm_segments(argv: list[str]) -> list[Path]:
+def remove_shm_segments(master_addr: str, master_port: int) -> list[Path]:
     """Unlink the shared-memory buffers of DeepSpeed's CPU all-reduce (ops/csrc/cpu/comm/shm.cpp).
 
     Each local rank creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<master_addr>_<master_port>_<rank>
@@ -445,11 +444,7 @@ def remove_shm_segments(argv: list[str]) -> list[Path]:
     (15 GB of this machine's 24 GB after a few hours of lab work). The names carry the run's own
     port, so only its buffers match; call this once every process of the run has ended.
     """
-    try:
-        addr = argv[argv.index("--master_addr") + 1]
-        port = argv[argv.index("--master_port") + 1]
-    except (ValueError, IndexError):
-        return []
+    addr, port = master_addr, master_port
     removed = []
     for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_*"):
         try:
