@@ -29,35 +29,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from labkit import Run, RunConfig
 from labkit.core.records import rank_file, read_records
+from labkit.launch import proctree
 
 SMALL = dict(example="zero3", world_size=2, hidden=256, micro_batch=16, dataset_size=1024, steps=100_000)
-
-
-def tree(run: Run) -> list[psutil.Process]:
-    found = {}
-    try:
-        sup = psutil.Process(run._supervisor.pid)
-        for proc in [sup, *sup.children(recursive=True)]:
-            found[proc.pid] = proc
-    except psutil.Error:
-        pass
-    for proc in psutil.process_iter(["cmdline"]):
-        if str(run.run_dir) in " ".join(proc.info["cmdline"] or []):
-            found.setdefault(proc.pid, proc)
-    return list(found.values())
-
-
-def alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def shm_left(run: Run) -> list[str]:
@@ -76,12 +54,13 @@ def cycle(number: int, root: Path, rng: random.Random, max_delay: float) -> dict
             time.sleep(0.1)
     delay = rng.uniform(0.0, max_delay if not wait_step else 2.0)
     time.sleep(delay)
-    procs = tree(run)
+    procs = proctree.tree(run.run_dir, run._supervisor_pid())
     steps = run.progress()
     started = time.monotonic()
     status = run.stop()
     stop_s = time.monotonic() - started
-    orphans = [f"{p.pid} {' '.join(p.cmdline()[1:4])}" for p in procs + tree(run) if alive(p)]
+    after = proctree.tree(run.run_dir, run._supervisor_pid())
+    orphans = [f"{p.pid} {' '.join(p.cmdline()[1:4])}" for p in proctree.union(procs, after) if proctree.alive(p)]
     return {"cycle": number, "delay_s": round(delay, 2), "steps_before_stop": steps, "status": status,
             "summary": run.summary is not None, "stop_s": round(stop_s, 3), "processes": len(procs),
             "orphans": orphans, "shm_left": shm_left(run), "run_dir": str(run.run_dir)}

@@ -114,6 +114,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\nstopping the run ...", file=sys.stderr)
         run.stop()
+    run.recover()  # its supervisor died (`done` reads so): end what it left, write the summary
     bar.update(run.progress() - bar.n)
     bar.close()
     admission.learn(config, run.run_dir, run._supervisor_pid())
@@ -159,8 +160,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from labkit.launch.history import runs
+    from labkit.launch.history import recover_stale, runs
 
+    recover_stale(args.root)  # runs whose supervisor died: end what it left, so none is listed as running
     table = runs(args.root)
     if args.format == "csv":
         sys.stdout.write(table.to_csv(index=False))

@@ -16,8 +16,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
+
+# Every live process whose command line names a run directory: what a test checks is gone.
+from labkit.launch.proctree import naming as run_processes  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
@@ -88,18 +90,6 @@ def runs_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "runs"
     monkeypatch.setenv("LABKIT_RUNS_DIR", str(root))
     return root
-
-
-def run_processes(run_dir: Path) -> list[psutil.Process]:
-    """Every live process whose command line names this run directory."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(proc.info["cmdline"] or []):
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
 
 
 class RankFileReads:

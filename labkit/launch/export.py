@@ -30,6 +30,7 @@ from typing import Any
 from labkit.core.config import ConfigError, RunConfig
 from labkit.core.files import write_json_atomic, write_text_atomic
 from labkit.launch.job_start import ANY_PORT
+from labkit.launch.launch_spec import LaunchSpec
 from labkit.launch.launcher import build_command
 from labkit.launch.multinode import LAUNCHERS, OMPI_AS_ROOT, deepspeed_env_for, launcher_command
 
@@ -209,7 +210,7 @@ def write_job(config: RunConfig, out: str | os.PathLike, *, launcher: str = "pds
     shutil.copytree(PACKAGE_DIR, out / "labkit", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     base_env = dict(os.environ)
     if master_port is None:
-        master_port = int(ANY_PORT) if launcher == "slurm" else DEFAULT_MASTER_PORT
+        master_port = ANY_PORT if launcher == "slurm" else DEFAULT_MASTER_PORT
     argv, env = build_command(config, out, master_port=master_port, base_env=base_env, master_addr=master_addr)
     argv = launcher_command(argv, launcher, out / "labkit")
     env["PYTHONPATH"] = str(out)
@@ -218,9 +219,8 @@ def write_job(config: RunConfig, out: str | os.PathLike, *, launcher: str = "pds
     write_json_atomic(out / "config.json", config.to_dict())
     write_json_atomic(out / "ds_config.json", export_ds_config(config))
     write_text_atomic(out / ".deepspeed_env", deepspeed_env_for(argv, env, launcher))
-    write_json_atomic(out / "launch.json", {
-        "argv": argv, "env": overlay, "world_size": config.world_size,
-        "heartbeat_s": config.heartbeat_s, "startup_timeout_s": config.startup_timeout_s})
+    LaunchSpec.from_command(argv, overlay, world_size=config.world_size, heartbeat_s=config.heartbeat_s,
+                            startup_timeout_s=config.startup_timeout_s).write(out, private=False)
     script = out / "launch.sh"
     write_text_atomic(script, launch_script(sys.executable, launcher, out, sbatch))
     script.chmod(0o755)

@@ -1,4 +1,5 @@
-"""Past runs as a table: `labkit.runs()` lists the run store, `load_run()` reopens one."""
+"""Past runs as a table: `labkit.runs()` lists the run store (only reading it), `load_run()` reopens one, and
+`recover_stale()` ends the runs whose supervisor died and writes their summaries."""
 
 from __future__ import annotations
 
@@ -16,21 +17,22 @@ COLUMNS = ("run_id", "status", "example", "stage", "offload_optimizer", "precisi
 
 
 def runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
-    """One row per run directory: status, config and headline numbers (running runs included)."""
+    """One row per run directory: status, config and headline numbers (running runs included). Only reads:
+    a run whose supervisor died is listed "failed" with that cause; `recover_stale` ends what it left."""
     rows = []
     for run_dir in run_dirs(root):
         summary = read_json(run_dir / "summary.json")
         config = read_json(run_dir / "config.json") or {}
-        if summary is None and (run_dir / "status.json").exists() and config:
-            # "running" only while its supervisor lives: a run whose supervisor died (a machine
-            # reboot, a SIGKILL) is recovered by Run.status, which ends what it left and writes
-            # its summary, instead of being listed as running forever.
-            from labkit.launch.run import Run
-
-            Run.load(run_dir).status  # noqa: B018 -- reading status recovers a run whose supervisor died
-            summary = read_json(run_dir / "summary.json")
         if summary is None:
-            summary = {"status": "running" if (run_dir / "status.json").exists() else "created", **config,
+            status, cause = "running" if (run_dir / "status.json").exists() else "created", None
+            if _unsummarised(run_dir, summary, config):
+                # "running" only while its supervisor lives (a machine reboot, a SIGKILL end it).
+                from labkit.launch.run import Run
+
+                run = Run.load(run_dir)
+                if run.lost:
+                    status, cause = run.status, run.cause
+            summary = {"status": status, "cause": cause, **config,
                        "global_batch": config.get("micro_batch", 0) * config.get("grad_accum", 0)
                        * config.get("world_size", 0)}
         if config.get("script"):
@@ -43,6 +45,24 @@ def runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
         row["path"] = str(run_dir)
         rows.append(row)
     return pd.DataFrame(rows, columns=[*COLUMNS, "path"])
+
+
+def recover_stale(root: str | os.PathLike | None = None) -> list[Path]:
+    """End what the dead supervisors of the store's runs left running and write their summaries
+    (`Run.recover`); returns those runs' directories. `labkit runs` and the panel's history call it."""
+    from labkit.launch.run import Run
+
+    recovered = []
+    for run_dir in run_dirs(root):
+        if _unsummarised(run_dir, read_json(run_dir / "summary.json"), read_json(run_dir / "config.json")) \
+                and Run.load(run_dir).recover():
+            recovered.append(run_dir)
+    return recovered
+
+
+def _unsummarised(run_dir: Path, summary: dict | None, config: dict | None) -> bool:
+    """A started run (its supervisor wrote status.json) without a summary: running, or lost."""
+    return summary is None and bool(config) and (run_dir / "status.json").exists()
 
 
 def load_run(run: str | os.PathLike):

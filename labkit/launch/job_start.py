@@ -19,24 +19,23 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from labkit.core.config import ConfigError, hostfile_slots
-from labkit.core.files import read_json, write_json_atomic, write_text_atomic
+from labkit.core.files import write_text_atomic
+from labkit.launch.launch_spec import LaunchSpec
 from labkit.launch.launcher import free_port
 from labkit.launch.multinode import (
     check_shared_run_dir,
     check_slots,
     check_tools,
     deepspeed_env_text,
-    launcher_of,
     master_of,
     ssh_hosts,
 )
 from labkit.rank.entry import tasks_per_node
 
 SRUN_CHECK_TIMEOUT_S = 120.0  # one task per node; a busy controller can take a while to start a step
-ANY_PORT = "0"  # launch.json's --master_port when export left the port to the job's start
+ANY_PORT = 0  # launch.json's master port when export left the port to the job's start
 
 
 def slurm_allocation(environ: Mapping[str, str]) -> dict[str, int]:
@@ -88,24 +87,25 @@ def check_shared_under_slurm(job_dir: Path, nodes: list[str]) -> None:
                           "it must be on a filesystem every node shares, at the same path")
 
 
-def resolve_slurm(job_dir: Path, launch: dict[str, Any], allocation: dict[str, int]) -> list[str]:
+def resolve_slurm(job_dir: Path, spec: LaunchSpec, allocation: dict[str, int]) -> list[str]:
     """Write the allocation into the job: `hostfile`, and the first node and a port as the master's
-    address in launch.json's argv and `.deepspeed_env`. Returns lines that say what was chosen."""
-    argv = list(launch["argv"])
+    address in launch.json (its argv too) and `.deepspeed_env`. Returns lines that say what was chosen."""
+    argv = list(spec.argv)
     first = next(iter(allocation))
-    port = argv[argv.index("--master_port") + 1]
+    port = spec.master_port
     if port == ANY_PORT:
         # The batch script runs on the allocation's first node, where rank 0 will listen.
-        port = str(free_port("0.0.0.0"))
+        port = free_port("0.0.0.0")
     argv[argv.index("--master_addr") + 1] = first
-    argv[argv.index("--master_port") + 1] = port
-    hostfile = Path(argv[argv.index("--hostfile") + 1])
-    write_text_atomic(hostfile, "# The Slurm allocation, written at the job's start by labkit.launch.job_start\n"
+    argv[argv.index("--master_port") + 1] = str(port)
+    assert spec.hostfile is not None  # export writes a placeholder hostfile for Slurm jobs
+    write_text_atomic(Path(spec.hostfile),
+                      "# The Slurm allocation, written at the job's start by labkit.launch.job_start\n"
                       + "".join(f"{node} slots={count}\n" for node, count in allocation.items()))
     env_file = job_dir / ".deepspeed_env"
     kept = {k: v for k, _, v in (line.partition("=") for line in env_file.read_text().splitlines() if "=" in line)}
     write_text_atomic(env_file, deepspeed_env_text({**kept, **master_of(argv)}, "slurm"))
-    write_json_atomic(job_dir / "launch.json", {**launch, "argv": argv})
+    spec.replace(argv=argv, master_addr=first, master_port=port).write(job_dir, private=False)
     return [f"Slurm job {os.environ.get('SLURM_JOB_ID')}: {', '.join(f'{n} x{c}' for n, c in allocation.items())}; "
             f"master {first}:{port}"]
 
@@ -113,20 +113,19 @@ def resolve_slurm(job_dir: Path, launch: dict[str, Any], allocation: dict[str, i
 def prepare(job_dir: str | os.PathLike, environ: Mapping[str, str] = os.environ) -> list[str]:
     """Check (ConfigError) and, under Slurm, resolve the job in `job_dir`; returns what to print."""
     job_dir = Path(job_dir).resolve()
-    launch = read_json(job_dir / "launch.json")
-    if not isinstance(launch, dict):
+    spec = LaunchSpec.read(job_dir)
+    if spec is None:
         raise ConfigError("launcher", f"{job_dir} holds no launch.json: not a job directory of `labkit export`")
-    argv, world_size = launch["argv"], launch["world_size"]
-    launcher = launcher_of(argv)
-    check_tools(launcher, environ.get("PATH", ""))
-    if launcher == "slurm":
+    check_tools(spec.launcher, environ.get("PATH", ""))
+    if spec.launcher == "slurm":
         allocation = slurm_allocation(environ)
-        check_slots(world_size, allocation, f"Slurm job {environ['SLURM_JOB_ID']}'s allocation", uniform=True)
+        check_slots(spec.world_size, allocation, f"Slurm job {environ['SLURM_JOB_ID']}'s allocation", uniform=True)
         check_shared_under_slurm(job_dir, list(allocation))
-        return resolve_slurm(job_dir, launch, allocation)
-    slots = hostfile_slots(argv[argv.index("--hostfile") + 1])
-    check_slots(world_size, slots, "the hostfile")
-    remote = ssh_hosts(launcher, list(slots))
+        return resolve_slurm(job_dir, spec, allocation)
+    assert spec.hostfile is not None  # export refuses a job without one
+    slots = hostfile_slots(spec.hostfile)
+    check_slots(spec.world_size, slots, "the hostfile")
+    remote = ssh_hosts(spec.launcher, list(slots))
     if remote:
         check_shared_run_dir(job_dir, remote)
     return []

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from labkit.core.config import ConfigError, hostfile_slots
+from labkit.launch.proctree import HOST_MODULES
 
 LAUNCHERS = ("pdsh", "openmpi", "slurm")
 # Variables the remote ranks need, by name and by prefix (PYTHON* DeepSpeed forwards itself).
@@ -48,8 +49,6 @@ _QUOTED_BY_DEEPSPEED = re.compile(r"[^\w@%+=:,./-]")  # MultiNodeRunner.add_expo
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
 REMOTE_STOP_GRACE_S = 3.0   # SIGTERM -> SIGKILL on each host
 REMOTE_STOP_TIMEOUT_S = 25.0  # the whole remote stop, ssh connection included
-# The modules a run starts on every host; the runner and the supervisor stay on the launching host.
-RUN_MODULES = ("deepspeed.launcher.launch", "labkit.rank.guard", "labkit.rank.worker")
 
 
 def deepspeed_env_text(env: Mapping[str, str], launcher: str = "pdsh") -> str:
@@ -121,11 +120,6 @@ def ssh_hosts(launcher: str, hosts: list[str]) -> list[str]:
 
 # mpirun refuses to run as root unless both are set (Open MPI 4.x); labkit sets them only for root.
 OMPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-
-
-def launcher_of(argv: list[str]) -> str:
-    """The DeepSpeed launcher a launch command names (pdsh when none: the runner's default)."""
-    return argv[argv.index("--launcher") + 1] if "--launcher" in argv else "pdsh"
 
 
 def master_of(argv: list[str]) -> dict[str, str]:
@@ -229,7 +223,7 @@ def run_process_pattern(run_dir: str | os.PathLike) -> str:
     (`--module labkit.rank.guard`, no `-m `), the supervisor and an unrelated DeepSpeed launch
     do not match; neither does the pattern's own text in the shell that runs pkill.
     """
-    modules = "|".join(_ere_literal(m) for m in RUN_MODULES)
+    modules = "|".join(_ere_literal(m) for m in HOST_MODULES)
     return f"-m ({modules}) .*{_ere_literal(str(Path(run_dir).resolve()))}"
 
 

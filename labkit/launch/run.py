@@ -2,12 +2,13 @@
 
     run = Run(RunConfig(example="zero3", world_size=2, steps=20)).start()
     run.wait()            # or run.stop()
-    run.status            # running / finished / failed / oom / hung / stopped
+    run.status            # running / finished / failed / oom / hung / stopped (only reads)
     run.summary           # summary.json as a dict
 
 `start()` writes the run directory, then starts `labkit.launch.supervisor`, which owns every
 process of the run and outlives nothing: if this Python process dies, the supervisor
-notices and ends the run.
+notices and ends the run. If the supervisor itself dies first (SIGKILLed, OOM-killed), the run
+is `lost`: `recover()` (which `wait()` and `stop()` call) ends what it left and writes its summary.
 """
 
 from __future__ import annotations
@@ -22,21 +23,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from labkit.core.config import RunConfig, hostfile_slots
 from labkit.core.files import read_json, write_json_atomic, write_text_atomic
 from labkit.core.records import RecordTail, rank_file
-from labkit.launch import device_lease, zygote
+from labkit.launch import device_lease, proctree, zygote
+from labkit.launch.launch_spec import LaunchSpec
 from labkit.launch.launcher import build_command, command_text
 from labkit.launch.store import new_run_dir
 from labkit.launch.summary import rank_records, summarize
-from labkit.launch.warm_launch import WARM_ENV, WARM_LAUNCH_TITLE, warm_spec
+from labkit.launch.warm_launch import WARM_ENV, warm_spec
 from labkit.launch.zygote import ForkedSupervisor
 from labkit.runtime.devices import Devices, detect_devices
 
 FINAL_STATUSES = ("finished", "failed", "oom", "hung", "stopped")
 STOP_TIMEOUT_S = 6.0
+LOST_CAUSE = ("the run's supervisor died without ending the run; its processes may still run "
+              "(Run.recover() or `labkit runs` ends them and writes summary.json)")
 SUPERVISOR_EXIT_WAIT_S = 10.0  # wait() gives a done run's supervisor this long to exit (it may hold a lease longer)
 
 
@@ -192,20 +194,20 @@ class Run:
         # Private: they hold the variables labkit and the caller (`env=`) set, which may be tokens.
         write_text_atomic(self.run_dir / "command.txt", command_text(argv, env, base_env) + "\n", private=True)
         warm, self.launch_mode = self._launch_mode(argv, devices)
-        write_json_atomic(self.run_dir / "launch.json", {
-            # Only what labkit (and `env=`) set, never the whole environment (cloud keys, tokens): the
-            # supervisor inherits the rest from this process.
-            "argv": argv, "env": {k: v for k, v in env.items() if os.environ.get(k) != v},
-            "world_size": self.config.world_size, "launch": "warm" if warm else "cold",
-            "heartbeat_s": self.config.heartbeat_s, "startup_timeout_s": self.config.startup_timeout_s}, private=True)
+        # Only what labkit (and `env=`) set, never the whole environment (cloud keys, tokens): the
+        # supervisor inherits the rest from this process.
+        spec = LaunchSpec.from_command(argv, {k: v for k, v in env.items() if os.environ.get(k) != v},
+                                       world_size=self.config.world_size, heartbeat_s=self.config.heartbeat_s,
+                                       startup_timeout_s=self.config.startup_timeout_s,
+                                       launch="warm" if warm else "cold")
+        spec.write(self.run_dir)
         if warm:
             try:
                 self._supervisor = zygote.shared(env).supervise(self.run_dir, env, leases)
                 return self
             except zygote.ZygoteUnavailable as exc:
                 self.launch_mode = f"cold: {exc}"
-                launch = json.loads((self.run_dir / "launch.json").read_text())
-                write_json_atomic(self.run_dir / "launch.json", {**launch, "launch": "cold"}, private=True)
+                spec.replace(launch="cold").write(self.run_dir)  # the supervisor reads it once it starts
         with open(self.run_dir / "supervisor.log", "ab") as log:  # the supervisor keeps its own copy
             self._supervisor = subprocess.Popen(
                 [sys.executable, "-m", "labkit.launch.supervisor", str(self.run_dir), "--parent-pid", str(os.getpid()),
@@ -231,6 +233,8 @@ class Run:
 
     @property
     def status(self) -> str:
+        """created / starting / running, or the final status. Only reads: a run whose supervisor died
+        without a summary (`lost`) reads "failed" until `recover()` ends what it left and writes one."""
         if self.run_dir is None:
             return "created"
         summary = self.summary
@@ -239,12 +243,23 @@ class Run:
         if self._supervisor_alive():
             return "running"
         if self._supervisor_lost():
-            # Gone without a summary (SIGKILLed, OOM-killed): whoever looks ends what it left
-            # running and writes the summary, so a widget or CLI polling `done` never walks
-            # away from orphaned ranks.
-            self._recover_from_dead_supervisor()
-            return (self.summary or {}).get("status", "failed")
+            return "failed"
         return "starting"
+
+    @property
+    def lost(self) -> bool:
+        """Its supervisor is gone and left no summary.json (SIGKILLed, OOM-killed, a reboot): nobody ends
+        what it left running until someone calls `recover()`."""
+        return self._supervisor_lost()
+
+    def recover(self) -> bool:
+        """End what a lost run's supervisor left running and write the summary it could not write; returns
+        whether the run was lost. An explicit call, made where the run is the caller's to end: `wait()`,
+        `stop()`, the CLI, the panel's own run, `labkit.launch.history.recover_stale`."""
+        if not self._supervisor_lost():
+            return False
+        self._recover_from_dead_supervisor()
+        return True
 
     @property
     def holds_devices(self) -> bool:
@@ -260,7 +275,9 @@ class Run:
     @property
     def cause(self) -> str | None:
         summary = self.summary
-        return summary.get("cause") if summary else None
+        if summary:
+            return summary.get("cause")
+        return LOST_CAUSE if self._supervisor_lost() else None
 
     def _supervisor_pid(self) -> int | None:
         if self._supervisor is not None:
@@ -272,23 +289,7 @@ class Run:
         if self._supervisor is not None:
             return self._supervisor.poll() is None
         pid = self._supervisor_pid()
-        if not pid:
-            return False
-        try:  # hidepid hides other users' /proc entries, not their PIDs from kill(0)
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True  # a live process of another user: not ours to declare dead
-        try:  # a reused PID is not our supervisor: it must be supervising this run directory
-            proc = psutil.Process(pid)
-            cmdline = proc.cmdline()
-            return (proc.status() != psutil.STATUS_ZOMBIE and "labkit.launch.supervisor" in cmdline
-                    and any(Path(proc.cwd(), arg).resolve() == self._dir.resolve() for arg in cmdline[1:]))
-        except psutil.AccessDenied:
-            return True  # not ours to inspect, so not ours to declare dead
-        except (psutil.Error, OSError):
-            return False
+        return pid is not None and pid > 0 and proctree.supervisor_alive(pid, self._dir)
 
     def _supervisor_lost(self) -> bool:
         """The supervisor is gone and left no summary.json: nobody is ending the run's processes."""
@@ -313,8 +314,10 @@ class Run:
         from labkit.runtime.build_locks import find_build_locks
         from labkit.runtime.ops import DEFAULT_EXTENSIONS_DIR
 
-        env = (read_json(self.run_dir / "launch.json") or {}).get("env", {})
-        extensions = env.get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR", DEFAULT_EXTENSIONS_DIR)
+        spec = LaunchSpec.read(self.run_dir)
+        env = spec.env if spec else {}
+        extensions = (env.get("TORCH_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR")
+                      or DEFAULT_EXTENSIONS_DIR)
         locks = find_build_locks(extensions)
         return "; ".join(lock.describe() for lock in locks) or None
 
@@ -350,8 +353,7 @@ class Run:
         # Not `while not self.done`: `status` reads "failed" as soon as the supervisor is gone,
         # and a supervisor killed without writing summary.json leaves the ranks to us.
         while self.run_dir is not None and not self.summary:
-            if self._supervisor_lost():
-                self._recover_from_dead_supervisor()
+            if self.recover():
                 break
             if deadline is not None and time.monotonic() > deadline:
                 break
@@ -372,8 +374,8 @@ class Run:
             # Multi-node: the supervisor ends the remote ranks over ssh first; not cut short.
             from labkit.launch.multinode import REMOTE_STOP_TIMEOUT_S
 
-            launch_env = (read_json(self.run_dir / "launch.json") or {}).get("env") or {}
-            accelerator = launch_env.get("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR"))
+            spec = LaunchSpec.read(self.run_dir)
+            accelerator = (spec.env if spec else {}).get("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR"))
             timeout = stop_timeout_s(accelerator) + (REMOTE_STOP_TIMEOUT_S if self.config.hostfile else 0.0)
         self._stop_requested = True
         pid = self._supervisor_pid()
@@ -392,37 +394,22 @@ class Run:
         """End what the supervisor left running and write the summary it could not write."""
         status = read_json(self._dir / "status.json") or {}
         groups = []
-        # The launcher's group id comes from a file that may be days old: its number may belong
-        # to someone else's processes by now. Only a group one of this run's processes is in.
-        if status.get("pgid") and self._group_is_this_run(status["pgid"]):
+        # The launcher's group id comes from a file that may be days old: only a group one of this run's
+        # processes is in.
+        if status.get("pgid") and proctree.is_run_group(status["pgid"], self._dir):
             groups.append(status["pgid"])
-        if kill_supervisor and self._supervisor_alive():
-            groups.append(self._supervisor_pid())  # its own session: start_new_session=True
-        for pgid in groups:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        # Killed before it wrote status.json, it never told us the launcher's group: the
-        # launcher, launch.py and every rank name the run directory on their command lines.
-        # Scan until a pass finds none: a process forked during a scan can escape it.
-        for _ in range(5):
-            found = [proc for proc in psutil.process_iter(["cmdline"])
-                     if _is_run_process(proc.info["cmdline"] or [], self._dir)]
-            if not found:
-                break
-            for proc in found:
-                try:
-                    proc.kill()
-                except psutil.Error:
-                    continue
-            psutil.wait_procs(found, timeout=2)
+        supervisor = self._supervisor_pid()
+        if kill_supervisor and supervisor and self._supervisor_alive():
+            groups.append(supervisor)  # its own session: start_new_session=True
+        # Killed before it wrote status.json, it never told us the launcher's group: the launcher,
+        # launch.py and every rank name the run directory on their command lines.
+        proctree.terminate(lambda: proctree.run_processes(self._dir), grace_s=0.0, kill_wait_s=2.0, groups=groups)
+        spec = LaunchSpec.read(self._dir)
         if self.config.hostfile:
             # Multi-node: the ranks on the other nodes are not ours to find here; end them over ssh.
-            from labkit.launch.multinode import launcher_of, ssh_hosts, stop_remote
+            from labkit.launch.multinode import ssh_hosts, stop_remote
 
-            launcher = launcher_of((read_json(self._dir / "launch.json") or {}).get("argv", []))
-            hosts = ssh_hosts(launcher, list(hostfile_slots(self.config.hostfile)))
+            hosts = ssh_hosts(spec.launcher if spec else "pdsh", list(hostfile_slots(self.config.hostfile)))
             if hosts:
                 stop_remote(self._dir, hosts)
         if self._supervisor is not None:
@@ -432,7 +419,8 @@ class Run:
                 pass
         from labkit.launch.supervisor import remove_shm_segments
 
-        remove_shm_segments((read_json(self._dir / "launch.json") or {}).get("argv", []))
+        if spec:
+            remove_shm_segments(spec.master_addr, spec.master_port)
         if not self.summary:
             records = self.records()
             if records and all(any(r.get("event") == "done" for r in rank) for rank in records.values()):
@@ -449,30 +437,6 @@ class Run:
             write_json_atomic(self._dir / "status.json", {"status": outcome[0], "cause": outcome[1],
                                                           "finished_at": time.time()})
 
-    def _group_is_this_run(self, pgid: int) -> bool:
-        for proc in psutil.process_iter(["cmdline"]):
-            try:
-                if os.getpgid(proc.pid) == pgid and _is_run_process(proc.info["cmdline"] or [], self._dir):
-                    return True
-            except (ProcessLookupError, PermissionError, psutil.Error):
-                continue
-        return False
-
     def __repr__(self) -> str:
         return f"Run({self.run_dir}, status={self.status})"
 
-
-_RUN_MODULES = (WARM_LAUNCH_TITLE, "deepspeed.launcher.runner", "deepspeed.launcher.launch",
-                "labkit.rank.guard", "labkit.rank.worker")
-
-
-def _is_run_process(cmdline: list[str], run_dir: Path) -> bool:
-    """A launcher or rank process of this run (not, say, a CLI that waits on it with --out)."""
-    if not any(module in cmdline for module in _RUN_MODULES):
-        return False
-    roots = {str(run_dir), str(run_dir.resolve())}
-    for arg in cmdline:
-        value = arg.split("=", 1)[-1]
-        if any(value == root or value.startswith(root + os.sep) for root in roots):
-            return True
-    return False

@@ -3,7 +3,7 @@
     runs/<id>/config.json       the RunConfig
               ds_config.json    what DeepSpeed received
               command.txt       the exact launch command
-              launch.json       argv + env for the supervisor
+              launch.json       what the supervisor starts (labkit.launch.launch_spec.LaunchSpec)
               launcher.log      DeepSpeed launcher output
               logs/             one log per rank (stdout + stderr)
               rank<N>.jsonl     one record per step (labkit.rank.telemetry)

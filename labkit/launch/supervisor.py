@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import itertools
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -40,9 +38,10 @@ import psutil
 from labkit.core.failures import classify_exit, describe_exit, is_knock_on, last_exception_line
 from labkit.core.files import read_json, write_json_atomic
 from labkit.core.records import RecordTail, rank_file, rank_log
-from labkit.launch.launcher import is_multi_node
+from labkit.launch import proctree
+from labkit.launch.launch_spec import LAUNCH_FILE, LaunchSpec
 from labkit.launch.multinode import pdsh_failed_hosts, rank_hosts, stop_remote
-from labkit.launch.warm_launch import ForkedLauncher, warm_spec
+from labkit.launch.warm_launch import ForkedLauncher
 from labkit.rank.faults import supervisor_exit_delay_s
 from labkit.rank.script import TEARDOWN_SIGNALS
 from labkit.runtime.build_locks import StaleLockSweeper
@@ -104,39 +103,6 @@ class RankState:
                 self.error = record
 
 
-class ProcessWatch:
-    """Whether the process that started a run still runs. It is not always this supervisor's parent: a warm
-    launch's supervisor is the zygote's child, and a zygote may serve several processes. A pidfd where Linux has
-    one (exited means exited, a zombie too, and a PID reused since cannot fool it), else PID and start time."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self._fd: int | None = None
-        self._process: psutil.Process | None = None
-        self._gone = False
-        try:
-            self._fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            self._gone = True
-        except (AttributeError, OSError):  # not Linux 5.3+: psutil compares the start time
-            try:
-                self._process = psutil.Process(pid)
-            except psutil.Error:
-                self._gone = True
-
-    def alive(self) -> bool:
-        if self._gone:
-            return False
-        if self._fd is not None:
-            self._gone = bool(select.select([self._fd], [], [], 0)[0])  # readable once the process exited
-        elif self._process is not None:
-            try:
-                self._gone = not self._process.is_running() or self._process.status() == psutil.STATUS_ZOMBIE
-            except psutil.Error:
-                self._gone = True
-        return not self._gone
-
-
 @dataclass
 class Outcome:
     status: str                 # finished / failed / oom / hung / stopped
@@ -148,26 +114,25 @@ class Supervisor:
     def __init__(self, run_dir: Path, parent_pid: int, lease_fds: tuple[int, ...] = ()):
         self.run_dir = run_dir
         self.parent_pid = parent_pid
-        self.parent = ProcessWatch(parent_pid)
+        self.parent = proctree.ProcessWatch(parent_pid)
         self.lease_fds = lease_fds  # GPU and port leases: the launcher holds them too (labkit.launch.device_lease)
-        launch = _read_run_file(run_dir / "launch.json")
-        self.argv: list[str] = launch["argv"]
+        self.spec = spec = LaunchSpec.from_dict(_read_run_file(run_dir / LAUNCH_FILE))
+        self.argv = spec.argv
         # launch.json keeps only what labkit set; an exported job (`labkit export`) too runs in the
         # environment of whoever starts it.
-        self.env: dict[str, str] = {**os.environ, **launch["env"]}
-        self.world_size: int = launch["world_size"]
-        self.heartbeat_s: float = launch["heartbeat_s"]
-        self.startup_timeout_s: float = launch["startup_timeout_s"]
+        self.env: dict[str, str] = {**os.environ, **spec.env}
+        self.world_size = spec.world_size
+        self.heartbeat_s = spec.heartbeat_s
+        self.startup_timeout_s = spec.startup_timeout_s
         # A warm launch (labkit.launch.zygote forked this supervisor): the ranks are forked here, not started by
-        # DeepSpeed's runner. Older launch.json files have no "launch": cold.
-        self.warm = warm_spec(self.argv) if launch.get("launch") == "warm" else None
-        self.multi_node = is_multi_node(self.argv)
-        self.script_mode = "--script" in self.argv  # labkit.rank.script: a learner's script on every rank
+        # DeepSpeed's runner.
+        self.warm = spec.warm_launch()
+        self.multi_node = spec.multi_node
+        self.script_mode = spec.script  # labkit.rank.script: a learner's script on every rank
         # Multi-node: each rank's host as the hostfile names it, to name the node a rank died on.
-        self.hosts = rank_hosts(self.argv[self.argv.index("--hostfile") + 1]) if self.multi_node else []
+        self.hosts = rank_hosts(spec.hostfile) if spec.hostfile else []
         # pdsh jobs: their ranks are ended over ssh (mpirun and srun end their own on SIGTERM).
-        launcher = self.argv[self.argv.index("--launcher") + 1] if "--launcher" in self.argv else "pdsh"
-        self.remote_stop = self.multi_node and launcher == "pdsh"
+        self.remote_stop = self.multi_node and spec.launcher == "pdsh"
         self.ranks = [RankState(r, RecordTail(rank_file(run_dir, r))) for r in range(self.world_size)]
         self.stop_reason: str | None = None
         self.oom_kills_seen = _cgroup_oom_kills()
@@ -278,7 +243,7 @@ class Supervisor:
             except psutil.Error:
                 return False
             return False
-        return not _alive(self.launch_py)
+        return not proctree.alive(self.launch_py)
 
     def watch_oom_kills(self) -> None:
         kills = _cgroup_oom_kills()
@@ -433,62 +398,30 @@ class Supervisor:
         return left
 
     def tree(self) -> list[psutil.Process]:
-        found: dict[int, psutil.Process] = {}
-        try:
-            for child in psutil.Process().children(recursive=True):
-                found[child.pid] = child
-        except psutil.Error:
-            pass
-        for proc in psutil.process_iter():
-            try:
-                if os.getpgid(proc.pid) == self.launcher.pid:
-                    found[proc.pid] = proc
-            except (ProcessLookupError, PermissionError, psutil.Error):
-                continue
-        return list(found.values())
+        """Every process below this one (the subreaper of the run's tree) and in the launcher's process group."""
+        return proctree.union(proctree.descendants(os.getpid(), itself=False), proctree.group(self.launcher.pid))
 
     def terminate(self) -> list[str]:
         """End every process of the run; returns what could not be verified gone (empty: all gone)."""
         left = [f"{host}: {what}" for host, what in self.stop_remote_ranks().items()] if self.remote_stop else []
-        procs = self.tree()
-        ranks = {p.pid for p in procs if _is_rank(p)}
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self.remote_stop and sig == signal.SIGTERM:
-                # Not SIGTERM: the runner's handler would `pdsh pkill -f ... deepspeed.launcher.launch`,
-                # ending every DeepSpeed launch of this user on those hosts. Its ranks are gone already.
-                try:
-                    os.kill(self.launcher.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        if self.remote_stop:
+            # Not SIGTERM: the runner's handler would `pdsh pkill -f ... deepspeed.launcher.launch`,
+            # ending every DeepSpeed launch of this user on those hosts. Its ranks are gone already.
             try:
-                os.killpg(self.launcher.pid, sig)
-            except (ProcessLookupError, PermissionError):
+                os.kill(self.launcher.pid, signal.SIGKILL)
+            except ProcessLookupError:
                 pass
-            for proc in procs:
-                try:
-                    proc.send_signal(sig)
-                except psutil.Error:
-                    pass
-            if sig == signal.SIGTERM:
-                # The grace is the ranks': a worker exits, its guard records how. DeepSpeed's
-                # launch.py does not exit on SIGTERM (0.19.8: it lingers until SIGKILL), so once
-                # no rank is left, what remains gets SIGKILL at once instead of after GRACE_S.
-                deadline = time.monotonic() + self.grace_s
-                # mpirun and srun (multi-node, not pdsh) end their remote ranks on SIGTERM: they get the grace too.
-                waited = {p.pid for p in procs} if self.multi_node and not self.remote_stop else ranks
-                while time.monotonic() < deadline and any(p.pid in waited and _alive(p) for p in procs):
-                    time.sleep(POLL_S / 4)
-                procs = [p for p in procs if _alive(p)]
-            else:
-                _, procs = psutil.wait_procs(procs, timeout=self.kill_wait_s)
-            procs += [p for p in self.tree() if p not in procs and _alive(p)]
-            if not procs:
-                break
+        # The grace is the ranks': a worker exits, its guard records how. DeepSpeed's launch.py does not exit
+        # on SIGTERM (0.19.8: it lingers until SIGKILL), so once no rank is left, what remains gets SIGKILL at
+        # once. mpirun and srun (multi-node, not pdsh) end their remote ranks on SIGTERM: they get the grace too.
+        waited = proctree.alive if self.multi_node and not self.remote_stop else proctree.is_rank
+        survivors = proctree.terminate(self.tree, grace_s=self.grace_s, kill_wait_s=self.kill_wait_s,
+                                       groups=[self.launcher.pid], wait_for=waited)
         self.launcher.poll()
         reap_children()
-        for path in remove_shm_segments(self.argv):
+        for path in remove_shm_segments(self.spec.master_addr, self.spec.master_port):
             log(f"removed {path}")
-        return left + [f"pid {p.pid}" for p in self.tree() if _alive(p)]
+        return left + [f"pid {p.pid}" for p in survivors if proctree.alive(p)]
 
 
 def host_identity() -> dict[str, str]:
@@ -505,7 +438,7 @@ def host_identity() -> dict[str, str]:
             "pid_namespace": read("/proc/self/ns/pid")}
 
 
-def remove_shm_segments(argv: list[str]) -> list[Path]:
+def remove_shm_segments(master_addr: str, master_port: int) -> list[Path]:
     """Unlink the shared-memory buffers of DeepSpeed's CPU all-reduce (ops/csrc/cpu/comm/shm.cpp).
 
     Each local rank creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<master_addr>_<master_port>_<rank>
@@ -513,11 +446,7 @@ def remove_shm_segments(argv: list[str]) -> list[Path]:
     (15 GB of this machine's 24 GB after a few hours of lab work). The names carry the run's own
     port, so only its buffers match; call this once every process of the run has ended.
     """
-    try:
-        addr = argv[argv.index("--master_addr") + 1]
-        port = argv[argv.index("--master_port") + 1]
-    except (ValueError, IndexError):
-        return []
+    addr, port = master_addr, master_port
     removed = []
     for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_*"):
         try:
@@ -540,24 +469,6 @@ def _read_run_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RuntimeError(f"{path} is missing or not a JSON object: the run directory changed under its supervisor")
     return data
-
-
-def _is_rank(proc: psutil.Process) -> bool:
-    try:
-        cmdline = proc.cmdline()
-    except psutil.Error:
-        return False
-    # The module run (`-m labkit.rank.worker`), not an argument: the launchers carry
-    # `--module labkit.rank.guard`.
-    ours = ("labkit.rank.guard", "labkit.rank.worker")
-    return any(a == "-m" and b in ours for a, b in itertools.pairwise(cmdline))
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def reap_children() -> None:

@@ -38,6 +38,7 @@ import pandas as pd
 from labkit.core.config import ConfigError, RunConfig
 from labkit.core.files import read_json, write_json_atomic, write_text_atomic
 from labkit.core.schema import CENSUS_KEYS, device_bytes, state_bytes
+from labkit.launch.launch_spec import LaunchSpec
 from labkit.launch.store import run_dirs
 
 # Strategy name -> RunConfig fields. "torch" is the plain PyTorch loop (one process).
@@ -262,7 +263,8 @@ def row_from_run(run_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 def _threads_of(run_dir: Path) -> int | None:
     """The OpenMP threads each CPU rank was given (launch.json); None for GPU ranks."""
-    threads = ((read_json(run_dir / "launch.json") or {}).get("env") or {}).get("OMP_NUM_THREADS")
+    spec = LaunchSpec.read(run_dir)
+    threads = spec.env.get("OMP_NUM_THREADS") if spec else None
     return int(threads) if threads else None
 
 

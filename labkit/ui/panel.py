@@ -25,7 +25,7 @@ from labkit.core.config import FIELDS, ConfigError, RunConfig
 from labkit.core.model_specs import MODELS
 from labkit.core.records import rank_log, read_end
 from labkit.launch.admission import Admission
-from labkit.launch.history import COLUMNS, runs
+from labkit.launch.history import COLUMNS, recover_stale, runs
 from labkit.launch.run import FINAL_STATUSES, Run, warm_by_default, warm_up
 from labkit.ui.dashboard import REFRESH_S, Dashboard, RunSeries
 
@@ -194,7 +194,7 @@ class LabPanel:
         self.stop_button.on_click(lambda _: self.stop())
         self.overlay_button.on_click(lambda _: self.dashboard.overlay(self.run_select.value))
         self.clear_button.on_click(lambda _: self.dashboard.clear_overlays())
-        self.history_button.on_click(lambda _: self.refresh_history())
+        self.history_button.on_click(lambda _: self.refresh_history(recover=True))
         for control in self.controls.values():
             control.observe(self._on_change, names="value")
 
@@ -218,7 +218,7 @@ class LabPanel:
             self.compare,
         ])
         self._on_change()
-        self.refresh_history()
+        self.refresh_history(recover=True)
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
@@ -290,7 +290,7 @@ class LabPanel:
             self.logs.titles = tuple(f"rank {rank} log" for rank in range(config.world_size))
             self.logs.selected_index = None  # collapsed until asked for
         self.dashboard.watch(run)  # its thread also drives the status line and log tails (_on_tick)
-        self.refresh_history()
+        self.refresh_history(recover=True)
         return run
 
     def stop(self) -> str | None:
@@ -315,8 +315,9 @@ class LabPanel:
     # -- updates (from the dashboard's thread) ---------------------------------------------
     def _on_tick(self, run: Run, series: RunSeries, final: bool, error: str | None) -> None:
         step = series[0].last_step if len(series) else 0  # this thread is the one that extends them
-        # Outside the lock: reading the status may recover a run whose supervisor died (seconds of
-        # killing and summarising), and Stop must not wait on that.
+        # The panel's own run: if its supervisor died, end what it left and write the summary (status only
+        # reads). Outside the lock: seconds of killing and summarising, and Stop must not wait on that.
+        run.recover()
         status = run.status
         with self._lock:
             if run is not self.run:
@@ -378,8 +379,11 @@ class LabPanel:
                 view.value = value
 
     # -- history ---------------------------------------------------------------------------
-    def refresh_history(self) -> None:
-        """Reload the run store: the overlay choices and the history table."""
+    def refresh_history(self, recover: bool = False) -> None:
+        """Reload the run store: the overlay choices and the history table. `recover` (the user's actions:
+        showing the panel, Launch, Reload history): first end the runs whose supervisor died (`recover_stale`)."""
+        if recover:
+            recover_stale(self.root)
         table = runs(self.root)
         newest_first = table.iloc[::-1]
         shown = newest_first.loc[:, list(COLUMNS)]

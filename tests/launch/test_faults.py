@@ -36,6 +36,8 @@ import pytest
 
 from labkit import Run, RunConfig, runs
 from labkit.core.records import rank_file, read_records
+from labkit.launch import proctree
+from labkit.launch.history import recover_stale
 from tests.conftest import REPO, run_processes
 
 pytestmark = pytest.mark.faults
@@ -104,16 +106,7 @@ def supervisor_pid(run_dir: Path) -> int:
 
 def process_tree(run_dir: Path) -> list[psutil.Process]:
     """The supervisor, everything under it, and anything else naming the run directory."""
-    found: dict[int, psutil.Process] = {}
-    try:
-        sup = psutil.Process(supervisor_pid(run_dir))
-        for proc in [sup, *sup.children(recursive=True)]:
-            found[proc.pid] = proc
-    except psutil.Error:
-        pass
-    for proc in run_processes(run_dir):
-        found.setdefault(proc.pid, proc)
-    return list(found.values())
+    return proctree.tree(run_dir, supervisor_pid(run_dir))
 
 
 def describe(proc: psutil.Process) -> str:
@@ -125,15 +118,8 @@ def describe(proc: psutil.Process) -> str:
         return str(proc.pid)
 
 
-def is_rank(proc: psutil.Process) -> bool:
-    return describe(proc).split(" ", 1)[-1] in ("labkit.rank.guard", "labkit.rank.worker")
-
-
 def gone(proc: psutil.Process) -> bool:
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return True
+    return not proctree.alive(proc)
 
 
 class DeathWatch:
@@ -142,7 +128,7 @@ class DeathWatch:
     def __init__(self, procs: list[psutil.Process]):
         self.procs = procs
         self.names = {p.pid: describe(p) for p in procs}
-        self.ranks = {p.pid for p in procs if is_rank(p)}
+        self.ranks = {p.pid for p in procs if proctree.is_rank(p)}
         self.deaths: dict[int, float] = {}
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -388,8 +374,13 @@ def _dead_supervisor(root: Path) -> dict[str, Any]:
     reach_steps(run, 2)
     os.kill(supervisor_pid(run.run_dir), 9)
     run._supervisor.wait()
-    row = runs(root).set_index("run_id").loc[run.run_dir.name]
+    row = runs(root).set_index("run_id").loc[run.run_dir.name]  # only reads
+    left_before = [describe(p) for p in run_processes(run.run_dir)]
+    summary_before = (run.run_dir / "summary.json").exists()
+    recovered = recover_stale(root)
     return {"run_dir": str(run.run_dir), "listed_status": row.status, "listed_cause": row.cause,
+            "left_before_recovery": left_before, "summary_before_recovery": summary_before,
+            "recovered": [str(path) for path in recovered], "summary": run.summary,
             "leftovers": [describe(p) for p in run_processes(run.run_dir)]}
 
 
@@ -486,7 +477,7 @@ def _chaos(index: int, root: Path) -> dict[str, Any]:
         sup = psutil.Process(run._supervisor.pid)
     except psutil.NoSuchProcess:  # it ended and was reaped (a warm run's by the zygote, a cold one's stays a zombie)
         sup = None
-    tree = [sup, *sup.children(recursive=True)] if sup is not None and not gone(sup) else []
+    tree = proctree.descendants(sup.pid) if sup is not None and not gone(sup) else []
     victims = {
         "supervisor": tree[:1],
         "everything": tree,
@@ -563,8 +554,7 @@ def fleet(request, tmp_path_factory):
     yield fleet
     fleet.close()
     # Nothing any scenario started may outlive the module, whatever the assertions said.
-    stray = [proc for proc in psutil.process_iter(["cmdline"])
-             if str(root) in " ".join(proc.info["cmdline"] or []) and not gone(proc)]
+    stray = proctree.naming(root)
     for proc in stray:
         proc.kill()
     assert not stray, f"processes outlived the fault suite: {[describe(p) for p in stray]}"
@@ -717,6 +707,10 @@ def test_run_without_per_step_records_still_shows_a_hang(fleet):
 def test_run_store_does_not_list_a_run_with_a_dead_supervisor_as_running(fleet):
     r = fleet.result("dead_supervisor")
     assert r["listed_status"] == "failed" and "supervisor died" in r["listed_cause"], r
+    # Listing only read: the ranks ran on and no summary was written, until recover_stale was called.
+    assert r["left_before_recovery"] and not r["summary_before_recovery"], r
+    assert r["recovered"] == [r["run_dir"]] and r["summary"]["status"] == "failed", r
+    assert "supervisor died" in r["summary"]["cause"], r
     assert not r["leftovers"], r
 
 
@@ -921,7 +915,7 @@ def test_bad_cli_inputs_end_to_end_start_nothing(tmp_path):
         assert f"error: {field}: " in err, err[-2000:]
         assert not out.exists()
     assert not (tmp_path / "runs").exists()
-    assert not [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert not proctree.naming(tmp_path)
 
 
 def test_out_directory_in_use_is_refused(tmp_path, capsys):

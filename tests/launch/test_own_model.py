@@ -330,7 +330,7 @@ def test_unmodified_script_is_charted_from_outside_and_an_abort_at_exit_not_excu
 
 @pytest.mark.slow
 def test_stop_ends_a_script_run_without_orphans_and_keeps_its_records(runs_root):
-    import psutil
+    from labkit.launch import proctree
 
     config = RunConfig(script=SCRIPT, script_args=["--steps", "100000", "--record", "--sleep-s", "0.1"],
                        world_size=2, steps=100_000)
@@ -340,10 +340,10 @@ def test_stop_ends_a_script_run_without_orphans_and_keeps_its_records(runs_root)
         time.sleep(0.2)
     assert run.progress() >= 3, (run.run_dir / "supervisor.log").read_text()
     # The script's own processes need not name the run directory: take the supervisor's whole tree.
-    tree = psutil.Process(run._supervisor_pid()).children(recursive=True)
+    tree = proctree.descendants(run._supervisor_pid(), itself=False)
     assert len(tree) >= 4  # launcher, 2 guards, 2 scripts
     assert run.stop() == "stopped"
-    alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = [p for p in tree if proctree.alive(p)]
     assert not alive, [p.cmdline() for p in alive]
     summary = run.summary
     assert summary["status"] == "stopped" and summary["mode"] == "script" and summary["steps_completed"] >= 3

@@ -104,10 +104,53 @@ def test_a_run_whose_supervisor_may_live_on_another_host_is_not_recovered(tmp_pa
         status = {"status": "running", "supervisor_pid": _dead_pid(), "started_at": time.time()}
         write_json_atomic(run_dir / "status.json", {**status, **({"host": host} if host else {})})
         run = load_run(run_dir)
-        if name == "here":  # provably this host and the PID is gone: the run is recovered
-            assert run.status == "failed" and "supervisor died" in run.cause
+        if name == "here":  # provably this host and the PID is gone: the run is lost, and recovered on request
+            assert run.lost and run.status == "failed" and "supervisor died" in run.cause
+            assert not (run_dir / "summary.json").exists()  # reading wrote nothing
+            assert run.recover() and run.summary["status"] == "failed" and "supervisor died" in run.cause
         else:
+            assert not run.lost and not run.recover()
             assert run.status not in ("failed", "finished") and not (run_dir / "summary.json").exists()
+
+
+# A rank of a run whose supervisor died: it names the run directory as labkit's worker does.
+_ORPHAN_RANK = "import time; time.sleep(600)"
+
+
+@pytest.mark.slow
+def test_status_and_the_run_list_only_read_and_recovery_is_an_explicit_call(tmp_path):
+    """Reading `Run.status` (the dashboard's thread, every tick) or `labkit.runs()` killed a lost run's
+    processes and wrote its summary.json; now only `Run.recover` / `recover_stale` (the CLI's `runs`, the
+    panel's history) do."""
+    from labkit import runs
+    from labkit.core.files import write_json_atomic
+    from labkit.launch import proctree
+    from labkit.launch.history import recover_stale
+    from labkit.launch.supervisor import host_identity
+
+    run_dir = tmp_path / "lost"
+    run_dir.mkdir()
+    write_json_atomic(run_dir / "config.json", RunConfig(example="zero3", world_size=2, **SMALL).to_dict())
+    rank = subprocess.Popen([sys.executable, "-c", _ORPHAN_RANK, "-m", "labkit.rank.worker", "--run-dir",
+                             str(run_dir)], start_new_session=True)
+    try:
+        write_json_atomic(run_dir / "status.json", {"status": "running", "supervisor_pid": _dead_pid(),
+                                                    "pgid": rank.pid, "started_at": time.time(),
+                                                    "host": host_identity()})
+        run = load_run(run_dir)
+        for _ in range(3):
+            assert (run.status, run.done, run.lost) == ("failed", True, True)
+            row = runs(tmp_path).set_index("run_id").loc["lost"]
+            assert row.status == "failed" and "supervisor died" in row.cause
+        assert not (run_dir / "summary.json").exists() and rank.poll() is None  # nothing written, nothing signalled
+        assert [p.pid for p in proctree.run_processes(run_dir)] == [rank.pid]
+        assert recover_stale(tmp_path) == [run_dir]
+        assert rank.wait(timeout=30) is not None and not proctree.run_processes(run_dir)  # reaped by psutil: no code
+        assert run.summary["status"] == "failed" and "supervisor died" in run.summary["cause"]
+        assert not run.lost and recover_stale(tmp_path) == []  # recovered once
+    finally:
+        rank.kill()
+        rank.wait()
 
 
 _INTERRUPTED_KERNEL = """

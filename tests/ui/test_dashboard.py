@@ -598,21 +598,20 @@ def test_stop_shows_stopping_until_the_run_is_done(runs_root, monkeypatch):
 
 
 class RecoveringRun(LiveRun):
-    """A run whose supervisor dies between the update thread's poll and the panel's tick: the tick's
-    status read recovers it (kills what is left, writes the summary), which takes seconds. Here it
-    takes until the test says so."""
+    """A run whose supervisor dies between the update thread's poll and the panel's tick: the tick
+    recovers it (kills what is left, writes the summary), which takes seconds. Here it takes until
+    the test says so."""
 
-    recovering = threading.Event()  # the tick's status read has begun its recovery
+    recovering = threading.Event()  # the tick's recover() has begun
     recovered = threading.Event()   # the test lets it end
     stop_called = threading.Event()  # Run.stop() was reached: the run's processes are being ended
 
-    @property
-    def status(self) -> str:
+    def recover(self) -> bool:
         in_tick = any(frame.f_code.co_name == "_on_tick" for frame in _frames())
         if in_tick and not self.recovering.is_set():
             self.recovering.set()
             assert self.recovered.wait(timeout=20)
-        return super().status
+        return super().recover()
 
     def stop(self, timeout: float = 6.0) -> str:
         self.stop_called.set()
@@ -627,8 +626,8 @@ def _frames():
 
 
 def test_stop_is_not_held_back_by_a_tick_recovering_the_run(runs_root, monkeypatch):
-    """The tick read the run's status (which may recover a run whose supervisor died:
-    seconds of killing and summarising) while holding the panel's lock, and Stop waited for that lock."""
+    """The tick recovered a run whose supervisor died (seconds of killing and summarising) while
+    holding the panel's lock, and Stop waited for that lock."""
     monkeypatch.setattr(labkit.ui.panel, "Run", RecoveringRun)
     for event in (RecoveringRun.recovering, RecoveringRun.recovered, RecoveringRun.stop_called):
         event.clear()
