@@ -235,14 +235,16 @@ def first_step_bare(config: RunConfig, root: Path) -> dict[str, float]:
 
 
 def first_point_panel(config: RunConfig, root: Path,
-                      at_first_point: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+                      at_first_point: Callable[[Any], Any] | None = None, *, cold: bool = True) -> dict[str, Any]:
     """Seconds from LabPanel.launch() to the dashboard refresh that plots the first step, with phases.
-    `at_first_point(run)` is called once it is plotted, before the run is stopped."""
+    `at_first_point(run)` is called once it is plotted, before the run is stopped. `cold`: the panel's "cold
+    launch" box (DeepSpeed's launcher, the phases these benchmarks split); unticked, a warm launch."""
     from labkit.ui.panel import LabPanel
 
     fields = ("example", "world_size", "micro_batch", "steps", "hidden", "depth", "dataset_size")
     panel = LabPanel(root=root, **{name: getattr(config, name) for name in fields})
     assert panel.config() == config
+    panel.cold.value = cold
     t0, wall0 = time.monotonic(), time.time()
     run = panel.launch()
     try:

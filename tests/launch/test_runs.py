@@ -30,7 +30,7 @@ SMALL = dict(hidden=512, depth=2, micro_batch=32, dataset_size=2048)
 EXAMPLES = {
     "pytorch": [],
     "offload": ["--world-size", "2"],
-    "deepspeed": ["--world-size", "2", "--stage", "1"],
+    "deepspeed": ["--world-size", "2", "--stage", "1", "--cold"],  # through DeepSpeed's launcher, as `deepspeed`
     "zero3": ["--world-size", "2", "--grad-accum", "2"],
 }
 SECRET = "not-for-the-run-store"
@@ -68,6 +68,17 @@ def test_cli_runs_each_example(example, cli_runs):
             assert key in steps[-1], key
     assert summary["samples_per_s"] > 0 and summary["achieved_flops"] > 0
     assert not run_processes(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", list(EXAMPLES))
+def test_cli_runs_launch_warm_unless_told_cold(example, cli_runs):
+    out = cli_runs[example][1]
+    launch = json.loads((out / "launch.json").read_text())["launch"]
+    cold = "--cold" in EXAMPLES[example] or os.environ.get("LABKIT_WARM") == "0"
+    assert launch == ("cold" if cold else "warm")
+    # A cold run's tree is DeepSpeed's launcher's; a warm one's has none of it (labkit.launch.warm_launch).
+    assert ("deepspeed.launcher.runner" in (out / "supervisor.log").read_text()) == cold
 
 
 @pytest.mark.slow

@@ -10,12 +10,15 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 import labkit.ui.dashboard
@@ -760,3 +763,49 @@ def test_a_browser_message_cannot_swallow_the_update_threads_new_trace():
     # The same race on a plain FigureWidget loses the trace: the test can tell the difference.
     plain = _swallowed_add_traces(lambda lock: go.FigureWidget())
     assert plain and all(p is None for p in plain), plain
+
+
+@pytest.mark.slow
+def test_showing_the_panel_starts_the_zygote_and_lends_it_unless_cold_is_ticked(runs_root, monkeypatch):
+    """The zygote preloads while the learner picks a configuration, and `!labkit run` cells find it
+    (LABKIT_ZYGOTE); with the "cold launch" box ticked nothing is started and Launch goes through DeepSpeed's
+    launcher (`Run(..., warm=False)`)."""
+    from labkit.launch import zygote
+
+    monkeypatch.delenv(zygote.SHARED_ENV, raising=False)
+    monkeypatch.setenv("LABKIT_WARM", "0")
+    cold = LabPanel(world_size=2, micro_batch=32)
+    assert cold.cold.value
+    cold._ipython_display_()
+    assert zygote.SHARED_ENV not in os.environ
+    monkeypatch.delenv("LABKIT_WARM")
+    panel = LabPanel(world_size=2, micro_batch=32)
+    assert not panel.cold.value
+    panel._ipython_display_()
+    lent = Path(os.environ[zygote.SHARED_ENV])
+    deadline = time.monotonic() + zygote.READY_TIMEOUT_S  # started in the background: it binds once preloaded
+    while True:
+        try:
+            attached = zygote.Zygote.attach(lent, dict(os.environ, **launcher_env()))
+            break
+        except zygote.ZygoteUnavailable:
+            assert time.monotonic() < deadline, "the panel's zygote never answered"
+            time.sleep(0.2)
+    assert psutil.Process(attached.ready["pid"]).ppid() == os.getpid()  # this process's, as a kernel's
+    launched: list[bool | None] = []
+    monkeypatch.setattr(labkit.ui.panel, "Run", lambda config, **kw: launched.append(kw["warm"]) or
+                        SyntheticRun(config, **kw))
+    panel.launch()
+    panel.close()
+    panel = LabPanel(world_size=2, micro_batch=32)
+    panel.cold.value = True
+    panel.launch()
+    panel.close()
+    assert launched == [True, False]
+
+
+def launcher_env() -> dict[str, str]:
+    """What a CPU run's environment sets that the zygote's imports fix."""
+    from labkit.launch.launcher import import_time_env
+
+    return import_time_env(os.environ, "cpu")
