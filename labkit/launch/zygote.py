@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import json
 import os
 import signal
@@ -58,13 +59,21 @@ class ZygoteUnavailable(RuntimeError):
 # -- the zygote process -----------------------------------------------------------------------------------
 def preload() -> list[str]:
     """Import what every rank and supervisor imports, and load the CPU ops already built; returns the ops."""
-    import deepspeed  # noqa: F401
+    import deepspeed
     import setproctitle
 
     # Its first call finds the memory of argv and environ; the forked processes replace their environment
     # before they take their titles, and a later first call would then find nothing to write into.
     setproctitle.setproctitle(setproctitle.getproctitle())
-    import torch  # noqa: F401
+    # And what every ZeRO engine imports in its optimizer check: Muon, which compiles its kernels at import
+    # (deepspeed/runtime/zero/utils.py:69-72, 0.19.8), 0.6-1.1 s per rank here.
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    import torch
+
+    # What every rank imports on its first optimizer, lazily: torch.optim.Optimizer.__init__ is wrapped by
+    # torch._compile._disable_dynamo, whose first call imports torch._dynamo (torch/_compile.py:45-50, torch 2.13),
+    # 0.7-1.1 s per rank here. Imported, it starts no thread.
+    import torch._dynamo  # noqa: F401
     from deepspeed.accelerator import get_accelerator
 
     import labkit.launch.summary
@@ -87,6 +96,11 @@ def preload() -> list[str]:
 def serve(socket_path: Path, parent_pid: int) -> int:
     started = time.monotonic()
     ops = preload()
+    # What the preload made lives as long as the zygote: out of the collector's reach, so that a fork's
+    # gc.collect (deepspeed/runtime/zero/utils.py:215, every ZeRO-3 engine) neither walks it (0.17 s per rank
+    # here) nor writes its pages, which stay shared with every rank.
+    gc.collect()
+    gc.freeze()
     from labkit.launch.supervisor import reap_children
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
