@@ -31,7 +31,7 @@ GOAL_S = 180.0
 
 def compare(results: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
     """One row per sweep point both hold: the new value over the reference's, for step time, steps and loss."""
-    both = results.set_index("key").join(reference.set_index("key"), rsuffix="_ref", how="inner")
+    both = results.merge(reference, on="key", suffixes=("", "_ref"), how="inner").set_index("key")
     both = both[(both["status"] == "finished") & (both["status_ref"] == "finished")]
     return pd.DataFrame({
         "strategy": both["strategy"], "world_size": both["world_size"], "global_batch": both["global_batch"],
@@ -57,7 +57,9 @@ def main() -> None:
     wall_s = time.monotonic() - started
     machine = json.loads((out / "machine.json").read_text())
     table = compare(pd.read_csv(out / "results.csv"), pd.read_csv(REFERENCE / "results.csv"))
-    same_steps = int((table["steps_to_target"] == table["steps_to_target_ref"]).sum())
+    # Equal, or both never reached the target within the step cap.
+    same_steps = int(((table["steps_to_target"] == table["steps_to_target_ref"])
+                      | (table["steps_to_target"].isna() & table["steps_to_target_ref"].isna())).sum())
     result = {
         "launch": "cold" if args.cold else "warm", "wall_s": wall_s, "answer_runtime_s": machine["answer_runtime_s"],
         "launches": machine["launches"], "reference_runtime_s": json.loads((REFERENCE / "machine.json").read_text())

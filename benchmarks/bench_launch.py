@@ -4,7 +4,8 @@
 
 Goal it serves (issue 25, item 3): Launch -> first plotted point <= 0.3x the bare `deepspeed` launcher's
 start -> first step of the same training, and the same for a plain PyTorch run against `python train.py`.
-This benchmark is the baseline the warm launches (item 2) are measured against.
+This benchmark is the baseline the warm launches (item 2) are measured against: it times the cold launch (the panel's
+"cold launch" box ticked); bench_warm_launch.py times the warm one.
 
 What runs, alternating labkit, bare, labkit, bare, ... (`--pairs` pairs per example):
 - zero3: Example 3 corrected (`RunConfig(example="zero3", world_size=2, micro_batch=64, hidden=1024,
