@@ -65,14 +65,13 @@ def preload() -> list[str]:
     # Its first call finds the memory of argv and environ; the forked processes replace their environment
     # before they take their titles, and a later first call would then find nothing to write into.
     setproctitle.setproctitle(setproctitle.getproctitle())
-    # And what every ZeRO engine imports in its optimizer check: Muon, which compiles its kernels at import
-    # (deepspeed/runtime/zero/utils.py:69-72, 0.19.8), 0.6-1.1 s per rank here.
+    # Two imports every rank would otherwise make lazily, 0.6-1.1 s each here (neither starts a thread):
+    # - DeepSpeed's Muon, imported by every ZeRO engine's optimizer check, compiles its kernels at import
+    #   (deepspeed/runtime/zero/utils.py:69-72, 0.19.8);
+    # - torch._dynamo, imported by the first optimizer's __init__, which torch._compile._disable_dynamo wraps
+    #   (torch/_compile.py:45-50, torch 2.13).
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
     import torch
-
-    # What every rank imports on its first optimizer, lazily: torch.optim.Optimizer.__init__ is wrapped by
-    # torch._compile._disable_dynamo, whose first call imports torch._dynamo (torch/_compile.py:45-50, torch 2.13),
-    # 0.7-1.1 s per rank here. Imported, it starts no thread.
     import torch._dynamo  # noqa: F401
     from deepspeed.accelerator import get_accelerator
 
