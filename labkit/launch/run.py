@@ -68,8 +68,9 @@ def warm_by_default() -> bool:
 
 def warm_up(env: dict[str, str] | None = None) -> None:
     """Start this process's zygote now, in the background, so that the first warm run finds it preloaded, and lend
-    it to the processes started from here (a notebook's `!labkit run`): the panel, a sweep. Nothing on a GPU
-    machine (GPU runs launch cold) or with warm launches off."""
+    it to the processes started from here (a notebook's `!labkit run`, the tests' CLI runs and kernels): the panel
+    calls it when shown, the test session at its start. Nothing on a GPU machine (GPU runs launch cold) or with warm
+    launches off."""
     base_env = {**os.environ, **(env or {})}
     if base_env.get(WARM_ENV) == "0" or not detect_devices().is_cpu:
         return

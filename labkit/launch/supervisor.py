@@ -2,7 +2,8 @@
 
     python -m labkit.launch.supervisor RUN_DIR --parent-pid PID [--lease-fds FD,FD]
 
-`labkit.launch.run.Run.start()` starts this in its own session. It exists because the
+`labkit.launch.run.Run.start()` starts this in its own session (a warm launch: the zygote forks it, and it forks
+the ranks through `labkit.launch.warm_launch` instead of DeepSpeed's launcher). It exists because the
 `deepspeed` launcher does not protect its children (measured with 0.19.8: signalling only
 its PID leaves the ranks running; it exits 0 when launch.py is SIGKILLed; a stuck rank
 hangs for 10 minutes). So this process:

@@ -7,7 +7,9 @@ included, is its `command.txt`); on one node it is, by hand:
         --master_port 29517 --module labkit.rank.guard --run-dir runs/my-run
 
 DeepSpeed's launcher starts `labkit.rank.guard` per rank, which starts this module as
-`python -u -m labkit.rank.worker --local_rank=0 --run-dir runs/my-run` and records its exit code. The run
+`python -u -m labkit.rank.worker --local_rank=0 --run-dir runs/my-run` and records its exit code. A warm launch
+(the default for single-node CPU runs) forks the ranks from a zygote instead and calls `main` with the same
+arguments, under that command line as its title (labkit.launch.warm_launch). The run
 directory holds `config.json` (a `RunConfig`); this rank appends one JSON record per optimizer step to
 `rank<N>.jsonl` and ends with `done`. Example 1 (`pytorch`) trains with a plain PyTorch loop; examples 2 and 3
 (`offload`, `zero3`) wrap the same model with `deepspeed.initialize`.
