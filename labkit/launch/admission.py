@@ -87,6 +87,7 @@ SAMPLE_S = 1.0
 ACTIVATION_ELEMENT_BYTES = 4
 LABEL_BYTES = 8
 _RANK_GUARD_MODULE = "labkit.rank.guard"
+_WORKER_MODULE = "labkit.rank.worker"
 
 
 class NotEnoughMemory(ConfigError):
@@ -261,8 +262,9 @@ def runs_module(cmdline: Sequence[str], module: str) -> bool:
 
 @dataclass(frozen=True)
 class RunTree:
-    """A running run's processes now: RSS of its ranks (each rank guard's descendants) and of the rest
-    (supervisor, DeepSpeed's runner and launch.py, the guards themselves)."""
+    """A running run's processes now: RSS of its ranks (each rank guard's descendants; warm, each forked worker and
+    its descendants) and of the rest (supervisor, DeepSpeed's runner and launch.py or the warm launcher, the guards
+    themselves)."""
 
     rank_bytes: int = 0
     launcher_bytes: int = 0
@@ -282,19 +284,25 @@ def run_tree(supervisor_pid: int | None) -> RunTree:
     except psutil.Error:
         return RunTree()
     guards: set[int] = set()
+    workers: set[int] = set()  # a warm launch's ranks: forked workers, no guard above them (labkit.launch.warm_launch)
     info: dict[int, tuple[int, int]] = {}  # pid -> (parent pid, rss)
     for proc in procs:
         try:
             info[proc.pid] = (proc.ppid(), proc.memory_info().rss)
-            if runs_module(proc.cmdline(), _RANK_GUARD_MODULE):
+            cmdline = proc.cmdline()
+            if runs_module(cmdline, _RANK_GUARD_MODULE):
                 guards.add(proc.pid)
+            elif runs_module(cmdline, _WORKER_MODULE):
+                workers.add(proc.pid)
         except psutil.Error:
             continue
     ranks = launchers = 0
-    for parent, rss in info.values():
-        while parent in info and parent not in guards:
-            parent = info[parent][0]
-        if parent in guards:
+    for pid, (parent, rss) in info.items():
+        # A rank's: a worker, or below a guard or a worker (a guard itself is the launcher's, as GUARD_BYTES).
+        node = pid if pid in workers else parent
+        while node in info and node not in guards and node not in workers:
+            node = info[node][0]
+        if node in guards or node in workers:
             ranks += rss
         else:
             launchers += rss

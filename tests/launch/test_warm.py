@@ -19,6 +19,7 @@ import pytest
 from labkit import Run, RunConfig
 from labkit.core.records import rank_file, read_records
 from labkit.launch import zygote
+from labkit.launch.admission import run_tree
 from labkit.launch.launcher import build_command, import_time_env
 from labkit.launch.warm_launch import rank_argv, rank_env, warm_spec
 from labkit.launch.zygote import SHARED_ENV, import_env
@@ -89,6 +90,9 @@ def test_warm_runs_finish_name_a_killed_rank_and_stop_with_no_process_left(tmp_p
     _wait_steps(stopped, 2)
     ranks = [p for p in run_processes(stopped.run_dir) if "labkit.rank.worker" in p.cmdline()]
     assert len(ranks) == 2, [p.cmdline() for p in run_processes(stopped.run_dir)]  # found by their command line
+    # The admission counts their memory as the ranks', the supervisor's and the warm launcher's as the launcher's.
+    tree = run_tree(stopped._supervisor_pid())
+    assert tree.launcher_bytes > 0 and tree.rank_bytes >= sum(p.memory_info().rss for p in ranks) * 0.9, tree
     assert stopped.stop() == "stopped"
     assert run_processes(stopped.run_dir) == []
     assert killed.wait(timeout=WAIT_S) == "failed"
