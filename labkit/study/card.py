@@ -12,7 +12,7 @@ global batches, and the measured condition the verdict depends on, computed from
 
 A cell that could not be measured has `verdict` and `ratio` null and a condition saying why. `labkit answer`
 writes the card as `answer_card.json` and puts it first in `report.html`; notebook 04 shows it at its top and
-at its end. `labkit predict` (issue 23) writes PREDICTED cards of the same shape.
+at its end. `labkit predict` writes PREDICTED cards of the same shape.
 """
 
 from __future__ import annotations
