@@ -43,8 +43,9 @@ def main() -> None:
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-warm-"))
     os.environ.pop(zygote.SHARED_ENV, None)  # this process's own zygote, as a kernel's
-    warm_up()
-    ready = next(iter(zygote._zygotes.values())).wait_ready()
+    lent = warm_up()
+    assert lent is not None, "warm launches are off here (LABKIT_WARM=0, or a GPU machine)"
+    ready = lent.wait_ready()
     result: dict[str, Any] = {"zygote_preload_s": ready["preload_s"], "loadavg_start": os.getloadavg(),
                               "examples": {}}
     print(f"zygote preload {ready['preload_s']:.1f} s (once per kernel); load {os.getloadavg()[0]:.2f}; "

@@ -225,8 +225,5 @@ class ProcessWatch:
         if self._fd is not None:
             self._gone = bool(select.select([self._fd], [], [], 0)[0])  # readable once the process exited
         elif self._process is not None:
-            try:
-                self._gone = not self._process.is_running() or self._process.status() == psutil.STATUS_ZOMBIE
-            except psutil.Error:
-                self._gone = True
+            self._gone = not alive(self._process)
         return not self._gone

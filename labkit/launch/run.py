@@ -66,19 +66,19 @@ def warm_by_default() -> bool:
     return os.environ.get(WARM_ENV) != "0"
 
 
-def warm_up(env: dict[str, str] | None = None) -> None:
+def warm_up(env: dict[str, str] | None = None) -> zygote.Zygote | None:
     """Start this process's zygote now, in the background, so that the first warm run finds it preloaded, and lend
     it to the processes started from here (a notebook's `!labkit run`, the tests' CLI runs and kernels): the panel
     calls it when shown, the test session at its start. Nothing on a GPU machine (GPU runs launch cold) or with warm
-    launches off."""
+    launches off (None)."""
     base_env = {**os.environ, **(env or {})}
     if base_env.get(WARM_ENV) == "0" or not detect_devices().is_cpu:
-        return
+        return None
     # A run's whole environment, not only what the imports fix: the zygote loads the built ops, and a PATH with
     # another ninja first would make torch rebuild them (labkit.launch.launcher.build_command).
     _, run_env = build_command(RunConfig(example="zero3", world_size=1), Path(tempfile.gettempdir()), master_port=0,
                                base_env=base_env, accelerator="cpu")
-    zygote.share(run_env)
+    return zygote.share(run_env)
 
 
 class Run:

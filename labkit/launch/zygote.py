@@ -224,21 +224,19 @@ class Zygote:
     """The client: starts the zygote (or attaches to one lent by the parent process, `attach`), asks it to fork a
     run's supervisor, ends the one it started."""
 
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], lent_socket: Path | None = None):
         self.env = env
-        self._dir = Path(tempfile.mkdtemp(prefix="labkit-zygote-"))
-        self.socket_path = self._dir / "socket"
+        self.lent = lent_socket is not None  # attached to another process's zygote: never ours to end
+        self._dir = lent_socket.parent if lent_socket else Path(tempfile.mkdtemp(prefix="labkit-zygote-"))
+        self.socket_path = lent_socket or self._dir / "socket"
         self.process: subprocess.Popen | None = None
         self.ready: dict | None = None
-        self.lent = False  # attached to another process's zygote: never ours to end
         self._lock = threading.Lock()  # a sweep's or the fault suite's threads start runs side by side
 
     @classmethod
     def attach(cls, socket_path: Path, env: dict[str, str]) -> Zygote:
         """The zygote listening on `socket_path`, if it answers and its import-time environment is `env`'s."""
-        zygote = cls.__new__(cls)
-        zygote.env, zygote.socket_path, zygote.process, zygote.lent = env, socket_path, None, True
-        zygote._dir, zygote._lock = socket_path.parent, threading.Lock()
+        zygote = cls(env, lent_socket=socket_path)
         reply = zygote._ask({"op": "ping"}, [])
         if reply.get("env") != import_env(env):
             raise ZygoteUnavailable(f"the zygote at {socket_path} was started for another environment")
