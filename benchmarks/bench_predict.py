@@ -1,16 +1,17 @@
 """The step-time predictor against measurements it was not fitted to (labkit.study.predict, docs/predict.md).
 
     python benchmarks/bench_predict.py                 # both checks from committed data (seconds)
-    python benchmarks/bench_predict.py --measure       # re-measure the CPU runs here first (~10 min, quiet machine)
+    python benchmarks/bench_predict.py --measure       # re-measure the CPU runs here first (~2 min, quiet machine)
 
 1. Published GPU points (data/published/points.csv): predicted / published per point; goals: median |error| <= 25%,
    every point <= 40% (tests/study/test_predict_published.py holds what the model reaches today).
    Where this lab measured a GPU kind (data/reference-*/gpu_constants.json, benchmarks/bench_gpu_constants.py),
    the GEMM roofline against every GEMM of that grid (the model takes only its best GEMM from it).
 2. This machine: calibrated on 1-rank runs (the answer's ci MLP, every strategy, micro-batch 16/64/256, one thread
-   per rank), the 2-rank points predicted with the link fit measured here (labkit.study.comms.measure_links) and
-   set against 2-rank runs of the same configs, measured in alternating 1-rank / 2-rank pairs. Goal: median
-   |error| <= 15%, every point <= 30%.
+   per rank), the 2-rank points predicted with the link fit measured here as training meets it
+   (labkit.study.comms.measure_links after compute, the mean call) and set against 2-rank runs of the same configs,
+   measured in alternating 1-rank / 2-rank pairs, each run summarised by its mean step. Goal: median |error| <= 15%,
+   every point <= 30%.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ DATA = ROOT / "data" / "predict-ci"
 STRATEGIES = {"z0": (0, False), "z1": (1, False), "z2": (2, False), "z3": (3, False), "z2-offload": (2, True)}
 MICRO_BATCHES = (16, 64, 256)
 MODEL = dict(hidden=512, depth=2, dataset_size=8192, optimizer="adam", lr=2e-3)  # the answer's ci profile MLP
-STEPS = 40
+STEPS = 60
 
 
 def measure(out: Path) -> None:
@@ -69,7 +70,13 @@ def measure(out: Path) -> None:
     from labkit.study.predict import link_fit_json
 
     if not (out / "links.json").exists():  # the first pass's fit is kept: no choosing among fits
-        (out / "links.json").write_text(json.dumps(link_fit_json(comms.measure_links(world_size=2)), indent=2))
+        # as training meets the link (compute between calls, no barrier), every call kept: calibrate fits it by the
+        # statistic the runs are compared with
+        link = comms.measure_links(world_size=2, busy_s=comms.TRAINING_BUSY_S, reps=comms.TRAINING_REPS,
+                                   statistic="mean")
+        (out / "links.json").write_text(json.dumps({**link_fit_json(link, raw=True),
+                                                    "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                                    "load_average": list(os.getloadavg())}, indent=2))
     from labkit.study.calibrate import measure_zero3_fetch_s
 
     host = measure_zero3_fetch_s()
@@ -86,7 +93,7 @@ def measure(out: Path) -> None:
 
 
 def run_rows(strategy: str, run_dir: object) -> list[dict]:
-    """runs.csv's rows for one run: its phases by both statistics (median, p10)."""
+    """runs.csv's rows for one run: its phases by every statistic (calibrate.STATISTICS)."""
     from labkit.study.calibrate import STATISTICS, read_run
 
     rows = []
@@ -102,10 +109,10 @@ def run_rows(strategy: str, run_dir: object) -> list[dict]:
 
 def cpu_check(data: Path = DATA) -> object:
     """predicted / measured for every 2-rank point, calibrated on the 1-rank run of the same strategy and
-    micro-batch, each run summarised by its fastest decile of steps (p10; a DataFrame)."""
+    micro-batch, each run summarised by the mean of its steps, the link's calls by theirs (a DataFrame)."""
     from labkit.study.calibrate import cpu_comparison
 
-    return cpu_comparison(data, "p10")
+    return cpu_comparison(data, "mean")
 
 
 def gemm_check() -> None:
@@ -149,7 +156,7 @@ def main() -> int:
     gemm_check()
     if (Path(args.out) / "runs.csv").exists():
         cpu = cpu_check(Path(args.out))
-        print("\nThis machine: 2-rank points predicted from 1-rank runs (PREDICTED / measured; p10 of each run)")
+        print("\nThis machine: 2-rank points predicted from 1-rank runs (PREDICTED / measured; each run's mean step)")
         print(cpu.to_string(index=False, float_format=lambda v: f"{v:.4g}"))  # type: ignore[attr-defined]
         errors = cpu["error"].abs()  # type: ignore[index]
         print(f"median |error| {statistics.median(errors):.1%} (goal <= 15%), max {max(errors):.1%} (goal <= 30%)")

@@ -45,12 +45,14 @@ class MeasuredRun:
 
 
 SKIP_STEPS = 2
-STATISTICS = ("median", "p10")  # p10: the fastest decile of steps, the least disturbed on a shared machine
+# mean: a run's time is its steps x their mean, and a step's mean is the sum of its parts' means (compute, each
+# collective), which no other statistic is; median, and p10 (the fastest decile) on a machine other processes load.
+STATISTICS = ("mean", "median", "p10")
 
 
-def read_run(run_dir: str | os.PathLike, statistic: str = "median") -> MeasuredRun:
+def read_run(run_dir: str | os.PathLike, statistic: str = "mean") -> MeasuredRun:
     """A finished labkit run directory (config.json + rank0.jsonl with per-step phase times), each phase summarised
-    over the steps after the first two by `statistic` (median, or p10 on a machine other processes load)."""
+    over the steps after the first two by `statistic` (`STATISTICS`)."""
     import json
 
     from labkit.core.records import read_records
@@ -71,7 +73,7 @@ def read_run(run_dir: str | os.PathLike, statistic: str = "median") -> MeasuredR
         values = sorted(float(r.get(key) or 0.0) for r in steps)
         if statistic == "p10":
             return values[int(0.1 * (len(values) - 1))]
-        return float(statistics.median(values))
+        return float(statistics.median(values) if statistic == "median" else statistics.fmean(values))
 
     return MeasuredRun(str(path), config, summary("forward_s"), summary("backward_s"), summary("optimizer_s"),
                        summary("step_time_s"), len(steps))
@@ -195,18 +197,25 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
             "collectives": comm.rows}
 
 
-def cpu_comparison(data_dir: str | os.PathLike, statistic: str = "median") -> Any:
+def cpu_comparison(data_dir: str | os.PathLike, statistic: str = "mean") -> Any:
     """Every 2-rank point of `data_dir/runs.csv` PREDICTED from the 1-rank run of the same strategy and
     micro-batch with the link fit `data_dir/links.json`, beside the measured 2-rank step time (a DataFrame).
-    `statistic`: the runs' per-step summary to compare (runs.csv has both: median, p10)."""
+    `statistic`: the runs' per-step summary to compare (`STATISTICS`); the link's timed calls (links.json's `raw`)
+    are fitted by the same statistic, so both sides are summarised alike."""
     import json
 
     import pandas as pd
+
+    from labkit.study import comms
 
     data = Path(data_dir)
     runs = pd.read_csv(data / "runs.csv")
     runs = runs[runs["statistic"] == statistic] if "statistic" in runs else runs
     fit = json.loads((data / "links.json").read_text())
+    if fit.get("raw"):
+        fits = comms.fit_links(fit["raw"], int(fit["world_size"]), statistic)
+        fit = {**fit, "statistic": statistic, "fits": {op: {"alpha_s": f.alpha_s, "beta_s_per_byte": f.beta_s_per_byte}
+                                                       for op, f in fits.items()}}
     machine = json.loads((data / "machine.json").read_text()) if (data / "machine.json").exists() else {}
     cores = int(machine.get("cpu_cores") or 2)
     rows = []

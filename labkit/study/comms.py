@@ -597,6 +597,15 @@ BENCH_SIZES = tuple(4**k * 1024 for k in range(8))  # 1 KiB to 16 MiB messages
 BENCH_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 BENCH_REPS = 5  # timed calls per (op, size), after BENCH_WARMUP untimed ones
 BENCH_WARMUP = 2
+# "As training meets the link": each rank computes between calls (one thread, no barrier), as a training step does
+# between its collectives, so a call's time includes waiting for the peer and waking a rank that blocked. On a CPU
+# whose cores are all ranks this is most of a small collective's cost (data/predict-ci/README.md has the figures).
+# 2 ms: the compute between two collectives of the answer's ci model (1-5 ms per micro-step on this machine).
+TRAINING_BUSY_S = 2e-3
+TRAINING_REPS = 20  # timed calls per (op, size) when the mean is the statistic (5 are too few for a mean)
+# How a size's timed calls are summarised before the fit: the fastest call (the link alone), or as the steps of
+# a run are (calibrate.STATISTICS): a step's mean is the sum of its parts' means, which no other statistic is.
+LINK_STATISTICS = ("fastest", "p10", "median", "mean")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -617,14 +626,17 @@ class OpFit:
 
 @dataclass(frozen=True, kw_only=True)
 class LinkFit:
-    """`measure_links`' result: a fit per operation to the fastest of each size's calls, and every timing
-    (`raw`: one row per timed call, seconds on rank 0 between a barrier and the call's return)."""
+    """`measure_links`' result: a fit per operation to each size's calls summarised by `statistic`, and every timing
+    (`raw`: one row per timed call, seconds on rank 0 from a barrier, or from the end of `busy_s` of compute, to
+    the call's return)."""
 
     world_size: int
     backend: str
     device: str
     fits: dict[str, OpFit]
     raw: pd.DataFrame
+    statistic: str = "fastest"
+    busy_s: float = 0.0
 
     def seconds(self, c: Collective, world_size: int | None = None) -> float:
         """One call of `c` on this link at `world_size` ranks (the measured one by default), ring model."""
@@ -662,8 +674,41 @@ def fit_alpha_beta(op: str, world_size: int, sizes: Sequence[float], seconds: Se
     return OpFit(op=op, alpha_s=float(alpha), beta_s_per_byte=float(beta), median_error=float(np.median(errors)))
 
 
+def summarise(seconds: Sequence[float], statistic: str) -> float:
+    """One figure for a size's timed calls (`LINK_STATISTICS`)."""
+    import numpy as np
+
+    if statistic not in LINK_STATISTICS:
+        raise ValueError(f"statistic must be one of {LINK_STATISTICS}, got {statistic!r}")
+    values = np.sort(np.asarray(seconds, dtype=float))
+    if statistic == "fastest":
+        return float(values[0])
+    if statistic == "p10":
+        return float(values[int(0.1 * (len(values) - 1))])
+    return float(np.median(values) if statistic == "median" else np.mean(values))
+
+
+def fit_links(raw: pd.DataFrame | Sequence[Mapping[str, Any]], world_size: int, statistic: str) -> dict[str, OpFit]:
+    """The alpha-beta fit per operation of `measure_links`' timed calls (`raw`: op, msg_bytes, seconds), each size
+    summarised by `statistic`."""
+    table = pd.DataFrame(raw)
+    summary = table.groupby(["op", "msg_bytes"], as_index=False)["seconds"].agg(lambda s: summarise(s, statistic))
+    return {op: fit_alpha_beta(op, world_size, list(group["msg_bytes"]), list(group["seconds"]))
+            for op, group in summary.groupby("op", sort=False)}
+
+
+def _busy(seconds: float) -> None:
+    """Compute on this thread for `seconds` (small matrix products), as a training step does between collectives."""
+    import torch
+
+    a = torch.ones(64, 64)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ a
+
+
 def _bench_rank(rank: int, world_size: int, port: int, backend: str, sizes: Sequence[int], ops: Sequence[str],
-                out: str) -> None:
+                out: str, busy_s: float = 0.0, reps: int = BENCH_REPS) -> None:
     """One rank of `measure_links` (a process of its own: never the notebook's kernel)."""
     import warnings
     from datetime import timedelta
@@ -688,8 +733,11 @@ def _bench_rank(rank: int, world_size: int, port: int, backend: str, sizes: Sequ
                 full = torch.ones(elements, device=device)
                 part = torch.empty(elements // world_size, device=device)
 
-                for rep in range(BENCH_WARMUP + BENCH_REPS):
-                    dist.barrier()
+                for rep in range(BENCH_WARMUP + reps):
+                    if busy_s > 0:
+                        _busy(busy_s)
+                    else:
+                        dist.barrier()
                     sync()
                     start = time.perf_counter()
                     _bench_call(dist, op, full, part)
@@ -714,12 +762,17 @@ def _bench_call(dist: Any, op: str, full: Any, part: Any) -> None:
 
 
 def measure_links(world_size: int = 2, sizes: Sequence[int] = BENCH_SIZES, ops: Sequence[str] = BENCH_OPS,
-                  backend: str | None = None, timeout_s: float = 300.0) -> LinkFit:
+                  backend: str | None = None, timeout_s: float = 300.0, *, busy_s: float = 0.0,
+                  reps: int = BENCH_REPS, statistic: str = "fastest") -> LinkFit:
     """Time all-reduce, all-gather and reduce-scatter between `world_size` real processes on this machine
     (torch.distributed: gloo on CPU, NCCL on GPUs, one GPU per rank; loopback only) and fit the alpha-beta
     model per operation. The ranks are processes of their own (`python -c`), never the calling one, and
     nothing of the caller is re-imported in them: safe from a notebook or a script. About 15-30 s on a
-    2-core CPU with the default sizes (1 KiB to 16 MiB, in the message convention of `Collective`)."""
+    2-core CPU with the default sizes (1 KiB to 16 MiB, in the message convention of `Collective`).
+
+    By default each call follows a barrier and the fit takes each size's fastest call: the link alone. With
+    `busy_s` each rank computes that long before each call instead, and `statistic="mean"` fits the mean call:
+    the link as training meets it (`TRAINING_BUSY_S`, `TRAINING_REPS`; what `labkit predict --from` uses)."""
     import contextlib
     import subprocess
     import sys
@@ -737,6 +790,12 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = BENCH_SIZES, ops: 
         raise ValueError(f"sizes must be message bytes >= 4 x world_size, got {list(sizes)}")
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+    if statistic not in LINK_STATISTICS:
+        raise ValueError(f"statistic must be one of {LINK_STATISTICS}, got {statistic!r}")
+    if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+        raise ValueError(f"reps must be an integer >= 1, got {reps!r}")
+    if not isinstance(busy_s, (int, float)) or isinstance(busy_s, bool) or not 0 <= busy_s <= 1:
+        raise ValueError(f"busy_s must be seconds between 0 and 1, got {busy_s!r}")
     devices = detect_devices()  # asked in a child process: this one holds no GPU context
     gpus = devices.device_count if devices.accelerator == "cuda" else 0
     backend = backend or ("nccl" if gpus >= world_size else "gloo")
@@ -754,7 +813,7 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = BENCH_SIZES, ops: 
         try:
             for rank in range(world_size):
                 args = {"rank": rank, "world_size": world_size, "port": port, "backend": backend,
-                        "sizes": list(sizes), "ops": list(ops), "out": out}
+                        "sizes": list(sizes), "ops": list(ops), "out": out, "busy_s": float(busy_s), "reps": reps}
                 log = logs.enter_context(open(Path(tmp) / f"rank{rank}.log", "wb"))
                 procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(args)], env=env,
                                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log))
@@ -777,11 +836,8 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = BENCH_SIZES, ops: 
         result = json.loads(Path(out).read_text())
     raw = pd.DataFrame(result["rows"])
     raw["sent_per_rank"] = [ring_factor(op, world_size) * b for op, b in zip(raw["op"], raw["msg_bytes"], strict=True)]
-    # The fastest of the timed calls: the link itself, not the moments other processes held the cores.
-    fastest = raw.groupby(["op", "msg_bytes"], as_index=False)["seconds"].min()
-    fits = {op: fit_alpha_beta(op, world_size, list(group["msg_bytes"]), list(group["seconds"]))
-            for op, group in fastest.groupby("op", sort=False)}
-    return LinkFit(world_size=world_size, backend=backend, device=result["device"], fits=fits, raw=raw)
+    return LinkFit(world_size=world_size, backend=backend, device=result["device"],
+                   fits=fit_links(raw, world_size, statistic), raw=raw, statistic=statistic, busy_s=float(busy_s))
 
 
 def compare_runs(runs: Mapping[str, Any], rank: int = 0) -> pd.DataFrame:

@@ -280,11 +280,16 @@ class FittedLinks:
         return comms.ring_steps(op, world_size) * float(entry["alpha_s"]) + ring_bytes * float(entry["beta_s_per_byte"])
 
 
-def link_fit_json(fit: Any) -> dict[str, Any]:
-    """A comms.LinkFit as JSON (what `--links FILE` reads): its per-op fits, without the raw timings."""
-    return {"world_size": fit.world_size, "backend": fit.backend, "device": fit.device,
-            "fits": {op: {"alpha_s": f.alpha_s, "beta_s_per_byte": f.beta_s_per_byte, "bus_gbps": f.bus_gbps,
-                          "median_error": f.median_error} for op, f in fit.fits.items()}}
+def link_fit_json(fit: Any, *, raw: bool = False) -> dict[str, Any]:
+    """A comms.LinkFit as JSON (what `--links FILE` reads): its per-op fits, how its calls were timed and
+    summarised, and with `raw` every timed call (so another statistic can be fitted later: `comms.fit_links`)."""
+    out = {"world_size": fit.world_size, "backend": fit.backend, "device": fit.device,
+           "statistic": fit.statistic, "busy_s": fit.busy_s,
+           "fits": {op: {"alpha_s": f.alpha_s, "beta_s_per_byte": f.beta_s_per_byte, "bus_gbps": f.bus_gbps,
+                         "median_error": f.median_error} for op, f in fit.fits.items()}}
+    if raw:
+        out["raw"] = fit.raw[["op", "msg_bytes", "rep", "seconds"]].to_dict(orient="records")
+    return out
 
 
 def collective_rows(stage: int | None, workload: Workload, world_size: int, *, precision: str, grad_accum: int,

@@ -145,7 +145,7 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
     if not Path(args.from_run).is_dir():
         raise _bad("from_run", f"no such run directory: {args.from_run}")
     try:
-        run = read_run(args.from_run)
+        run = read_run(args.from_run, "mean")
     except ValueError as exc:
         raise _bad("from_run", str(exc)) from None
     stage = args.stage
@@ -159,7 +159,11 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
             raise _bad("links", f"no such link fit: {args.links}")
         fit = json.loads(Path(args.links).read_text())
     else:
-        fit = measure_links(world_size=max(2, args.world_size or run.world_size))
+        from labkit.study import comms
+
+        # the link as training meets it, summarised as the run's steps are (their mean)
+        fit = measure_links(world_size=max(2, args.world_size or run.world_size), busy_s=comms.TRAINING_BUSY_S,
+                            reps=comms.TRAINING_REPS, statistic="mean")
     return calibrated(run, fit, world_size=args.world_size, micro_batch=args.micro_batch, stage=stage,
                       threads_per_rank=args.threads_per_rank)
 

@@ -342,7 +342,9 @@ def test_link_fit_times_a_collective_with_the_ring_model():
 
 
 @pytest.mark.parametrize("kwargs, message", [({"world_size": 1}, "world_size"), ({"ops": ["all_to_all"]}, "ops"),
-                                             ({"sizes": [3]}, "sizes"), ({"backend": "mpi"}, "backend")])
+                                             ({"sizes": [3]}, "sizes"), ({"backend": "mpi"}, "backend"),
+                                             ({"statistic": "max"}, "statistic"), ({"reps": 0}, "reps"),
+                                             ({"busy_s": -1e-3}, "busy_s"), ({"busy_s": 5.0}, "busy_s")])
 def test_measure_links_refuses_bad_input_before_starting_anything(kwargs, message):
     with pytest.raises(ValueError, match=message):
         comms.measure_links(**kwargs)
@@ -356,3 +358,34 @@ def test_measure_links_times_real_processes_and_keeps_every_timing():
     assert set(link.raw["msg_bytes"]) == {4096, 1 << 20}
     for fit in link.fits.values():
         assert fit.alpha_s >= 0 and fit.beta_s_per_byte >= 0 and fit.alpha_s + fit.beta_s_per_byte > 0
+
+
+def test_summarise_and_fit_links_by_statistic():
+    calls = [0.9, 0.1, 0.2, 0.3, 0.5]
+    assert comms.summarise(calls, "fastest") == 0.1
+    assert comms.summarise(calls, "median") == 0.3
+    assert comms.summarise(calls, "mean") == pytest.approx(0.4)
+    assert comms.summarise(calls, "p10") == 0.1
+    with pytest.raises(ValueError, match="statistic"):
+        comms.summarise(calls, "max")
+    # one slow call per size: the mean moves, the fastest does not; alpha and beta recovered from exact timings
+    alpha, beta = 50e-6, 1e-9
+    rows = []
+    for size in (1024, 65536, 1 << 20):
+        t = comms.ring_steps("all_reduce", 2) * alpha + comms.ring_factor("all_reduce", 2) * size * beta
+        rows += [{"op": "all_reduce", "msg_bytes": size, "seconds": t}] * 4
+        rows.append({"op": "all_reduce", "msg_bytes": size, "seconds": t + 1e-3})
+    fastest = comms.fit_links(rows, 2, "fastest")["all_reduce"]
+    assert fastest.alpha_s == pytest.approx(alpha, rel=1e-6)
+    assert fastest.beta_s_per_byte == pytest.approx(beta, rel=1e-6)
+    assert comms.fit_links(rows, 2, "mean")["all_reduce"].alpha_s > alpha
+
+
+@pytest.mark.slow
+def test_measure_links_as_training_meets_the_link_computes_between_calls():
+    link = comms.measure_links(sizes=(4096, 1 << 16), ops=("all_reduce",), busy_s=comms.TRAINING_BUSY_S, reps=12,
+                               statistic="mean")
+    assert link.statistic == "mean" and link.busy_s == comms.TRAINING_BUSY_S
+    assert len(link.raw) == 2 * 12 and (link.raw["seconds"] > 0).all()
+    fit = comms.fit_links(link.raw, 2, "mean")["all_reduce"]
+    assert fit.alpha_s == pytest.approx(link.fits["all_reduce"].alpha_s)
