@@ -426,9 +426,25 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     report = build_report(results, out / "report.html", maxbatch=maxbatch_table, probes=probes,
                           memory=tables["memory"], activation=tables["activation"], noise=tables["noise"],
                           machine=machine, profile=dataclasses.asdict(profile), card=answer_card,
-                          sections=[predicted_section(out)])
+                          sections=[checked_section(out, remeasure=launches > 0), predicted_section(out)])
     say(f"report: {report} ({report.stat().st_size / 1e6:.1f} MB) after {runtime:.0f} s")
     return report
+
+
+def checked_section(out: str | os.PathLike, *, remeasure: bool) -> str:
+    """report.html's "the predictor checked on this machine" section: the ranks way's multi-rank points predicted
+    from its 1-rank runs (labkit.study.calibrate.report_section; the link measured here again when the sweep ran
+    anything new), or why there is none: the measured report is never lost to a check that cannot be made."""
+    import html
+
+    from labkit.study import calibrate
+
+    try:
+        calibrate.answer_links(out, remeasure=remeasure)
+        return calibrate.report_section(out)
+    except (ValueError, KeyError, OSError, RuntimeError) as error:
+        return ("<section id='predicted-this-machine'><h2>The predictor checked on this machine</h2>"
+                f"<p>No check: {html.escape(f'{type(error).__name__}: {error}')}</p></section>")
 
 
 def predicted_section(out: str | os.PathLike) -> str:

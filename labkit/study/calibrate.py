@@ -290,3 +290,109 @@ def _fetch_probe() -> dict[str, Any]:
     if done.returncode != 0:
         raise RuntimeError(f"the ZeRO-3 fetch probe failed:\n{done.stderr[-2000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+# -- the answer's own ranks way, checked in its report ---------------------------------------------------------------
+ANSWER_LINKS = "links.json"  # in an answer's results dir: the link fit its check used (every timed call kept)
+
+
+def answer_pairs(results: Any) -> list[tuple[Any, Any]]:
+    """(1-rank row, N-rank row) of an answer's results.csv: the ranks way's points, the same strategy and micro-batch
+    at 1 rank and at more, both finished."""
+    if "growth" not in results or results.empty:
+        return []
+    ranks = results[results["growth"].astype(str).str.contains("ranks") & (results["status"] == "finished")]
+    pairs = []
+    for _, many in ranks[ranks["world_size"] > 1].iterrows():
+        one = ranks[(ranks["world_size"] == 1) & (ranks["strategy"] == many["strategy"])
+                    & (ranks["micro_batch"] == many["micro_batch"]) & (ranks["grad_accum"] == many["grad_accum"])]
+        if not one.empty:
+            pairs.append((one.iloc[0], many))
+    return pairs
+
+
+def _run_dir(results_dir: Path, row: Any) -> Path:
+    """A results.csv row's run directory: as recorded, else under the results dir's runs/ (a copied answer)."""
+    recorded = Path(str(row["run_dir"]))
+    return recorded if recorded.is_dir() else results_dir / "runs" / str(row["run_id"])
+
+
+def answer_links(results_dir: str | os.PathLike, *, remeasure: bool) -> dict[str, Any] | None:
+    """The link fit of an answer's check: `links.json` in its results dir, measured here (as training meets the link,
+    every call kept) when `remeasure` or missing and the answer has a ranks way to check; None when it has none."""
+    import json
+    import time
+
+    import pandas as pd
+
+    from labkit.core.files import write_json_atomic
+    from labkit.study import comms
+    from labkit.study.predict import link_fit_json
+
+    out = Path(results_dir)
+    pairs = answer_pairs(pd.read_csv(out / "results.csv")) if (out / "results.csv").is_file() else []
+    if not pairs:
+        return None
+    if (out / ANSWER_LINKS).is_file() and not remeasure:
+        return dict(json.loads((out / ANSWER_LINKS).read_text()))
+    world_size = max(int(many["world_size"]) for _, many in pairs)
+    link = comms.measure_links(world_size=world_size, busy_s=comms.TRAINING_BUSY_S, reps=comms.TRAINING_REPS,
+                               statistic="mean")
+    fit = {**link_fit_json(link, raw=True), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "load_average": list(os.getloadavg())}
+    write_json_atomic(out / ANSWER_LINKS, fit)
+    return fit
+
+
+def answer_check(results_dir: str | os.PathLike, link_fit: Any) -> Any:
+    """The answer's ranks way on this machine: each N-rank point PREDICTED from the 1-rank run of the same strategy
+    and micro-batch (`calibrated`, every run summarised by its mean step, `link_fit`), beside the N-rank run's
+    measured mean step (a DataFrame; empty when the answer has no ranks way or its runs are not here)."""
+    import pandas as pd
+
+    out = Path(results_dir)
+    rows = []
+    for one, many in answer_pairs(pd.read_csv(out / "results.csv")):
+        one_dir, many_dir = _run_dir(out, one), _run_dir(out, many)
+        if not (one_dir.is_dir() and many_dir.is_dir()):
+            continue
+        base, measured = read_run(one_dir, "mean"), read_run(many_dir, "mean")
+        pred = calibrated(base, link_fit, world_size=measured.world_size, threads_per_rank=measured.threads_per_rank)
+        rows.append({"strategy": many["strategy"], "micro_batch": int(many["micro_batch"]),
+                     "world_size": measured.world_size, "measured_1_rank_s": base.step_time_s,
+                     "predicted_s": pred["step_time_s"], "measured_s": measured.step_time_s,
+                     "predicted_comm_s": pred["exposed_comm_s"],
+                     "error": pred["step_time_s"] / measured.step_time_s - 1})
+    return pd.DataFrame(rows, columns=["strategy", "micro_batch", "world_size", "measured_1_rank_s", "predicted_s",
+                                       "measured_s", "predicted_comm_s", "error"])
+
+
+def report_section(results_dir: str | os.PathLike) -> str:
+    """report.html's "checked on this machine" section: the answer's N-rank points PREDICTED from its 1-rank runs
+    beside what they measured, or why there is no such check."""
+    import html
+
+    head = ("<section id='predicted-this-machine'><h2>The predictor checked on this machine</h2>"
+            "<p>Each multi-rank point of the ranks way <b>predicted</b> from the 1-rank run of the same strategy and "
+            "micro-batch (<code>labkit predict --from RUN_DIR --world-size N</code>: its measured compute, "
+            "DeepSpeed's collectives timed with the link as training meets it, measured here: "
+            f"<code>{ANSWER_LINKS}</code>), beside what it measured; every run summarised by its mean step "
+            "(docs/predict.md).</p>")
+    fit = answer_links(results_dir, remeasure=False)
+    table = answer_check(results_dir, fit) if fit is not None else None
+    if table is None or table.empty:
+        why = ("this answer has no ranks way to check" if fit is None else
+               "the runs of its ranks way are not in this results dir")
+        return head + f"<p>No check: {html.escape(why)}.</p></section>"
+    lines = ["<table><tr><th>strategy</th><th>micro-batch</th><th>ranks</th><th>1 rank, measured (ms)</th>"
+             "<th>predicted (ms)</th><th>measured (ms)</th><th>error</th></tr>"]
+    for _, r in table.iterrows():
+        lines.append(f"<tr><td>{html.escape(str(r['strategy']))}</td><td>{r['micro_batch']}</td>"
+                     f"<td>{r['world_size']}</td><td>{r['measured_1_rank_s'] * 1e3:.2f}</td>"
+                     f"<td>predicted {r['predicted_s'] * 1e3:.2f}</td><td>{r['measured_s'] * 1e3:.2f}</td>"
+                     f"<td>{r['error']:+.0%}</td></tr>")
+    errors = table["error"].abs()
+    lines.append(f"</table><p>Median |error| {errors.median():.0%}, max {errors.max():.0%} over {len(table)} "
+                 "point(s). <code>benchmarks/bench_predict.py</code> checks every strategy at three micro-batches "
+                 "(data/predict-ci/).</p></section>")
+    return head + "\n".join(lines)

@@ -77,8 +77,14 @@ class HostCosts:
     zero3_per_paramless_module_s: float  # and per module without parameters (hooked too)
     source: str
 
-    def micro_step_s(self, ops: int, modules: int, paramless: int, stage: int | None) -> float:
-        zero3 = (modules * self.zero3_per_module_s + paramless * self.zero3_per_paramless_module_s
+    def micro_step_s(self, ops: int, modules: int, paramless: int, stage: int | None,
+                     recomputed_forward: bool = False) -> float:
+        """`ops` launches, and at stage 3 the hooks of every module. Under activation checkpointing the backward
+        runs each block's forward again (torch/utils/checkpoint.py), and ZeRO-3's forward hooks fire on it too: a
+        third fetch per module beside the forward's and the backward's that the per-module figure was measured
+        over, counted as half that figure (assumed: the forward's half of the two)."""
+        per_module = 1.5 if recomputed_forward else 1.0
+        zero3 = (per_module * (modules * self.zero3_per_module_s + paramless * self.zero3_per_paramless_module_s)
                  + self.zero3_per_micro_step_s) if stage == 3 else 0.0
         return ops * self.launch_s + zero3
 
@@ -400,7 +406,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     costs = workload.costs(micro_batch, gpu, precision, activation_checkpointing)
     # The host issues the GPU's work asynchronously, so a micro-step takes the longer of the device's compute and the
     # host's work to issue it: an op launch per kernel, and ZeRO-3's per-module fetch hooks (HostCosts).
-    host_s = host_costs(gpu).micro_step_s(costs.ops, workload.param_modules, workload.paramless_modules, stage)
+    host_s = host_costs(gpu).micro_step_s(costs.ops, workload.param_modules, workload.paramless_modules, stage,
+                                          recomputed_forward=activation_checkpointing)
     if host_s > costs.forward_s + costs.backward_s:
         scale = host_s / (costs.forward_s + costs.backward_s)
         costs = dataclasses.replace(costs, forward_s=costs.forward_s * scale, backward_s=costs.backward_s * scale)

@@ -7,7 +7,9 @@ Where a source leaves a setting out, one rule fills it for every point (never a 
   without it (what a user of that code had to do);
 * `code` megatron-lm: the vocabulary is padded to a multiple of 128 (Megatron-LM's --make-vocab-size-divisible-by
   default, megatron/arguments.py), which the source's table does not repeat; Hugging Face models keep theirs;
-* dropout is not stated by any source: 0.1, both codes' default (`flops.Transformer.dropout`).
+* dropout not stated (the `dropout` cell empty): 0.1, the default of Hugging Face's and Megatron-LM's GPT
+  (`flops.Transformer.dropout`); a code without dropout layers says 0;
+* the link inside a node not stated (`intra` empty): the GPU kind's own (`auto`: its NVLink, else its PCIe).
 """
 
 from __future__ import annotations
@@ -62,10 +64,13 @@ def setup(row: Any) -> dict[str, Any]:
     vocab = int(row["vocab"])
     if row["code"] == "megatron-lm":
         vocab = -(-vocab // MEGATRON_VOCAB_DIVISOR) * MEGATRON_VOCAB_DIVISOR
+    dropout = row.get("dropout")
     shape = flops.Transformer(layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),
-                              seq=int(row["seq"]), vocab=vocab)
+                              seq=int(row["seq"]), vocab=vocab,
+                              **({} if _blank(dropout) else {"dropout": float(dropout)}))
+    intra = "auto" if _blank(row["intra"]) else str(row["intra"])
     cluster = Cluster(gpu=find_gpu(str(row["gpu"])), gpus_per_node=int(row["gpus_per_node"]), nodes=int(row["nodes"]),
-                      intra=str(row["intra"]), inter_gbps=float(row["inter_gbps"] or 0))
+                      intra=intra, inter_gbps=float(row["inter_gbps"] or 0))
     gpus, global_batch = int(row["gpus"]), int(row["global_batch"])
     if gpus != cluster.world_size:
         raise ValueError(f"{row['point_id']}: gpus {gpus} != gpus_per_node x nodes {cluster.world_size}")

@@ -264,6 +264,17 @@ def test_answer_smoke_end_to_end(tmp_path):
     assert "Growing the batch by more ranks at a fixed per-rank micro-batch" in page
     assert "Growing the batch by a bigger micro-batch on fixed ranks" in page
     assert "concurrent_runs 0 for every row" in page
+    # The predictor checked on this machine: each multi-rank point of the ranks way predicted from its 1-rank run,
+    # with the link measured here as training meets it (every timed call kept).
+    from labkit.study import calibrate
+
+    links = json.loads((out / calibrate.ANSWER_LINKS).read_text())
+    assert links["busy_s"] > 0 and links["statistic"] == "mean" and links["raw"]
+    check = calibrate.answer_check(out, links)
+    assert len(check) == len(calibrate.answer_pairs(results)) >= 1
+    assert (check["predicted_comm_s"] > 0).all() and check["error"].notna().all()
+    section = page[page.index("id='predicted-this-machine'"):]
+    assert section.count("<td>predicted ") == len(check) and "No check" not in section.split("</section>")[0]
 
 
 def test_results_dir_for_reads_the_committed_reference_then_a_sweep_run_here(tmp_path, monkeypatch):

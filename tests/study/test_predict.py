@@ -500,3 +500,19 @@ def test_the_gemm_roofline_is_checked_against_every_measured_gemm(h100):
     for row in rows:
         assert row["predicted_s"] > 0 and row["error"] == pytest.approx(row["predicted_s"] / row["measured_s"] - 1)
     assert flops.gemm_check(hw.gpu("A100-80GB")) == []
+
+
+def test_zero3_hooks_fire_again_on_the_recomputed_forward():
+    host = P.HostCosts(launch_s=1e-6, zero3_per_module_s=1e-3, zero3_per_micro_step_s=2e-3,
+                       zero3_per_paramless_module_s=1e-4, source="test")
+    plain = host.micro_step_s(100, 10, 4, 3)
+    recomputed = host.micro_step_s(100, 10, 4, 3, recomputed_forward=True)
+    assert plain == pytest.approx(100e-6 + 10e-3 + 4e-4 + 2e-3)
+    # a third fetch per module, half of the measured two-fetch figure; the fixed part and the launches unchanged
+    assert recomputed - plain == pytest.approx(0.5 * (10e-3 + 4e-4))
+    assert host.micro_step_s(100, 10, 4, 2, recomputed_forward=True) == pytest.approx(100e-6)  # no hooks below 3
+    shape = flops.Transformer(layers=4, hidden=256, heads=4, seq=128, vocab=1000)
+    cluster = hw.Cluster(gpu=hw.gpu("H100-SXM"), gpus_per_node=4)
+    no_ckpt, ckpt = (P.predict(P.TransformerWorkload(shape), cluster, strategy="z3", micro_batch=1, precision="bf16",
+                               activation_checkpointing=c) for c in (False, True))
+    assert ckpt.host_overhead_s > no_ckpt.host_overhead_s
