@@ -599,7 +599,7 @@ BENCH_REPS = 5  # timed calls per (op, size), after BENCH_WARMUP untimed ones
 BENCH_WARMUP = 2
 # "As training meets the link": each rank computes between calls (one thread, no barrier), as a training step does
 # between its collectives, so a call's time includes waiting for the peer and waking a rank that blocked. On a CPU
-# whose cores are all ranks this is most of a small collective's cost (data/predict-ci/README.md has the figures).
+# whose cores are all ranks this is most of a small collective's cost (figures: docs/predict.md, "This machine").
 # 2 ms: the compute between two collectives of the answer's ci model (1-5 ms per micro-step on this machine).
 TRAINING_BUSY_S = 2e-3
 TRAINING_REPS = 20  # timed calls per (op, size) when the mean is the statistic (5 are too few for a mean)
