@@ -35,8 +35,9 @@ STEPS = 60
 
 def measure(out: Path) -> None:
     """One pass: 1-rank and 2-rank runs of every strategy x micro-batch, one at a time (no two share a core),
-    alternating. Each pass is added to runs_all.csv; runs.csv keeps, per configuration, the fastest pass (other
-    processes only ever slow a run down), and host.json the least of every ZeRO-3 fetch probe."""
+    alternating. Each pass is added to runs_all.csv; runs.csv keeps the first pass, whose link fit links.json is
+    (no choosing among passes: the mean of each run is compared, and a per-row fastest pass would bias the noisier
+    2-rank runs down); host.json keeps the least of every ZeRO-3 fetch probe."""
     import os
 
     import pandas as pd
@@ -62,11 +63,12 @@ def measure(out: Path) -> None:
                     print(f"{strategy} w{world_size} m{micro}: {status} ({run.cause})", flush=True)
                     continue
                 rows += run_rows(strategy, run.run_dir)
-                print(f"{strategy} w{world_size} m{micro}: {rows[-2]['step_time_s'] * 1e3:.2f} ms", flush=True)
+                mean = next(r for r in rows[::-1] if r["statistic"] == "mean")
+                print(f"{strategy} w{world_size} m{micro}: mean step {mean['step_time_s'] * 1e3:.2f} ms", flush=True)
     every = pd.concat([previous, pd.DataFrame(rows).assign(**{"pass": this_pass})], ignore_index=True)
     every.to_csv(out / "runs_all.csv", index=False)
     keys = ["strategy", "world_size", "micro_batch", "statistic"]
-    every.loc[every.groupby(keys)["step_time_s"].idxmin()].sort_values(keys).to_csv(out / "runs.csv", index=False)
+    every[every["pass"] == every["pass"].min()].sort_values(keys).to_csv(out / "runs.csv", index=False)
     from labkit.study.predict import link_fit_json
 
     if not (out / "links.json").exists():  # the first pass's fit is kept: no choosing among fits

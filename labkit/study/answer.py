@@ -32,7 +32,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -426,25 +426,37 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     report = build_report(results, out / "report.html", maxbatch=maxbatch_table, probes=probes,
                           memory=tables["memory"], activation=tables["activation"], noise=tables["noise"],
                           machine=machine, profile=dataclasses.asdict(profile), card=answer_card,
-                          sections=[checked_section(out, remeasure=launches > 0), predicted_section(out)])
+                          sections=[checked_section(out, remeasure=launches > 0, is_cpu=is_cpu, say=say),
+                                    predicted_section(out)])
     say(f"report: {report} ({report.stat().st_size / 1e6:.1f} MB) after {runtime:.0f} s")
     return report
 
 
-def checked_section(out: str | os.PathLike, *, remeasure: bool) -> str:
+def checked_section(out: str | os.PathLike, *, remeasure: bool, is_cpu: bool,
+                    say: Callable[[str], None] = lambda _: None) -> str:
     """report.html's "the predictor checked on this machine" section: the ranks way's multi-rank points predicted
     from its 1-rank runs (labkit.study.calibrate.report_section; the link measured here again when the sweep ran
-    anything new), or why there is none: the measured report is never lost to a check that cannot be made."""
+    anything new), or why there is none: the measured report is never lost to a check that cannot be made. CPU
+    answers only: the calibration models CPU ranks sharing cores, and its link benchmark computes on the host."""
     import html
 
     from labkit.study import calibrate
 
-    try:
-        calibrate.answer_links(out, remeasure=remeasure)
-        return calibrate.report_section(out)
-    except (ValueError, KeyError, OSError, RuntimeError) as error:
+    def none(why: str) -> str:
         return ("<section id='predicted-this-machine'><h2>The predictor checked on this machine</h2>"
-                f"<p>No check: {html.escape(f'{type(error).__name__}: {error}')}</p></section>")
+                f"<p>No check: {html.escape(why)}</p></section>")
+
+    if not is_cpu:
+        return none("the calibration models CPU ranks (labkit predict --from predicts GPU runs too, with a link "
+                    "fit of your GPUs: --links)")
+    try:
+        started = time.monotonic()
+        fit = calibrate.answer_links(out, remeasure=remeasure)
+        if fit is not None and remeasure:
+            say(f"predictor check: the link measured as training meets it in {time.monotonic() - started:.0f} s")
+        return calibrate.report_section(out, fit)
+    except Exception as error:
+        return none(f"{type(error).__name__}: {error}")
 
 
 def predicted_section(out: str | os.PathLike) -> str:

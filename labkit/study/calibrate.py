@@ -6,7 +6,6 @@ that against 2-rank runs (`cpu_comparison`, data/predict-ci/). Every figure it r
 from __future__ import annotations
 
 import os
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,10 +69,9 @@ def read_run(run_dir: str | os.PathLike, statistic: str = "mean") -> MeasuredRun
         raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
 
     def summary(key: str) -> float:
-        values = sorted(float(r.get(key) or 0.0) for r in steps)
-        if statistic == "p10":
-            return values[int(0.1 * (len(values) - 1))]
-        return float(statistics.median(values) if statistic == "median" else statistics.fmean(values))
+        from labkit.study.comms import summarise
+
+        return summarise([float(r.get(key) or 0.0) for r in steps], statistic)
 
     return MeasuredRun(str(path), config, summary("forward_s"), summary("backward_s"), summary("optimizer_s"),
                        summary("step_time_s"), len(steps))
@@ -197,6 +195,26 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
             "collectives": comm.rows}
 
 
+def link_fits(fit: dict[str, Any], statistic: str) -> dict[str, Any]:
+    """A link fit's JSON (`predict.link_fit_json`) with its calls summarised by `statistic`, the statistic of the runs
+    it times: refitted from its timed calls (`raw`) when it kept them, else as it is if it was fitted by that
+    statistic; otherwise a ValueError (a fit of the fastest calls after a barrier times the link alone, not the
+    link a training step meets, and would predict a mean step far too short)."""
+    from labkit.study import comms
+
+    if fit.get("raw"):
+        fits = comms.fit_links(fit["raw"], int(fit["world_size"]), statistic)
+        return {**fit, "statistic": statistic,
+                "fits": {op: {"alpha_s": f.alpha_s, "beta_s_per_byte": f.beta_s_per_byte} for op, f in fits.items()}}
+    measured_by = fit.get("statistic", "fastest")  # files written before the statistic was recorded: the fastest
+    if measured_by != statistic:
+        raise ValueError(f"this link fit summarises its calls by {measured_by!r} and kept none to refit; the run's "
+                         f"steps are summarised by {statistic!r}: measure the link as training meets it "
+                         "(labkit predict --from without --links writes none; comms.measure_links(busy_s=comms."
+                         "TRAINING_BUSY_S, reps=comms.TRAINING_REPS, statistic='mean'))")
+    return fit
+
+
 def cpu_comparison(data_dir: str | os.PathLike, statistic: str = "mean") -> Any:
     """Every 2-rank point of `data_dir/runs.csv` PREDICTED from the 1-rank run of the same strategy and
     micro-batch with the link fit `data_dir/links.json`, beside the measured 2-rank step time (a DataFrame).
@@ -206,16 +224,10 @@ def cpu_comparison(data_dir: str | os.PathLike, statistic: str = "mean") -> Any:
 
     import pandas as pd
 
-    from labkit.study import comms
-
     data = Path(data_dir)
     runs = pd.read_csv(data / "runs.csv")
     runs = runs[runs["statistic"] == statistic] if "statistic" in runs else runs
-    fit = json.loads((data / "links.json").read_text())
-    if fit.get("raw"):
-        fits = comms.fit_links(fit["raw"], int(fit["world_size"]), statistic)
-        fit = {**fit, "statistic": statistic, "fits": {op: {"alpha_s": f.alpha_s, "beta_s_per_byte": f.beta_s_per_byte}
-                                                       for op, f in fits.items()}}
+    fit = link_fits(json.loads((data / "links.json").read_text()), statistic)
     machine = json.loads((data / "machine.json").read_text()) if (data / "machine.json").exists() else {}
     cores = int(machine.get("cpu_cores") or 2)
     rows = []
@@ -312,9 +324,11 @@ def answer_pairs(results: Any) -> list[tuple[Any, Any]]:
 
 
 def _run_dir(results_dir: Path, row: Any) -> Path:
-    """A results.csv row's run directory: as recorded, else under the results dir's runs/ (a copied answer)."""
+    """A results.csv row's run directory: under the results dir's runs/ (where a sweep keeps them), else as recorded
+    when that is an absolute path (a relative one would be read against the current directory)."""
+    kept = results_dir / "runs" / str(row["run_id"])
     recorded = Path(str(row["run_dir"]))
-    return recorded if recorded.is_dir() else results_dir / "runs" / str(row["run_id"])
+    return recorded if not kept.is_dir() and recorded.is_absolute() else kept
 
 
 def answer_links(results_dir: str | os.PathLike, *, remeasure: bool) -> dict[str, Any] | None:
@@ -336,28 +350,32 @@ def answer_links(results_dir: str | os.PathLike, *, remeasure: bool) -> dict[str
     if (out / ANSWER_LINKS).is_file() and not remeasure:
         return dict(json.loads((out / ANSWER_LINKS).read_text()))
     world_size = max(int(many["world_size"]) for _, many in pairs)
-    link = comms.measure_links(world_size=world_size, busy_s=comms.TRAINING_BUSY_S, reps=comms.TRAINING_REPS,
-                               statistic="mean")
+    link = comms.measure_links(world_size=world_size, backend="gloo", busy_s=comms.TRAINING_BUSY_S,
+                               reps=comms.TRAINING_REPS, statistic="mean")
     fit = {**link_fit_json(link, raw=True), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "load_average": list(os.getloadavg())}
     write_json_atomic(out / ANSWER_LINKS, fit)
     return fit
 
 
-def answer_check(results_dir: str | os.PathLike, link_fit: Any) -> Any:
+def answer_check(results_dir: str | os.PathLike, link_fit: dict[str, Any]) -> Any:
     """The answer's ranks way on this machine: each N-rank point PREDICTED from the 1-rank run of the same strategy
-    and micro-batch (`calibrated`, every run summarised by its mean step, `link_fit`), beside the N-rank run's
-    measured mean step (a DataFrame; empty when the answer has no ranks way or its runs are not here)."""
+    and micro-batch (`calibrated`, every run summarised by its mean step, `link_fit` refitted by the mean), beside
+    the N-rank run's measured mean step (a DataFrame; empty when the answer has no ranks way or its runs are not
+    here; a pair whose runs recorded no step time is left out)."""
     import pandas as pd
 
     out = Path(results_dir)
+    fit = link_fits(link_fit, "mean")
     rows = []
     for one, many in answer_pairs(pd.read_csv(out / "results.csv")):
         one_dir, many_dir = _run_dir(out, one), _run_dir(out, many)
         if not (one_dir.is_dir() and many_dir.is_dir()):
             continue
         base, measured = read_run(one_dir, "mean"), read_run(many_dir, "mean")
-        pred = calibrated(base, link_fit, world_size=measured.world_size, threads_per_rank=measured.threads_per_rank)
+        if base.step_time_s <= 0 or measured.step_time_s <= 0:
+            continue
+        pred = calibrated(base, fit, world_size=measured.world_size, threads_per_rank=measured.threads_per_rank)
         rows.append({"strategy": many["strategy"], "micro_batch": int(many["micro_batch"]),
                      "world_size": measured.world_size, "measured_1_rank_s": base.step_time_s,
                      "predicted_s": pred["step_time_s"], "measured_s": measured.step_time_s,
@@ -367,9 +385,10 @@ def answer_check(results_dir: str | os.PathLike, link_fit: Any) -> Any:
                                        "measured_s", "predicted_comm_s", "error"])
 
 
-def report_section(results_dir: str | os.PathLike) -> str:
+def report_section(results_dir: str | os.PathLike, link_fit: dict[str, Any] | None) -> str:
     """report.html's "checked on this machine" section: the answer's N-rank points PREDICTED from its 1-rank runs
-    beside what they measured, or why there is no such check."""
+    with `link_fit` (`answer_links`; None: the answer has no ranks way) beside what they measured, or why there is
+    no such check."""
     import html
 
     head = ("<section id='predicted-this-machine'><h2>The predictor checked on this machine</h2>"
@@ -378,10 +397,9 @@ def report_section(results_dir: str | os.PathLike) -> str:
             "DeepSpeed's collectives timed with the link as training meets it, measured here: "
             f"<code>{ANSWER_LINKS}</code>), beside what it measured; every run summarised by its mean step "
             "(docs/predict.md).</p>")
-    fit = answer_links(results_dir, remeasure=False)
-    table = answer_check(results_dir, fit) if fit is not None else None
+    table = answer_check(results_dir, link_fit) if link_fit is not None else None
     if table is None or table.empty:
-        why = ("this answer has no ranks way to check" if fit is None else
+        why = ("this answer has no ranks way to check" if link_fit is None else
                "the runs of its ranks way are not in this results dir")
         return head + f"<p>No check: {html.escape(why)}.</p></section>"
     lines = ["<table><tr><th>strategy</th><th>micro-batch</th><th>ranks</th><th>1 rank, measured (ms)</th>"

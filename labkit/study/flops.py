@@ -197,6 +197,13 @@ class Transformer:
         activation): ZeRO-3 hooks them too. Counted on Hugging Face's model at 1 and 2 layers, extrapolated."""
         return _paramless_modules(self.hidden, self.heads, self.dropout, self.layers)
 
+    def recomputed_modules(self) -> tuple[int, int]:
+        """(parameter-holding, parameter-free) submodules inside the blocks: what activation checkpointing runs
+        forward again in the backward (not the embeddings, ln_f or the head)."""
+        per_layer_paramless = (_paramless_modules(self.hidden, self.heads, self.dropout, 2)
+                               - _paramless_modules(self.hidden, self.heads, self.dropout, 1))
+        return 6 * self.layers, per_layer_paramless * self.layers
+
     def module_layout(self) -> list[list[int]]:
         """Each parameter-holding module's parameter sizes, in GPT2LMHeadModel's order (comms.module_layout's shape):
         wte, wpe, then per layer ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj, then ln_f (the LM head is tied)."""

@@ -78,15 +78,19 @@ class HostCosts:
     source: str
 
     def micro_step_s(self, ops: int, modules: int, paramless: int, stage: int | None,
-                     recomputed_forward: bool = False) -> float:
+                     recomputed: tuple[int, int] = (0, 0)) -> float:
         """`ops` launches, and at stage 3 the hooks of every module. Under activation checkpointing the backward
-        runs each block's forward again (torch/utils/checkpoint.py), and ZeRO-3's forward hooks fire on it too: a
-        third fetch per module beside the forward's and the backward's that the per-module figure was measured
-        over, counted as half that figure (assumed: the forward's half of the two)."""
-        per_module = 1.5 if recomputed_forward else 1.0
-        zero3 = (per_module * (modules * self.zero3_per_module_s + paramless * self.zero3_per_paramless_module_s)
-                 + self.zero3_per_micro_step_s) if stage == 3 else 0.0
-        return ops * self.launch_s + zero3
+        runs each block's forward again (torch/utils/checkpoint.py), and ZeRO-3's forward hooks fire on it too:
+        `recomputed` (parameter-holding, parameter-free) modules get a third fetch beside the forward's and the
+        backward's that the per-module figures were measured over, counted as half those figures. Assumed, and
+        uncertain both ways: the forward's half of the two, and the backward's fetch right after the recomputation
+        may then find the parameters already gathered."""
+        if stage != 3:
+            return ops * self.launch_s
+        hooked_modules = modules + 0.5 * recomputed[0]
+        hooked_paramless = paramless + 0.5 * recomputed[1]
+        return (ops * self.launch_s + hooked_modules * self.zero3_per_module_s
+                + hooked_paramless * self.zero3_per_paramless_module_s + self.zero3_per_micro_step_s)
 
 
 def host_costs(gpu: GPU) -> HostCosts:
@@ -125,6 +129,8 @@ class Workload(Protocol):
 
     def module_layout(self) -> list[list[int]]: ...
 
+    def recomputed_modules(self) -> tuple[int, int]: ...
+
     def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts: ...
 
 
@@ -161,6 +167,9 @@ class TransformerWorkload:
 
     def module_layout(self) -> list[list[int]]:
         return self.shape.module_layout()
+
+    def recomputed_modules(self) -> tuple[int, int]:
+        return self.shape.recomputed_modules()
 
     def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts:
         dtype = "fp32" if precision == "fp32" else precision
@@ -207,6 +216,9 @@ class ModuleWorkload:
 
     def module_layout(self) -> list[list[int]]:
         return self.layout
+
+    def recomputed_modules(self) -> tuple[int, int]:
+        return (0, 0)  # the lab's models do not checkpoint (costs() refuses it)
 
     def census(self, micro_batch: int, precision: str) -> flops.Census:
         key = (micro_batch, precision)
@@ -407,7 +419,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     # The host issues the GPU's work asynchronously, so a micro-step takes the longer of the device's compute and the
     # host's work to issue it: an op launch per kernel, and ZeRO-3's per-module fetch hooks (HostCosts).
     host_s = host_costs(gpu).micro_step_s(costs.ops, workload.param_modules, workload.paramless_modules, stage,
-                                          recomputed_forward=activation_checkpointing)
+                                          workload.recomputed_modules() if activation_checkpointing else (0, 0))
     if host_s > costs.forward_s + costs.backward_s:
         scale = host_s / (costs.forward_s + costs.backward_s)
         costs = dataclasses.replace(costs, forward_s=costs.forward_s * scale, backward_s=costs.backward_s * scale)

@@ -157,7 +157,12 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
     if args.links:
         if not Path(args.links).is_file():
             raise _bad("links", f"no such link fit: {args.links}")
-        fit = json.loads(Path(args.links).read_text())
+        from labkit.study.calibrate import link_fits
+
+        try:
+            fit = link_fits(json.loads(Path(args.links).read_text()), "mean")  # the run's steps: their mean
+        except ValueError as exc:
+            raise _bad("links", str(exc)) from None
     else:
         from labkit.study import comms
 
