@@ -9,7 +9,8 @@
    the GEMM roofline against every GEMM of that grid (the model takes only its best GEMM from it).
 2. This machine: calibrated on 1-rank runs (the answer's ci MLP, every strategy, micro-batch 16/64/256, one thread
    per rank), the 2-rank points predicted with the link fit measured here as training meets it
-   (labkit.study.comms.measure_links after compute, the mean call) and set against 2-rank runs of the same configs,
+   (labkit.study.comms.measure_training_links: after 0.25-4 ms of compute, the mean call, read at each run's own
+   compute per collective) and set against 2-rank runs of the same configs,
    measured in alternating 1-rank / 2-rank pairs, each run summarised by its mean step. Goal: median |error| <= 15%,
    every point <= 30%.
 """
@@ -79,6 +80,10 @@ def measure(out: Path) -> None:
         (out / "links.json").write_text(json.dumps({**link_fit_json(link, raw=True),
                                                     "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                                     "load_average": list(os.getloadavg())}, indent=2))
+    if not (out / "links_grid.json").exists():  # the same at every setting of the grid: what the check reads
+        (out / "links_grid.json").write_text(json.dumps({**comms.measure_training_links(world_size=2),
+                                                         "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                                         "load_average": list(os.getloadavg())}))
     from labkit.study.calibrate import measure_zero3_fetch_s
 
     host = measure_zero3_fetch_s()

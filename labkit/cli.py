@@ -327,8 +327,8 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
     predict.add_argument("--world-size", type=int, default=None, help="--from: ranks to predict")
     predict.add_argument("--threads-per-rank", type=int, default=None, help="--from: CPU threads per rank")
     predict.add_argument("--links", default=None, metavar="JSON",
-                         help="--from: a saved link fit (default: measure_links on this machine as training "
-                         "meets the link, the mean call after compute, ~10-30 s)")
+                         help="--from: a saved link fit (default: measured on this machine as training meets the "
+                         "link, after 0.25-4 ms of compute, the mean call; ~1 min for 2 ranks on 2 cores)")
     predict.add_argument("--format", choices=("table", "json"), default="table",
                          help="table: for people; json: every key (step_time_s, samples_per_s, ...), for scripts")
     predict.set_defaults(func=cmd_predict)

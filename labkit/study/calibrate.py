@@ -150,7 +150,7 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
     cores = cores or os.cpu_count() or 1
     new_threads = threads_per_rank or (config.threads_per_rank if world_size is None and config.threads_per_rank
                                        else max(1, cores // new_n))
-    links = FittedLinks(link_fit)
+    links_at = _links_model(link_fit)
     precision = run.config.get("precision", "fp32")
 
     def rows(stage_: int | None, n: int, m_accum: int) -> list[Any]:
@@ -167,7 +167,11 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
 
     # What the measured run spent communicating (predicted with the same link fit), taken out of its step time (the
     # step, not the sum of its phases: one statistic over whole steps, the same one the prediction is compared with).
-    had = comm_time(rows(old_stage, old_n, accum), links, old_n, grad_accum=accum, hide_behind={})
+    old_rows = rows(old_stage, old_n, accum)
+    # A link measured at several settings is read at the run's compute per collective (its step, for a measured
+    # N-rank run, which includes the communication: an approximation).
+    had = comm_time(old_rows, links_at(run.step_time_s / _calls(old_rows)), old_n, grad_accum=accum,
+                    hide_behind={})
     compute_old = max(run.step_time_s - had.total_s, 0.0)
     optimizer_old = max(run.optimizer_s - sum(r["seconds_per_step"] for r in had.rows if r["phase"] == "optimizer"),
                         0.0)
@@ -183,7 +187,9 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
     optimizer_new = optimizer_old * speed * partition_ranks(old_stage, old_n) / partition_ranks(new_stage, new_n)
     spare = cores > new_n * new_threads
     share = micro_new / 2  # forward ~ 1/3, backward ~ 2/3 of a micro-step; only used when a core is spare
-    comm = comm_time(rows(new_stage, new_n, accum), links, new_n, grad_accum=accum,
+    new_rows = rows(new_stage, new_n, accum)
+    busy = (accum * micro_new + optimizer_new) / _calls(new_rows)  # the compute between two of its collectives
+    comm = comm_time(new_rows, links_at(busy), new_n, grad_accum=accum,
                      hide_behind={"forward": share, "backward": share} if spare else {})
     step = accum * micro_new + optimizer_new + comm.exposed_s
     global_batch = new_m * accum * new_n
@@ -192,7 +198,26 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
             "global_batch": global_batch, "step_time_s": step, "samples_per_s": global_batch / step,
             "compute_s": accum * micro_new + optimizer_new, "optimizer_s": optimizer_new, "comm_s": comm.total_s,
             "exposed_comm_s": comm.exposed_s, "offload_s": 0.0, "measured_step_time_s": run.step_time_s,
-            "collectives": comm.rows}
+            "compute_per_collective_s": busy, "collectives": comm.rows}
+
+
+def _calls(rows: list[Any]) -> float:
+    """Collectives per optimizer step (at least 1, so a run without any divides by 1)."""
+    return max(1.0, float(sum(c.per_step for c in rows)))
+
+
+def _links_model(link_fit: Any) -> Any:
+    """busy_s -> FittedLinks: a link fit measured at several settings of the compute before each call (`raw` rows
+    with `busy_s`: comms.measure_training_links) read at `busy_s` (comms.fits_at, by its statistic); any other fit
+    the same at every setting."""
+    from labkit.study import comms
+
+    raw = link_fit.get("raw") if isinstance(link_fit, dict) else None
+    if raw and "busy_s" in raw[0]:
+        world_size, statistic = int(link_fit["world_size"]), str(link_fit.get("statistic", "mean"))
+        return lambda busy_s: FittedLinks({"fits": comms.fits_at(raw, world_size, statistic, busy_s)})
+    links = FittedLinks(link_fit)
+    return lambda busy_s: links
 
 
 def link_fits(fit: dict[str, Any], statistic: str) -> dict[str, Any]:
@@ -202,6 +227,8 @@ def link_fits(fit: dict[str, Any], statistic: str) -> dict[str, Any]:
     link a training step meets, and would predict a mean step far too short)."""
     from labkit.study import comms
 
+    if fit.get("raw") and "busy_s" in fit["raw"][0]:
+        return {**fit, "statistic": statistic}  # measured at several settings: read at each run's own (calibrated)
     if fit.get("raw"):
         fits = comms.fit_links(fit["raw"], int(fit["world_size"]), statistic)
         return {**fit, "statistic": statistic,
@@ -215,11 +242,12 @@ def link_fits(fit: dict[str, Any], statistic: str) -> dict[str, Any]:
     return fit
 
 
-def cpu_comparison(data_dir: str | os.PathLike, statistic: str = "mean") -> Any:
+def cpu_comparison(data_dir: str | os.PathLike, statistic: str = "mean",
+                   links: str | os.PathLike | None = None) -> Any:
     """Every 2-rank point of `data_dir/runs.csv` PREDICTED from the 1-rank run of the same strategy and
-    micro-batch with the link fit `data_dir/links.json`, beside the measured 2-rank step time (a DataFrame).
-    `statistic`: the runs' per-step summary to compare (`STATISTICS`); the link's timed calls (links.json's `raw`)
-    are fitted by the same statistic, so both sides are summarised alike."""
+    micro-batch, beside the measured 2-rank step time (a DataFrame). The link: `links` (default `links_grid.json`,
+    measured at several settings and read at each run's compute per collective, else `links.json`), its timed calls
+    fitted by `statistic`, the runs' per-step summary (`STATISTICS`), so both sides are summarised alike."""
     import json
 
     import pandas as pd
@@ -227,7 +255,9 @@ def cpu_comparison(data_dir: str | os.PathLike, statistic: str = "mean") -> Any:
     data = Path(data_dir)
     runs = pd.read_csv(data / "runs.csv")
     runs = runs[runs["statistic"] == statistic] if "statistic" in runs else runs
-    fit = link_fits(json.loads((data / "links.json").read_text()), statistic)
+    links = Path(links) if links else (data / "links_grid.json" if (data / "links_grid.json").exists()
+                                        else data / "links.json")
+    fit = link_fits(json.loads(links.read_text()), statistic)
     machine = json.loads((data / "machine.json").read_text()) if (data / "machine.json").exists() else {}
     cores = int(machine.get("cpu_cores") or 2)
     rows = []
@@ -245,6 +275,7 @@ def cpu_comparison(data_dir: str | os.PathLike, statistic: str = "mean") -> Any:
                      "measured_1_rank_s": float(base["step_time_s"]), "predicted_2_rank_s": pred["step_time_s"],
                      "measured_2_rank_s": float(two["step_time_s"]),
                      "predicted_comm_s": pred["exposed_comm_s"],
+                     "compute_per_collective_s": pred["compute_per_collective_s"],
                      "error": pred["step_time_s"] / float(two["step_time_s"]) - 1})
     return pd.DataFrame(rows)
 
@@ -394,9 +425,9 @@ def report_section(results_dir: str | os.PathLike, link_fit: dict[str, Any] | No
     head = ("<section id='predicted-this-machine'><h2>The predictor checked on this machine</h2>"
             "<p>Each multi-rank point of the ranks way <b>predicted</b> from the 1-rank run of the same strategy and "
             "micro-batch (<code>labkit predict --from RUN_DIR --world-size N</code>: its measured compute, "
-            "DeepSpeed's collectives timed with the link as training meets it, measured here: "
-            f"<code>{ANSWER_LINKS}</code>), beside what it measured; every run summarised by its mean step "
-            "(docs/predict.md).</p>")
+            "DeepSpeed's collectives timed with the link as training meets it, measured here after 2 ms of compute, "
+            f"one setting to keep the answer short: <code>{ANSWER_LINKS}</code>), beside what it measured; every run "
+            "summarised by its mean step (docs/predict.md).</p>")
     table = answer_check(results_dir, link_fit) if link_fit is not None else None
     if table is None or table.empty:
         why = ("this answer has no ranks way to check" if link_fit is None else

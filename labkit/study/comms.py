@@ -605,6 +605,11 @@ BENCH_WARMUP = 2
 # docs/predict.md has the check at 0.25-8 ms (it meets the goal at 2 ms only).
 TRAINING_BUSY_S = 2e-3
 TRAINING_REPS = 20  # timed calls per (op, size) when the mean is the statistic (5 are too few for a mean)
+# How long a call waits depends on the other rank's compute before it, so the link is also measured at several
+# settings and a prediction reads it at its own run's compute per collective (`measure_training_links`,
+# `fits_at`): 60 calls per size, since 20 leave each setting's fit too noisy to interpolate (docs/predict.md).
+TRAINING_BUSY_GRID_S = (0.25e-3, 0.5e-3, 1e-3, 2e-3, 3e-3, 4e-3)
+TRAINING_GRID_REPS = 60
 # How a size's timed calls are summarised before the fit: the fastest call (the link alone), or as the steps of
 # a run are (calibrate.STATISTICS): a step's mean is the sum of its parts' means, which no other statistic is.
 LINK_STATISTICS = ("fastest", "p10", "median", "mean")
@@ -697,6 +702,38 @@ def fit_links(raw: pd.DataFrame | Sequence[Mapping[str, Any]], world_size: int, 
     summary = table.groupby(["op", "msg_bytes"], as_index=False)["seconds"].agg(lambda s: summarise(s, statistic))
     return {op: fit_alpha_beta(op, world_size, list(group["msg_bytes"]), list(group["seconds"]))
             for op, group in summary.groupby("op", sort=False)}
+
+
+def fits_at(raw: pd.DataFrame | Sequence[Mapping[str, Any]], world_size: int, statistic: str,
+            busy_s: float) -> dict[str, dict[str, float]]:
+    """Alpha and beta per operation at `busy_s` of compute before each call, from timed calls measured at several
+    settings (`raw` rows carry `busy_s`: `measure_training_links`): each setting fitted by `statistic`, then read
+    linearly between the two settings around `busy_s` (the nearest end outside them)."""
+    import numpy as np
+
+    table = pd.DataFrame(raw)
+    settings = sorted(table["busy_s"].unique())
+    fits = {b: fit_links(table[table["busy_s"] == b], world_size, statistic) for b in settings}
+    at = min(max(busy_s, settings[0]), settings[-1])
+    return {op: {"alpha_s": float(np.interp(at, settings, [fits[b][op].alpha_s for b in settings])),
+                 "beta_s_per_byte": float(np.interp(at, settings, [fits[b][op].beta_s_per_byte for b in settings]))}
+            for op in fits[settings[0]]}
+
+
+def measure_training_links(world_size: int = 2, backend: str | None = None) -> dict[str, Any]:
+    """The link as training meets it at every setting of `TRAINING_BUSY_GRID_S` (`TRAINING_GRID_REPS` calls per
+    size each; about a minute for 2 ranks on 2 cores): JSON with every timed call and its setting (`raw`), which
+    `fits_at` reads at a run's own compute per collective."""
+    rows: list[dict[str, Any]] = []
+    link = None
+    for busy in TRAINING_BUSY_GRID_S:
+        link = measure_links(world_size=world_size, backend=backend, busy_s=busy, reps=TRAINING_GRID_REPS,
+                             statistic="mean")
+        rows += [{"busy_s": busy, "op": r["op"], "msg_bytes": int(r["msg_bytes"]), "rep": int(r["rep"]),
+                  "seconds": float(r["seconds"])} for r in link.raw.to_dict(orient="records")]
+    assert link is not None
+    return {"world_size": world_size, "backend": link.backend, "device": link.device, "statistic": "mean",
+            "busy_s": list(TRAINING_BUSY_GRID_S), "raw": rows}
 
 
 def _busy(seconds: float) -> None:

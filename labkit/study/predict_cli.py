@@ -15,7 +15,6 @@ from labkit.study.predict import (
     b_crit_from,
     find_gpu,
     lab_workload,
-    measure_links,
     predict,
     predicted_card,
     steps_to_target,
@@ -92,7 +91,22 @@ def _b_crit(args: Any) -> float | None:
 
 def cli(args: Any) -> int:
     """`labkit predict` (labkit.cli builds the parser). Every check runs before any counting or benchmark."""
+    import contextlib
     import json
+    import sys
+
+    # Libraries imported on the way (DeepSpeed's accelerator warning) write to stdout; the result is what a script
+    # reads there (--format json), so anything else goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        out = _prediction(args)
+    if args.format == "json":
+        print(json.dumps(out, indent=2, default=float))
+    else:
+        print(format_table(out))
+    return 0
+
+
+def _prediction(args: Any) -> dict[str, Any]:
 
     for name in ("gpus_per_node", "nodes", "micro_batch", "global_batch", "grad_accum", "world_size",
                  "threads_per_rank"):
@@ -128,11 +142,7 @@ def cli(args: Any) -> int:
         if args.card:
             out["card"] = predicted_card(workload, cluster, strategy=strategy, micro_batch=micro, precision=precision,
                                          activation_checkpointing=args.activation_checkpointing, b_crit=b_crit)
-    if args.format == "json":
-        print(json.dumps(out, indent=2, default=float))
-    else:
-        print(format_table(out))
-    return 0
+    return out
 
 
 def _cli_from_run(args: Any) -> dict[str, Any]:
@@ -166,9 +176,9 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
     else:
         from labkit.study import comms
 
-        # the link as training meets it, summarised as the run's steps are (their mean)
-        fit = measure_links(world_size=max(2, args.world_size or run.world_size), busy_s=comms.TRAINING_BUSY_S,
-                            reps=comms.TRAINING_REPS, statistic="mean")
+        # the link as training meets it at several settings of the compute before each call, read at the run's own
+        # compute per collective, every call summarised as the run's steps are (their mean)
+        fit = comms.measure_training_links(world_size=max(2, args.world_size or run.world_size))
     return calibrated(run, fit, world_size=args.world_size, micro_batch=args.micro_batch, stage=stage,
                       threads_per_rank=args.threads_per_rank)
 

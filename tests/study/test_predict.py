@@ -335,6 +335,11 @@ def test_from_a_run_on_the_command_line_labels_the_measured_step_measured(tmp_pa
     assert any(line.split()[:2] == ["measured", "measured_step_time_s"] for line in lines)
     assert any(line.split()[:2] == ["predicted", "step_time_s"] for line in lines)
     assert main(["predict", "--from", str(tmp_path), "--links", str(tmp_path / "none.json")]) == 2
+    capsys.readouterr()
+    # --format json: stdout is the JSON alone (what imported libraries print goes to stderr)
+    assert main(["predict", "--from", str(tmp_path), "--world-size", "2", "--links", str(links), "--format",
+                 "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["compute_per_collective_s"] > 0
     # a fit of the link alone (the fastest calls after a barrier, no calls kept to refit) is refused for a mean step
     links.write_text(json.dumps({**FIT, "statistic": "fastest"}))
     assert main(["predict", "--from", str(tmp_path), "--world-size", "2", "--links", str(links)]) == 2

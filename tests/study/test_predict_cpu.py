@@ -42,8 +42,21 @@ def test_every_2_rank_point_is_predicted(statistic):
 def test_the_issues_goal_on_this_machine(data):
     """A regression check on two committed passes, each with its own link fit (measured one after the other on the
     quiet machine); a run's time is its steps x their mean step (docs/predict.md, "This machine")."""
-    errors = C.cpu_comparison(data, "mean")["error"].abs()
+    errors = C.cpu_comparison(data, "mean", links=DATA / "links_grid.json")["error"].abs()
     assert errors.median() <= GOAL_MEDIAN and errors.max() <= GOAL_MAX
+
+
+def test_the_link_grid_is_read_at_each_runs_own_compute_per_collective():
+    grid = json.loads((DATA / "links_grid.json").read_text())
+    raw = pd.DataFrame(grid["raw"])
+    assert sorted(raw["busy_s"].unique()) == sorted(comms.TRAINING_BUSY_GRID_S)
+    assert raw.groupby(["busy_s", "op", "msg_bytes"]).size().min() == comms.TRAINING_GRID_REPS
+    # what the docs teach from it: a call waits longer when the other rank computed longer before it
+    short, long = (comms.fits_at(raw, 2, "mean", b)["all_reduce"]["alpha_s"] for b in (0.25e-3, 4e-3))
+    assert long > 2 * short
+    table = C.cpu_comparison(DATA)  # the grid by default
+    assert table["compute_per_collective_s"].between(0.25e-3, 8e-3).all()
+    assert table["compute_per_collective_s"].nunique() == len(table)  # each run read at its own
 
 
 def test_the_link_fit_is_the_one_training_meets_and_keeps_every_call():
