@@ -600,9 +600,9 @@ BENCH_WARMUP = 2
 # "As training meets the link": each rank computes between calls (one thread, no barrier), as a training step does
 # between its collectives, so a call's time includes waiting for the peer and waking a rank that blocked. On a CPU
 # whose cores are all ranks this is most of a small collective's cost (figures: docs/predict.md, "This machine").
-# 2 ms: chosen, after the barrier-and-fastest-call fit had failed the check, as the order of the ci model's compute
-# between collectives (1-5 ms per micro-step here). The cost it measures depends on it, and so does the check:
-# docs/predict.md has the check at 0.25-8 ms (it meets the goal at 2 ms only).
+# One setting, where one must do (the answer's report times the link in ~7 s): 2 ms, the order of the ci model's
+# compute between collectives. What it measures depends on it (docs/predict.md has the check at 0.25-8 ms), so
+# predictions read the link at their own run's compute per collective instead (the grid below).
 TRAINING_BUSY_S = 2e-3
 TRAINING_REPS = 20  # timed calls per (op, size) when the mean is the statistic (5 are too few for a mean)
 # How long a call waits depends on the other rank's compute before it, so the link is also measured at several
