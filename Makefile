@@ -63,15 +63,16 @@ wheelhouse-proof: install
 ops: install
 	$(BIN)/python -m labkit.runtime.ops
 
-# JupyterLab on 127.0.0.1 only, token auth on (the URL with the token is printed).
+# JupyterLab on 127.0.0.1 only, token auth on (the URL with the token is printed). The tools run as
+# `python -m`: a venv made on top of another (node_venv's .pth) sees them installed there and has no scripts of its own.
 lab: ops
-	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --no-browser $(ROOT_FLAG) \
+	$(BIN)/python -m jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --no-browser $(ROOT_FLAG) \
 		--ServerApp.root_dir=$(CURDIR)/notebooks
 
 # ruff (lint + import order, notebooks too) and mypy on labkit/: both must be clean.
 lint: install
-	$(BIN)/ruff check .
-	$(BIN)/mypy
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m mypy
 
 # Linters, unit tests, real-run tests, fault suite, browser test, and every notebook through nbval.
 test: ops lint
@@ -90,7 +91,7 @@ DOCS := build/docs
 docs: ops
 	mkdir -p $(DOCS)
 	cd notebooks && for nb in *.ipynb; do \
-		LABKIT_PROFILE=ci ../$(BIN)/jupyter nbconvert --to html --execute \
+		LABKIT_PROFILE=ci ../$(BIN)/python -m jupyter nbconvert --to html --execute \
 			--ExecutePreprocessor.timeout=900 --output-dir ../$(DOCS) "$$nb" || exit 1; \
 	done
 	@echo "HTML with outputs in $(DOCS)/"
