@@ -206,29 +206,53 @@ def _calls(rows: list[Any]) -> float:
     return max(1.0, float(sum(c.per_step for c in rows)))
 
 
-def _links_model(link_fit: Any) -> Any:
-    """busy_s -> FittedLinks: a link fit measured at several settings of the compute before each call (`raw` rows
-    with `busy_s`: comms.measure_training_links) read at `busy_s` (comms.fits_at, by its statistic); any other fit
-    the same at every setting."""
-    from labkit.study import comms
+def _at_settings(fit: Any) -> bool:
+    """A link fit's JSON measured at several settings of the compute before each call (its `raw` rows carry
+    `busy_s`: comms.measure_training_links)."""
+    raw = fit.get("raw") if isinstance(fit, dict) else None
+    return raw is not None and len(raw) > 0 and "busy_s" in raw[0]
 
-    raw = link_fit.get("raw") if isinstance(link_fit, dict) else None
-    if raw and "busy_s" in raw[0]:
-        world_size, statistic = int(link_fit["world_size"]), str(link_fit.get("statistic", "mean"))
-        return lambda busy_s: FittedLinks({"fits": comms.fits_at(raw, world_size, statistic, busy_s)})
+
+@dataclass(frozen=True)
+class LinkSettings:
+    """A link measured at several settings of the compute before each call, fitted once per setting
+    (comms.fit_settings): `at(busy_s)` reads it at one run's compute per collective."""
+
+    fits: dict[float, dict[str, Any]]
+
+    @classmethod
+    def of(cls, fit: dict[str, Any]) -> LinkSettings:
+        from labkit.study import comms
+
+        return cls(comms.fit_settings(fit["raw"], int(fit["world_size"]), str(fit.get("statistic", "mean"))))
+
+    def at(self, busy_s: float) -> FittedLinks:
+        from labkit.study import comms
+
+        return FittedLinks({"fits": comms.read_settings(self.fits, busy_s)})
+
+
+def _links_model(link_fit: Any) -> Any:
+    """busy_s -> FittedLinks: a link measured at several settings read at `busy_s` (LinkSettings); any other fit
+    the same at every setting."""
+    if isinstance(link_fit, LinkSettings):
+        return link_fit.at
+    if _at_settings(link_fit):
+        return LinkSettings.of(link_fit).at
     links = FittedLinks(link_fit)
     return lambda busy_s: links
 
 
-def link_fits(fit: dict[str, Any], statistic: str) -> dict[str, Any]:
+def link_fits(fit: dict[str, Any], statistic: str) -> dict[str, Any] | LinkSettings:
     """A link fit's JSON (`predict.link_fit_json`) with its calls summarised by `statistic`, the statistic of the runs
-    it times: refitted from its timed calls (`raw`) when it kept them, else as it is if it was fitted by that
+    it times: refitted from its timed calls (`raw`) when it kept them (measured at several settings: fitted once per
+    setting, a LinkSettings that `calibrated` reads at each run's own), else as it is if it was fitted by that
     statistic; otherwise a ValueError (a fit of the fastest calls after a barrier times the link alone, not the
     link a training step meets, and would predict a mean step far too short)."""
     from labkit.study import comms
 
-    if fit.get("raw") and "busy_s" in fit["raw"][0]:
-        return {**fit, "statistic": statistic}  # measured at several settings: read at each run's own (calibrated)
+    if _at_settings(fit):
+        return LinkSettings.of({**fit, "statistic": statistic})
     if fit.get("raw"):
         fits = comms.fit_links(fit["raw"], int(fit["world_size"]), statistic)
         return {**fit, "statistic": statistic,
@@ -237,8 +261,7 @@ def link_fits(fit: dict[str, Any], statistic: str) -> dict[str, Any]:
     if measured_by != statistic:
         raise ValueError(f"this link fit summarises its calls by {measured_by!r} and kept none to refit; the run's "
                          f"steps are summarised by {statistic!r}: measure the link as training meets it "
-                         "(labkit predict --from without --links writes none; comms.measure_links(busy_s=comms."
-                         "TRAINING_BUSY_S, reps=comms.TRAINING_REPS, statistic='mean'))")
+                         "(leave out --links, or save comms.measure_training_links() as JSON)")
     return fit
 
 

@@ -704,20 +704,32 @@ def fit_links(raw: pd.DataFrame | Sequence[Mapping[str, Any]], world_size: int, 
             for op, group in summary.groupby("op", sort=False)}
 
 
-def fits_at(raw: pd.DataFrame | Sequence[Mapping[str, Any]], world_size: int, statistic: str,
-            busy_s: float) -> dict[str, dict[str, float]]:
-    """Alpha and beta per operation at `busy_s` of compute before each call, from timed calls measured at several
-    settings (`raw` rows carry `busy_s`: `measure_training_links`): each setting fitted by `statistic`, then read
-    linearly between the two settings around `busy_s` (the nearest end outside them)."""
+def fit_settings(raw: pd.DataFrame | Sequence[Mapping[str, Any]], world_size: int,
+                 statistic: str) -> dict[float, dict[str, OpFit]]:
+    """Timed calls measured at several settings of the compute before each call (`raw` rows carry `busy_s`:
+    `measure_training_links`), fitted per setting by `statistic` (`fit_links`)."""
+    table = pd.DataFrame(raw)
+    return {float(b): fit_links(table[table["busy_s"] == b], world_size, statistic)
+            for b in sorted(table["busy_s"].unique())}
+
+
+def read_settings(fits: Mapping[float, Mapping[str, OpFit]], busy_s: float) -> dict[str, dict[str, float]]:
+    """Alpha and beta per operation at `busy_s`, read linearly between the two fitted settings around it
+    (`fit_settings`; the nearest end outside them)."""
     import numpy as np
 
-    table = pd.DataFrame(raw)
-    settings = sorted(table["busy_s"].unique())
-    fits = {b: fit_links(table[table["busy_s"] == b], world_size, statistic) for b in settings}
+    settings = sorted(fits)
     at = min(max(busy_s, settings[0]), settings[-1])
     return {op: {"alpha_s": float(np.interp(at, settings, [fits[b][op].alpha_s for b in settings])),
                  "beta_s_per_byte": float(np.interp(at, settings, [fits[b][op].beta_s_per_byte for b in settings]))}
             for op in fits[settings[0]]}
+
+
+def fits_at(raw: pd.DataFrame | Sequence[Mapping[str, Any]], world_size: int, statistic: str,
+            busy_s: float) -> dict[str, dict[str, float]]:
+    """Alpha and beta per operation at `busy_s` of compute before each call: `fit_settings`, then `read_settings`
+    (fit once and read many times where many runs are predicted)."""
+    return read_settings(fit_settings(raw, world_size, statistic), busy_s)
 
 
 def measure_training_links(world_size: int = 2, backend: str | None = None) -> dict[str, Any]:
@@ -811,7 +823,8 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = BENCH_SIZES, ops: 
 
     By default each call follows a barrier and the fit takes each size's fastest call: the link alone. With
     `busy_s` each rank computes that long before each call instead, and `statistic="mean"` fits the mean call:
-    the link as training meets it (`TRAINING_BUSY_S`, `TRAINING_REPS`; what `labkit predict --from` uses)."""
+    the link as training meets it, at one setting (`TRAINING_BUSY_S`, `TRAINING_REPS`: the answer's report check);
+    `measure_training_links` measures it at several (what `labkit predict --from` uses)."""
     import contextlib
     import subprocess
     import sys

@@ -107,7 +107,7 @@ def cli(args: Any) -> int:
 
 
 def _prediction(args: Any) -> dict[str, Any]:
-
+    """What `labkit predict` prints: a prediction from the flags, or calibrated on a run (`--from`)."""
     for name in ("gpus_per_node", "nodes", "micro_batch", "global_batch", "grad_accum", "world_size",
                  "threads_per_rank"):
         value = getattr(args, name, None)
