@@ -128,7 +128,7 @@ class LabPanel:
         values = {name: spec.default for name, spec in FIELDS.items()}
         values.update(defaults)
         max_ranks = detect_devices().max_ranks
-        wide = {"description_width": "120px"}
+        wide = {"description_width": "140px"}  # the longest label, "grad. accumulation", is 126 px in Chromium
 
         # Every control is named after the RunConfig field it sets and shows the field's help as its tooltip.
         descriptions = {

@@ -92,6 +92,10 @@ def test_panel_launches_plots_stops_and_compares(tmp_path: Path, chromium: str) 
         assert status_text(page) == "status: idle"
         harness.wait_for_charts(page, 4)
         assert [len(chart) for chart in harness.plotly_traces(page)] == [0, 0, 0, 0]  # nothing launched yet
+        # Every control's label reads in full (a description wider than its box is cut with an ellipsis).
+        cut = page.evaluate("() => [...document.querySelectorAll('.widget-label')].filter(e => e.offsetParent "
+                            "!== null && e.scrollWidth > e.clientWidth).map(e => e.textContent)")
+        assert cut == [], f"control labels cut off: {cut}"
 
         # -- run 1: Launch, follow it to the end ------------------------------------------
         harness.click_button(page, "Launch")
