@@ -135,8 +135,9 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
                device: CpuDevice | None = None) -> dict[str, Any]:
     """The same training as `run`, PREDICTED at another world size, micro-batch or ZeRO stage on this machine:
     the run's measured compute per micro-step (less the communication it had, predicted), the optimizer's measured
-    time over the parameters a rank owns, and DeepSpeed's collectives timed with `link_fit` (measure_links on this
-    machine). CPU ranks share the machine's cores: each computes on `effective_cores`."""
+    time over the parameters a rank owns, and DeepSpeed's collectives timed with `link_fit` (a link fit's JSON as
+    `link_fits` returns it: a LinkSettings for a link measured at several settings). CPU ranks share the machine's
+    cores: each computes on `effective_cores`."""
     from labkit.core.config import RunConfig
 
     config = RunConfig.from_dict({k: v for k, v in run.config.items() if k in RunConfig.__dataclass_fields__})
@@ -233,12 +234,10 @@ class LinkSettings:
 
 
 def _links_model(link_fit: Any) -> Any:
-    """busy_s -> FittedLinks: a link measured at several settings read at `busy_s` (LinkSettings); any other fit
-    the same at every setting."""
+    """busy_s -> FittedLinks: a link measured at several settings read at `busy_s` (LinkSettings, from `link_fits`);
+    any other fit the same at every setting."""
     if isinstance(link_fit, LinkSettings):
         return link_fit.at
-    if _at_settings(link_fit):
-        return LinkSettings.of(link_fit).at
     links = FittedLinks(link_fit)
     return lambda busy_s: links
 

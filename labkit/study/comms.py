@@ -607,7 +607,8 @@ TRAINING_BUSY_S = 2e-3
 TRAINING_REPS = 20  # timed calls per (op, size) when the mean is the statistic (5 are too few for a mean)
 # How long a call waits depends on the other rank's compute before it, so the link is also measured at several
 # settings and a prediction reads it at its own run's compute per collective (`measure_training_links`,
-# `fits_at`): 60 calls per size, since 20 leave each setting's fit too noisy to interpolate (docs/predict.md).
+# `fit_settings`, `read_settings`): 60 calls per size, since 20 leave each setting's fit too noisy to interpolate
+# (docs/predict.md).
 TRAINING_BUSY_GRID_S = (0.25e-3, 0.5e-3, 1e-3, 2e-3, 3e-3, 4e-3)
 TRAINING_GRID_REPS = 60
 # How a size's timed calls are summarised before the fit: the fastest call (the link alone), or as the steps of
@@ -725,17 +726,10 @@ def read_settings(fits: Mapping[float, Mapping[str, OpFit]], busy_s: float) -> d
             for op in fits[settings[0]]}
 
 
-def fits_at(raw: pd.DataFrame | Sequence[Mapping[str, Any]], world_size: int, statistic: str,
-            busy_s: float) -> dict[str, dict[str, float]]:
-    """Alpha and beta per operation at `busy_s` of compute before each call: `fit_settings`, then `read_settings`
-    (fit once and read many times where many runs are predicted)."""
-    return read_settings(fit_settings(raw, world_size, statistic), busy_s)
-
-
 def measure_training_links(world_size: int = 2, backend: str | None = None) -> dict[str, Any]:
     """The link as training meets it at every setting of `TRAINING_BUSY_GRID_S` (`TRAINING_GRID_REPS` calls per
     size each; about a minute for 2 ranks on 2 cores): JSON with every timed call and its setting (`raw`), which
-    `fits_at` reads at a run's own compute per collective."""
+    `fit_settings` fits and `read_settings` reads at a run's own compute per collective."""
     rows: list[dict[str, Any]] = []
     link = None
     for busy in TRAINING_BUSY_GRID_S:

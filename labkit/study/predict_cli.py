@@ -150,7 +150,7 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
 
     if args.transformer or args.model:
         raise _bad("from_run", "--from takes the model from the run")
-    from labkit.study.calibrate import calibrated, read_run
+    from labkit.study.calibrate import calibrated, link_fits, read_run
 
     if not Path(args.from_run).is_dir():
         raise _bad("from_run", f"no such run directory: {args.from_run}")
@@ -167,8 +167,6 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
     if args.links:
         if not Path(args.links).is_file():
             raise _bad("links", f"no such link fit: {args.links}")
-        from labkit.study.calibrate import link_fits
-
         try:
             fit = link_fits(json.loads(Path(args.links).read_text()), "mean")  # the run's steps: their mean
         except ValueError as exc:
@@ -178,7 +176,7 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
 
         # the link as training meets it at several settings of the compute before each call, read at the run's own
         # compute per collective, every call summarised as the run's steps are (their mean)
-        fit = comms.measure_training_links(world_size=max(2, args.world_size or run.world_size))
+        fit = link_fits(comms.measure_training_links(world_size=max(2, args.world_size or run.world_size)), "mean")
     return calibrated(run, fit, world_size=args.world_size, micro_batch=args.micro_batch, stage=stage,
                       threads_per_rank=args.threads_per_rank)
 

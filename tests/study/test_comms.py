@@ -391,14 +391,14 @@ def test_measure_links_as_training_meets_the_link_computes_between_calls():
     assert fit.alpha_s == pytest.approx(link.fits["all_reduce"].alpha_s)
 
 
-def test_fits_at_reads_the_link_between_the_settings_it_was_measured_at():
+def test_the_fitted_settings_are_read_between_the_settings_measured():
     def calls(busy, alpha):
         steps, factor = comms.ring_steps("all_reduce", 2), comms.ring_factor("all_reduce", 2)
         return [{"busy_s": busy, "op": "all_reduce", "msg_bytes": size, "seconds": steps * alpha + factor * size * 1e-9}
                 for size in (1024, 65536, 1 << 20) for _ in range(3)]
 
-    raw = calls(1e-3, 100e-6) + calls(3e-3, 300e-6)
-    assert comms.fits_at(raw, 2, "mean", 2e-3)["all_reduce"]["alpha_s"] == pytest.approx(200e-6, rel=1e-6)
-    assert comms.fits_at(raw, 2, "mean", 0.1e-3)["all_reduce"]["alpha_s"] == pytest.approx(100e-6, rel=1e-6)  # ends
-    assert comms.fits_at(raw, 2, "mean", 9e-3)["all_reduce"]["alpha_s"] == pytest.approx(300e-6, rel=1e-6)
-    assert comms.fits_at(raw, 2, "mean", 2e-3)["all_reduce"]["beta_s_per_byte"] == pytest.approx(1e-9, rel=1e-6)
+    fits = comms.fit_settings(calls(1e-3, 100e-6) + calls(3e-3, 300e-6), 2, "mean")
+    assert comms.read_settings(fits, 2e-3)["all_reduce"]["alpha_s"] == pytest.approx(200e-6, rel=1e-6)
+    assert comms.read_settings(fits, 0.1e-3)["all_reduce"]["alpha_s"] == pytest.approx(100e-6, rel=1e-6)  # ends
+    assert comms.read_settings(fits, 9e-3)["all_reduce"]["alpha_s"] == pytest.approx(300e-6, rel=1e-6)
+    assert comms.read_settings(fits, 2e-3)["all_reduce"]["beta_s_per_byte"] == pytest.approx(1e-9, rel=1e-6)

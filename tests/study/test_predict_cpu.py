@@ -52,7 +52,8 @@ def test_the_link_grid_is_read_at_each_runs_own_compute_per_collective():
     assert sorted(raw["busy_s"].unique()) == sorted(comms.TRAINING_BUSY_GRID_S)
     assert raw.groupby(["busy_s", "op", "msg_bytes"]).size().min() == comms.TRAINING_GRID_REPS
     # what the docs teach from it: a call waits longer when the other rank computed longer before it
-    short, long = (comms.fits_at(raw, 2, "mean", b)["all_reduce"]["alpha_s"] for b in (0.25e-3, 4e-3))
+    fits = comms.fit_settings(raw, 2, "mean")
+    short, long = (comms.read_settings(fits, b)["all_reduce"]["alpha_s"] for b in (0.25e-3, 4e-3))
     assert long > 2 * short
     table = C.cpu_comparison(DATA)  # the grid by default
     assert table["compute_per_collective_s"].between(0.25e-3, 8e-3).all()
