@@ -438,17 +438,11 @@ def checked_section(out: str | os.PathLike, *, remeasure: bool, is_cpu: bool,
     from its 1-rank runs (labkit.study.calibrate.report_section; the link measured here again when the sweep ran
     anything new), or why there is none: the measured report is never lost to a check that cannot be made. CPU
     answers only: the calibration models CPU ranks sharing cores, and its link benchmark computes on the host."""
-    import html
-
     from labkit.study import calibrate
 
-    def none(why: str) -> str:
-        return ("<section id='predicted-this-machine'><h2>The predictor checked on this machine</h2>"
-                f"<p>No check: {html.escape(why)}</p></section>")
-
     if not is_cpu:
-        return none("the calibration models CPU ranks (labkit predict --from predicts GPU runs too, with a link "
-                    "fit of your GPUs: --links)")
+        return calibrate.no_check_section("the calibration models CPU ranks (labkit predict --from predicts GPU runs "
+                                          "too, with a link fit of your GPUs: --links)")
     try:
         started = time.monotonic()
         fit = calibrate.answer_links(out, remeasure=remeasure)
@@ -456,7 +450,7 @@ def checked_section(out: str | os.PathLike, *, remeasure: bool, is_cpu: bool,
             say(f"predictor check: the link measured as training meets it in {time.monotonic() - started:.0f} s")
         return calibrate.report_section(out, fit)
     except Exception as error:
-        return none(f"{type(error).__name__}: {error}")
+        return calibrate.no_check_section(f"{type(error).__name__}: {error}")
 
 
 def predicted_section(out: str | os.PathLike) -> str:

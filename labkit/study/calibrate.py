@@ -359,6 +359,14 @@ def _fetch_probe() -> dict[str, Any]:
 
 # -- the answer's own ranks way, checked in its report ---------------------------------------------------------------
 ANSWER_LINKS = "links.json"  # in an answer's results dir: the link fit its check used (every timed call kept)
+CHECK_HEAD = "<section id='predicted-this-machine'><h2>The predictor checked on this machine</h2>"
+
+
+def no_check_section(why: str) -> str:
+    """report.html's "checked on this machine" section when there is no check, saying why."""
+    import html
+
+    return CHECK_HEAD + f"<p>No check: {html.escape(why)}.</p></section>"
 
 
 def answer_pairs(results: Any) -> list[tuple[Any, Any]]:
@@ -444,9 +452,9 @@ def report_section(results_dir: str | os.PathLike, link_fit: dict[str, Any] | No
     no such check."""
     import html
 
-    head = ("<section id='predicted-this-machine'><h2>The predictor checked on this machine</h2>"
-            "<p>Each multi-rank point of the ranks way <b>predicted</b> from the 1-rank run of the same strategy and "
-            "micro-batch (<code>labkit predict --from RUN_DIR --world-size N</code>: its measured compute, "
+    head = (CHECK_HEAD + "<p>Each multi-rank point of the ranks way <b>predicted</b> from the 1-rank run of the "
+            "same strategy and micro-batch (<code>labkit predict --from RUN_DIR --world-size N</code>: its measured "
+            "compute, "
             "DeepSpeed's collectives timed with the link as training meets it, measured here after 2 ms of compute, "
             f"one setting to keep the answer short: <code>{ANSWER_LINKS}</code>), beside what it measured; every run "
             "summarised by its mean step (docs/predict.md).</p>")
