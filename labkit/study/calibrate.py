@@ -454,10 +454,9 @@ def report_section(results_dir: str | os.PathLike, link_fit: dict[str, Any] | No
 
     head = (CHECK_HEAD + "<p>Each multi-rank point of the ranks way <b>predicted</b> from the 1-rank run of the "
             "same strategy and micro-batch (<code>labkit predict --from RUN_DIR --world-size N</code>: its measured "
-            "compute, "
-            "DeepSpeed's collectives timed with the link as training meets it, measured here after 2 ms of compute, "
-            f"one setting to keep the answer short: <code>{ANSWER_LINKS}</code>), beside what it measured; every run "
-            "summarised by its mean step (docs/predict.md).</p>")
+            "compute, DeepSpeed's collectives timed with the link as training meets it, measured here after 2 ms of "
+            f"compute, one setting to keep the answer short: <code>{ANSWER_LINKS}</code>), beside what it measured; "
+            "every run summarised by its mean step (docs/predict.md).</p>")
     table = answer_check(results_dir, link_fit) if link_fit is not None else None
     if table is None or table.empty:
         why = ("this answer has no ranks way to check" if link_fit is None else
