@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import tempfile
+import warnings
+
 # nbval waits a hard-coded 5 s for each output message once a cell has replied. In CI, on the 2-core
 # machine, one came later than that (notebook 04's cell that launches five DeepSpeed runs, while
 # other tests ran): a failure that says nothing about the notebook.
 NBVAL_OUTPUT_TIMEOUT_S = 120
+
+# A notebook's kernel that dies before its first reply is started once more. jupyter_client picks a kernel's TCP
+# ports by binding and releasing them before the kernel binds them (jupyter/jupyter_client#154), so another process
+# (a DeepSpeed run's gloo sockets, another kernel starting) can take one in between; the kernel then exits before
+# any cell runs: a failure that says nothing about the notebook (once in 17 fresh-clone CI runs).
+KERNEL_STARTS = 2
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -15,3 +24,35 @@ def pytest_collection_modifyitems(items) -> None:
         if type(item).__name__ == "IPyNbCell":
             item.output_timeout = NBVAL_OUTPUT_TIMEOUT_S
             item.add_marker(pytest.mark.slow)  # a notebook runs in a kernel, its own process
+
+
+def pytest_configure(config) -> None:
+    try:
+        from nbval import kernel
+    except ImportError:  # nbval is a test extra
+        return
+    if not getattr(kernel.start_new_kernel, "labkit_retries", False):
+        kernel.start_new_kernel = retrying_kernel_start(kernel.start_new_kernel)
+
+
+def retrying_kernel_start(start):
+    """nbval's `start_new_kernel`, tried up to KERNEL_STARTS times while the kernel dies before its first reply;
+    the dead kernel's stderr (which nbval discards) is kept to say why."""
+
+    def start_new_kernel(*args, **kwargs):
+        for attempt in range(1, KERNEL_STARTS + 1):
+            # the kernel keeps its own descriptor of this file after ours is closed
+            with tempfile.TemporaryFile(mode="w+") as stderr:
+                try:
+                    return start(*args, **{**kwargs, "stderr": stderr})
+                except RuntimeError as error:
+                    if "died before replying" not in str(error) or attempt == KERNEL_STARTS:
+                        raise
+                    stderr.seek(0)
+                    tail = stderr.read()[-2000:].strip() or "(nothing on its stderr)"
+                    warnings.warn(f"a Jupyter kernel died before its first reply ({error}); starting a new one. "
+                                  f"Its stderr: {tail}", stacklevel=2)
+        raise AssertionError("unreachable")
+
+    start_new_kernel.labkit_retries = True  # type: ignore[attr-defined]
+    return start_new_kernel
