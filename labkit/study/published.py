@@ -3,6 +3,7 @@ the predictor's figure for each: the check of `labkit.study.predict` against mea
 
 Where a source leaves a setting out, one rule fills it for every point (never a per-point choice):
 * micro-batch not stated: global batch / GPUs (no gradient accumulation);
+* global batch not stated: micro-batch x GPUs (no gradient accumulation either);
 * activation checkpointing not stated: on exactly when the predicted memory says the micro-batch does not fit
   without it (what a user of that code had to do);
 * `code` megatron-lm: the vocabulary is padded to a multiple of 128 (Megatron-LM's --make-vocab-size-divisible-by
@@ -71,9 +72,12 @@ def setup(row: Any) -> dict[str, Any]:
     intra = "auto" if _blank(row["intra"]) else str(row["intra"])
     cluster = Cluster(gpu=find_gpu(str(row["gpu"])), gpus_per_node=int(row["gpus_per_node"]), nodes=int(row["nodes"]),
                       intra=intra, inter_gbps=float(row["inter_gbps"] or 0))
-    gpus, global_batch = int(row["gpus"]), int(row["global_batch"])
+    gpus = int(row["gpus"])
     if gpus != cluster.world_size:
         raise ValueError(f"{row['point_id']}: gpus {gpus} != gpus_per_node x nodes {cluster.world_size}")
+    if _blank(row["global_batch"]) and _blank(row["micro_batch"]):
+        raise ValueError(f"{row['point_id']}: neither micro_batch nor global_batch is given")
+    global_batch = int(row["micro_batch"]) * gpus if _blank(row["global_batch"]) else int(row["global_batch"])
     micro = global_batch // gpus if _blank(row["micro_batch"]) else int(row["micro_batch"])
     accum = global_batch // (micro * gpus)
     if micro * accum * gpus != global_batch:
