@@ -2,7 +2,7 @@
 
     python tests/scripts/zero3_trace_probe.py PORT
 
-One process, gloo, a 4-block model, 5 steps per way to checkpoint (none, torch's reentrant and non-reentrant,
+One process, gloo, a 4-block model, 3 steps per way to checkpoint (none, torch's reentrant and non-reentrant,
 DeepSpeed's own), each on a fresh engine. ZeRO-3 prefetches only while its module trace is complete
 (deepspeed/runtime/zero/partitioned_param_coordinator.py: fetch_sub_module, trace_prologue); a recomputed forward
 that changed the module order would invalidate the trace every step and leave every gather unprefetched. Prints one
@@ -79,7 +79,7 @@ x = torch.randn(8, 16, requires_grad=True)
 for mode in MODES:
     model = Net(mode)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    for step in range(5):
+    for step in range(3):
         counts.clear()
         loss = engine(x)
         engine.backward(loss)
