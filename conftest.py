@@ -10,10 +10,11 @@ import warnings
 # other tests ran): a failure that says nothing about the notebook.
 NBVAL_OUTPUT_TIMEOUT_S = 120
 
-# A notebook's kernel that dies before its first reply is started once more. jupyter_client picks a kernel's TCP
-# ports by binding and releasing them before the kernel binds them (jupyter/jupyter_client#154), so another process
-# (a DeepSpeed run's gloo sockets, another kernel starting) can take one in between; the kernel then exits before
-# any cell runs: a failure that says nothing about the notebook (once in 17 fresh-clone CI runs).
+# A notebook's kernel that dies before its first reply is started once more, on new ports. jupyter_client picks a
+# kernel's TCP ports by binding and releasing them before the kernel binds them, so another process (a DeepSpeed
+# run's gloo sockets, another kernel starting) can take one in between and the kernel exits before any cell runs
+# (jupyter/jupyter_client#276, whose maintainers suggest this restart): a failure that says nothing about the
+# notebook (once in 17 fresh-clone CI runs).
 KERNEL_STARTS = 2
 
 
@@ -37,21 +38,28 @@ def pytest_configure(config) -> None:
 
 def retrying_kernel_start(start):
     """nbval's `start_new_kernel`, tried up to KERNEL_STARTS times while the kernel dies before its first reply;
-    the dead kernel's stderr (which nbval discards) is kept to say why."""
+    each dead kernel's stderr (which nbval discards) is kept to say why."""
 
     def start_new_kernel(*args, **kwargs):
+        discarded = kwargs.pop("stderr", None)  # nbval's own os.devnull handle
+        if discarded is not None:
+            discarded.close()
         for attempt in range(1, KERNEL_STARTS + 1):
-            # the kernel keeps its own descriptor of this file after ours is closed
+            # A file the kernel keeps writing to after ours is closed: what a kernel writes to its own stderr (not
+            # its cells' output) for the rest of its life, freed when it exits.
             with tempfile.TemporaryFile(mode="w+") as stderr:
                 try:
                     return start(*args, **{**kwargs, "stderr": stderr})
                 except RuntimeError as error:
-                    if "died before replying" not in str(error) or attempt == KERNEL_STARTS:
+                    if "died before replying" not in str(error):
                         raise
                     stderr.seek(0)
-                    tail = stderr.read()[-2000:].strip() or "(nothing on its stderr)"
-                    warnings.warn(f"a Jupyter kernel died before its first reply ({error}); starting a new one. "
-                                  f"Its stderr: {tail}", stacklevel=2)
+                    why = f"{error}; its stderr: {stderr.read()[-2000:].strip() or '(empty)'}"
+                    if attempt == KERNEL_STARTS:
+                        raise RuntimeError(f"a Jupyter kernel died before its first reply {attempt} times: {why}") \
+                            from error
+                    warnings.warn(f"a Jupyter kernel died before its first reply ({why}); starting a new one",
+                                  stacklevel=2)
         raise AssertionError("unreachable")
 
     start_new_kernel.labkit_retries = True  # type: ignore[attr-defined]

@@ -19,10 +19,11 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", LO
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
-from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator  # noqa: E402
+from deepspeed.runtime.zero import partitioned_param_coordinator  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
+Coordinator = partitioned_param_coordinator.PartitionedParameterCoordinator
 counts: collections.Counter = collections.Counter()
 fetch, invalidate = Coordinator.fetch_sub_module, Coordinator._invalidate_trace
 
