@@ -227,10 +227,15 @@ def _gpt2(shape: Transformer, layers: int, dtype: torch.dtype) -> Any:
 
     settings: dict[str, Any] = dict(n_layer=layers, n_embd=shape.hidden, n_head=shape.heads, n_positions=shape.seq,
                                     vocab_size=shape.vocab, attn_implementation="eager", resid_pdrop=shape.dropout,
-                                    embd_pdrop=shape.dropout, attn_pdrop=shape.dropout)
+                                    embd_pdrop=shape.dropout, attn_pdrop=shape.dropout,
+                                    # no token ids: GPT-2's (50256) lie outside the small vocabulary of the
+                                    # module-counting models, and transformers warns in the learner's notebook
+                                    bos_token_id=None, eos_token_id=None)
     with torch.device("meta"):
         model: Any = GPT2LMHeadModel(GPT2Config(**settings))
-        return model.to(dtype)
+    # The loss transformers falls back to for this class anyway, named so that it does not warn it is guessing.
+    model.loss_type = "ForCausalLM"
+    return model.to(dtype)
 
 
 @functools.lru_cache(maxsize=64)

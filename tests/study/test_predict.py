@@ -372,6 +372,20 @@ def test_zero3_hooks_every_module_and_the_count_is_hugging_faces():
     assert three.param_modules() == own.count(True) - 1  # the LM head's weight is wte's (tied): counted once
 
 
+def test_counting_a_transformer_warns_nothing_in_the_learners_notebook(capfd):
+    # GPT-2's token ids (50256) lie outside the module-counting models' vocabulary of 8, and transformers guessed
+    # the loss of GPT2LMHeadModel: three warnings per kernel in notebook 06 until the counted models said both.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.get_logger("transformers.modeling_utils").warning_once.cache_clear()  # a once-per-process warning
+    shape = flops.Transformer(layers=2, hidden=64, heads=4, seq=16, vocab=8)
+    flops._paramless_modules.cache_clear()
+    assert shape.paramless_modules() > 0
+    assert flops.transformer_costs(shape, 1, "fp32").ops1 is not None
+    out, err = capfd.readouterr()
+    assert "[transformers]" not in out + err and "token_id" not in out + err and "loss_type" not in out + err
+
+
 def test_dropout_is_a_kernel_each_way_and_keeps_its_mask():
     plain = flops.Transformer(layers=2, hidden=128, heads=4, seq=64, vocab=512, dropout=0.0)
     dropped = flops.Transformer(layers=2, hidden=128, heads=4, seq=64, vocab=512)  # GPT-2's and Megatron-LM's 0.1
