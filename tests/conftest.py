@@ -142,7 +142,6 @@ def rank_file_reads(monkeypatch: pytest.MonkeyPatch) -> RankFileReads:
 @pytest.fixture
 def one_gloo_rank(monkeypatch: pytest.MonkeyPatch):
     """A one-rank process group in this process, joined as the worker joins it (labkit.rank.rendezvous)."""
-    import sys
     from datetime import timedelta
 
     import deepspeed
@@ -150,14 +149,14 @@ def one_gloo_rank(monkeypatch: pytest.MonkeyPatch):
 
     from labkit.launch.launcher import free_port
     from labkit.rank.rendezvous import init_distributed
+    from labkit.runtime.ops import interpreter_path
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0", "LOCAL_SIZE": "1", "GLOO_SOCKET_IFNAME": "lo"}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    # This interpreter's ninja first, as the launcher does: DeepSpeed loads its ops (shm comm, Adam)
-    # with a JIT build, and another ninja than the one that built the cache rebuilds every op.
-    monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    # This interpreter's ninja first, as the launcher does: DeepSpeed loads its ops (shm comm, Adam) with a JIT build.
+    monkeypatch.setenv("PATH", interpreter_path(os.environ.get("PATH")))
     init_distributed(get_accelerator().communication_backend_name(), timedelta(seconds=60))
     yield
     deepspeed.comm.destroy_process_group()

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from labkit.core.config import RunConfig, hostfile_slots
-from labkit.runtime.ops import DEFAULT_EXTENSIONS_DIR
+from labkit.runtime.ops import DEFAULT_EXTENSIONS_DIR, interpreter_path
 
 # Where DeepSpeed's JIT-built ops (cpu_adam, fused_adam, shm_comm) are cached; CI builds
 # them once, early, and every later run reuses them.
@@ -103,10 +103,7 @@ def build_command(config: RunConfig, run_dir: str | os.PathLike, *, master_port:
         argv += ["--script", str(Path(config.script).resolve()), *config.script_args]
 
     env["PYTHONUNBUFFERED"] = "1"
-    # This interpreter's scripts first: DeepSpeed's JIT builds call `ninja` from PATH, and a
-    # different ninja than the one that built the cache makes it rebuild every op.
-    bin_dir = str(Path(sys.executable).parent)
-    env["PATH"] = os.pathsep.join([bin_dir] + [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bin_dir])
+    env["PATH"] = interpreter_path(env.get("PATH"))  # the ninja that built the op cache
     if not config.hostfile:
         # Single node: gloo's and NCCL's sockets on loopback only, nothing listens beyond this
         # machine (NCCL's bootstrap skips `lo` unless told). Set, not defaulted: an inherited

@@ -39,6 +39,15 @@ BUILDERS = ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder")
 OPTIMIZER_IMPLS = ("fused_adam", "cpu_adam", "torch_adam", "torch_sgd")
 
 
+def interpreter_path(path: str | None) -> str:
+    """`path` (a PATH value) with this interpreter's scripts first, once. DeepSpeed's JIT op loads run `ninja` from
+    PATH, and another ninja than the one that built the cache rebuilds the op (a system ninja 1.11 and the venv's
+    1.13 each take the other's build for stale: ~20 s per op, and the next process with the other one rebuilds it
+    back). Every process that loads DeepSpeed's ops gets this PATH: the ranks (launcher), `make ops`, tests."""
+    bin_dir = str(Path(sys.executable).parent)
+    return os.pathsep.join([bin_dir] + [p for p in (path or "").split(os.pathsep) if p and p != bin_dir])
+
+
 def cuda_ops_buildable() -> tuple[bool, str]:
     """Whether DeepSpeed can build its CUDA ops here, by DeepSpeed's own check (an nvcc under CUDA_HOME
     whose release matches torch's CUDA), and why not."""
@@ -109,9 +118,7 @@ def with_optimizer_impl(ds_config: dict[str, Any], impl: str) -> dict[str, Any]:
 
 def build_all() -> list[str]:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
-    # The venv's ninja, as the runs use (launcher.build_command): another one triggers rebuilds.
-    bin_dir = os.path.dirname(sys.executable)
-    os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+    os.environ["PATH"] = interpreter_path(os.environ.get("PATH"))  # the venv's ninja, as the ranks use
     from labkit.runtime.ds_import import import_deepspeed
 
     import_deepspeed()

@@ -10,12 +10,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from labkit.launch.launcher import free_port
 from labkit.runtime.build_locks import report_stale_locks
+from labkit.runtime.ops import interpreter_path
 from tests.conftest import REPO
 
 PROBE = REPO / "tests" / "scripts" / "zero3_trace_probe.py"
@@ -23,13 +23,10 @@ PROBE = REPO / "tests" / "scripts" / "zero3_trace_probe.py"
 
 @pytest.mark.slow
 def test_zero3_prefetch_survives_activation_checkpointing():
-    # As labkit's launcher runs ranks: this interpreter's scripts first on PATH, so DeepSpeed's JIT load of its shm
-    # comm op finds the ninja that built the cache (another ninja rebuilds the op, ~20 s, and the next run rebuilds
-    # it back). Not supervised like a labkit run, so a build lock left by a killed build is cleared first, as
-    # `make ops` does.
+    # As labkit's launcher runs ranks: the ninja that built the op cache first on PATH (`interpreter_path`). Not
+    # supervised like a labkit run, so a build lock left by a killed build is cleared first, as `make ops` does.
     report_stale_locks(os.environ["TORCH_EXTENSIONS_DIR"], clear=True)
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")])}
+    env = {**os.environ, "PATH": interpreter_path(os.environ.get("PATH"))}
     done = subprocess.run([sys.executable, str(PROBE), str(free_port())], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
