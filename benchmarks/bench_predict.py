@@ -2,6 +2,7 @@
 
     python benchmarks/bench_predict.py                 # both checks from committed data (seconds)
     python benchmarks/bench_predict.py --measure       # re-measure the CPU runs here first (~2 min, quiet machine)
+    python benchmarks/bench_predict.py --points FILE   # other published points, in points.csv's columns
 
 1. Published GPU points (data/published/points.csv): predicted / published per point; goals: median |error| <= 25%,
    every point <= 40% (tests/study/test_predict_published.py holds what the model reaches today).
@@ -149,11 +150,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measure", action="store_true", help="re-measure the CPU runs into data/predict-ci first")
     parser.add_argument("--out", default=str(DATA))
+    parser.add_argument("--points", default=None, help="a CSV of published points in data/published/points.csv's "
+                        "columns (data/published/README.md); default: that file")
     args = parser.parse_args()
+    try:
+        points = published.load(args.points)  # every bad cell named before anything is predicted
+    except (OSError, ValueError) as err:
+        print(f"bench_predict: {err}", file=sys.stderr)
+        return 2
     pd.set_option("display.width", 200)
     if args.measure:
         measure(Path(args.out))
-    table = published.compare()
+    table = published.compare(points)
     print("Published GPU points: predicted / published (every figure on the predicted side is PREDICTED)")
     print(table[["point_id", "gpu", "gpus", "strategy", "micro_batch", "metric", "published", "predicted",
                  "error"]].to_string(index=False, float_format=lambda v: f"{v:.3g}"))

@@ -10,7 +10,13 @@ Where a source leaves a setting out, one rule fills it for every point (never a 
   default, megatron/arguments.py), which the source's table does not repeat; Hugging Face models keep theirs;
 * dropout not stated (the `dropout` cell empty): 0.1, the default of Hugging Face's and Megatron-LM's GPT
   (`flops.Transformer.dropout`); a code without dropout layers says 0;
-* the link inside a node not stated (`intra` empty): the GPU kind's own (`auto`: its NVLink, else its PCIe).
+* the link inside a node not stated (`intra` empty): the GPU kind's own (`auto`: its NVLink, else its PCIe);
+* nodes not stated: GPUs / GPUs per node; the network not stated (`inter_gbps` empty): none on one node, and a
+  point on many nodes without it is refused;
+* `offload_optimizer` not stated: off (DeepSpeed's default).
+
+`load` checks every row before anything is predicted and names each bad cell by point and column, so a table of
+other points (`benchmarks/bench_predict.py --points FILE`) fails with all its problems at once, not one per run.
 """
 
 from __future__ import annotations
@@ -19,33 +25,167 @@ import math
 from pathlib import Path
 from typing import Any
 
-from labkit.runtime.hardware import Cluster
+from labkit.runtime.hardware import Cluster, intra_link
 from labkit.runtime.hardware import gpu as find_gpu
 from labkit.study import flops
 from labkit.study import predict as P
 
 POINTS_CSV = Path(__file__).resolve().parents[2] / "data" / "published" / "points.csv"
 METRICS = ("samples_per_s", "step_time_s", "tflops_per_gpu")
+FLOPS_FORMULAS = ("megatron_sc21", "megatron_eq3_by_checkpointing")
 MEGATRON_VOCAB_DIVISOR = 128
+# Cells every point must fill (the README's columns); the other columns may be empty or absent, and the rules above
+# fill them.
+REQUIRED = ("point_id", "source", "locator", "layers", "hidden", "heads", "seq", "vocab", "gpu", "gpus",
+            "gpus_per_node", "precision", "stage", "metric", "value")
+OPTIONAL = ("model", "code", "dropout", "nodes", "intra", "inter_gbps", "offload_optimizer",
+            "activation_checkpointing", "micro_batch", "global_batch", "flops_formula", "notes")
+POSITIVE_INTS = ("layers", "hidden", "heads", "seq", "vocab", "gpus", "gpus_per_node", "nodes", "micro_batch",
+                 "global_batch")
+BOOLEANS = {"true": True, "false": False, "1": True, "0": False}
 
 
 def load(path: str | Path | None = None) -> Any:
+    """The points of `path` (default data/published/points.csv), every row checked and the empty cells that a rule
+    fills without predicting (nodes, inter_gbps, offload_optimizer) filled; a ValueError lists every bad cell."""
     import pandas as pd
 
-    table = pd.read_csv(path or POINTS_CSV)
-    bad = sorted(set(table["metric"]) - set(METRICS))
-    if bad:
-        raise ValueError(f"unknown metric(s) {bad} in {path or POINTS_CSV}; known: {METRICS}")
-    return table
+    path = Path(path or POINTS_CSV)
+    table = pd.read_csv(path, dtype=object, keep_default_na=False)
+    missing = [c for c in REQUIRED if c not in table.columns]
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; every point needs {', '.join(REQUIRED)}")
+    for column in OPTIONAL:
+        if column not in table.columns:
+            table[column] = ""
+    problems = [f"{row['point_id'] or f'row {i + 2}'}: {p}" for i, row in table.iterrows() for p in _check(row)]
+    if table["point_id"].duplicated().any():
+        problems.append(f"point_id repeated: {sorted(set(table['point_id'][table['point_id'].duplicated()]))}")
+    if problems:
+        raise ValueError(f"{path}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+    return table.apply(_typed, axis=1)
+
+
+def _check(row: Any) -> list[str]:
+    """What is wrong with one row, each problem naming its column (empty: nothing)."""
+    out = [f"{c} is empty" for c in REQUIRED if _blank(row[c])]
+    for c in POSITIVE_INTS:
+        if not _blank(row[c]) and not (_integer(row[c]) and int(float(row[c])) >= 1):
+            out.append(f"{c} must be a whole number >= 1, got {row[c]!r}")
+    for c in ("value", "inter_gbps", "dropout"):
+        if not _blank(row[c]) and _number(row[c]) is None:
+            out.append(f"{c} must be a number, got {row[c]!r}")
+    if _number(row["value"]) is not None and _number(row["value"]) <= 0:  # type: ignore[operator]
+        out.append(f"value must be > 0, got {row['value']!r}")
+    for c in ("offload_optimizer", "activation_checkpointing"):
+        if not _blank(row[c]) and str(row[c]).strip().lower() not in BOOLEANS:
+            out.append(f"{c} must be True or False, got {row[c]!r}")
+    if not _blank(row["stage"]) and str(row["stage"]).strip() not in ("0", "1", "2", "3"):
+        out.append(f"stage must be 0, 1, 2 or 3, got {row['stage']!r}")
+    if not _blank(row["precision"]) and row["precision"] not in P.PRECISIONS:
+        out.append(f"precision must be one of {', '.join(P.PRECISIONS)}, got {row['precision']!r}")
+    if not _blank(row["metric"]) and row["metric"] not in METRICS:
+        out.append(f"metric must be one of {', '.join(METRICS)}, got {row['metric']!r}")
+    if row["metric"] == "tflops_per_gpu":
+        try:
+            flops_passes(row)
+        except ValueError as err:
+            out.append(str(err).removeprefix(f"{row['point_id']}: "))
+    if not any(p.startswith(("gpus", "micro_batch", "global_batch")) for p in out):
+        try:
+            batches(row)
+        except ValueError as err:
+            out.append(str(err).removeprefix(f"{row['point_id']}: "))
+    if not _blank(row["gpu"]):
+        try:
+            kind = find_gpu(str(row["gpu"]))
+        except ValueError as err:
+            out.append(f"gpu: {err}")
+        else:
+            out += _gpu_refusals(row, kind)
+    if not any("gpus" in p for p in out) and not _blank(row["gpus"]) and not _blank(row["gpus_per_node"]):
+        gpus, per_node = int(float(row["gpus"])), int(float(row["gpus_per_node"]))
+        nodes = int(float(row["nodes"])) if _integer(row["nodes"]) else None
+        if nodes is None and gpus % per_node:
+            out.append(f"nodes is empty and gpus {gpus} is not a multiple of gpus_per_node {per_node}")
+        elif nodes is not None and nodes * per_node != gpus:
+            out.append(f"gpus {gpus} != gpus_per_node {per_node} x nodes {nodes}")
+        many_nodes = (nodes or gpus // per_node) > 1
+        if many_nodes and (_number(row["inter_gbps"]) or 0) <= 0:
+            out.append("a point on more than one node needs inter_gbps (the node's network, Gb/s)")
+    return out
+
+
+def _gpu_refusals(row: Any, kind: Any) -> list[str]:
+    """The GPU kind's own refusals: a link inside the node it cannot have, a precision it has no tensor cores for."""
+    out = []
+    if not _blank(row["intra"]):
+        try:
+            intra_link(str(row["intra"]), kind)
+        except ValueError as err:
+            out.append(f"intra: {err}")
+    if row["precision"] in P.PRECISIONS:
+        try:
+            kind.peak(str(row["precision"]))
+        except ValueError as err:
+            out.append(f"precision: {err}")
+    return out
+
+
+def _typed(row: Any) -> Any:
+    """One checked row with its cells typed (ints, floats, bools) and the load-time rules applied."""
+    row = row.copy()
+    for c in POSITIVE_INTS:
+        row[c] = None if _blank(row[c]) else int(float(row[c]))
+    for c in ("value", "inter_gbps", "dropout"):
+        row[c] = None if _blank(row[c]) else float(row[c])
+    row["stage"] = int(row["stage"])
+    for c in ("offload_optimizer", "activation_checkpointing"):
+        row[c] = None if _blank(row[c]) else BOOLEANS[str(row[c]).strip().lower()]
+    if row["nodes"] is None:
+        row["nodes"] = row["gpus"] // row["gpus_per_node"]
+    if row["inter_gbps"] is None:
+        row["inter_gbps"] = 0.0  # one node (_check refuses many nodes without it)
+    if row["offload_optimizer"] is None:
+        row["offload_optimizer"] = False
+    return row
+
+
+def _number(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(number) else number
+
+
+def _integer(value: Any) -> bool:
+    number = _number(value)
+    return number is not None and number == int(number)
 
 
 def _blank(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value)) or value == ""
+    return value is None or (isinstance(value, float) and math.isnan(value)) or str(value).strip() == ""
 
 
-def megatron_flops_per_sample(layers: int, hidden: int, seq: int, vocab: int) -> float:
-    """Megatron-LM SC21 Eq. 3 per sample: 96 s l h^2 (1 + s/(6h) + V/(16 l h)) (counts activation recomputation)."""
-    return 96.0 * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+def megatron_flops_per_sample(layers: int, hidden: int, seq: int, vocab: int, passes: int = 4) -> float:
+    """Megatron-LM SC21 Eq. 3 per sample: 24 x passes x s l h^2 (1 + s/(6h) + V/(16 l h)); the paper's passes = 4
+    (forward, backward twice, the recomputed forward)."""
+    return 24.0 * passes * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def flops_passes(row: Any) -> int:
+    """Eq. 3's passes as the row's source counted them: `megatron_sc21` always 4 (the paper always recomputes);
+    `megatron_eq3_by_checkpointing` 4 with activation checkpointing, else 3 (DeepSpeed-Chat's print_throughput,
+    DeepSpeedExamples dschat/utils/perf.py:19; Megatron-DeepSpeed's throughput_calculator, megatron/utils.py,
+    from 492e962a, 2022-08, until b7b2d5ef, 2024-08)."""
+    if row["flops_formula"] == "megatron_sc21":
+        return 4
+    if row["flops_formula"] == "megatron_eq3_by_checkpointing" and not _blank(row["activation_checkpointing"]):
+        return 4 if str(row["activation_checkpointing"]).lower() == "true" else 3
+    raise ValueError(f"{row['point_id']}: tflops_per_gpu needs flops_formula, one of {', '.join(FLOPS_FORMULAS)} "
+                     f"(megatron_eq3_by_checkpointing with activation_checkpointing stated); "
+                     f"got {row['flops_formula']!r}")
 
 
 def published_samples_per_s(row: Any) -> float:
@@ -53,35 +193,51 @@ def published_samples_per_s(row: Any) -> float:
     if row["metric"] == "samples_per_s":
         return value
     if row["metric"] == "step_time_s":
-        return float(row["global_batch"]) / value
-    if row["flops_formula"] != "megatron_sc21":
-        raise ValueError(f"{row['point_id']}: tflops_per_gpu needs a known flops_formula, got {row['flops_formula']!r}")
-    per_sample = megatron_flops_per_sample(int(row["layers"]), int(row["hidden"]), int(row["seq"]), int(row["vocab"]))
+        return batches(row)[2] / value
+    per_sample = megatron_flops_per_sample(int(row["layers"]), int(row["hidden"]), int(row["seq"]), _vocab(row),
+                                           flops_passes(row))
     return value * 1e12 * float(row["gpus"]) / per_sample
+
+
+def _vocab(row: Any) -> int:
+    """The vocabulary the code trains: Megatron-LM's padded to a multiple of 128 (its FLOP formula uses it too)."""
+    vocab = int(row["vocab"])
+    if row["code"] == "megatron-lm":
+        vocab = -(-vocab // MEGATRON_VOCAB_DIVISOR) * MEGATRON_VOCAB_DIVISOR
+    return vocab
+
+
+def batches(row: Any) -> tuple[int, int, int]:
+    """(micro-batch, accumulation, global batch) of a row, the batch rules of the module doc filling an empty one."""
+    gpus = int(float(row["gpus"]))
+    if _blank(row["global_batch"]) and _blank(row["micro_batch"]):
+        raise ValueError(f"{row['point_id']}: neither micro_batch nor global_batch is given")
+    if _blank(row["global_batch"]):
+        global_batch = int(float(row["micro_batch"])) * gpus
+    else:
+        global_batch = int(float(row["global_batch"]))
+    micro = global_batch // gpus if _blank(row["micro_batch"]) else int(float(row["micro_batch"]))
+    accum = global_batch // (micro * gpus) if micro >= 1 else 0
+    if accum < 1 or micro * accum * gpus != global_batch:
+        raise ValueError(f"{row['point_id']}: global_batch {global_batch} is not micro_batch {micro} x accumulation "
+                         f"x gpus {gpus}")
+    return micro, accum, global_batch
 
 
 def setup(row: Any) -> dict[str, Any]:
     """The predictor's arguments for one published row (the module doc's rules fill what the source leaves out)."""
-    vocab = int(row["vocab"])
-    if row["code"] == "megatron-lm":
-        vocab = -(-vocab // MEGATRON_VOCAB_DIVISOR) * MEGATRON_VOCAB_DIVISOR
+    vocab = _vocab(row)
     dropout = row.get("dropout")
     shape = flops.Transformer(layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),
                               seq=int(row["seq"]), vocab=vocab,
                               **({} if _blank(dropout) else {"dropout": float(dropout)}))
     intra = "auto" if _blank(row["intra"]) else str(row["intra"])
     cluster = Cluster(gpu=find_gpu(str(row["gpu"])), gpus_per_node=int(row["gpus_per_node"]), nodes=int(row["nodes"]),
-                      intra=intra, inter_gbps=float(row["inter_gbps"] or 0))
+                      intra=intra, inter_gbps=0.0 if _blank(row["inter_gbps"]) else float(row["inter_gbps"]))
     gpus = int(row["gpus"])
     if gpus != cluster.world_size:
         raise ValueError(f"{row['point_id']}: gpus {gpus} != gpus_per_node x nodes {cluster.world_size}")
-    if _blank(row["global_batch"]) and _blank(row["micro_batch"]):
-        raise ValueError(f"{row['point_id']}: neither micro_batch nor global_batch is given")
-    global_batch = int(row["micro_batch"]) * gpus if _blank(row["global_batch"]) else int(row["global_batch"])
-    micro = global_batch // gpus if _blank(row["micro_batch"]) else int(row["micro_batch"])
-    accum = global_batch // (micro * gpus)
-    if micro * accum * gpus != global_batch:
-        raise ValueError(f"{row['point_id']}: global batch {global_batch} is not micro {micro} x accumulation x {gpus}")
+    micro, accum, _ = batches(row)
     offload = str(row["offload_optimizer"]).lower() == "true"
     strategy = f"z{int(row['stage'])}" + ("-offload" if offload else "")
     workload = P.TransformerWorkload(shape, name=str(row["model"]))

@@ -51,6 +51,23 @@ def test_the_megatron_flop_formula_matches_the_papers_eq_3():
     assert per_sample == pytest.approx(96 * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * 96 * 12288)))
 
 
+def test_eq3_reads_the_zeropp_tutorials_log_and_counts_passes_as_its_source_did(tmp_path, points):
+    # The ZeRO++ tutorial's baseline log (data/published/README.md, source 7): 18B, 64 GPUs, global batch 64,
+    # 9,955.9 ms per iteration, "TFLOPs: 7.65", Megatron-DeepSpeed's formula with the vocabulary padded to 50,304.
+    per_sample = published.megatron_flops_per_sample(40, 6144, 512, 50304)
+    assert per_sample * 64 / 9.9559 / 64 / 1e12 == pytest.approx(7.65, abs=0.005)
+    row = points[points["point_id"] == "zpp-18b-800g-2k"].iloc[0].copy()
+    sc21 = published.published_samples_per_s(row)
+    row["flops_formula"] = "megatron_eq3_by_checkpointing"  # checkpointing on: the same 4 passes
+    assert published.published_samples_per_s(row) == pytest.approx(sc21)
+    row["activation_checkpointing"] = False  # off: 3 passes, so the same TFLOP/s is 4/3 the samples
+    assert published.published_samples_per_s(row) == pytest.approx(sc21 * 4 / 3)
+    edit = {"metric": "tflops_per_gpu", "value": "40", "flops_formula": "megatron_eq3_by_checkpointing",
+            "activation_checkpointing": ""}
+    with pytest.raises(ValueError, match="with activation_checkpointing stated"):
+        published.load(_write(tmp_path, points, edit))
+
+
 @pytest.mark.xfail(strict=True, reason="the model does not reach the issue's goal on the published points "
                    "(median <= 25%, every point <= 40%; it reaches 38.9% / 269%). Over 40%: ZeRO-3 at 640-2240 "
                    "A100s (SC21; a cost growing with the ranks beyond NCCL's ring latency model), ZeRO-3 on 384 "
@@ -82,3 +99,80 @@ def test_a_row_without_micro_or_global_batch_is_refused(points):
     row["micro_batch"], row["global_batch"] = float("nan"), float("nan")
     with pytest.raises(ValueError, match="neither micro_batch nor global_batch"):
         published.setup(row)
+
+
+def _write(tmp_path, points, edit):
+    """points.csv with its first row edited (`edit`: column -> cell) and every other row dropped."""
+    row = points.iloc[[0]].copy()
+    for column, cell in edit.items():
+        if cell is None:
+            row = row.drop(columns=column)
+        else:
+            row[column] = cell
+    path = tmp_path / "points.csv"
+    row.to_csv(path, index=False)
+    return path
+
+
+def test_a_table_of_other_points_gets_every_bad_cell_named_at_once(tmp_path, points):
+    path = _write(tmp_path, points, {"gpu": "V200", "stage": "4", "micro_batch": "0", "offload_optimizer": "yes",
+                                     "metric": "tflops_per_gpu", "flops_formula": "", "value": "-1"})
+    with pytest.raises(ValueError) as err:
+        published.load(path)
+    text = str(err.value)
+    assert "6 problem(s)" in text
+    for says in ("unknown GPU 'V200'", "stage must be 0, 1, 2 or 3", "micro_batch must be a whole number >= 1",
+                 "offload_optimizer must be True or False", "tflops_per_gpu needs flops_formula", "value must be > 0"):
+        assert says in text, says
+    assert text.count("ds-megatron-1.5b:") == 6  # each named by its point
+
+
+def test_a_point_on_many_nodes_without_its_network_is_refused(tmp_path, points):
+    path = _write(tmp_path, points, {"inter_gbps": ""})
+    with pytest.raises(ValueError, match="more than one node needs inter_gbps"):
+        published.load(path)
+    with pytest.raises(ValueError, match=r"gpus 64 != gpus_per_node 16 x nodes 3"):
+        published.load(_write(tmp_path, points, {"nodes": "3"}))
+    with pytest.raises(ValueError) as err:
+        published.load(_write(tmp_path, points, {"intra": "nvlink9", "precision": "bf16"}))
+    text = str(err.value)
+    assert "intra: unknown link 'nvlink9'" in text and "precision: V100-32GB has no bf16 tensor-core peak" in text
+    with pytest.raises(ValueError, match="missing column"):
+        published.load(_write(tmp_path, points, {"value": None}))
+
+
+def test_empty_and_absent_optional_cells_are_filled_by_the_rules(tmp_path, points):
+    # one node, the network and node count left empty, the optional columns absent
+    edit = {"gpus": "16", "nodes": "", "inter_gbps": "", "global_batch": "512", "offload_optimizer": None,
+            "intra": None, "dropout": None, "notes": None, "model": None, "code": None,
+            "activation_checkpointing": None}
+    row = published.load(_write(tmp_path, points, edit)).iloc[0]
+    assert row["nodes"] == 1 and row["inter_gbps"] == 0.0 and not row["offload_optimizer"]
+    args = published.setup(row)
+    assert args["cluster"].world_size == 16 and args["strategy"] == "z1"
+    assert (args["micro_batch"], args["grad_accum"]) == (32, 1)
+    assert args["workload"].shape.vocab == 50257  # no code given: not padded as Megatron-LM's
+    compared = published.compare(published.load(_write(tmp_path, points, edit)))
+    assert compared["predicted"].iloc[0] > 0
+    with pytest.raises(ValueError, match="global_batch 500 is not micro_batch 32 x accumulation x gpus 16"):
+        published.load(_write(tmp_path, points, {**edit, "global_batch": "500", "micro_batch": "32"}))
+
+
+@pytest.mark.slow  # two benchmark processes (~5 s each)
+def test_the_benchmark_checks_a_table_of_other_points(tmp_path, points):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_predict.py"
+    good = tmp_path / "good.csv"
+    points.iloc[[0, 2]].to_csv(good, index=False)
+    run = subprocess.run([sys.executable, str(bench), "--points", str(good), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "ds-megatron-1.5b" in run.stdout and "ds-offload-10b" in run.stdout and "2 points" in run.stdout
+    bad = _write(tmp_path, points, {"precision": "fp8"})
+    run = subprocess.run([sys.executable, str(bench), "--points", str(bad)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 2 and "precision must be one of fp16, bf16, fp32, got 'fp8'" in run.stderr
+    assert "Published GPU points" not in run.stdout  # refused before anything is predicted
