@@ -15,8 +15,10 @@ Where a source leaves a setting out, one rule fills it for every point (never a 
   point on many nodes without it is refused;
 * `offload_optimizer` not stated: off (DeepSpeed's default).
 
-`load` checks every row before anything is predicted and names each bad cell by point and column, so a table of
-other points (`benchmarks/bench_predict.py --points FILE`) fails with all its problems at once, not one per run.
+`load` checks every row before anything is predicted and names each problem by point and column: every unreadable
+cell at once, then, in rows whose cells all read, what combines them (the shape, the cluster, the batches, the
+strategy, the FLOP formula). A table of other points (`benchmarks/bench_predict.py --points FILE`) is refused
+before any of it is predicted.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from labkit.runtime.hardware import Cluster, intra_link
+from labkit.runtime.hardware import Cluster
 from labkit.runtime.hardware import gpu as find_gpu
 from labkit.study import flops
 from labkit.study import predict as P
@@ -42,12 +44,13 @@ OPTIONAL = ("model", "code", "dropout", "nodes", "intra", "inter_gbps", "offload
             "activation_checkpointing", "micro_batch", "global_batch", "flops_formula", "notes")
 POSITIVE_INTS = ("layers", "hidden", "heads", "seq", "vocab", "gpus", "gpus_per_node", "nodes", "micro_batch",
                  "global_batch")
+NUMBERS = ("value", "inter_gbps", "dropout")
 BOOLEANS = {"true": True, "false": False, "1": True, "0": False}
 
 
 def load(path: str | Path | None = None) -> Any:
     """The points of `path` (default data/published/points.csv), every row checked and the empty cells that a rule
-    fills without predicting (nodes, inter_gbps, offload_optimizer) filled; a ValueError lists every bad cell."""
+    fills without predicting (nodes, inter_gbps, offload_optimizer) filled; a ValueError lists every problem."""
     import pandas as pd
 
     path = Path(path or POINTS_CSV)
@@ -55,100 +58,92 @@ def load(path: str | Path | None = None) -> Any:
     missing = [c for c in REQUIRED if c not in table.columns]
     if missing:
         raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; every point needs {', '.join(REQUIRED)}")
+    if table.empty:
+        raise ValueError(f"{path}: no points")
     for column in OPTIONAL:
         if column not in table.columns:
             table[column] = ""
     problems = [f"{row['point_id'] or f'row {i + 2}'}: {p}" for i, row in table.iterrows() for p in _check(row)]
-    if table["point_id"].duplicated().any():
-        problems.append(f"point_id repeated: {sorted(set(table['point_id'][table['point_id'].duplicated()]))}")
+    repeated = sorted(set(table["point_id"][table["point_id"].duplicated()]))
+    if repeated:
+        problems.append(f"point_id repeated: {', '.join(repeated)}")
     if problems:
         raise ValueError(f"{path}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
     return table.apply(_typed, axis=1)
 
 
 def _check(row: Any) -> list[str]:
-    """What is wrong with one row, each problem naming its column (empty: nothing)."""
+    """What is wrong with one row, each problem naming its column(s). Every unreadable cell first; what combines
+    cells (the shape, the cluster, the batches, the strategy, the FLOP formula) once every cell reads."""
     out = [f"{c} is empty" for c in REQUIRED if _blank(row[c])]
     for c in POSITIVE_INTS:
-        if not _blank(row[c]) and not (_integer(row[c]) and int(float(row[c])) >= 1):
+        if not _blank(row[c]) and not (_integer(row[c]) and float(row[c]) >= 1):
             out.append(f"{c} must be a whole number >= 1, got {row[c]!r}")
-    for c in ("value", "inter_gbps", "dropout"):
+    for c in NUMBERS:
         if not _blank(row[c]) and _number(row[c]) is None:
-            out.append(f"{c} must be a number, got {row[c]!r}")
-    if _number(row["value"]) is not None and _number(row["value"]) <= 0:  # type: ignore[operator]
+            out.append(f"{c} must be a finite number, got {row[c]!r}")
+    value = _number(row["value"])
+    if value is not None and value <= 0:
         out.append(f"value must be > 0, got {row['value']!r}")
     for c in ("offload_optimizer", "activation_checkpointing"):
         if not _blank(row[c]) and str(row[c]).strip().lower() not in BOOLEANS:
             out.append(f"{c} must be True or False, got {row[c]!r}")
-    if not _blank(row["stage"]) and str(row["stage"]).strip() not in ("0", "1", "2", "3"):
+    if not _blank(row["stage"]) and not (_integer(row["stage"]) and 0 <= float(row["stage"]) <= 3):
         out.append(f"stage must be 0, 1, 2 or 3, got {row['stage']!r}")
     if not _blank(row["precision"]) and row["precision"] not in P.PRECISIONS:
         out.append(f"precision must be one of {', '.join(P.PRECISIONS)}, got {row['precision']!r}")
     if not _blank(row["metric"]) and row["metric"] not in METRICS:
         out.append(f"metric must be one of {', '.join(METRICS)}, got {row['metric']!r}")
-    if row["metric"] == "tflops_per_gpu":
-        try:
-            flops_passes(row)
-        except ValueError as err:
-            out.append(str(err).removeprefix(f"{row['point_id']}: "))
-    if not any(p.startswith(("gpus", "micro_batch", "global_batch")) for p in out):
-        try:
-            batches(row)
-        except ValueError as err:
-            out.append(str(err).removeprefix(f"{row['point_id']}: "))
+    if row["metric"] == "tflops_per_gpu" and row["flops_formula"] not in FLOPS_FORMULAS:
+        out.append(f"tflops_per_gpu needs flops_formula, one of {', '.join(FLOPS_FORMULAS)}; "
+                   f"got {row['flops_formula']!r}")
     if not _blank(row["gpu"]):
         try:
-            kind = find_gpu(str(row["gpu"]))
+            find_gpu(str(row["gpu"]))
         except ValueError as err:
             out.append(f"gpu: {err}")
-        else:
-            out += _gpu_refusals(row, kind)
-    if not any("gpus" in p for p in out) and not _blank(row["gpus"]) and not _blank(row["gpus_per_node"]):
-        gpus, per_node = int(float(row["gpus"])), int(float(row["gpus_per_node"]))
-        nodes = int(float(row["nodes"])) if _integer(row["nodes"]) else None
-        if nodes is None and gpus % per_node:
-            out.append(f"nodes is empty and gpus {gpus} is not a multiple of gpus_per_node {per_node}")
-        elif nodes is not None and nodes * per_node != gpus:
-            out.append(f"gpus {gpus} != gpus_per_node {per_node} x nodes {nodes}")
-        many_nodes = (nodes or gpus // per_node) > 1
-        if many_nodes and (_number(row["inter_gbps"]) or 0) <= 0:
-            out.append("a point on more than one node needs inter_gbps (the node's network, Gb/s)")
-    return out
+    return out or _check_combined(_typed(row))
 
 
-def _gpu_refusals(row: Any, kind: Any) -> list[str]:
-    """The GPU kind's own refusals: a link inside the node it cannot have, a precision it has no tensor cores for."""
+def _check_combined(row: Any) -> list[str]:
+    """The checks of a readable row that combine cells: each builds what `setup` builds, and says why it cannot."""
+    checks = {"shape": lambda: _shape(row), "cluster": lambda: _cluster(row), "batches": lambda: batches(row),
+              "strategy": lambda: _strategy(row), "precision": lambda: find_gpu(row["gpu"]).peak(row["precision"])}
+    if row["metric"] == "tflops_per_gpu":
+        checks["flops_formula"] = lambda: flops_passes(row)
     out = []
-    if not _blank(row["intra"]):
+    for name, check in checks.items():
         try:
-            intra_link(str(row["intra"]), kind)
+            check()
         except ValueError as err:
-            out.append(f"intra: {err}")
-    if row["precision"] in P.PRECISIONS:
-        try:
-            kind.peak(str(row["precision"]))
-        except ValueError as err:
-            out.append(f"precision: {err}")
+            out.append(f"{name}: {err}")
     return out
 
 
 def _typed(row: Any) -> Any:
-    """One checked row with its cells typed (ints, floats, bools) and the load-time rules applied."""
-    row = row.copy()
+    """One row with its cells typed (ints, floats, bools) and the load-time rules applied (`_check`'s cells read)."""
+    row = row.astype(object)  # a copy whose cells may take any type (pandas 3 reads the cells as str)
     for c in POSITIVE_INTS:
         row[c] = None if _blank(row[c]) else int(float(row[c]))
-    for c in ("value", "inter_gbps", "dropout"):
+    for c in NUMBERS:
         row[c] = None if _blank(row[c]) else float(row[c])
-    row["stage"] = int(row["stage"])
+    row["stage"] = int(float(row["stage"]))
     for c in ("offload_optimizer", "activation_checkpointing"):
-        row[c] = None if _blank(row[c]) else BOOLEANS[str(row[c]).strip().lower()]
-    if row["nodes"] is None:
+        row[c] = _bool(row[c])
+    if row["nodes"] is None and row["gpus"] % row["gpus_per_node"] == 0:
         row["nodes"] = row["gpus"] // row["gpus_per_node"]
     if row["inter_gbps"] is None:
-        row["inter_gbps"] = 0.0  # one node (_check refuses many nodes without it)
+        row["inter_gbps"] = 0.0  # one node; on more nodes, _cluster refuses the point
     if row["offload_optimizer"] is None:
         row["offload_optimizer"] = False
     return row
+
+
+def _bool(value: Any) -> bool | None:
+    """A boolean cell: True/False (any case) or 1/0; None when empty."""
+    if isinstance(value, bool):
+        return value
+    return None if _blank(value) else BOOLEANS[str(value).strip().lower()]
 
 
 def _number(value: Any) -> float | None:
@@ -156,7 +151,7 @@ def _number(value: Any) -> float | None:
         number = float(value)
     except (TypeError, ValueError):
         return None
-    return None if math.isnan(number) else number
+    return number if math.isfinite(number) else None
 
 
 def _integer(value: Any) -> bool:
@@ -169,21 +164,21 @@ def _blank(value: Any) -> bool:
 
 
 def megatron_flops_per_sample(layers: int, hidden: int, seq: int, vocab: int, passes: int = 4) -> float:
-    """Megatron-LM SC21 Eq. 3 per sample: 24 x passes x s l h^2 (1 + s/(6h) + V/(16 l h)); the paper's passes = 4
-    (forward, backward twice, the recomputed forward)."""
+    """Megatron-LM SC21 Eq. 3 per sample: 24 x passes x s l h^2 (1 + s/(6h) + V/(16 l h)), in forwards' worth of
+    FLOPs: the paper's 4 are the forward, the backward (2) and the recomputed forward."""
     return 24.0 * passes * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
 def flops_passes(row: Any) -> int:
     """Eq. 3's passes as the row's source counted them: `megatron_sc21` always 4 (the paper always recomputes);
-    `megatron_eq3_by_checkpointing` 4 with activation checkpointing, else 3 (DeepSpeed-Chat's print_throughput,
-    DeepSpeedExamples dschat/utils/perf.py:19; Megatron-DeepSpeed's throughput_calculator, megatron/utils.py,
-    from 492e962a, 2022-08, until b7b2d5ef, 2024-08)."""
+    `megatron_eq3_by_checkpointing` 4 with activation checkpointing, else 3 (Megatron-DeepSpeed's
+    throughput_calculator, megatron/utils.py, from 7041c862, 2022-08, until b7b2d5ef, 2024-08)."""
     if row["flops_formula"] == "megatron_sc21":
         return 4
-    if row["flops_formula"] == "megatron_eq3_by_checkpointing" and not _blank(row["activation_checkpointing"]):
-        return 4 if str(row["activation_checkpointing"]).lower() == "true" else 3
-    raise ValueError(f"{row['point_id']}: tflops_per_gpu needs flops_formula, one of {', '.join(FLOPS_FORMULAS)} "
+    ckpt = _bool(row["activation_checkpointing"])
+    if row["flops_formula"] == "megatron_eq3_by_checkpointing" and ckpt is not None:
+        return 4 if ckpt else 3
+    raise ValueError(f"tflops_per_gpu needs flops_formula, one of {', '.join(FLOPS_FORMULAS)} "
                      f"(megatron_eq3_by_checkpointing with activation_checkpointing stated); "
                      f"got {row['flops_formula']!r}")
 
@@ -211,7 +206,7 @@ def batches(row: Any) -> tuple[int, int, int]:
     """(micro-batch, accumulation, global batch) of a row, the batch rules of the module doc filling an empty one."""
     gpus = int(float(row["gpus"]))
     if _blank(row["global_batch"]) and _blank(row["micro_batch"]):
-        raise ValueError(f"{row['point_id']}: neither micro_batch nor global_batch is given")
+        raise ValueError("neither micro_batch nor global_batch is given")
     if _blank(row["global_batch"]):
         global_batch = int(float(row["micro_batch"])) * gpus
     else:
@@ -219,34 +214,53 @@ def batches(row: Any) -> tuple[int, int, int]:
     micro = global_batch // gpus if _blank(row["micro_batch"]) else int(float(row["micro_batch"]))
     accum = global_batch // (micro * gpus) if micro >= 1 else 0
     if accum < 1 or micro * accum * gpus != global_batch:
-        raise ValueError(f"{row['point_id']}: global_batch {global_batch} is not micro_batch {micro} x accumulation "
-                         f"x gpus {gpus}")
+        raise ValueError(f"global_batch {global_batch} is not micro_batch {micro} x accumulation x gpus {gpus}")
     return micro, accum, global_batch
+
+
+def _shape(row: Any) -> flops.Transformer:
+    dropout = row.get("dropout")
+    return flops.Transformer(layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),
+                             seq=int(row["seq"]), vocab=_vocab(row),
+                             **({} if _blank(dropout) else {"dropout": float(dropout)}))
+
+
+def _cluster(row: Any) -> Cluster:
+    """GPU kind, GPUs per node, nodes and links; gpus must be all of them."""
+    if _blank(row["nodes"]):
+        raise ValueError(f"nodes is empty and gpus {row['gpus']} is not a multiple of gpus_per_node "
+                         f"{row['gpus_per_node']}")
+    if int(row["nodes"]) > 1 and (_number(row["inter_gbps"]) or 0) <= 0:
+        raise ValueError("a point on more than one node needs inter_gbps (the node's network, Gb/s)")
+    intra = "auto" if _blank(row["intra"]) else str(row["intra"])
+    cluster = Cluster(gpu=find_gpu(str(row["gpu"])), gpus_per_node=int(row["gpus_per_node"]), nodes=int(row["nodes"]),
+                      intra=intra, inter_gbps=0.0 if _blank(row["inter_gbps"]) else float(row["inter_gbps"]))
+    cluster.link()  # a link the GPU kind cannot have is refused here
+    if int(row["gpus"]) != cluster.world_size:
+        raise ValueError(f"gpus {int(row['gpus'])} != gpus_per_node {cluster.gpus_per_node} x nodes {cluster.nodes}")
+    return cluster
+
+
+def _strategy(row: Any) -> str:
+    strategy = f"z{int(float(row['stage']))}" + ("-offload" if _bool(row["offload_optimizer"]) else "")
+    if strategy not in P.STRATEGIES:
+        raise ValueError(f"stage {int(float(row['stage']))} with offload_optimizer: DeepSpeed offloads at stages 1-3")
+    return strategy
 
 
 def setup(row: Any) -> dict[str, Any]:
     """The predictor's arguments for one published row (the module doc's rules fill what the source leaves out)."""
-    vocab = _vocab(row)
-    dropout = row.get("dropout")
-    shape = flops.Transformer(layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),
-                              seq=int(row["seq"]), vocab=vocab,
-                              **({} if _blank(dropout) else {"dropout": float(dropout)}))
-    intra = "auto" if _blank(row["intra"]) else str(row["intra"])
-    cluster = Cluster(gpu=find_gpu(str(row["gpu"])), gpus_per_node=int(row["gpus_per_node"]), nodes=int(row["nodes"]),
-                      intra=intra, inter_gbps=0.0 if _blank(row["inter_gbps"]) else float(row["inter_gbps"]))
-    gpus = int(row["gpus"])
-    if gpus != cluster.world_size:
-        raise ValueError(f"{row['point_id']}: gpus {gpus} != gpus_per_node x nodes {cluster.world_size}")
-    micro, accum, _ = batches(row)
-    offload = str(row["offload_optimizer"]).lower() == "true"
-    strategy = f"z{int(row['stage'])}" + ("-offload" if offload else "")
+    try:
+        shape, cluster, (micro, accum, _), strategy = _shape(row), _cluster(row), batches(row), _strategy(row)
+    except ValueError as err:
+        raise ValueError(f"{row['point_id']}: {err}") from err
     workload = P.TransformerWorkload(shape, name=str(row["model"]))
     args: dict[str, Any] = dict(workload=workload, cluster=cluster, strategy=strategy, micro_batch=micro,
                                 grad_accum=accum, precision=str(row["precision"]))
-    ckpt = row["activation_checkpointing"]
-    if _blank(ckpt):
+    ckpt = _bool(row["activation_checkpointing"])
+    if ckpt is None:
         ckpt = not P.predict(**args, activation_checkpointing=False).fits
-    args["activation_checkpointing"] = str(ckpt).lower() == "true"
+    args["activation_checkpointing"] = ckpt
     return args
 
 
