@@ -74,10 +74,8 @@ lint: install
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m mypy
 
-# Linters, unit tests, real-run tests, fault suite, browser test, and every notebook through nbval. The op builds
-# and the linters run side by side: the builds leave a core idle most of the time (one translation unit at once).
-test: install
-	$(MAKE) --no-print-directory -j2 ops lint
+# Linters, unit tests, real-run tests, fault suite, browser test, and every notebook through nbval.
+test: ops lint
 	LABKIT_PROFILE=ci $(BIN)/python -m pytest -ra tests --nbval-lax notebooks
 
 # The tests that start no process (every one that does is marked slow: tests/conftest.py), under 2 minutes.
