@@ -102,10 +102,11 @@ gpu-check: install
 	$(BIN)/python -m labkit.study.gpu_check --report gpu-check-report.txt
 
 # The GPU reference (labkit/study/gpu_reference.py) into data/reference-<gpu>/: STEP=check, notebooks or answer
-# (each resumable, each under 10 minutes on one H100), or all.
+# (each resumable), or all. JOBS=N: N notebooks at once, sharing the GPUs (their timings then are not one run's).
 STEP ?= all
+JOBS ?= 1
 gpu-reference: ops
-	$(BIN)/python -m labkit.study.gpu_reference $(STEP)
+	$(BIN)/python -m labkit.study.gpu_reference $(STEP) --jobs $(JOBS)
 
 clean:
 	rm -rf $(VENV) .cache runs wheelhouse build

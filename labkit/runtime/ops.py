@@ -1,4 +1,5 @@
-"""DeepSpeed's JIT ops: build them once, up front (`python -m labkit.runtime.ops`), and decide which Adam runs.
+"""DeepSpeed's JIT ops: build them once, up front (`python -m labkit.runtime.ops [BUILDER ...]`), and decide which
+Adam runs.
 
 DeepSpeed compiles cpu_adam, fused_adam and (on CPU) the shared-memory comm op the first
 time a run needs them, 30-90 s each. Built here into TORCH_EXTENSIONS_DIR, every later
@@ -116,7 +117,13 @@ def with_optimizer_impl(ds_config: dict[str, Any], impl: str) -> dict[str, Any]:
     return config
 
 
-def build_all() -> list[str]:
+def build_all(names: list[str] | None = None) -> list[str]:
+    """Build (or load) `names` (default: every one of BUILDERS) one after the other; returns those built. Separate
+    processes may build different ops at once (`python -m labkit.runtime.ops CPUAdamBuilder`): each op has its own
+    build directory and lock."""
+    unknown = sorted(set(names or ()) - set(BUILDERS))
+    if unknown:
+        raise SystemExit(f"unknown op builder(s) {unknown}: one of {list(BUILDERS)}")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
     os.environ["PATH"] = interpreter_path(os.environ.get("PATH"))  # the venv's ninja, as the ranks use
     from labkit.runtime.ds_import import import_deepspeed
@@ -128,7 +135,7 @@ def build_all() -> list[str]:
 
     report_stale_locks(os.environ["TORCH_EXTENSIONS_DIR"], clear=True)
     accelerator = get_accelerator()
-    names = list(BUILDERS)
+    names = list(names or BUILDERS)
     if accelerator._name == "cuda":
         arch_list, note = deepspeed_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))
         if note:
@@ -138,10 +145,10 @@ def build_all() -> list[str]:
         if not buildable:
             print(f"FusedAdam not built ({why}): runs without offload use torch's Adam through DeepSpeed "
                   f"(optimizer_impl=torch_adam). Install a CUDA toolkit matching torch's CUDA for FusedAdam.")
-            names.remove("FusedAdamBuilder")
+            names = [n for n in names if n != "FusedAdamBuilder"]
         if host_compiler() is None:
             print("CPU Adam not built: no C++ compiler (c++ or $CXX); offload runs use torch's Adam on the host")
-            names.remove("CPUAdamBuilder")
+            names = [n for n in names if n != "CPUAdamBuilder"]
     built = []
     for name in names:
         builder = accelerator.create_op_builder(name)
@@ -157,5 +164,5 @@ def build_all() -> list[str]:
 
 
 if __name__ == "__main__":
-    build_all()
+    build_all(sys.argv[1:])
     sys.exit(0)

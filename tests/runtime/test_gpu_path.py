@@ -299,3 +299,31 @@ def test_reference_steps_are_resumable_and_separately_callable(tmp_path, monkeyp
     steps = json.loads((tmp_path / "steps.json").read_text())
     assert steps["check"]["status"] == "passed" and steps["answer"]["status"] == "failed (exit 3)"
     assert gpu_reference.reference_dir(Devices("cpu", 1, 2, "gloo", True, False, "CPU", 2**30)) is None
+
+
+@pytest.mark.slow
+def test_reference_notebooks_at_once_each_with_its_own_leases_and_the_boundary_notebook_alone(tmp_path, monkeypatch):
+    """--jobs: the memory-boundary notebook runs first and alone, the others together, each in its own process with
+    its own lease directory (TMPDIR); a failing one is named in the step's status, the others' records kept."""
+    import json
+    import sys
+
+    from labkit.study import gpu_reference
+
+    script = ("import os, sys, time; name = sys.argv[1]; start = time.time(); time.sleep(0.3); "
+              "span = f'{start} {time.time()} {os.environ[\"TMPDIR\"]}'; "
+              "open(os.path.join(os.environ['OUT'], name), 'w').write(span); "
+              "sys.exit(3 if name == 'b' else 0)")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(gpu_reference, "NOTEBOOKS", ("a", "alone", "b", "c"))
+    monkeypatch.setattr(gpu_reference, "ALONE", ("alone",))
+    monkeypatch.setattr(gpu_reference, "notebook_command", lambda name, junit: [sys.executable, "-c", script, name])
+    record = gpu_reference.run_step("notebooks", tmp_path, jobs=3)
+    assert record["status"] == "failed (b)" and record["jobs"] == 3
+    assert {n: r["status"] for n, r in record["notebooks"].items()} == {
+        "alone": "passed", "a": "passed", "b": "failed (exit 3)", "c": "passed"}
+    spans = {n: (tmp_path / n).read_text().split() for n in ("a", "alone", "b", "c")}
+    assert all(float(spans["alone"][1]) <= float(spans[n][0]) for n in "abc")  # alone, before the others
+    assert max(float(spans[n][0]) for n in "abc") < min(float(spans[n][1]) for n in "abc")  # the others together
+    assert len({spans[n][2] for n in spans}) == 4  # a lease directory each
+    assert json.loads((tmp_path / "steps.json").read_text())["notebooks"]["status"] == "failed (b)"
