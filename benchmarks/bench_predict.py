@@ -14,6 +14,9 @@
    compute per collective) and set against 2-rank runs of the same configs,
    measured in alternating 1-rank / 2-rank pairs, each run summarised by its mean step. Goal: median |error| <= 15%,
    every point <= 30%.
+3. The lab's own runs on a GPU (data/reference-<gpu>/results.csv, or answer-partial/results.csv until an answer is
+   whole): each finished point's median step PREDICTED for that GPU kind from its config alone (no goal: steps under
+   TINY_STEP_S are launch-bound, which the model leaves out, and the lab's models are small).
 """
 
 from __future__ import annotations
@@ -142,6 +145,38 @@ def gemm_check() -> None:
         print(f"median |error| {errors.median():.1%}, max {errors.max():.1%} over {len(table)} GEMMs")
 
 
+def gpu_runs_check() -> object:
+    """predicted / measured median step of every finished point of the lab's GPU answers (a DataFrame, or None)."""
+    import pandas as pd
+
+    from labkit.runtime.hardware import Cluster, preset_for
+    from labkit.study import predict
+
+    rows = []
+    for machine_file in sorted((ROOT / "data").glob("reference-*/machine.json")):
+        machine = json.loads(machine_file.read_text())
+        preset = preset_for(machine.get("device", "")) if machine.get("accelerator") == "cuda" else None
+        if preset is None or machine.get("devices") != 1:
+            continue  # CPU references, GPUs without a preset; one GPU only (no link to model)
+        results = [f for f in (machine_file.parent / "results.csv", machine_file.parent / "answer-partial" /
+                               "results.csv") if f.exists()][:1]
+        if not results:
+            continue
+        workload, _ = predict.answer_workload(machine_file.parent)
+        cluster = Cluster(gpu=predict.find_gpu(preset))
+        for row in pd.read_csv(results[0]).itertuples():
+            if row.status != "finished" or row.world_size != 1:
+                continue
+            guess = predict.predict(workload, cluster, strategy=row.strategy, micro_batch=int(row.micro_batch),
+                                    grad_accum=int(row.grad_accum), precision=row.precision)
+            rows.append({"reference": f"{machine_file.parent.name}/{results[0].parent.name}"
+                         if results[0].parent != machine_file.parent else machine_file.parent.name,
+                         "gpu": preset, "strategy": row.strategy, "micro_batch": row.micro_batch,
+                         "grad_accum": row.grad_accum, "measured_s": row.median_step_time_s,
+                         "predicted_s": guess.step_time_s, "error": guess.step_time_s / row.median_step_time_s - 1})
+    return pd.DataFrame(rows) if rows else None
+
+
 def main() -> int:
     import pandas as pd
 
@@ -175,6 +210,13 @@ def main() -> int:
         print(cpu.to_string(index=False, float_format=lambda v: f"{v:.4g}"))  # type: ignore[attr-defined]
         errors = cpu["error"].abs()  # type: ignore[index]
         print(f"median |error| {statistics.median(errors):.1%} (goal <= 15%), max {max(errors):.1%} (goal <= 30%)")
+    gpu = gpu_runs_check()
+    if gpu is not None:
+        from labkit.study.predict import TINY_STEP_S
+
+        print("\nThe lab's runs on a GPU: median step PREDICTED from the config / measured (one rank; under "
+              f"{TINY_STEP_S * 1e3:.0f} ms a predicted step is launch-bound, which the model leaves out)")
+        print(gpu.to_string(index=False, float_format=lambda v: f"{v:.4g}"))  # type: ignore[attr-defined]
     return 0
 
 

@@ -201,6 +201,9 @@ def test_the_benchmark_checks_a_table_of_other_points(tmp_path, points):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "ds-megatron-1.5b" in run.stdout and "ds-offload-10b" in run.stdout and "2 points" in run.stdout
+    # the lab's own H100 points (data/reference-h100-80gb/answer-partial), each predicted from its config
+    gpu_section = run.stdout.split("The lab's runs on a GPU")[1]
+    assert gpu_section.count("H100-SXM") == 3 and "torch" in gpu_section and "z0" in gpu_section
     bad = _write(tmp_path, points, {"precision": "fp8"})
     run = subprocess.run([sys.executable, str(bench), "--points", str(bad)], capture_output=True, text=True,
                          timeout=300)
