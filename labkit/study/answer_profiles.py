@@ -93,7 +93,7 @@ PROFILES: dict[str, AnswerProfile] = {
                "not run); treat this report as the first."),
     ),
     # One node of 16-24 GB GPUs (T4, L4, A10G), and the reference run on one H100 (~12 min there: 19 sweep points
-    # and 2 searches of ~4 probes from the predicted boundary, at 22-29 s a launch measured on that H100).
+    # and 2 searches of ~4 probes from the predicted boundary, at 22-28 s a launch measured on that H100).
     # A 50.7M-parameter MLP (0.81 GB of model states at stage 0) with 100 inputs: activations (~41 KB a sample in
     # bf16) set the boundary, ~0.33M per rank on 16 GB and ~1.9M on 80 GB, where a probe's input batch is
     # still under 1 GB of host memory. Two global batches; the LR study at both.
@@ -113,7 +113,7 @@ PROFILES: dict[str, AnswerProfile] = {
         cpu_budget_bytes=4_000_000_000,
         parallel=1,
         notes=("For one node of 16-24 GB GPUs (T4, L4, A10G); T4 has no bf16, so it runs fp32.",
-               "About 12 minutes on one H100 80GB (~27 launches at the 22-29 s each measured there, almost all "
+               "About 12 minutes on one H100 80GB (~27 launches at the 22-28 s each measured there, almost all "
                "start-up); longer on T4s, whose steps take ~0.15 s at batch 4096.",
                "Untested as an answer: on one H100 80GB (data/reference-h100-80gb/) `make gpu-check` and every "
                "notebook passed, but this profile's answer finished only 3 of its 19 points there; "

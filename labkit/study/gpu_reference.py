@@ -15,7 +15,8 @@ Notebook 04 reads data/reference-<gpu>/ on a machine with that GPU (`reference_d
 `--jobs N` (notebooks): each notebook in its own pytest process, N at a time, each with its own device-lease
 directory (TMPDIR), so runs of different notebooks SHARE the GPUs: it proves in minutes that every notebook runs
 there, but its timings are not one run's alone. The notebooks that find the memory boundary (ALONE) run first, by
-themselves. Logs and JUnit files per notebook in <out>/notebooks/.
+themselves. Logs and JUnit files per notebook in <out>/notebooks/; steps.json records each notebook as it ends, and
+a step called again runs only those that did not pass.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,19 +83,29 @@ def step_commands(step: str, out: Path, python: str = sys.executable) -> list[li
     raise ValueError(f"unknown step {step!r}: one of {STEPS} or 'all'")
 
 
-def run_command(command: list[str], env: dict[str, str], log: Any) -> int:
-    """Run `command` from the repository root, output to `log`; its exit code. On Ctrl-C the command got the same
-    SIGINT (one process group): it is given INTERRUPT_GRACE_S to stop its runs and keep what it recorded (`labkit
-    answer` resumes from there), not killed at once as subprocess.run would."""
+def run_command(command: list[str], env: dict[str, str], log: Any,
+                children: list[subprocess.Popen] | None = None) -> int:
+    """Run `command` from the repository root, output to `log`; its exit code. `children` collects the process (for
+    a caller that waits on several from threads). On Ctrl-C, `stop_gracefully`."""
     child = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if children is not None:
+        children.append(child)
     try:
         return child.wait()
     except KeyboardInterrupt:
+        stop_gracefully([child])
+        raise
+
+
+def stop_gracefully(children: list[subprocess.Popen]) -> None:
+    """Ctrl-C reached the children too (one process group): they get INTERRUPT_GRACE_S in all to stop their runs and
+    keep what they recorded (`labkit answer` resumes from there), then are killed; subprocess.run kills at once."""
+    deadline = time.monotonic() + INTERRUPT_GRACE_S
+    for child in children:
         try:
-            child.wait(timeout=INTERRUPT_GRACE_S)
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.kill()
-        raise
 
 
 def notebook_command(notebook: str, junit: Path, python: str = sys.executable) -> list[str]:
@@ -102,33 +114,51 @@ def notebook_command(notebook: str, junit: Path, python: str = sys.executable) -
             f"notebooks/{notebook}.ipynb"]
 
 
-def run_notebooks_at_once(out: Path, jobs: int, env: dict[str, str]) -> tuple[str, dict[str, Any]]:
-    """(status, {notebook: {status, seconds}}): ALONE first, then the others `jobs` at a time (module doc)."""
+def run_notebooks_at_once(out: Path, jobs: int, env: dict[str, str], results: dict[str, Any],
+                          on_end: Callable[[], object] = lambda: None) -> None:
+    """Fill `results` ({notebook: {status, seconds}}) as each notebook ends, then call `on_end` (one at a time):
+    ALONE first, then the others `jobs` at a time (module doc). A notebook `results` already holds as passed is not
+    run again (a resumed step). On Ctrl-C the running ones are stopped gracefully and recorded "interrupted"."""
     import tempfile
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     folder = out / "notebooks"
     folder.mkdir(exist_ok=True)
+    children: list[subprocess.Popen] = []
+    stopping, ended = threading.Event(), threading.Lock()
 
-    def one(notebook: str) -> tuple[str, dict[str, Any]]:
+    def one(notebook: str) -> None:
         started = time.monotonic()
-        leases = tempfile.mkdtemp(prefix=f"labkit-{notebook}-")  # its own lease directory: shares the GPUs
-        with open(folder / f"{notebook}.log", "w") as log:
-            code = run_command(notebook_command(notebook, folder / f"{notebook}.xml"), {**env, "TMPDIR": leases}, log)
-        status = "passed" if code == 0 else f"failed (exit {code})"
-        print(f"notebooks: {notebook} {status} in {time.monotonic() - started:.0f} s", flush=True)
-        return notebook, {"status": status, "seconds": round(time.monotonic() - started, 1)}
+        # Its own lease directory, so its runs share the GPUs with the other notebooks'.
+        with tempfile.TemporaryDirectory(prefix=f"labkit-{notebook}-") as leases, \
+                open(folder / f"{notebook}.log", "w") as log:
+            code = run_command(notebook_command(notebook, folder / f"{notebook}.xml"), {**env, "TMPDIR": leases}, log,
+                               children)
+        status = "passed" if code == 0 else "interrupted" if stopping.is_set() else f"failed (exit {code})"
+        with ended:
+            results[notebook] = {"status": status, "seconds": round(time.monotonic() - started, 1)}
+            on_end()
+        print(f"notebooks: {notebook} {status} in {results[notebook]['seconds']:.0f} s", flush=True)
 
-    results = dict(one(n) for n in NOTEBOOKS if n in ALONE)
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results.update(pool.map(one, [n for n in NOTEBOOKS if n not in ALONE]))
-    failed = [n for n, r in results.items() if r["status"] != "passed"]
-    return (f"failed ({', '.join(failed)})" if failed else "passed"), results
+    todo = [n for n in NOTEBOOKS if results.get(n, {}).get("status") != "passed"]
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        for notebook in (n for n in todo if n in ALONE):
+            one(notebook)
+        for future in [pool.submit(one, n) for n in todo if n not in ALONE]:
+            future.result()
+    except KeyboardInterrupt:
+        stopping.set()
+        stop_gracefully([c for c in children if c.poll() is None])
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def run_step(step: str, out: Path, *, force: bool = False, jobs: int = 1) -> dict[str, Any]:
     """Run one step unless it passed before; its output goes to <out>/<step>.log (with --jobs, per notebook in
-    <out>/notebooks/); returns its record."""
+    <out>/notebooks/, and a notebooks step resumes: those that passed are not run again); returns its record."""
     record_file = out / "steps.json"
     steps = json.loads(record_file.read_text()) if record_file.is_file() else {}
     if steps.get(step, {}).get("status") == "passed" and not force:
@@ -137,8 +167,15 @@ def run_step(step: str, out: Path, *, force: bool = False, jobs: int = 1) -> dic
     env = {**os.environ, "LABKIT_PROFILE": PROFILE}
     started, status, extra = time.monotonic(), "passed", {}
     if step == "notebooks" and jobs > 1:
-        status, by_notebook = run_notebooks_at_once(out, jobs, env)
+        by_notebook: dict[str, Any] = {} if force else dict(steps.get(step, {}).get("notebooks", {}))
         extra = {"jobs": jobs, "notebooks": by_notebook}
+        try:  # recorded as each notebook ends: a call killed outright keeps what ended before
+            run_notebooks_at_once(out, jobs, env, by_notebook, lambda: _record(out, step, "running", started, extra))
+        except KeyboardInterrupt:
+            _record(out, step, "interrupted", started, extra)
+            raise
+        failed = [n for n, r in by_notebook.items() if r["status"] != "passed"]
+        status = f"failed ({', '.join(failed)})" if failed else "passed"
     else:
         with open(out / f"{step}.log", "w") as log:
             for command in step_commands(step, out):
@@ -147,12 +184,19 @@ def run_step(step: str, out: Path, *, force: bool = False, jobs: int = 1) -> dic
                 if code != 0:
                     status = f"failed (exit {code})"
                     break
+    record = _record(out, step, status, started, extra)
+    print(f"{step}: {status} in {record['seconds']:.0f} s (log: {out / record['log']})", flush=True)
+    return record
+
+
+def _record(out: Path, step: str, status: str, started: float, extra: dict[str, Any]) -> dict[str, Any]:
+    """Write the step's record into <out>/steps.json beside the others'; returns it."""
     record = {"status": status, "seconds": round(time.monotonic() - started, 1),
               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "log": "notebooks/" if extra else f"{step}.log", **extra}
+              "log": "notebooks/" if "notebooks" in extra else f"{step}.log", **extra}
+    record_file = out / "steps.json"
     steps = json.loads(record_file.read_text()) if record_file.is_file() else {}
     record_file.write_text(json.dumps({**steps, step: record}, indent=1) + "\n")
-    print(f"{step}: {status} in {record['seconds']:.0f} s (log: {out / (step + '.log')})", flush=True)
     return record
 
 

@@ -303,17 +303,30 @@ def test_reference_steps_are_resumable_and_separately_callable(tmp_path, monkeyp
 
 @pytest.mark.slow
 def test_reference_notebooks_at_once_each_with_its_own_leases_and_the_boundary_notebook_alone(tmp_path, monkeypatch):
-    """--jobs: the memory-boundary notebook runs first and alone, the others together, each in its own process with
-    its own lease directory (TMPDIR); a failing one is named in the step's status, the others' records kept."""
+    """--jobs: the memory-boundary notebook runs first and alone, the others together (each waits until all three have
+    started, so run one after another they would time out), each in its own process with its own lease directory
+    (TMPDIR); a failing one is named in the step's status, and the step called again runs only that one."""
     import json
     import sys
 
     from labkit.study import gpu_reference
 
-    script = ("import os, sys, time; name = sys.argv[1]; start = time.time(); time.sleep(0.3); "
-              "span = f'{start} {time.time()} {os.environ[\"TMPDIR\"]}'; "
-              "open(os.path.join(os.environ['OUT'], name), 'w').write(span); "
-              "sys.exit(3 if name == 'b' else 0)")
+    script = """
+import os, sys, time
+name, out = sys.argv[1], os.environ["OUT"]
+open(os.path.join(out, name + ".start"), "w").write(os.environ["TMPDIR"])
+together = [] if name == "alone" else ["a", "b", "c"]
+deadline = time.monotonic() + 60
+while not all(os.path.exists(os.path.join(out, n + ".start")) for n in together):
+    if time.monotonic() > deadline:
+        sys.exit(4)  # the others never started beside it
+    time.sleep(0.05)
+if name == "alone" and any(os.path.exists(os.path.join(out, n + ".start")) for n in "abc"):
+    sys.exit(5)  # another notebook started while the boundary notebook ran
+with open(os.path.join(out, "ran"), "a") as ran:
+    ran.write(name + "\\n")
+sys.exit(3 if name == "b" and not os.path.exists(os.path.join(out, "fixed")) else 0)
+"""
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setattr(gpu_reference, "NOTEBOOKS", ("a", "alone", "b", "c"))
     monkeypatch.setattr(gpu_reference, "ALONE", ("alone",))
@@ -322,8 +335,12 @@ def test_reference_notebooks_at_once_each_with_its_own_leases_and_the_boundary_n
     assert record["status"] == "failed (b)" and record["jobs"] == 3
     assert {n: r["status"] for n, r in record["notebooks"].items()} == {
         "alone": "passed", "a": "passed", "b": "failed (exit 3)", "c": "passed"}
-    spans = {n: (tmp_path / n).read_text().split() for n in ("a", "alone", "b", "c")}
-    assert all(float(spans["alone"][1]) <= float(spans[n][0]) for n in "abc")  # alone, before the others
-    assert max(float(spans[n][0]) for n in "abc") < min(float(spans[n][1]) for n in "abc")  # the others together
-    assert len({spans[n][2] for n in spans}) == 4  # a lease directory each
+    assert len({(tmp_path / f"{n}.start").read_text() for n in ("alone", "a", "b", "c")}) == 4  # a lease dir each
     assert json.loads((tmp_path / "steps.json").read_text())["notebooks"]["status"] == "failed (b)"
+    (tmp_path / "fixed").touch()
+    (tmp_path / "b.start").unlink()  # the rerun notebook waits for none but itself: together with a and c before
+    (tmp_path / "ran").write_text("")
+    for name in ("a", "c"):
+        (tmp_path / f"{name}.start").touch()
+    assert gpu_reference.run_step("notebooks", tmp_path, jobs=3)["status"] == "passed"
+    assert (tmp_path / "ran").read_text().split() == ["b"]  # only the one that had failed ran again
