@@ -158,22 +158,22 @@ def gpu_runs_check() -> object:
         preset = preset_for(machine.get("device", "")) if machine.get("accelerator") == "cuda" else None
         if preset is None:
             continue  # CPU references, GPUs without a preset
-        results = [f for f in (machine_file.parent / "results.csv", machine_file.parent / "answer-partial" /
-                               "results.csv") if f.exists()][:1]
-        if not results:
+        folder = machine_file.parent
+        results = next((f for f in (folder / "results.csv", folder / "answer-partial" / "results.csv") if f.exists()),
+                       None)
+        if results is None:
             continue
-        workload, _ = predict.answer_workload(machine_file.parent)
+        workload, _ = predict.answer_workload(folder)
         cluster = Cluster(gpu=predict.find_gpu(preset))
-        for row in pd.read_csv(results[0]).itertuples():
+        for row in pd.read_csv(results).itertuples():
             if row.status != "finished" or row.world_size != 1:
                 continue
             guess = predict.predict(workload, cluster, strategy=row.strategy, micro_batch=int(row.micro_batch),
                                     grad_accum=int(row.grad_accum), precision=row.precision)
-            rows.append({"reference": f"{machine_file.parent.name}/{results[0].parent.name}"
-                         if results[0].parent != machine_file.parent else machine_file.parent.name,
-                         "gpu": preset, "strategy": row.strategy, "micro_batch": row.micro_batch,
-                         "grad_accum": row.grad_accum, "measured_s": row.median_step_time_s,
-                         "predicted_s": guess.step_time_s, "error": guess.step_time_s / row.median_step_time_s - 1})
+            rows.append({"reference": str(results.parent.relative_to(folder.parent)), "gpu": preset,
+                         "strategy": row.strategy, "micro_batch": row.micro_batch, "grad_accum": row.grad_accum,
+                         "measured_s": row.median_step_time_s, "predicted_s": guess.step_time_s,
+                         "error": guess.step_time_s / row.median_step_time_s - 1})
     return pd.DataFrame(rows) if rows else None
 
 

@@ -338,7 +338,7 @@ sys.exit(3 if name == "b" and not os.path.exists(os.path.join(out, "fixed")) els
     assert len({(tmp_path / f"{n}.start").read_text() for n in ("alone", "a", "b", "c")}) == 4  # a lease dir each
     assert json.loads((tmp_path / "steps.json").read_text())["notebooks"]["status"] == "failed (b)"
     (tmp_path / "fixed").touch()
-    (tmp_path / "b.start").unlink()  # the rerun notebook waits for none but itself: together with a and c before
+    (tmp_path / "b.start").unlink()  # b runs again by itself: a's and c's start files stand as they left them
     (tmp_path / "ran").write_text("")
     for name in ("a", "c"):
         (tmp_path / f"{name}.start").touch()
