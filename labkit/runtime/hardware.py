@@ -23,8 +23,9 @@ GB = 1e9
 REPO = Path(__file__).resolve().parents[2]
 
 # A kernel's share of the datasheet peak where no measurement of that GPU kind is loaded. ASSUMPTIONS, global:
-# no published GEMM or streaming-bandwidth measurement of V100, A100, L4, T4 or A10G with its setup was found and
-# verified for this model (docs/predict.md); bench_gpu_constants.py measures both on a GPU the lab has.
+# no published GEMM measurement of A100, L4 or A10G, and no streaming-bandwidth measurement of any of these GPU kinds,
+# with its setup was found and verified for this model (docs/predict.md; V100 SXM and T4 GEMMs are Baidu DeepBench's,
+# data/published/gemm/); bench_gpu_constants.py measures both on a GPU the lab has.
 GEMM_EFFICIENCY = 0.8    # a large cuBLAS GEMM's share of the dense tensor-core peak (full waves, big K)
 MEMORY_EFFICIENCY = 0.8  # a streaming element-wise kernel's share of the datasheet memory bandwidth
 ASSUMED = "assumed (no measurement of this GPU kind loaded): GEMM 0.8 of peak, memory 0.8 of datasheet bandwidth"
@@ -132,6 +133,8 @@ ALIASES = {"V100": "V100-32GB", "A100": "A100-80GB", "H100": "H100-SXM", "V100-3
 # -- constants this lab measured on a GPU kind ---------------------------------------------------------------------
 MEASURED_FORMAT = "labkit-gpu-constants/1"  # what benchmarks/bench_gpu_constants.py writes
 MEASURED_FILES = "data/reference-*/gpu_constants.json"
+PUBLISHED_GEMM_FORMAT = "labkit-published-gemm/1"  # what data/published/gemm/from_deepbench.py writes
+PUBLISHED_GEMM_FILES = "data/published/gemm/*.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +185,31 @@ def load_measured(path: str | Path) -> Measured:
                     zero3_per_paramless_module_s=_number(zero3, "per_paramless_module_per_micro_step_s"))
 
 
+def load_published_gemm(path: str | Path) -> tuple[list[str], Measured]:
+    """A published GEMM grid (data/published/gemm/*.json) as (the presets it describes, `Measured` with only its
+    GEMMs): each dtype's best GEMM becomes that GPU kind's GEMM efficiency, as a grid this lab measured would, and
+    every shape a check of the roofline (flops.gemm_check). Shapes run padded (DeepBench pads fp16 dimensions to
+    multiples of 8) are timed at the padded size. Memory bandwidth and the host's figures stay unmeasured."""
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != PUBLISHED_GEMM_FORMAT:
+        raise ValueError(f"{path}: not a {PUBLISHED_GEMM_FORMAT} file")
+    shapes: dict[str, list[dict[str, Any]]] = {}
+    best: dict[str, float] = {}
+    for dtype, rows in data["shapes"].items():
+        shapes[dtype] = [{"label": row["label"], "m": row["padded"][0], "n": row["padded"][1], "k": row["padded"][2],
+                          "seconds": row["ms"] / 1e3} for row in rows]
+        best[dtype] = max(2.0 * r["m"] * r["n"] * r["k"] / r["seconds"] for r in shapes[dtype])
+    source = f"{data['source']}; memory bandwidth: 0.8 of the datasheet's, assumed"
+    measured = Measured(source=source, device_name=str(data["gpu"]), gemm_flops_per_s=best, gemm_shapes=shapes,
+                        memory_bytes_per_s=None, pinned_h2d_bytes_per_s=None, pinned_d2h_bytes_per_s=None,
+                        cpu_adam_s_per_param=None, launch_s=None, zero3_per_module_s=None, zero3_per_micro_step_s=None)
+    presets = [str(name) for name in data["presets"]]
+    unknown = [name for name in presets if name not in GPUS]
+    if unknown:
+        raise ValueError(f"{path}: unknown presets {unknown}")
+    return presets, measured
+
+
 def preset_for(device_name: str) -> str | None:
     """The preset a CUDA device name is ("NVIDIA H100 80GB HBM3" -> "H100-SXM", "NVIDIA A100-SXM4-40GB" ->
     "A100-40GB", "Tesla V100-PCIE-16GB" -> "V100-16GB-PCIE"), or None for a GPU without one (H100 NVL). Pure."""
@@ -206,9 +234,19 @@ def with_measured(kind: GPU, measured: Measured) -> GPU:
 
 
 def _attach_measured() -> None:
-    """Every data/reference-*/gpu_constants.json of this repository onto the preset of the GPU it was measured on."""
+    """Every published GEMM grid (data/published/gemm/) onto the presets it names, then every
+    data/reference-*/gpu_constants.json of this repository onto the preset of the GPU it was measured on (this lab's
+    measurement replaces a published grid)."""
     import warnings
 
+    for path in sorted(REPO.glob(PUBLISHED_GEMM_FILES)):
+        try:
+            presets, published = load_published_gemm(path)
+        except (ValueError, KeyError, OSError) as exc:
+            warnings.warn(f"{path}: not loaded as a published GEMM grid: {exc}", stacklevel=2)
+            continue
+        for name in presets:
+            GPUS[name] = with_measured(GPUS[name], published)
     for path in sorted(REPO.glob(MEASURED_FILES)):
         try:
             measured = load_measured(path)
@@ -266,6 +304,16 @@ INTRA_LINKS = (*LINKS, "nvswitch", "auto")
 NETWORK_GBPS = {"ib-edr": 100, "ib-hdr": 200, "ib-ndr": 400, "eth-25": 25, "eth-100": 100}
 NETWORK_LATENCY_S = 14e-6      # one inter-node ring step (tuning.cc, NET / Ring / Simple)
 COLLECTIVE_LATENCY_S = 8.4e-6  # every collective's base (tuning.cc, baseLatencies Ring / Simple)
+# "Inter-node rings still have to launch nsteps * net overhead" (tuning.cc, ncclTopoTuneModel): in a ring that spans
+# nodes every step, inside a node too, costs at least the network's post overhead, x3 with the Simple protocol.
+# getNetOverhead (tuning.cc): 1 us on an Intel x86 host, 2 us on an AMD one, 1 us otherwise.
+NET_OVERHEAD_S = {"intel": 1e-6, "amd": 2e-6, "other": 1e-6}
+SIMPLE_NET_OVERHEAD_FACTOR = 3
+HOST_CPUS = (*NET_OVERHEAD_S, "auto")
+# The host CPU of each GPU kind's reference node (`auto`), per NVIDIA's datasheets: DGX-1 (2 x Intel Xeon E5-2698 v4)
+# and DGX-2 (2 x Intel Xeon Platinum 8168) for V100 SXM; DGX A100 (2 x AMD EPYC 7742); DGX H100 (2 x Intel Xeon
+# Platinum 8480C). PCIe cards have no reference node: NCCL's default.
+NODE_CPU = {"V100-16GB": "intel", "V100-32GB": "intel", "A100-40GB": "amd", "A100-80GB": "amd", "H100-SXM": "intel"}
 
 
 def gpu(name: str) -> GPU:
@@ -300,6 +348,7 @@ class Cluster:
     nodes: int = 1
     intra: str = "auto"
     inter_gbps: float = 0.0
+    host_cpu: str = "auto"  # the nodes' CPU vendor (intel, amd, other): NCCL's network overhead; auto: NODE_CPU
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nodes < 1:
@@ -307,6 +356,8 @@ class Cluster:
         if self.nodes > 1 and self.inter_gbps <= 0:
             raise ValueError("several nodes need --inter-gbps, the node's network bandwidth in Gb/s")
         intra_link(self.intra, self.gpu)  # validates the name
+        if self.host_cpu not in HOST_CPUS:
+            raise ValueError(f"unknown host CPU {self.host_cpu!r}; known: {', '.join(HOST_CPUS)}")
 
     @property
     def world_size(self) -> int:
@@ -328,13 +379,21 @@ class Cluster:
 
     def ring_latency_s(self, op: str, ranks: int | None = None) -> float:
         """NCCL's latency of one ring collective (tuning.cc): base + intra-node steps x the link's step latency +
-        inter-node steps x the network's (a ring crosses each node boundary once per pass; all-reduce passes twice)."""
+        inter-node steps x the network's (a ring crosses each node boundary once per pass; all-reduce passes twice).
+        In a ring across nodes an intra-node step costs at least the host's network overhead x 3 (NET_OVERHEAD_S)."""
         ranks = self.world_size if ranks is None else ranks
         passes = 2 if op == "all_reduce" else 1
         nodes = min(self.nodes, -(-ranks // self.gpus_per_node))
         inter = passes * (nodes - 1)
         intra = passes * (ranks - 1) - inter
-        return COLLECTIVE_LATENCY_S + intra * self.link().latency_s + inter * NETWORK_LATENCY_S
+        step = self.link().latency_s
+        if nodes > 1:
+            step = max(step, SIMPLE_NET_OVERHEAD_FACTOR * NET_OVERHEAD_S[self.node_cpu()])
+        return COLLECTIVE_LATENCY_S + intra * step + inter * NETWORK_LATENCY_S
+
+    def node_cpu(self) -> str:
+        """The nodes' CPU vendor: `host_cpu`, or for `auto` the GPU kind's reference node (NODE_CPU), else other."""
+        return NODE_CPU.get(self.gpu.name, "other") if self.host_cpu == "auto" else self.host_cpu
 
     def host_link(self) -> Link:
         return LINKS[self.gpu.host_link]

@@ -334,11 +334,20 @@ class CommTime:
     rows: list[dict[str, Any]]
 
 
+# Compute slows while communication runs beside it (both use the GPU's SMs and memory): "overlapping computation and
+# communication can result in an average computational slowdown of 18.9%, with a maximum of 40.0%" (Lee et al.,
+# "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning", arXiv:2507.03114,
+# 2025: GPT and LLaMA on 4 x A100, H100, MI250 and MI210). The average, global: not fitted to any point.
+OVERLAP_COMPUTE_SLOWDOWN = 1.189
+
+
 def comm_time(rows: Iterable[Any], links: Any, world_size: int, *, grad_accum: int,
-              hide_behind: dict[str, float]) -> CommTime:
+              hide_behind: dict[str, float], slowdown: float = 1.0) -> CommTime:
     """Seconds per optimizer step: every collective's count x (alpha-beta time of its ring bytes); overlappable
     ones hide behind the compute of their phase per micro-step (`hide_behind`: phase -> seconds per micro-step),
-    the rest is exposed."""
+    the rest is exposed. The compute that runs beside hidden communication takes `slowdown` x as long (GPUs:
+    OVERLAP_COMPUTE_SLOWDOWN), counted as exposed: a phase of compute C and communication X takes
+    C + X (1 - 1/slowdown) while X <= slowdown x C, else X."""
     rows = list(rows)
     if not rows:
         return CommTime(0.0, 0.0, [])
@@ -359,7 +368,8 @@ def comm_time(rows: Iterable[Any], links: Any, world_size: int, *, grad_accum: i
         table.append({"op": c.op, "phase": c.phase, "per": c.per, "count": c.count, "bytes": c.bytes,
                       "overlappable": bool(c.overlappable), "seconds_per_step": seconds})
     for phase, seconds in per_phase.items():
-        exposed += grad_accum * max(0.0, seconds - hide_behind[phase])
+        hidden = min(seconds, slowdown * hide_behind[phase])
+        exposed += grad_accum * (seconds - hidden + hidden * (1.0 - 1.0 / slowdown))
     return CommTime(total, exposed, table)
 
 
@@ -428,7 +438,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     compute_s = grad_accum * (costs.forward_s + costs.backward_s) + optimizer_s
     rows = collective_rows(stage, workload, n, precision=precision, grad_accum=grad_accum, offload_optimizer=offload)
     comm = comm_time(rows, ClusterLinks(cluster), n, grad_accum=grad_accum,
-                     hide_behind={"forward": costs.forward_s, "backward": costs.backward_s})
+                     hide_behind={"forward": costs.forward_s, "backward": costs.backward_s},
+                     slowdown=OVERLAP_COMPUTE_SLOWDOWN)
     offload_s = _offload_s(stage, offload, owned, grad_accum, cluster, precision, host_memory_gb_per_s)
     step = compute_s + comm.exposed_s + offload_s
     global_batch = micro_batch * grad_accum * n

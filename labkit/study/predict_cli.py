@@ -31,7 +31,7 @@ def _cluster(args: Any) -> Cluster:
     try:
         kind = find_gpu(args.gpu)
         return Cluster(gpu=kind, gpus_per_node=args.gpus_per_node, nodes=args.nodes, intra=args.intra,
-                       inter_gbps=args.inter_gbps)
+                       inter_gbps=args.inter_gbps, host_cpu=args.host_cpu)
     except ValueError as exc:
         raise _bad("hardware", str(exc)) from None
 

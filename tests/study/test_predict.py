@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -53,11 +54,18 @@ def test_a_ring_across_nodes_runs_at_the_slower_of_link_and_network():
     # NCCL's developers' figure for InfiniBand: 192 GB/s bus bandwidth from 8 x 200 Gb/s (hardware.py cites it)
     assert four.bus_bytes_per_s() == pytest.approx(25e9 * hw.NETWORK_EFFICIENCY) == pytest.approx(24e9)
     assert four.bus_bytes_per_s(8) == one.bus_bytes_per_s()  # a ring inside one node never crosses the network
-    # NCCL's latency model: base + intra steps x link + inter steps x network; all-reduce passes twice.
-    assert four.ring_latency_s("all_gather") == pytest.approx(8.4e-6 + 28 * 3.4e-6 + 3 * 14e-6)
-    assert four.ring_latency_s("all_reduce") == pytest.approx(8.4e-6 + 56 * 3.4e-6 + 6 * 14e-6)
+    # NCCL's latency model: base + intra steps x link + inter steps x network; all-reduce passes twice. A ring
+    # across nodes pays at least 3 x the host's network overhead per intra step: 6 us on the DGX A100's AMD CPUs.
+    assert four.node_cpu() == "amd"
+    assert four.ring_latency_s("all_gather") == pytest.approx(8.4e-6 + 28 * 6e-6 + 3 * 14e-6)
+    assert four.ring_latency_s("all_reduce") == pytest.approx(8.4e-6 + 56 * 6e-6 + 6 * 14e-6)
+    intel = dataclasses.replace(four, host_cpu="intel")  # 3 x 1 us < NVLink's 3.4 us: the link's step stands
+    assert intel.ring_latency_s("all_gather") == pytest.approx(8.4e-6 + 28 * 3.4e-6 + 3 * 14e-6)
+    assert one.ring_latency_s("all_gather") == pytest.approx(8.4e-6 + 7 * 3.4e-6)  # one node: no network overhead
     with pytest.raises(ValueError, match="inter-gbps"):
         hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=2)
+    with pytest.raises(ValueError, match="known: intel, amd, other, auto"):
+        hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, host_cpu="zen")
 
 
 # -- the census on the meta device ---------------------------------------------------------------------------------
@@ -516,7 +524,57 @@ def test_a_measured_file_in_the_repository_becomes_its_presets_constants(tmp_pat
     v100 = P.host_costs(hw.gpu("V100-32GB"))
     assert v100.zero3_per_module_s == 3e-4 and v100.launch_s == 6e-6
     assert "V100-32GB's not measured" in v100.source
-    assert hw.gpu("V100-32GB").gemm_efficiency("fp16") == hw.GEMM_EFFICIENCY  # its device figures stay its own
+    assert hw.gpu("A100-80GB").gemm_efficiency("fp16") == hw.GEMM_EFFICIENCY  # its device figures stay its own
+
+
+def test_a_published_gemm_grid_is_its_presets_gemm_efficiency_and_a_check():
+    # Baidu DeepBench's V100 (DGX-1, SXM2) and T4 grids, data/published/gemm/: the best GEMM of each / the peak.
+    presets, v100 = hw.load_published_gemm(hw.REPO / "data" / "published" / "gemm" / "deepbench-v100.json")
+    assert presets == ["V100-16GB", "V100-32GB"] and v100.source.startswith("published: Baidu DeepBench")
+    best = max(2 * r["m"] * r["n"] * r["k"] / r["seconds"] for r in v100.gemm_shapes["fp16"])
+    assert hw.gpu("V100-32GB").gemm_efficiency("fp16") == pytest.approx(best / 125e12) == pytest.approx(0.898, abs=1e-3)
+    assert hw.gpu("V100-16GB").measured == hw.gpu("V100-32GB").measured
+    assert hw.gpu("V100-32GB-PCIE").measured is None  # another part (112 TFLOPS): not what DeepBench ran
+    assert hw.gpu("T4").gemm_efficiency("fp16") < 0.75 and hw.gpu("T4").gemm_efficiency("fp32") < 0.6
+    assert hw.gpu("V100-32GB").memory_efficiency == hw.MEMORY_EFFICIENCY  # no copy was published: assumed
+    # fp16 shapes ran padded to multiples of 8 (DeepBench's harness): 1530 -> 1536, so tensor cores, as measured
+    padded = next(r for r in v100.gemm_shapes["fp16"] if "x1530 " in r["label"])
+    assert padded["k"] == 1536
+    rows = flops.gemm_check(hw.gpu("V100-32GB"))
+    assert len(rows) == sum(len(v) for v in v100.gemm_shapes.values()) and all(r["measured_s"] > 0 for r in rows)
+
+
+def test_a_file_that_is_not_a_published_grid_is_refused(tmp_path):
+    bad = tmp_path / "grid.json"
+    bad.write_text(json.dumps({"format": "labkit-published-gemm/1", "gpu": "x", "presets": ["V100-64GB"],
+                               "source": "s", "shapes": {"fp16": [{"label": "a", "m": 8, "n": 8, "k": 8, "a_t": False,
+                                                                    "b_t": False, "ms": 1.0, "padded": [8, 8, 8]}]}}))
+    with pytest.raises(ValueError, match="unknown presets"):
+        hw.load_published_gemm(bad)
+    bad.write_text(json.dumps({"format": "labkit-gpu-constants/1"}))
+    with pytest.raises(ValueError, match="not a labkit-published-gemm/1 file"):
+        hw.load_published_gemm(bad)
+
+
+def test_compute_beside_hidden_communication_runs_slower():
+    # ZeRO-3 on 2 nodes: its gathers and reduce-scatters are overlappable (forward and backward phases).
+    cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=2, inter_gbps=1600)
+    rows = P.collective_rows(3, P.TransformerWorkload(GPT2_XL), 16, precision="bf16", grad_accum=1,
+                             offload_optimizer=False)
+    links = P.ClusterLinks(cluster)
+    ideal = P.comm_time(rows, links, 16, grad_accum=1, hide_behind={"forward": 1.0, "backward": 1.0})
+    per_phase = {phase: sum(r["seconds_per_step"] for r in ideal.rows if r["overlappable"] and r["phase"] == phase)
+                 for phase in ("forward", "backward")}
+    rest = ideal.total_s - sum(per_phase.values())
+    assert 0 < per_phase["forward"] < 1.0 and ideal.exposed_s == pytest.approx(rest)  # all hidden behind 1 s
+    s = P.OVERLAP_COMPUTE_SLOWDOWN
+    slowed = P.comm_time(rows, links, 16, grad_accum=1, hide_behind={"forward": 1.0, "backward": 1.0}, slowdown=s)
+    # a phase of compute C and hidden communication X takes C + X (1 - 1/s): the exposed part is X (1 - 1/s)
+    assert slowed.exposed_s == pytest.approx(rest + sum(per_phase.values()) * (1 - 1 / s))
+    # communication longer than s x the compute: the phase is the communication's, slowed or not
+    tiny = {"forward": per_phase["forward"] / 2 / s, "backward": per_phase["backward"] / 2 / s}
+    bound = P.comm_time(rows, links, 16, grad_accum=1, hide_behind=tiny, slowdown=s)
+    assert bound.exposed_s == pytest.approx(ideal.total_s - sum(tiny.values()))
 
 
 def test_the_gemm_roofline_is_checked_against_every_measured_gemm(h100):
