@@ -3,6 +3,7 @@
     python benchmarks/bench_predict.py                 # every check from committed data (seconds)
     python benchmarks/bench_predict.py --measure       # re-measure the CPU runs here first (~2 min, quiet machine)
     python benchmarks/bench_predict.py --points FILE   # other published points, in points.csv's columns
+    python benchmarks/bench_predict.py --measure-zero3-ranks   # ZeRO-3's host work vs ranks (~4 min, quiet machine)
 
 1. Published GPU points (data/published/points.csv): predicted / published per point; goals: median |error| <= 25%,
    every point <= 40% (tests/study/test_predict_published.py holds what the model reaches today).
@@ -192,6 +193,8 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measure", action="store_true", help="re-measure the CPU runs into data/predict-ci first")
+    parser.add_argument("--measure-zero3-ranks", action="store_true",
+                        help="re-measure ZeRO-3's host work at 1, 2, 4 and 8 ranks into zero3_ranks.json first")
     parser.add_argument("--out", default=str(DATA))
     parser.add_argument("--points", default=None, help="a CSV of published points in data/published/points.csv's "
                         "columns (data/published/README.md); default: that file")
@@ -204,6 +207,15 @@ def main() -> int:
     pd.set_option("display.width", 200)
     if args.measure:
         measure(Path(args.out))
+    if args.measure_zero3_ranks:
+        from labkit.study.calibrate import measure_zero3_rank_scaling
+
+        ranks = measure_zero3_rank_scaling()
+        (Path(args.out) / "zero3_ranks.json").write_text(json.dumps(ranks, indent=2) + "\n")
+        print("ZeRO-3 host work per module per micro-step (CPU time, this machine): "
+              + ", ".join(f"{n} rank(s) {t * 1e3:.3f} ms" for n, t in ranks["per_module_s"].items())
+              + f"; gather path {ranks['per_fetch_s'] * 1e6:.1f} us per fetch + "
+              f"{ranks['per_rank_per_param_fetch_s'] * 1e6:.2f} us per rank per gathered parameter")
     table = published.compare(points)
     print("Published GPU points: predicted / published (every figure on the predicted side is PREDICTED)")
     print(table[["point_id", "gpu", "gpus", "strategy", "micro_batch", "metric", "published", "predicted",

@@ -357,6 +357,116 @@ def _fetch_probe() -> dict[str, Any]:
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+# ZeRO-3's host work that grows with the ranks. At 1 rank DeepSpeed gathers nothing (0.19.8,
+# partition_parameters.py:1559, `all_gather_coalesced`: every partition world size 1 -> `_no_gather_coalesced`), so a
+# 1-rank probe (above, and bench_gpu_constants.py's on a GPU node) misses the gather path: at N ranks each fetch builds
+# a flat buffer and N partition views (`_all_gather_dtype`, :1329-1350), launches the all-gather, and on completion
+# narrows N partitions per parameter and concatenates them (`AllGatherCoalescedHandle.wait`, :761; on CUDA also a
+# `record_stream` per partition, which the CPU accelerator skips). The probe times the main thread's CPU
+# (`time.thread_time`: waiting on the other ranks and on gloo's threads costs none) of a forward + backward of
+# Linear(64, 64) stacks at two depths, ZeRO-3 minus ZeRO-0, at each world size: the slope is the host work per module
+# per micro-step (2 fetches of 2 gathered parameters: stage3_param_persistence_threshold 0). Sharing the cores still
+# inflates CPU time (caches, the other ranks' threads), so each step's lower quartile, and per rank the least of
+# `repeats` probes.
+ZERO3_RANKS_PROBE = """
+import json, os, statistics, sys, time
+import torch
+torch.set_num_threads(1)
+from labkit.runtime.ds_import import import_deepspeed
+import_deepspeed()
+import deepspeed, logging
+from deepspeed.utils import logger
+from torch import nn
+logger.setLevel(logging.WARNING)
+deepspeed.init_distributed("gloo", verbose=False)
+import torch.distributed as dist
+lo, hi, steps = (int(v) for v in sys.argv[1:4])
+x, cpu = torch.randn(1, 64), {}
+for stage in (0, 3):
+    for depth in (lo, hi):
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(depth)])
+        config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+                  "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
+                  "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        times = []
+        for _ in range(steps):
+            dist.barrier()
+            start = time.thread_time()
+            engine.backward(engine(x).sum())
+            times.append(time.thread_time() - start)
+            engine.step()
+        kept = sorted(times[steps // 4:])
+        cpu[stage, depth] = kept[len(kept) // 4]  # the lower quartile: other processes only ever add CPU time
+        del engine, model
+slope = [(cpu[s, hi] - cpu[s, lo]) / (hi - lo) for s in (0, 3)]
+print(json.dumps({"rank": dist.get_rank(), "per_module_s": slope[1] - slope[0]}))
+"""
+ZERO3_GATHERED_PER_MODULE = 2  # the probe's Linear: weight and bias, both gathered (threshold 0)
+ZERO3_FETCHES_PER_MICRO_STEP = 2  # before the forward and before the backward
+
+
+def fit_rank_scaling(per_module_s: dict[int, float]) -> dict[str, float]:
+    """ZeRO-3's host work per module per micro-step at each world size -> (the 1-rank figure; the gather path's fixed
+    part per fetch; its part per rank per gathered parameter per fetch): a least-squares line over the world sizes
+    >= 2, its intercept minus the 1-rank figure the fixed part (the probe's module: 2 fetches of 2 parameters)."""
+    if 1 not in per_module_s or sum(1 for n in per_module_s if n >= 2) < 2:
+        raise ValueError("need the 1-rank figure and at least two world sizes >= 2")
+    many = sorted((n, t) for n, t in per_module_s.items() if n >= 2)
+    mean_n = sum(n for n, _ in many) / len(many)
+    mean_t = sum(t for _, t in many) / len(many)
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in many) / sum((n - mean_n) ** 2 for n, _ in many)
+    intercept = mean_t - slope * mean_n
+    return {"one_rank_per_module_s": per_module_s[1],
+            "per_fetch_s": (intercept - per_module_s[1]) / ZERO3_FETCHES_PER_MICRO_STEP,
+            "per_rank_per_param_fetch_s": slope / (ZERO3_FETCHES_PER_MICRO_STEP * ZERO3_GATHERED_PER_MODULE)}
+
+
+def zero3_rank_probe(world: int, depths: tuple[int, int], steps: int) -> list[float]:
+    """ZERO3_RANKS_PROBE on `world` real ranks (gloo, one thread each): every rank's host work per module per
+    micro-step, in seconds of its main thread's CPU."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", ZERO3_RANKS_PROBE, str(depths[0]), str(depths[1]), str(steps)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}) for rank in range(world)]
+    outputs = [proc.communicate(timeout=1800) for proc in procs]
+    failed = [(rank, err) for rank, (proc, (_, err)) in enumerate(zip(procs, outputs, strict=True)) if proc.returncode]
+    if failed:
+        rank, err = failed[0]
+        raise RuntimeError(f"the ZeRO-3 rank-scaling probe failed at world size {world}, rank {rank}:\n{err[-2000:]}")
+    return [float(json.loads(out.strip().splitlines()[-1])["per_module_s"]) for out, _ in outputs]
+
+
+def measure_zero3_rank_scaling(world_sizes: tuple[int, ...] = (1, 2, 4, 8), depths: tuple[int, int] = (8, 72),
+                               steps: int = 48, repeats: int = 2) -> dict[str, Any]:
+    """The probe above at each world size (N real processes on gloo), `repeats` times: per rank the least of its
+    figures, then the median over the ranks, and the fit (`fit_rank_scaling`). Several ranks share this machine's
+    cores: CPU time, not wall time, is what holds."""
+    import datetime
+    import statistics
+
+    observed = {world: [zero3_rank_probe(world, depths, steps) for _ in range(repeats)] for world in world_sizes}
+    per_rank = {world: [min(values) for values in zip(*probes, strict=True)] for world, probes in observed.items()}
+    medians = {world: statistics.median(values) for world, values in per_rank.items()}
+    return {"format": "labkit-zero3-ranks/1",
+            "source": (f"measured on this lab's CPU machine, {datetime.datetime.now(datetime.UTC):%Y-%m-%d}, "
+                       "labkit.study.calibrate.measure_zero3_rank_scaling: main-thread CPU time, gloo; the CPU "
+                       "accelerator skips CUDA's record_stream per partition, so a lower bound for a GPU node"),
+            "depths": list(depths), "steps": steps, "repeats": repeats,
+            "observed_s": {str(n): v for n, v in observed.items()},
+            "per_module_s_by_rank": {str(n): v for n, v in per_rank.items()},
+            "per_module_s": {str(n): v for n, v in medians.items()}, **fit_rank_scaling(medians)}
+
+
 # -- the answer's own ranks way, checked in its report ---------------------------------------------------------------
 ANSWER_LINKS = "links.json"  # in an answer's results dir: the link fit its check used (every timed call kept)
 CHECK_HEAD = "<section id='predicted-this-machine'><h2>The predictor checked on this machine</h2>"

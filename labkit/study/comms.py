@@ -370,6 +370,12 @@ def _persistent(modules: Sequence[Sequence[int]], cfg: Any) -> list[list[bool]]:
     return flags
 
 
+def gathered_params(modules: Sequence[Sequence[int]], **zero_settings: Any) -> list[int]:
+    """Per module (`module_layout`'s shape), how many of its parameters ZeRO-3 gathers (the rest persist)."""
+    flags = _persistent(modules, _zero_config(3, zero_settings))
+    return [sum(1 for keep in row if not keep) for row in flags]
+
+
 def _gathered(numels: Iterable[int], world_size: int) -> int:
     """Elements of a ZeRO-3 all-gather's output: each parameter's partition is ceil(n / N) elements
     (partition_parameters.py:1690-1699), N of them."""

@@ -56,6 +56,7 @@ HOST_MEMORY_EFFICIENCY = MEMORY_EFFICIENCY  # assumed, as a GPU's (labkit.runtim
 # on this lab's machine by `measure_zero3_fetch_s` (data/predict-ci/host.json says when and at what load); the host
 # of a GPU node runs the same Python. A micro-step cannot be shorter than the host's work to issue it.
 HOST_JSON = Path(__file__).resolve().parents[2] / "data" / "predict-ci" / "host.json"
+ZERO3_RANKS_JSON = HOST_JSON.with_name("zero3_ranks.json")  # calibrate.measure_zero3_rank_scaling, on this machine
 
 
 def zero3_fetch_s() -> float:
@@ -74,41 +75,78 @@ class HostCosts:
     launch_s: float               # per op issued (torch dispatch + kernel launch)
     zero3_per_module_s: float     # per parameter-holding module per micro-step (a fetch before forward, one before
     zero3_per_micro_step_s: float  # backward), fixed per micro-step,
-    zero3_per_paramless_module_s: float  # and per module without parameters (hooked too)
+    zero3_per_paramless_module_s: float  # and per module without parameters (hooked too); all at 1 rank
     source: str
+    # ZeRO-3's gather path, which a 1-rank engine skips (calibrate.ZERO3_RANKS_PROBE): per fetch that gathers, and per
+    # rank per gathered parameter per fetch (data/predict-ci/zero3_ranks.json; 0 where not measured)
+    zero3_gather_per_fetch_s: float = 0.0
+    zero3_gather_per_rank_param_s: float = 0.0
 
     def micro_step_s(self, ops: int, modules: int, paramless: int, stage: int | None,
-                     recomputed: tuple[int, int] = (0, 0)) -> float:
+                     recomputed: tuple[int, int] = (0, 0), world_size: int = 1,
+                     gathers: tuple[float, float] = (0.0, 0.0)) -> float:
         """`ops` launches, and at stage 3 the hooks of every module. Under activation checkpointing the backward
         runs each block's forward again (torch/utils/checkpoint.py), and ZeRO-3's forward hooks fire on it too:
         `recomputed` (parameter-holding, parameter-free) modules get a third fetch beside the forward's and the
         backward's that the per-module figures were measured over, counted as half those figures. Assumed, and
         uncertain both ways: the forward's half of the two, and the backward's fetch right after the recomputation
-        may then find the parameters already gathered."""
+        may then find the parameters already gathered. At 2 ranks or more each fetch also runs the gather path:
+        `gathers` = (fetches that gather, gathered parameters fetched) per micro-step (`gather_counts`)."""
         if stage != 3:
             return ops * self.launch_s
         hooked_modules = modules + 0.5 * recomputed[0]
         hooked_paramless = paramless + 0.5 * recomputed[1]
+        gather = 0.0
+        if world_size > 1:
+            gather = (gathers[0] * self.zero3_gather_per_fetch_s
+                      + gathers[1] * world_size * self.zero3_gather_per_rank_param_s)
         return (ops * self.launch_s + hooked_modules * self.zero3_per_module_s
-                + hooked_paramless * self.zero3_per_paramless_module_s + self.zero3_per_micro_step_s)
+                + hooked_paramless * self.zero3_per_paramless_module_s + self.zero3_per_micro_step_s + gather)
 
 
 def host_costs(gpu: GPU) -> HostCosts:
     """The node host's costs for `gpu`: measured on that GPU kind's node where this lab had it; else on any GPU node
     this lab measured (the same DeepSpeed and PyTorch issue the work, on another host CPU: stated in `source`); else
     ZeRO-3's hooks from this lab's CPU machine and no launch term. Measured figures below 0 (a difference of two
-    noisy timings) count as 0."""
+    noisy timings) count as 0. ZeRO-3's gather path (2 ranks or more) as this lab's CPU machine measured it
+    (ZERO3_RANKS_JSON), where it did: CPU time of the same DeepSpeed code, a lower bound for a GPU node's host."""
     measured = [gpu.measured] if gpu.measured is not None and gpu.measured.zero3_per_module_s is not None else []
     measured += [g.measured for _, g in sorted(GPUS.items())
                  if g.measured is not None and g.measured.zero3_per_module_s is not None]
     if measured:
         m = measured[0]
         source = m.source if m is gpu.measured else f"{m.source} (its node's host; {gpu.name}'s not measured)"
-        return HostCosts(m.launch_s or 0.0, max(m.zero3_per_module_s or 0.0, 0.0),
-                         max(m.zero3_per_micro_step_s or 0.0, 0.0), max(m.zero3_per_paramless_module_s or 0.0, 0.0),
-                         source)
-    return HostCosts(0.0, 2 * zero3_fetch_s(), 0.0, 0.0,
-                     f"ZeRO-3 hooks: {HOST_JSON.name} (this lab's CPU machine, parameter-holding modules only)")
+        costs = HostCosts(m.launch_s or 0.0, max(m.zero3_per_module_s or 0.0, 0.0),
+                          max(m.zero3_per_micro_step_s or 0.0, 0.0), max(m.zero3_per_paramless_module_s or 0.0, 0.0),
+                          source)
+    else:
+        costs = HostCosts(0.0, 2 * zero3_fetch_s(), 0.0, 0.0,
+                          f"ZeRO-3 hooks: {HOST_JSON.name} (this lab's CPU machine, parameter-holding modules only)")
+    if not ZERO3_RANKS_JSON.exists():
+        return costs
+    import json
+
+    ranks = json.loads(ZERO3_RANKS_JSON.read_text())
+    return dataclasses.replace(
+        costs, zero3_gather_per_fetch_s=max(float(ranks["per_fetch_s"]), 0.0),
+        zero3_gather_per_rank_param_s=max(float(ranks["per_rank_per_param_fetch_s"]), 0.0),
+        source=f"{costs.source}; ZeRO-3's gather path: {ZERO3_RANKS_JSON.name}, {ranks['source']}")
+
+
+def gather_counts(workload: Workload, checkpointing: bool) -> tuple[float, float]:
+    """(fetches that gather, gathered parameters fetched) per micro-step at ZeRO-3: every module holding a parameter
+    over the persistence threshold (comms.gathered_params) is fetched before its forward and its backward; under
+    activation checkpointing the modules inside the blocks once more, counted at half as HostCosts counts their
+    hooks (module_layout's order: the two embeddings, the blocks' modules, then ln_f)."""
+    from labkit.study import comms
+
+    gathered = comms.gathered_params(workload.module_layout())
+    weights = [2.0] * len(gathered)
+    if checkpointing:
+        for i in range(2, 2 + workload.recomputed_modules()[0]):
+            weights[i] += 0.5
+    pairs = list(zip(weights, gathered, strict=True))
+    return sum(w for w, g in pairs if g), sum(w * g for w, g in pairs)
 
 
 class Workload(Protocol):
@@ -428,8 +466,10 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     costs = workload.costs(micro_batch, gpu, precision, activation_checkpointing)
     # The host issues the GPU's work asynchronously, so a micro-step takes the longer of the device's compute and the
     # host's work to issue it: an op launch per kernel, and ZeRO-3's per-module fetch hooks (HostCosts).
-    host_s = host_costs(gpu).micro_step_s(costs.ops, workload.param_modules, workload.paramless_modules, stage,
-                                          workload.recomputed_modules() if activation_checkpointing else (0, 0))
+    host_s = host_costs(gpu).micro_step_s(
+        costs.ops, workload.param_modules, workload.paramless_modules, stage,
+        workload.recomputed_modules() if activation_checkpointing else (0, 0), world_size=n,
+        gathers=gather_counts(workload, activation_checkpointing) if stage == 3 and n > 1 else (0.0, 0.0))
     if host_s > costs.forward_s + costs.backward_s:
         scale = host_s / (costs.forward_s + costs.backward_s)
         costs = dataclasses.replace(costs, forward_s=costs.forward_s * scale, backward_s=costs.backward_s * scale)

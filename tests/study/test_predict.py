@@ -324,7 +324,11 @@ def test_zero3_micro_steps_cannot_be_shorter_than_the_hosts_fetch_hooks(assumed_
     z0 = P.predict(P.TransformerWorkload(tiny), cluster, strategy="z0", micro_batch=1, precision="bf16")
     z3 = P.predict(P.TransformerWorkload(tiny), cluster, strategy="z3", micro_batch=1, precision="bf16")
     assert z0.host_overhead_s == 0
-    assert z3.host_overhead_s == pytest.approx(2 * tiny.param_modules() * P.zero3_fetch_s())
+    # the hooks of every module, and at 8 ranks the gather path of the modules holding a gathered parameter
+    host, (fetches, params) = P.host_costs(cluster.gpu), P.gather_counts(P.TransformerWorkload(tiny), False)
+    assert z3.host_overhead_s == pytest.approx(2 * tiny.param_modules() * P.zero3_fetch_s() + fetches
+                                               * host.zero3_gather_per_fetch_s + params * 8
+                                               * host.zero3_gather_per_rank_param_s)
     assert z3.forward_s + z3.backward_s == pytest.approx(z3.host_overhead_s)  # host-bound at micro-batch 1
     big = P.predict(P.TransformerWorkload(GPT2_XL), cluster, strategy="z3", micro_batch=8, precision="bf16")
     assert big.forward_s + big.backward_s > big.host_overhead_s  # the device's work hides the hooks
@@ -475,7 +479,8 @@ def test_the_measured_host_issues_every_op_and_zero3s_hooks(h100):
     # ZeRO-3: the measured per-module cost; a fixed cost that read below 0 (noise) counts as 0
     assert z3.host_overhead_s == pytest.approx(costs.ops * 6e-6 + SMALL.param_modules() * 3e-4
                                                + SMALL.paramless_modules() * 1e-4)
-    assert P.host_costs(h100).source == MEASURED["source"]
+    # the 1-rank figures from the GPU node, ZeRO-3's gather path (2 ranks or more) from this lab's CPU machine
+    assert P.host_costs(h100).source.startswith(MEASURED["source"] + "; ZeRO-3's gather path: zero3_ranks.json")
     assert z3.to_dict()["constants"].startswith(f"device: {MEASURED['source']}")
     assert "assumed" in P.predict(work, hw.Cluster(gpu=hw.gpu("H100-SXM")), strategy="z0", micro_batch=1,
                                   precision="bf16").constants
@@ -554,6 +559,21 @@ def test_a_file_that_is_not_a_published_grid_is_refused(tmp_path):
     bad.write_text(json.dumps({"format": "labkit-gpu-constants/1"}))
     with pytest.raises(ValueError, match="not a labkit-published-gemm/1 file"):
         hw.load_published_gemm(bad)
+
+
+def test_zero3s_gather_path_is_counted_per_fetch_and_per_rank_at_two_ranks_or_more():
+    xl = P.TransformerWorkload(GPT2_XL)
+    # per layer c_attn, c_proj, c_fc and the MLP's c_proj gather their weights (biases and LayerNorms persist:
+    # <= 1e5 elements); wte and wpe gather; ln_f persists. Two fetches each per micro-step.
+    assert P.gather_counts(xl, False) == (2 * (4 * 48 + 2), 2 * (4 * 48 + 2))
+    # checkpointing: the blocks' modules a third time, counted at half
+    assert P.gather_counts(xl, True) == (2 * (4 * 48 + 2) + 0.5 * 4 * 48,) * 2
+    host = P.HostCosts(1e-5, 1e-3, 0.0, 0.0, "test", zero3_gather_per_fetch_s=20e-6, zero3_gather_per_rank_param_s=4e-6)
+    base = host.micro_step_s(100, 10, 5, 3)
+    assert host.micro_step_s(100, 10, 5, 3, world_size=1, gathers=(20, 30)) == base  # 1 rank: nothing gathers
+    assert host.micro_step_s(100, 10, 5, 3, world_size=16, gathers=(20, 30)) == pytest.approx(
+        base + 20 * 20e-6 + 30 * 16 * 4e-6)
+    assert host.micro_step_s(100, 10, 5, 2, world_size=16, gathers=(20, 30)) == 100 * 1e-5  # stage 2: no hooks
 
 
 def test_compute_beside_hidden_communication_runs_slower():

@@ -73,3 +73,34 @@ def test_the_link_fit_is_the_one_training_meets_and_keeps_every_call():
 def test_the_zero3_host_cost_is_read_from_the_measured_file():
     host = json.loads((DATA / "host.json").read_text())
     assert P.zero3_fetch_s() == host["zero3_fetch_s"] == min(host["observations_s"]) > 0
+
+
+# -- ZeRO-3's host work as the ranks grow (calibrate.ZERO3_RANKS_PROBE, data/predict-ci/zero3_ranks.json) ----------
+def test_the_rank_scaling_fit_reads_the_fixed_and_per_rank_parts_back():
+    one, per_fetch, per_rank_param = 0.5e-3, 20e-6, 4e-6
+    # the probe's module: 2 fetches per micro-step, 2 gathered parameters each
+    synthetic = {n: one + 2 * per_fetch + 4 * per_rank_param * n for n in (2, 4, 8)} | {1: one}
+    fit = C.fit_rank_scaling(synthetic)
+    assert fit["one_rank_per_module_s"] == one
+    assert fit["per_fetch_s"] == pytest.approx(per_fetch)
+    assert fit["per_rank_per_param_fetch_s"] == pytest.approx(per_rank_param)
+    with pytest.raises(ValueError, match="at least two world sizes"):
+        C.fit_rank_scaling({1: one, 2: synthetic[2]})
+
+
+def test_the_committed_rank_scaling_is_what_the_predictor_adds_at_several_ranks():
+    ranks = json.loads((DATA / "zero3_ranks.json").read_text())
+    assert ranks["format"] == "labkit-zero3-ranks/1" and "lower bound" in ranks["source"]
+    assert sorted(int(n) for n in ranks["per_module_s"]) == [1, 2, 4, 8]
+    assert all(len(v) == int(n) for n, v in ranks["per_module_s_by_rank"].items())  # every rank's figure kept
+    medians = {int(n): v for n, v in ranks["per_module_s"].items()}
+    assert C.fit_rank_scaling(medians)["per_rank_per_param_fetch_s"] == ranks["per_rank_per_param_fetch_s"]
+    host = P.host_costs(P.find_gpu("A100-80GB"))
+    assert host.zero3_gather_per_rank_param_s == max(ranks["per_rank_per_param_fetch_s"], 0.0)
+    assert "zero3_ranks.json" in host.source
+
+
+@pytest.mark.slow
+def test_the_rank_scaling_probe_runs_real_ranks():
+    per_rank = C.zero3_rank_probe(2, depths=(1, 2), steps=4)  # two real ranks on gloo, each reporting its figure
+    assert len(per_rank) == 2 and all(isinstance(v, float) for v in per_rank)
