@@ -127,7 +127,7 @@ def cpu_check(data: Path = DATA) -> object:
     return cpu_comparison(data, "mean")
 
 
-LONG_GEMM_S = 1e-4  # below this a GEMM's launch, and under a few tiles cuBLAS's split-K, dominate: not modelled
+LONG_GEMM_S = 1e-4  # below this a GEMM's launch dominates, which the roofline leaves out (as it does split-K)
 
 
 def gemm_check() -> None:

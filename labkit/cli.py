@@ -310,8 +310,9 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
                          "where the GPU has NVLink, else its PCIe")
     predict.add_argument("--inter-gbps", type=float, default=0.0,
                          help="the node's total network bandwidth in Gb/s (8 HDR links: 1600; one EDR: 100)")
-    predict.add_argument("--host-cpu", default="auto", help="the nodes' CPU vendor, intel, amd or other (NCCL's "
-                         "network overhead per ring step); auto (default): the GPU kind's DGX")
+    predict.add_argument("--host-cpu", default="auto", type=str.lower,
+                         help="the nodes' CPU vendor, intel, amd or other (NCCL's network overhead per ring step); "
+                         "auto (default): the GPU kind's DGX")
     predict.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage (default 0)")
     predict.add_argument("--plain-pytorch", action="store_true", help="plain PyTorch DDP instead of DeepSpeed")
     predict.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload (stages 1-3)")

@@ -50,8 +50,8 @@ class GPU:
     measured: Measured | None = field(default=None, compare=False)
 
     def gemm_efficiency(self, precision: str) -> float:
-        """A large GEMM's share of the dense peak: this lab's best GEMM of its grid / the datasheet peak where it
-        was measured, else the assumption."""
+        """A large GEMM's share of the dense peak: the best GEMM of this lab's grid, or of a published one
+        (data/published/gemm/), / the datasheet peak, else the assumption."""
         dtype = "fp16" if precision == "mixed" else precision
         best = self.measured.gemm_flops_per_s.get(dtype) if self.measured else None
         return best / self.peak(dtype) if best else GEMM_EFFICIENCY
@@ -410,5 +410,6 @@ class Cluster:
         return measured or link.bytes_per_s * link.efficiency
 
     def describe(self) -> str:
-        net = f", {self.nodes} nodes over {self.inter_gbps:g} Gb/s each" if self.nodes > 1 else ""
+        net = (f", {self.nodes} nodes over {self.inter_gbps:g} Gb/s each ({self.node_cpu()} hosts)"
+               if self.nodes > 1 else "")
         return f"{self.gpus_per_node} x {self.gpu.name} per node ({self.intra}){net}"

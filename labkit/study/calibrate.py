@@ -429,21 +429,36 @@ def zero3_rank_probe(world: int, depths: tuple[int, int], steps: int) -> list[fl
     import socket
     import subprocess
     import sys
+    import tempfile
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", ZERO3_RANKS_PROBE, str(depths[0]), str(depths[1]), str(steps)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}) for rank in range(world)]
-    outputs = [proc.communicate(timeout=1800) for proc in procs]
-    failed = [(rank, err) for rank, (proc, (_, err)) in enumerate(zip(procs, outputs, strict=True)) if proc.returncode]
-    if failed:
-        rank, err = failed[0]
-        raise RuntimeError(f"the ZeRO-3 rank-scaling probe failed at world size {world}, rank {rank}:\n{err[-2000:]}")
-    return [float(json.loads(out.strip().splitlines()[-1])["per_module_s"]) for out, _ in outputs]
+    # each rank's output to a file: a rank blocked on a full pipe would stall every rank at the next barrier
+    with tempfile.TemporaryDirectory() as folder:
+        logs = [(Path(folder) / f"rank{rank}.out", Path(folder) / f"rank{rank}.err") for rank in range(world)]
+        procs = []
+        try:
+            for rank, (out, err) in enumerate(logs):
+                with out.open("w") as stdout, err.open("w") as stderr:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-c", ZERO3_RANKS_PROBE, str(depths[0]), str(depths[1]), str(steps)],
+                        stdout=stdout, stderr=stderr, text=True,
+                        env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                             "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                             "WORLD_SIZE": str(world)}))
+            for proc in procs:
+                proc.wait(timeout=1800)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        for rank, (proc, (_, err)) in enumerate(zip(procs, logs, strict=True)):
+            if proc.returncode:
+                raise RuntimeError(f"the ZeRO-3 rank-scaling probe failed at world size {world}, rank {rank}:\n"
+                                   f"{err.read_text()[-2000:]}")
+        return [float(json.loads(out.read_text().strip().splitlines()[-1])["per_module_s"]) for out, _ in logs]
 
 
 def measure_zero3_rank_scaling(world_sizes: tuple[int, ...] = (1, 2, 4, 8), depths: tuple[int, int] = (8, 72),
@@ -454,14 +469,16 @@ def measure_zero3_rank_scaling(world_sizes: tuple[int, ...] = (1, 2, 4, 8), dept
     import datetime
     import statistics
 
+    load = list(os.getloadavg())  # before the probe's own ranks add to it
     observed = {world: [zero3_rank_probe(world, depths, steps) for _ in range(repeats)] for world in world_sizes}
     per_rank = {world: [min(values) for values in zip(*probes, strict=True)] for world, probes in observed.items()}
     medians = {world: statistics.median(values) for world, values in per_rank.items()}
     return {"format": "labkit-zero3-ranks/1",
             "source": (f"measured on this lab's CPU machine, {datetime.datetime.now(datetime.UTC):%Y-%m-%d}, "
-                       "labkit.study.calibrate.measure_zero3_rank_scaling: main-thread CPU time, gloo; the CPU "
-                       "accelerator skips CUDA's record_stream per partition, so a lower bound for a GPU node"),
-            "depths": list(depths), "steps": steps, "repeats": repeats,
+                       "labkit.study.calibrate.measure_zero3_rank_scaling: main-thread CPU time, gloo; an estimate "
+                       "for a GPU node, biased both ways (ranks sharing cores inflate it; the CPU accelerator skips "
+                       "CUDA's record_stream per partition)"),
+            "load_average_at_start": load, "depths": list(depths), "steps": steps, "repeats": repeats,
             "observed_s": {str(n): v for n, v in observed.items()},
             "per_module_s_by_rank": {str(n): v for n, v in per_rank.items()},
             "per_module_s": {str(n): v for n, v in medians.items()}, **fit_rank_scaling(medians)}

@@ -280,9 +280,10 @@ def module_census(model: torch.nn.Module, step: Callable[[], torch.Tensor]) -> C
 
 
 def gemm_check(gpu: GPU) -> list[dict[str, Any]]:
-    """The GEMM roofline (`op_seconds`) against every GEMM this lab measured on `gpu` (`gpu.measured`, from
-    bench_gpu_constants.py): predicted and measured seconds per shape and dtype. The model takes one number from
-    the grid (its best GEMM, as the GPU kind's efficiency); every other shape is a check it was not fitted to."""
+    """The GEMM roofline (`op_seconds`) against every GEMM of `gpu`'s grid (`gpu.measured`: this lab's, from
+    bench_gpu_constants.py, or a published one, data/published/gemm/): predicted and measured seconds per shape and
+    dtype. The model takes one number from the grid (its best GEMM, as the GPU kind's efficiency); every other shape
+    is a check it was not fitted to."""
     if gpu.measured is None:
         return []
     size = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -9,7 +9,8 @@ learner can see (docs/predict.md states the model, its sources and what it leave
 * communication: what DeepSpeed sends per micro-step and per step (`labkit.study.comms.collectives`, with the
   source lines there), timed with an alpha-beta ring over the slowest link each collective crosses
   (`labkit.runtime.hardware.Cluster.bus_bytes_per_s`); what DeepSpeed can overlap (`Collective.overlappable`)
-  hides behind the compute of the phase it runs in, the rest is exposed;
+  hides behind the compute of the phase it runs in, which runs OVERLAP_COMPUTE_SLOWDOWN slower meanwhile; the rest
+  is exposed;
 * offload: gradients down in fp32 and parameters up in the training dtype over the GPU's PCIe link, and CPU
   Adam's pass over the rank's fp32 states in host memory;
 * memory: `labkit.core.memory` for the model states plus the activations counted on the meta device: fits,
@@ -22,6 +23,7 @@ Every number this module returns is a PREDICTION; `Prediction.to_dict()` says so
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -122,15 +124,30 @@ def host_costs(gpu: GPU) -> HostCosts:
     else:
         costs = HostCosts(0.0, 2 * zero3_fetch_s(), 0.0, 0.0,
                           f"ZeRO-3 hooks: {HOST_JSON.name} (this lab's CPU machine, parameter-holding modules only)")
-    if not ZERO3_RANKS_JSON.exists():
+    ranks = _zero3_ranks(ZERO3_RANKS_JSON)
+    if ranks is None:
         return costs
-    import json
+    per_fetch, per_rank_param, source = ranks
+    return dataclasses.replace(costs, zero3_gather_per_fetch_s=per_fetch, zero3_gather_per_rank_param_s=per_rank_param,
+                               source=f"{costs.source}; ZeRO-3's gather path: {ZERO3_RANKS_JSON.name}, {source}")
 
-    ranks = json.loads(ZERO3_RANKS_JSON.read_text())
-    return dataclasses.replace(
-        costs, zero3_gather_per_fetch_s=max(float(ranks["per_fetch_s"]), 0.0),
-        zero3_gather_per_rank_param_s=max(float(ranks["per_rank_per_param_fetch_s"]), 0.0),
-        source=f"{costs.source}; ZeRO-3's gather path: {ZERO3_RANKS_JSON.name}, {ranks['source']}")
+
+@functools.cache
+def _zero3_ranks(path: Path) -> tuple[float, float, str] | None:
+    """zero3_ranks.json's gather path (per fetch, per rank per gathered parameter; below 0, a difference of noisy
+    timings, counts as 0) and its source line, read once; None where there is none, or it does not read (warned)."""
+    import json
+    import warnings
+
+    if not path.exists():
+        return None
+    try:
+        ranks = json.loads(path.read_text())
+        return (max(float(ranks["per_fetch_s"]), 0.0), max(float(ranks["per_rank_per_param_fetch_s"]), 0.0),
+                str(ranks["source"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        warnings.warn(f"{path}: ZeRO-3's gather path not read ({exc}): left out", stacklevel=2)
+        return None
 
 
 def gather_counts(workload: Workload, checkpointing: bool) -> tuple[float, float]:
@@ -380,12 +397,16 @@ OVERLAP_COMPUTE_SLOWDOWN = 1.189
 
 
 def comm_time(rows: Iterable[Any], links: Any, world_size: int, *, grad_accum: int,
-              hide_behind: dict[str, float], slowdown: float = 1.0) -> CommTime:
+              hide_behind: dict[str, float], slowdown: float = 1.0,
+              device: dict[str, float] | None = None) -> CommTime:
     """Seconds per optimizer step: every collective's count x (alpha-beta time of its ring bytes); overlappable
-    ones hide behind the compute of their phase per micro-step (`hide_behind`: phase -> seconds per micro-step),
-    the rest is exposed. The compute that runs beside hidden communication takes `slowdown` x as long (GPUs:
-    OVERLAP_COMPUTE_SLOWDOWN), counted as exposed: a phase of compute C and communication X takes
-    C + X (1 - 1/slowdown) while X <= slowdown x C, else X."""
+    ones hide behind the compute of their phase per micro-step (`hide_behind`: phase -> seconds per micro-step, as
+    the phase runs, host-bound or not), the rest is exposed. The GPU's own compute in a phase (`device`, default
+    the same) takes `slowdown` x as long beside hidden communication (GPUs: OVERLAP_COMPUTE_SLOWDOWN): on the GPU a
+    phase of compute D and communication X takes D + X (1 - 1/slowdown) while X <= slowdown x D, else X; what of
+    that runs past the phase is exposed."""
+    if slowdown < 1:
+        raise ValueError(f"slowdown must be >= 1, got {slowdown}")
     rows = list(rows)
     if not rows:
         return CommTime(0.0, 0.0, [])
@@ -406,8 +427,10 @@ def comm_time(rows: Iterable[Any], links: Any, world_size: int, *, grad_accum: i
         table.append({"op": c.op, "phase": c.phase, "per": c.per, "count": c.count, "bytes": c.bytes,
                       "overlappable": bool(c.overlappable), "seconds_per_step": seconds})
     for phase, seconds in per_phase.items():
-        hidden = min(seconds, slowdown * hide_behind[phase])
-        exposed += grad_accum * (seconds - hidden + hidden * (1.0 - 1.0 / slowdown))
+        phase_s = hide_behind[phase]
+        gpu_s = (device or hide_behind).get(phase, phase_s)
+        on_gpu = seconds if seconds > slowdown * gpu_s else gpu_s + seconds * (1.0 - 1.0 / slowdown)
+        exposed += grad_accum * max(0.0, on_gpu - phase_s)
     return CommTime(total, exposed, table)
 
 
@@ -470,6 +493,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         costs.ops, workload.param_modules, workload.paramless_modules, stage,
         workload.recomputed_modules() if activation_checkpointing else (0, 0), world_size=n,
         gathers=gather_counts(workload, activation_checkpointing) if stage == 3 and n > 1 else (0.0, 0.0))
+    on_gpu = {"forward": costs.forward_s, "backward": costs.backward_s}  # the device's own, before the host's bound
     if host_s > costs.forward_s + costs.backward_s:
         scale = host_s / (costs.forward_s + costs.backward_s)
         costs = dataclasses.replace(costs, forward_s=costs.forward_s * scale, backward_s=costs.backward_s * scale)
@@ -479,7 +503,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     rows = collective_rows(stage, workload, n, precision=precision, grad_accum=grad_accum, offload_optimizer=offload)
     comm = comm_time(rows, ClusterLinks(cluster), n, grad_accum=grad_accum,
                      hide_behind={"forward": costs.forward_s, "backward": costs.backward_s},
-                     slowdown=OVERLAP_COMPUTE_SLOWDOWN)
+                     slowdown=OVERLAP_COMPUTE_SLOWDOWN, device=on_gpu)
     offload_s = _offload_s(stage, offload, owned, grad_accum, cluster, precision, host_memory_gb_per_s)
     step = compute_s + comm.exposed_s + offload_s
     global_batch = micro_batch * grad_accum * n

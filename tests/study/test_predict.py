@@ -285,10 +285,24 @@ def test_the_issues_command_prints_every_key(capsys):
     (["--global-batch", "100", "--micro-batch", "8", "--gpus-per-node", "8"], "global-batch"),
     (["--gpu", "T4", "--precision", "bf16"], "bf16"),
     (["--gpus-per-node", "0"], "must be >= 1"),
+    (["--host-cpu", "zen"], "known: intel, amd, other, auto"),
 ])
 def test_bad_input_exits_2_naming_the_problem(capsys, argv, says):
     assert main(["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", *argv]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_nodes_cpu_vendor_reaches_the_ring_latency_and_the_description(capsys):
+    a100 = ["predict", "--transformer", "layers=4,hidden=2048,heads=16,seq=512", "--gpu", "A100-80GB",
+            "--gpus-per-node", "8", "--nodes", "4", "--inter-gbps", "1600", "--stage", "3", "--micro-batch", "1",
+            "--format", "json"]
+    steps = {}
+    for cpu in ("auto", "AMD", "intel"):
+        assert main([*a100, "--host-cpu", cpu]) == 0
+        out = json.loads(capsys.readouterr().out)
+        steps[cpu] = out["comm_s"]
+        assert f"({'amd' if cpu != 'intel' else 'intel'} hosts)" in out["hardware"]
+    assert steps["auto"] == steps["AMD"] > steps["intel"]  # the DGX A100's AMD CPUs: 6 us per ring step, not 3.4
 
 
 def test_a_bad_transformer_spec_and_a_missing_run_exit_2(capsys):
@@ -574,6 +588,53 @@ def test_zero3s_gather_path_is_counted_per_fetch_and_per_rank_at_two_ranks_or_mo
     assert host.micro_step_s(100, 10, 5, 3, world_size=16, gathers=(20, 30)) == pytest.approx(
         base + 20 * 20e-6 + 30 * 16 * 4e-6)
     assert host.micro_step_s(100, 10, 5, 2, world_size=16, gathers=(20, 30)) == 100 * 1e-5  # stage 2: no hooks
+
+
+def test_the_slowdown_lands_on_the_gpus_compute_not_on_a_host_bound_phase():
+    # a 3-stage-ZeRO GPT-2 XL on 2 nodes: the device's compute d per phase, the host's phase h >= d
+    cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=2, inter_gbps=1600)
+    rows = P.collective_rows(3, P.TransformerWorkload(GPT2_XL), 16, precision="bf16", grad_accum=1,
+                             offload_optimizer=False)
+    links, s = P.ClusterLinks(cluster), P.OVERLAP_COMPUTE_SLOWDOWN
+    ideal = P.comm_time(rows, links, 16, grad_accum=1, hide_behind={"forward": 1.0, "backward": 1.0})
+    x = {phase: sum(r["seconds_per_step"] for r in ideal.rows if r["overlappable"] and r["phase"] == phase)
+         for phase in ("forward", "backward")}
+    rest = ideal.total_s - sum(x.values())
+    device = {phase: 1.05 * x[phase] for phase in x}  # the GPU's own compute: the communication hides behind it
+    host_bound = {phase: 2.0 * x[phase] for phase in x}  # the host's issue time: longer still
+    # host-bound: the GPU's compute and its slowed share fit inside the host's phase, nothing more is exposed
+    bound = P.comm_time(rows, links, 16, grad_accum=1, hide_behind=host_bound, slowdown=s, device=device)
+    assert bound.exposed_s == pytest.approx(rest)
+    # not host-bound (the phase is the GPU's compute): the slowed share is exposed
+    free = P.comm_time(rows, links, 16, grad_accum=1, hide_behind=device, slowdown=s, device=device)
+    assert free.exposed_s == pytest.approx(rest + sum(x.values()) * (1 - 1 / s))
+    with pytest.raises(ValueError, match="slowdown must be >= 1"):
+        P.comm_time(rows, links, 16, grad_accum=1, hide_behind=device, slowdown=0.5)
+
+
+def test_predict_slows_the_compute_beside_zero3s_hidden_communication():
+    cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
+    work = P.TransformerWorkload(GPT2_XL)
+    z3 = P.predict(work, cluster, strategy="z3", micro_batch=16, precision="bf16")
+    assert z3.exposed_comm_s > 0 and z3.comm_s > z3.exposed_comm_s  # hidden, but not for free
+    hidden = sum(r["seconds_per_step"] for r in z3.collectives if r["overlappable"])
+    assert z3.exposed_comm_s == pytest.approx(z3.comm_s - hidden + hidden * (1 - 1 / P.OVERLAP_COMPUTE_SLOWDOWN))
+
+
+def test_a_gpu_this_lab_measured_keeps_its_own_constants_over_a_published_grid(tmp_path, monkeypatch):
+    folder = tmp_path / "data" / "reference-v100"
+    folder.mkdir(parents=True)
+    v100 = {**MEASURED, "device": {**MEASURED["device"], "name": "Tesla V100-SXM2-32GB"}}
+    (folder / "gpu_constants.json").write_text(json.dumps(v100))
+    gemm = tmp_path / "data" / "published" / "gemm"
+    gemm.mkdir(parents=True)
+    (gemm / "deepbench-v100.json").write_text((hw.REPO / "data/published/gemm/deepbench-v100.json").read_text())
+    monkeypatch.setattr(hw, "REPO", tmp_path)
+    for name in ("V100-16GB", "V100-32GB"):
+        monkeypatch.setitem(hw.GPUS, name, hw.GPUS[name])  # restored after the test
+    hw._attach_measured()
+    assert hw.gpu("V100-32GB").measured.source == MEASURED["source"]  # the lab's, not DeepBench's
+    assert hw.gpu("V100-16GB").measured.source.startswith("published: Baidu DeepBench")
 
 
 def test_compute_beside_hidden_communication_runs_slower():

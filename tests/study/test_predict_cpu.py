@@ -90,7 +90,7 @@ def test_the_rank_scaling_fit_reads_the_fixed_and_per_rank_parts_back():
 
 def test_the_committed_rank_scaling_is_what_the_predictor_adds_at_several_ranks():
     ranks = json.loads((DATA / "zero3_ranks.json").read_text())
-    assert ranks["format"] == "labkit-zero3-ranks/1" and "lower bound" in ranks["source"]
+    assert ranks["format"] == "labkit-zero3-ranks/1" and "biased both ways" in ranks["source"]
     assert sorted(int(n) for n in ranks["per_module_s"]) == [1, 2, 4, 8]
     assert all(len(v) == int(n) for n, v in ranks["per_module_s_by_rank"].items())  # every rank's figure kept
     medians = {int(n): v for n, v in ranks["per_module_s"].items()}

@@ -70,7 +70,7 @@ def test_eq3_reads_the_zeropp_tutorials_log_and_counts_passes_as_its_source_did(
 
 
 @pytest.mark.xfail(strict=True, reason="the model does not reach the issue's goal on the published points "
-                   "(median <= 25%, every point <= 40%; it reaches 35.8% / 204%). Over 40%: ZeRO-3 at 640-2240 "
+                   "(median <= 25%, every point <= 40%; it reaches 37.9% / 208%). Over 40%: ZeRO-3 at 640-2240 "
                    "A100s (SC21; a cost growing with the ranks beyond NCCL's ring latency model), ZeRO-3 on 384 "
                    "V100 at 200-800 Gb/s (the ZeRO++ blog; the model hides more of the communication behind compute "
                    "than those runs did), ZeRO-3 at micro-batch 1 on 16 V100 (a per-module host cost of "

@@ -1,7 +1,7 @@
 """Read Baidu DeepBench's published NVIDIA training GEMM results into labkit's published-GEMM JSON.
 
     git -C DeepBench show 30c51150869ee217f150ef5f31dc69241ed23b49:results/train/DeepBench_NV_V100.xlsx > v100.xlsx
-    python data/published/gemm/from_deepbench.py v100.xlsx --gpu "NVIDIA V100 (DGX-1: V100-SXM2-16GB)" \
+    python data/published/gemm/from_deepbench.py v100.xlsx --gpu "NVIDIA V100 (DGX-1, SXM2)" \
         --presets V100-16GB V100-32GB --file results/train/DeepBench_NV_V100.xlsx \
         --setup "NVIDIA DGX-1, CUDA 10.1.243, cuDNN 7.6.2.24, driver 418.67; its Specs sheet" \
         > data/published/gemm/deepbench-v100.json
