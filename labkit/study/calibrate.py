@@ -431,6 +431,8 @@ def zero3_rank_probe(world: int, depths: tuple[int, int], steps: int) -> list[fl
     import sys
     import tempfile
 
+    from labkit.runtime.ops import interpreter_path
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -446,7 +448,9 @@ def zero3_rank_probe(world: int, depths: tuple[int, int], steps: int) -> list[fl
                         stdout=stdout, stderr=stderr, text=True,
                         env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
                              "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                             "WORLD_SIZE": str(world)}))
+                             "WORLD_SIZE": str(world),
+                             # this interpreter's ninja: another would rebuild the shm op (ops.interpreter_path)
+                             "PATH": interpreter_path(os.environ.get("PATH"))}))
             for proc in procs:
                 proc.wait(timeout=1800)
         finally:

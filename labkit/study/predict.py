@@ -111,7 +111,7 @@ def host_costs(gpu: GPU) -> HostCosts:
     this lab measured (the same DeepSpeed and PyTorch issue the work, on another host CPU: stated in `source`); else
     ZeRO-3's hooks from this lab's CPU machine and no launch term. Measured figures below 0 (a difference of two
     noisy timings) count as 0. ZeRO-3's gather path (2 ranks or more) as this lab's CPU machine measured it
-    (ZERO3_RANKS_JSON), where it did: CPU time of the same DeepSpeed code, a lower bound for a GPU node's host."""
+    (ZERO3_RANKS_JSON), where it did: CPU time of the same DeepSpeed code, an estimate for a GPU node's host."""
     measured = [gpu.measured] if gpu.measured is not None and gpu.measured.zero3_per_module_s is not None else []
     measured += [g.measured for _, g in sorted(GPUS.items())
                  if g.measured is not None and g.measured.zero3_per_module_s is not None]
