@@ -346,10 +346,13 @@ def _fetch_probe() -> dict[str, Any]:
     import subprocess
     import sys
 
+    from labkit.runtime.ops import interpreter_path
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # this interpreter's ninja first: another would rebuild the shm op (ops.interpreter_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": interpreter_path(os.environ.get("PATH"))}
     done = subprocess.run([sys.executable, "-c", _FETCH_PROBE, str(port)], capture_output=True, text=True,
                           timeout=900, env=env)
     if done.returncode != 0:
