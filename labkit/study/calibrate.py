@@ -342,15 +342,13 @@ def measure_zero3_fetch_s(repeats: int = 3) -> dict[str, Any]:
 
 def _fetch_probe() -> dict[str, Any]:
     import json
-    import socket
     import subprocess
     import sys
 
+    from labkit.launch.launcher import free_port
     from labkit.runtime.ops import interpreter_path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # this interpreter's ninja first: another would rebuild the shm op (ops.interpreter_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": interpreter_path(os.environ.get("PATH"))}
     done = subprocess.run([sys.executable, "-c", _FETCH_PROBE, str(port)], capture_output=True, text=True,
@@ -429,16 +427,14 @@ def zero3_rank_probe(world: int, depths: tuple[int, int], steps: int) -> list[fl
     """ZERO3_RANKS_PROBE on `world` real ranks (gloo, one thread each): every rank's host work per module per
     micro-step, in seconds of its main thread's CPU."""
     import json
-    import socket
     import subprocess
     import sys
     import tempfile
 
+    from labkit.launch.launcher import free_port
     from labkit.runtime.ops import interpreter_path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the kernel's ephemeral range: no outgoing connection takes it before rank 0 binds
     # each rank's output to a file: a rank blocked on a full pipe would stall every rank at the next barrier
     with tempfile.TemporaryDirectory() as folder:
         logs = [(Path(folder) / f"rank{rank}.out", Path(folder) / f"rank{rank}.err") for rank in range(world)]

@@ -590,16 +590,24 @@ def test_zero3s_gather_path_is_counted_per_fetch_and_per_rank_at_two_ranks_or_mo
     assert host.micro_step_s(100, 10, 5, 2, world_size=16, gathers=(20, 30)) == 100 * 1e-5  # stage 2: no hooks
 
 
-def test_the_slowdown_lands_on_the_gpus_compute_not_on_a_host_bound_phase():
-    # a 3-stage-ZeRO GPT-2 XL on 2 nodes: the device's compute d per phase, the host's phase h >= d
+def _zero3_on_two_nodes() -> tuple[list, P.ClusterLinks, P.CommTime, dict[str, float], float]:
+    """ZeRO-3's collectives for GPT-2 XL on 2 nodes of 8 A100 (its gathers and reduce-scatters overlappable, in the
+    forward and backward phases), timed behind 1 s of compute per phase: (rows, links, that timing, the overlappable
+    seconds per phase, the seconds that cannot overlap)."""
     cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=2, inter_gbps=1600)
     rows = P.collective_rows(3, P.TransformerWorkload(GPT2_XL), 16, precision="bf16", grad_accum=1,
                              offload_optimizer=False)
-    links, s = P.ClusterLinks(cluster), P.OVERLAP_COMPUTE_SLOWDOWN
+    links = P.ClusterLinks(cluster)
     ideal = P.comm_time(rows, links, 16, grad_accum=1, hide_behind={"forward": 1.0, "backward": 1.0})
-    x = {phase: sum(r["seconds_per_step"] for r in ideal.rows if r["overlappable"] and r["phase"] == phase)
-         for phase in ("forward", "backward")}
-    rest = ideal.total_s - sum(x.values())
+    per_phase = {phase: sum(r["seconds_per_step"] for r in ideal.rows if r["overlappable"] and r["phase"] == phase)
+                 for phase in ("forward", "backward")}
+    return rows, links, ideal, per_phase, ideal.total_s - sum(per_phase.values())
+
+
+def test_the_slowdown_lands_on_the_gpus_compute_not_on_a_host_bound_phase():
+    # the device's compute d per phase, the host's phase h >= d
+    rows, links, _, x, rest = _zero3_on_two_nodes()
+    s = P.OVERLAP_COMPUTE_SLOWDOWN
     device = {phase: 1.05 * x[phase] for phase in x}  # the GPU's own compute: the communication hides behind it
     host_bound = {phase: 2.0 * x[phase] for phase in x}  # the host's issue time: longer still
     # host-bound: the GPU's compute and its slowed share fit inside the host's phase, nothing more is exposed
@@ -638,15 +646,7 @@ def test_a_gpu_this_lab_measured_keeps_its_own_constants_over_a_published_grid(t
 
 
 def test_compute_beside_hidden_communication_runs_slower():
-    # ZeRO-3 on 2 nodes: its gathers and reduce-scatters are overlappable (forward and backward phases).
-    cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=2, inter_gbps=1600)
-    rows = P.collective_rows(3, P.TransformerWorkload(GPT2_XL), 16, precision="bf16", grad_accum=1,
-                             offload_optimizer=False)
-    links = P.ClusterLinks(cluster)
-    ideal = P.comm_time(rows, links, 16, grad_accum=1, hide_behind={"forward": 1.0, "backward": 1.0})
-    per_phase = {phase: sum(r["seconds_per_step"] for r in ideal.rows if r["overlappable"] and r["phase"] == phase)
-                 for phase in ("forward", "backward")}
-    rest = ideal.total_s - sum(per_phase.values())
+    rows, links, ideal, per_phase, rest = _zero3_on_two_nodes()
     assert 0 < per_phase["forward"] < 1.0 and ideal.exposed_s == pytest.approx(rest)  # all hidden behind 1 s
     s = P.OVERLAP_COMPUTE_SLOWDOWN
     slowed = P.comm_time(rows, links, 16, grad_accum=1, hide_behind={"forward": 1.0, "backward": 1.0}, slowdown=s)
