@@ -213,6 +213,8 @@ EPILOG = """examples:
   labkit runs --format csv
   labkit predict --transformer layers=48,hidden=1600,heads=16,seq=1024 --gpu V100-32GB --gpus-per-node 16 \
       --nodes 4 --intra nvswitch --inter-gbps 800 --stage 1 --micro-batch 8 --global-batch 2048 --format json
+  labkit predict --gpu A100-40GB --gpus-per-node 2 --stage 2 --micro-batch 4 --precision bf16 --offload-optimizer \
+      --transformer arch=qwen2,layers=36,hidden=2048,heads=16,kv_heads=2,ffn=11008,seq=512,vocab=151936,tied=1
   labkit predict --from runs/<a 1-rank run> --world-size 2
 
 exit codes:
@@ -293,8 +295,9 @@ def _add_cold_flag(parser: argparse.ArgumentParser) -> None:
 
 def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
     what = predict.add_mutually_exclusive_group(required=True)
-    what.add_argument("--transformer", metavar="SPEC", help="a GPT-2-style model by its shape: "
-                      "layers=48,hidden=1600,heads=16,seq=1024[,vocab=50257]")
+    what.add_argument("--transformer", metavar="SPEC", help="a decoder by its shape, GPT-2-style by default: "
+                      "layers=48,hidden=1600,heads=16,seq=1024[,vocab=50257][,dropout=0.1]; LLaMA or Qwen2-style: "
+                      "arch=llama|qwen2,...,ffn=N[,kv_heads=N][,tied=1]")
     what.add_argument("--model", help="a lab model: 'mlp', 'gpt' or 'package.module:build_model' (counted on the "
                       "meta device; sized by --hidden/--depth/--input-size)")
     what.add_argument("--from", dest="from_run", metavar="RUN_DIR",

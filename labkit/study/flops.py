@@ -18,8 +18,10 @@ where it had that GPU, else assumed: `labkit.runtime.hardware.GPU.gemm_efficienc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,110 +142,184 @@ def roofline_s(ops: list[Op], gpu: GPU, precision: str) -> float:
 
 
 # -- a transformer given by its shape ------------------------------------------------------------------------
+# The decoder families a shape can name (`Transformer.arch`), each Hugging Face's own class, built on the meta device:
+# gpt2: GPT2LMHeadModel, as Megatron-LM's GPT too (pre-LayerNorm, GELU MLP, learned positions, tied embeddings);
+# llama: LlamaForCausalLM (RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, no biases);
+# qwen2: Qwen2ForCausalLM (llama's, with biases on the query, key and value projections).
+ARCHS = ("gpt2", "llama", "qwen2")
+_BLOCK = re.compile(r"(^|\.)(h|layers)\.0(\.|$)")  # a module inside the first decoder block of the built model
+
+
 @dataclass(frozen=True, kw_only=True)
 class Transformer:
-    """A GPT-2-style decoder (pre-LayerNorm, 4h MLP, GELU, tied embeddings): Megatron-LM's GPT and Hugging Face's
-    GPT2LMHeadModel. Attention is materialised (softmax over s x s scores), as in the 2020-2021 codes. `dropout`:
-    on the embeddings, the attention probabilities and both residual branches, 0.1 by default as both codes train
-    (Hugging Face's GPT2Config resid_pdrop = embd_pdrop = attn_pdrop = 0.1; Megatron-LM's --hidden-dropout and
-    --attention-dropout 0.1): a dropout is a kernel over its tensor in the forward and one in the backward."""
+    """A decoder-only transformer by its shape; its modules and parameters are Hugging Face's class for `arch`
+    (ARCHS) built on the meta device. Attention is materialised (softmax over s x s scores: the "eager" kernels),
+    as in the 2020-2021 codes; fused attention kernels (SDPA, FlashAttention) skip that memory traffic, so at long
+    sequences the model overstates attention's time. `dropout`: on the embeddings, the attention probabilities and
+    both residual branches for gpt2, 0.1 by default as both GPT codes train (Hugging Face's GPT2Config resid_pdrop =
+    embd_pdrop = attn_pdrop = 0.1; Megatron-LM's --hidden-dropout and --attention-dropout 0.1); on the attention
+    probabilities only for llama and qwen2, 0 by default (their configs' attention_dropout): a dropout is a kernel
+    over its tensor in the forward and one in the backward."""
 
     layers: int
     hidden: int
     heads: int
     seq: int
     vocab: int = 50257
-    dropout: float = 0.1
+    dropout: float | None = None   # None: the arch's default (gpt2 0.1, llama and qwen2 0)
+    arch: str = "gpt2"
+    kv_heads: int | None = None    # key/value heads (grouped-query attention; llama and qwen2); None: heads
+    ffn: int | None = None         # the MLP's inner width; None: 4 x hidden (gpt2); llama and qwen2 must say
+    tied: bool | None = None       # the LM head is the token embedding; None: the arch's default (gpt2 yes, else no)
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "seq", "vocab"):
+        if self.arch not in ARCHS:
+            raise ValueError(f"transformer arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        gpt2 = self.arch == "gpt2"
+        if self.ffn is None and not gpt2:
+            raise ValueError(f"a {self.arch} transformer needs ffn (its MLP's inner width, intermediate_size)")
+        # The arch's defaults for what was left out (the dataclass is frozen: set once, here)
+        dropout = (0.1 if gpt2 else 0.0) if self.dropout is None else self.dropout
+        kv_heads = self.heads if self.kv_heads is None else self.kv_heads
+        ffn = 4 * self.hidden if self.ffn is None else self.ffn
+        tied = gpt2 if self.tied is None else self.tied
+        for name, value in (("dropout", dropout), ("kv_heads", kv_heads), ("ffn", ffn), ("tied", tied)):
+            object.__setattr__(self, name, value)
+        for name in ("layers", "hidden", "heads", "seq", "vocab", "kv_heads", "ffn"):
             if getattr(self, name) < 1:
                 raise ValueError(f"transformer {name} must be >= 1")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"transformer dropout must be in [0, 1), got {self.dropout}")
+        if self.heads % kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({kv_heads})")
+        if gpt2 and (kv_heads != self.heads or not tied):
+            raise ValueError("a gpt2 transformer has as many key/value heads as heads and a tied LM head")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"transformer dropout must be in [0, 1), got {dropout}")
 
     @classmethod
     def parse(cls, text: str) -> Transformer:
-        """'layers=48,hidden=1600,heads=16,seq=1024,vocab=50257,dropout=0.1' (vocab and dropout optional)."""
+        """'layers=48,hidden=1600,heads=16,seq=1024[,vocab=50257][,dropout=0.1]' (GPT-2), or a llama or qwen2 decoder:
+        'arch=qwen2,layers=36,hidden=2048,heads=16,kv_heads=2,ffn=11008,seq=512,vocab=151936,tied=1'."""
+        ints = ("layers", "hidden", "heads", "seq", "vocab", "kv_heads", "ffn")
         values: dict[str, Any] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
-            if not sep or key not in ("layers", "hidden", "heads", "seq", "vocab", "dropout"):
-                raise ValueError(f"--transformer takes layers=,hidden=,heads=,seq=[,vocab=,dropout=], got {part!r}")
-            try:
-                values[key] = float(value) if key == "dropout" else int(value)
-            except ValueError:
-                kind = "a number" if key == "dropout" else "an integer"
-                raise ValueError(f"--transformer {key} must be {kind}, got {value!r}") from None
+            if not sep or key not in (*ints, "dropout", "arch", "tied"):
+                raise ValueError(f"--transformer takes layers=,hidden=,heads=,seq=[,vocab=,dropout=,arch=,kv_heads=,"
+                                 f"ffn=,tied=], got {part!r}")
+            if key == "arch":
+                values[key] = value
+            elif key == "tied":
+                if value.lower() not in ("1", "0", "true", "false"):
+                    raise ValueError(f"--transformer tied must be 1 or 0, got {value!r}")
+                values[key] = value.lower() in ("1", "true")
+            else:
+                try:
+                    values[key] = int(value) if key in ints else float(value)
+                except ValueError:
+                    kind = "an integer" if key in ints else "a number"
+                    raise ValueError(f"--transformer {key} must be {kind}, got {value!r}") from None
         missing = {"layers", "hidden", "heads", "seq"} - set(values)
         if missing:
             raise ValueError(f"--transformer is missing {', '.join(sorted(missing))}")
         return cls(**values)
 
+    def _structure(self) -> _Structure:
+        return _structure(dataclasses.replace(self, layers=1))
+
     def n_params(self) -> int:
-        h, v, s = self.hidden, self.vocab, self.seq
-        per_layer = 12 * h * h + 13 * h          # qkv + proj + 2 MLP matrices, their biases, 2 LayerNorms
-        return self.layers * per_layer + v * h + s * h + 2 * h
+        return sum(sum(module) for module in self.module_layout())
 
     def param_modules(self) -> int:
-        """Submodules holding parameters directly (ZeRO-3 fetches each before its forward and its backward):
-        per layer ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj; plus wte, wpe, ln_f (the LM head is tied)."""
-        return 6 * self.layers + 3
+        """Submodules holding parameters directly (ZeRO-3 fetches each before its forward and its backward); a tied
+        LM head holds the embedding's, counted once."""
+        return len(self.module_layout())
 
     def paramless_modules(self) -> int:
         """Submodules without parameters of their own (blocks, attention and MLP containers, dropouts, the
-        activation): ZeRO-3 hooks them too. Counted on Hugging Face's model at 1 and 2 layers, extrapolated."""
-        return _paramless_modules(self.hidden, self.heads, self.dropout, self.layers)
+        activation, the rotary embedding): ZeRO-3 hooks them too."""
+        s = self._structure()
+        return s.paramless_outside + self.layers * s.paramless_per_block
 
     def recomputed_modules(self) -> tuple[int, int]:
         """(parameter-holding, parameter-free) submodules inside the blocks: what activation checkpointing runs
-        forward again in the backward (not the embeddings, ln_f or the head)."""
-        per_layer_paramless = (_paramless_modules(self.hidden, self.heads, self.dropout, 2)
-                               - _paramless_modules(self.hidden, self.heads, self.dropout, 1))
-        return 6 * self.layers, per_layer_paramless * self.layers
+        forward again in the backward (not the embeddings, the final norm or the head)."""
+        s = self._structure()
+        return self.layers * len(s.block), self.layers * s.paramless_per_block
 
     def module_layout(self) -> list[list[int]]:
-        """Each parameter-holding module's parameter sizes, in GPT2LMHeadModel's order (comms.module_layout's shape):
-        wte, wpe, then per layer ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj, then ln_f (the LM head is tied)."""
-        h = self.hidden
-        layer = [[h, h], [3 * h * h, 3 * h], [h * h, h], [h, h], [4 * h * h, 4 * h], [4 * h * h, h]]
-        return [[self.vocab * h], [self.seq * h], *(layer * self.layers), [h, h]]
-
-    def largest_param(self) -> int:
-        return max(self.vocab * self.hidden, 4 * self.hidden * self.hidden)
+        """Each parameter-holding module's parameter sizes in the model's module order (comms.module_layout's shape):
+        for gpt2 wte, wpe, then per layer ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj, then ln_f."""
+        s = self._structure()
+        return [*s.before, *(s.block * self.layers), *s.after]
 
     def persistent_params(self, threshold: int = 100_000) -> int:
-        """Elements of the tensors ZeRO-3 keeps whole (<= param_persistence_threshold): biases and LayerNorms."""
-        h = self.hidden
-        small = [h, h, 3 * h, h, h, h, 4 * h, h]  # ln1 w/b, qkv b, proj b, ln2 w/b, fc b, out b
-        per_layer = sum(n for n in small if n <= threshold)
-        return self.layers * per_layer + (2 * h if h <= threshold else 0)
+        """Elements of the tensors ZeRO-3 keeps whole (each <= param_persistence_threshold): biases and norms."""
+        return sum(n for module in self.module_layout() for n in module if n <= threshold)
 
 
-def _gpt2(shape: Transformer, layers: int, dtype: torch.dtype) -> Any:
-    from transformers import GPT2Config, GPT2LMHeadModel
+@dataclass(frozen=True)
+class _Structure:
+    """A transformer's parameter-holding modules before, inside one and after its decoder blocks, and its modules
+    without parameters outside and inside one block: what any number of layers repeats."""
 
-    settings: dict[str, Any] = dict(n_layer=layers, n_embd=shape.hidden, n_head=shape.heads, n_positions=shape.seq,
-                                    vocab_size=shape.vocab, attn_implementation="eager", resid_pdrop=shape.dropout,
-                                    embd_pdrop=shape.dropout, attn_pdrop=shape.dropout,
-                                    # no token ids: GPT-2's (50256) lie outside the small vocabulary of the
-                                    # module-counting models, and transformers warns in the learner's notebook
-                                    bos_token_id=None, eos_token_id=None)
-    with torch.device("meta"):
-        model: Any = GPT2LMHeadModel(GPT2Config(**settings))
-    # The loss transformers falls back to for this class anyway, named so that it does not warn it is guessing.
-    model.loss_type = "ForCausalLM"
-    return model.to(dtype)
+    before: list[list[int]]
+    block: list[list[int]]
+    after: list[list[int]]
+    paramless_outside: int
+    paramless_per_block: int
 
 
 @functools.lru_cache(maxsize=64)
-def _paramless_modules(hidden: int, heads: int, dropout: float, layers: int) -> int:
-    shape = Transformer(layers=1, hidden=hidden, heads=heads, seq=8, vocab=8, dropout=dropout)
-    one, two = (sum(1 for m in _gpt2(shape, n, torch.float32).modules() if not list(m.parameters(recurse=False)))
-                for n in (1, 2))
-    return one + (layers - 1) * (two - one)
+def _structure(shape: Transformer) -> _Structure:
+    """Read off the one-layer model (`shape.layers` is 1) on the meta device."""
+    model = _build(shape, 1, torch.float32)
+    before: list[list[int]] = []
+    block: list[list[int]] = []
+    after: list[list[int]] = []
+    outside = inside = 0
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        in_block = bool(_BLOCK.search(name))
+        own = []
+        for param in module.parameters(recurse=False):
+            if id(param) not in seen:  # a shared parameter once, as model.parameters() yields it (comms.module_layout)
+                seen.add(id(param))
+                own.append(param.numel())
+        if not list(module.parameters(recurse=False)):
+            inside += in_block
+            outside += not in_block
+        elif own:
+            (block if in_block else after if block else before).append(own)
+    return _Structure(before, block, after, outside, inside)
+
+
+def _build(shape: Transformer, layers: int, dtype: torch.dtype) -> Any:
+    """Hugging Face's model of `shape.arch` with `layers` blocks, on the meta device."""
+    import transformers
+
+    # no token ids: GPT-2's (50256) lie outside the small vocabulary of the module-counting models, and transformers
+    # warns in the learner's notebook
+    settings: dict[str, Any] = dict(vocab_size=shape.vocab, attn_implementation="eager", bos_token_id=None,
+                                    eos_token_id=None)
+    if shape.arch == "gpt2":
+        settings.update(n_layer=layers, n_embd=shape.hidden, n_head=shape.heads, n_positions=shape.seq,
+                        n_inner=shape.ffn, resid_pdrop=shape.dropout, embd_pdrop=shape.dropout,
+                        attn_pdrop=shape.dropout)
+    else:
+        settings.update(num_hidden_layers=layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+                        num_key_value_heads=shape.kv_heads, intermediate_size=shape.ffn,
+                        max_position_embeddings=shape.seq, tie_word_embeddings=shape.tied,
+                        attention_dropout=shape.dropout)
+    names = {"gpt2": ("GPT2Config", "GPT2LMHeadModel"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[shape.arch]
+    config = getattr(transformers, names[0])(**settings)
+    with torch.device("meta"):
+        model: Any = getattr(transformers, names[1])(config)
+    # The loss transformers falls back to for these classes anyway, named so that it does not warn it is guessing.
+    model.loss_type = "ForCausalLM"
+    return model.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -264,7 +340,7 @@ def transformer_costs(shape: Transformer, micro_batch: int, dtype_name: str) -> 
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
     censuses = []
     for layers in (1, 2):
-        model = _gpt2(shape, layers, dtype)
+        model = _build(shape, layers, dtype)
         ids = torch.zeros(micro_batch, shape.seq, dtype=torch.long, device="meta")
 
         def step(m: Any = model, x: torch.Tensor = ids) -> torch.Tensor:

@@ -8,8 +8,11 @@ Where a source leaves a setting out, one rule fills it for every point (never a 
   without it (what a user of that code had to do);
 * `code` megatron-lm: the vocabulary is padded to a multiple of 128 (Megatron-LM's --make-vocab-size-divisible-by
   default, megatron/arguments.py), which the source's table does not repeat; Hugging Face models keep theirs;
-* dropout not stated (the `dropout` cell empty): 0.1, the default of Hugging Face's and Megatron-LM's GPT
-  (`flops.Transformer.dropout`); a code without dropout layers says 0;
+* `arch` not stated: gpt2 (Hugging Face's GPT2LMHeadModel, as Megatron-LM's GPT); llama and qwen2 rows give `ffn`
+  (the MLP's inner width) and may give `kv_heads` (grouped-query attention; empty: as many as heads) and
+  `tied_embeddings` (empty: gpt2 tied, the others not), as the model's own config says (`flops.Transformer`);
+* dropout not stated (the `dropout` cell empty): the arch's default, 0.1 for gpt2 (Hugging Face's and Megatron-LM's
+  GPT) and 0 for llama and qwen2 (their configs' attention_dropout); a code without dropout layers says 0;
 * the link inside a node not stated (`intra` empty): the GPU kind's own (`auto`: its NVLink, else its PCIe);
 * nodes not stated: GPUs / GPUs per node; the network not stated (`inter_gbps` empty): none on one node, and a
   point on many nodes without it is refused;
@@ -40,10 +43,10 @@ MEGATRON_VOCAB_DIVISOR = 128
 # fill them.
 REQUIRED = ("point_id", "source", "locator", "layers", "hidden", "heads", "seq", "vocab", "gpu", "gpus",
             "gpus_per_node", "precision", "stage", "metric", "value")
-OPTIONAL = ("model", "code", "dropout", "nodes", "intra", "inter_gbps", "offload_optimizer",
-            "activation_checkpointing", "micro_batch", "global_batch", "flops_formula", "notes")
-POSITIVE_INTS = ("layers", "hidden", "heads", "seq", "vocab", "gpus", "gpus_per_node", "nodes", "micro_batch",
-                 "global_batch")
+OPTIONAL = ("model", "code", "dropout", "arch", "kv_heads", "ffn", "tied_embeddings", "nodes", "intra", "inter_gbps",
+            "offload_optimizer", "activation_checkpointing", "micro_batch", "global_batch", "flops_formula", "notes")
+POSITIVE_INTS = ("layers", "hidden", "heads", "seq", "vocab", "kv_heads", "ffn", "gpus", "gpus_per_node", "nodes",
+                 "micro_batch", "global_batch")
 NUMBERS = ("value", "inter_gbps", "dropout")
 BOOLEANS = {"true": True, "false": False, "1": True, "0": False}
 
@@ -85,7 +88,7 @@ def _check(row: Any) -> list[str]:
     value = _number(row["value"])
     if value is not None and value <= 0:
         out.append(f"value must be > 0, got {row['value']!r}")
-    for c in ("offload_optimizer", "activation_checkpointing"):
+    for c in ("offload_optimizer", "activation_checkpointing", "tied_embeddings"):
         if not _blank(row[c]) and str(row[c]).strip().lower() not in BOOLEANS:
             out.append(f"{c} must be True or False, got {row[c]!r}")
     if not _blank(row["stage"]) and not (_integer(row["stage"]) and 0 <= float(row["stage"]) <= 3):
@@ -128,7 +131,7 @@ def _typed(row: Any) -> Any:
     for c in NUMBERS:
         row[c] = None if _blank(row[c]) else float(row[c])
     row["stage"] = int(float(row["stage"]))
-    for c in ("offload_optimizer", "activation_checkpointing"):
+    for c in ("offload_optimizer", "activation_checkpointing", "tied_embeddings"):
         row[c] = _bool(row[c])
     if row["nodes"] is None and row["gpus"] % row["gpus_per_node"] == 0:
         row["nodes"] = row["gpus"] // row["gpus_per_node"]
@@ -219,10 +222,14 @@ def batches(row: Any) -> tuple[int, int, int]:
 
 
 def _shape(row: Any) -> flops.Transformer:
-    dropout = row.get("dropout")
+    """The row's transformer; empty cells take `flops.Transformer`'s defaults for the row's arch (gpt2 if empty)."""
+    given: dict[str, Any] = {}
+    for key, column, kind in (("dropout", "dropout", float), ("arch", "arch", str), ("kv_heads", "kv_heads", int),
+                              ("ffn", "ffn", int), ("tied", "tied_embeddings", _bool)):
+        if not _blank(row.get(column)):
+            given[key] = kind(float(row[column])) if kind is int else kind(row[column])
     return flops.Transformer(layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),
-                             seq=int(row["seq"]), vocab=_vocab(row),
-                             **({} if _blank(dropout) else {"dropout": float(dropout)}))
+                             seq=int(row["seq"]), vocab=_vocab(row), **given)
 
 
 def _cluster(row: Any) -> Cluster:

@@ -70,7 +70,7 @@ def test_a_ring_across_nodes_runs_at_the_slower_of_link_and_network():
 
 # -- the census on the meta device ---------------------------------------------------------------------------------
 def test_census_counts_what_torchs_flop_counter_counts_on_the_meta_device():
-    model = flops._gpt2(SMALL, 2, torch.float32)
+    model = flops._build(SMALL, 2, torch.float32)
     ids = torch.zeros(2, SMALL.seq, dtype=torch.long, device="meta")
     census = flops.count(lambda: model(input_ids=ids, labels=ids).loss, list(model.parameters()))
     counter = FlopCounterMode(display=False)
@@ -85,7 +85,7 @@ def test_census_counts_what_torchs_flop_counter_counts_on_the_meta_device():
 def test_layer_extrapolation_is_exact_for_a_stack_of_identical_blocks():
     three = flops.Transformer(layers=3, hidden=128, heads=4, seq=64, vocab=512)
     costs = flops.transformer_costs(three, 2, "fp32")
-    model = flops._gpt2(three, 3, torch.float32)
+    model = flops._build(three, 3, torch.float32)
     ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
     direct = flops.count(lambda: model(input_ids=ids, labels=ids).loss, list(model.parameters()))
     assert costs.scaled(lambda c: c.flops(), 3) == pytest.approx(direct.flops(), rel=1e-9)
@@ -122,6 +122,44 @@ def test_transformer_spec_parsing_refuses_bad_input():
     for bad in ("layers=2,hidden=64", "layers=x,hidden=64,heads=4,seq=8", "depth=2,hidden=64,heads=4,seq=8",
                 "layers=2,hidden=66,heads=4,seq=8", "layers=0,hidden=64,heads=4,seq=8"):
         with pytest.raises(ValueError):
+            flops.Transformer.parse(bad)
+
+
+@pytest.mark.parametrize("spec", [
+    "arch=qwen2,layers=3,hidden=256,heads=8,kv_heads=2,ffn=704,seq=64,vocab=1000,tied=1",
+    "arch=llama,layers=3,hidden=256,heads=8,kv_heads=4,ffn=688,seq=64,vocab=1000",
+    "layers=3,hidden=128,heads=4,seq=64,vocab=512,ffn=320",
+])
+def test_every_arch_is_counted_as_hugging_faces_model_of_that_config(spec):
+    from labkit.study import comms
+
+    shape = flops.Transformer.parse(spec)
+    model = flops._build(shape, shape.layers, torch.float32)
+    assert shape.n_params() == sum(p.numel() for p in model.parameters())
+    assert shape.module_layout() == comms.module_layout(model)  # a tied LM head's weight counted once
+    own = [bool(list(m.parameters(recurse=False))) for m in model.modules()]
+    assert shape.paramless_modules() == own.count(False)
+    assert shape.param_modules() + (1 if shape.tied else 0) == own.count(True)
+    inside, _ = shape.recomputed_modules()
+    assert inside == shape.layers * (7 if shape.arch != "gpt2" else 4) + shape.layers * 2  # projections + 2 norms
+    assert shape.persistent_params(0) == 0 and shape.persistent_params(10**12) == shape.n_params()
+
+
+def test_a_llama_style_shape_says_what_gpt2_does_not_have():
+    qwen = flops.Transformer.parse("arch=qwen2,layers=2,hidden=128,heads=8,kv_heads=2,ffn=352,seq=32,vocab=64")
+    assert (qwen.dropout, qwen.kv_heads, qwen.tied) == (0.0, 2, False)  # the arch's defaults
+    gpt2 = flops.Transformer.parse("layers=2,hidden=128,heads=8,seq=32,vocab=64")
+    assert (gpt2.dropout, gpt2.kv_heads, gpt2.ffn, gpt2.tied) == (0.1, 8, 512, True)
+    # grouped-query attention: fewer key/value weights than full attention of the same width
+    full = flops.Transformer.parse("arch=qwen2,layers=2,hidden=128,heads=8,ffn=352,seq=32,vocab=64")
+    assert full.n_params() - qwen.n_params() == 2 * 2 * (128 * 128 - 128 * 32 + 128 - 32)
+    for bad, says in (("arch=llama,layers=2,hidden=128,heads=8,seq=32", "needs ffn"),
+                      ("arch=mamba,layers=2,hidden=128,heads=8,seq=32", "arch must be one of gpt2, llama, qwen2"),
+                      ("arch=qwen2,layers=2,hidden=128,heads=8,kv_heads=3,ffn=64,seq=32", "multiple of kv_heads"),
+                      ("layers=2,hidden=128,heads=8,kv_heads=2,seq=32", "as many key/value heads"),
+                      ("layers=2,hidden=128,heads=8,seq=32,tied=0", "tied LM head"),
+                      ("arch=qwen2,layers=2,hidden=128,heads=8,ffn=64,seq=32,tied=maybe", "tied must be 1 or 0")):
+        with pytest.raises(ValueError, match=says):
             flops.Transformer.parse(bad)
 
 
@@ -405,7 +443,7 @@ def test_counting_a_transformer_warns_nothing_in_the_learners_notebook(capfd):
 
     hf_logging.get_logger("transformers.modeling_utils").warning_once.cache_clear()  # a once-per-process warning
     shape = flops.Transformer(layers=2, hidden=64, heads=4, seq=16, vocab=8)
-    flops._paramless_modules.cache_clear()
+    flops._structure.cache_clear()
     assert shape.paramless_modules() > 0
     assert flops.transformer_costs(shape, 1, "fp32").ops1 is not None
     out, err = capfd.readouterr()
