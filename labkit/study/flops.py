@@ -199,7 +199,8 @@ class Transformer:
 
     @classmethod
     def parse(cls, text: str) -> Transformer:
-        """'layers=48,hidden=1600,heads=16,seq=1024[,vocab=50257][,dropout=0.1]' (GPT-2), or a llama or qwen2 decoder:
+        """'layers=48,hidden=1600,heads=16,seq=1024[,vocab=50257][,dropout=0.1][,ffn=6400]' (GPT-2), or a llama or qwen2
+        decoder (vocab and ffn required):
         'arch=qwen2,layers=36,hidden=2048,heads=16,kv_heads=2,ffn=11008,seq=512,vocab=151936,tied=1'."""
         ints = ("layers", "hidden", "heads", "seq", "vocab", "kv_heads", "ffn")
         values: dict[str, Any] = {}
@@ -221,6 +222,8 @@ class Transformer:
                     kind = "an integer" if key in ints else "a number"
                     raise ValueError(f"--transformer {key} must be {kind}, got {value!r}") from None
         missing = {"layers", "hidden", "heads", "seq"} - set(values)
+        if values.get("arch", "gpt2") != "gpt2" and "vocab" not in values:
+            missing.add("vocab")  # GPT-2's default vocabulary is no llama's or qwen2's
         if missing:
             raise ValueError(f"--transformer is missing {', '.join(sorted(missing))}")
         return cls(**values)
@@ -252,7 +255,11 @@ class Transformer:
         """Each parameter-holding module's parameter sizes in the model's module order (comms.module_layout's shape):
         for gpt2 wte, wpe, then per layer ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj, then ln_f."""
         s = self._structure()
-        return [*s.before, *(s.block * self.layers), *s.after]
+        return [list(module) for module in (*s.before, *(s.block * self.layers), *s.after)]  # the caller's own lists
+
+    def modules_before_blocks(self) -> int:
+        """Parameter-holding modules ahead of the first block in `module_layout` (gpt2: wte and wpe)."""
+        return len(self._structure().before)
 
     def persistent_params(self, threshold: int = 100_000) -> int:
         """Elements of the tensors ZeRO-3 keeps whole (each <= param_persistence_threshold): biases and norms."""

@@ -154,13 +154,15 @@ def gather_counts(workload: Workload, checkpointing: bool) -> tuple[float, float
     """(fetches that gather, gathered parameters fetched) per micro-step at ZeRO-3: every module holding a parameter
     over the persistence threshold (comms.gathered_params) is fetched before its forward and its backward; under
     activation checkpointing the modules inside the blocks once more, counted at half as HostCosts counts their
-    hooks (module_layout's order: the two embeddings, the blocks' modules, then ln_f)."""
+    hooks (module_layout's order: the modules before the blocks, e.g. GPT-2's two embeddings, the blocks' modules,
+    then those after them)."""
     from labkit.study import comms
 
     gathered = comms.gathered_params(workload.module_layout())
     weights = [2.0] * len(gathered)
     if checkpointing:
-        for i in range(2, 2 + workload.recomputed_modules()[0]):
+        start = workload.modules_before_blocks()
+        for i in range(start, start + workload.recomputed_modules()[0]):
             weights[i] += 0.5
     pairs = list(zip(weights, gathered, strict=True))
     return sum(w for w, g in pairs if g), sum(w * g for w, g in pairs)
@@ -185,6 +187,8 @@ class Workload(Protocol):
     def module_layout(self) -> list[list[int]]: ...
 
     def recomputed_modules(self) -> tuple[int, int]: ...
+
+    def modules_before_blocks(self) -> int: ...
 
     def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts: ...
 
@@ -225,6 +229,9 @@ class TransformerWorkload:
 
     def recomputed_modules(self) -> tuple[int, int]:
         return self.shape.recomputed_modules()
+
+    def modules_before_blocks(self) -> int:
+        return self.shape.modules_before_blocks()
 
     def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts:
         dtype = "fp32" if precision == "fp32" else precision
@@ -274,6 +281,9 @@ class ModuleWorkload:
 
     def recomputed_modules(self) -> tuple[int, int]:
         return (0, 0)  # the lab's models do not checkpoint (costs() refuses it)
+
+    def modules_before_blocks(self) -> int:
+        return 0  # no blocks are recomputed (above)
 
     def census(self, micro_batch: int, precision: str) -> flops.Census:
         key = (micro_batch, precision)

@@ -142,7 +142,25 @@ def test_every_arch_is_counted_as_hugging_faces_model_of_that_config(spec):
     assert shape.param_modules() + (1 if shape.tied else 0) == own.count(True)
     inside, _ = shape.recomputed_modules()
     assert inside == shape.layers * (7 if shape.arch != "gpt2" else 4) + shape.layers * 2  # projections + 2 norms
-    assert shape.persistent_params(0) == 0 and shape.persistent_params(10**12) == shape.n_params()
+    # ZeRO-3 keeps whole every parameter of at most the threshold, a shared one once (parameter_offload.py:317-335)
+    for threshold in (300, 100_000):
+        kept = sum(p.numel() for p in model.parameters() if p.numel() <= threshold)
+        assert shape.persistent_params(threshold) == kept
+
+
+def test_zero3s_recomputed_fetches_land_on_the_blocks_whatever_comes_before_them():
+    from labkit.study import comms
+
+    for spec in ("arch=qwen2,layers=3,hidden=256,heads=8,kv_heads=2,ffn=704,seq=64,vocab=1000,tied=1",
+                 "layers=3,hidden=512,heads=8,seq=64,vocab=1000"):
+        work = P.TransformerWorkload(flops.Transformer.parse(spec))
+        gathered = comms.gathered_params(work.module_layout())
+        start, inside = work.modules_before_blocks(), work.recomputed_modules()[0]
+        blocks = gathered[start:start + inside]
+        plain, ckpt = P.gather_counts(work, False), P.gather_counts(work, True)
+        assert ckpt[0] - plain[0] == 0.5 * sum(1 for g in blocks if g) > 0
+        assert ckpt[1] - plain[1] == 0.5 * sum(blocks)
+    assert P.TransformerWorkload(flops.Transformer.parse(spec)).modules_before_blocks() == 2  # GPT-2's wte and wpe
 
 
 def test_a_llama_style_shape_says_what_gpt2_does_not_have():
@@ -153,12 +171,14 @@ def test_a_llama_style_shape_says_what_gpt2_does_not_have():
     # grouped-query attention: fewer key/value weights than full attention of the same width
     full = flops.Transformer.parse("arch=qwen2,layers=2,hidden=128,heads=8,ffn=352,seq=32,vocab=64")
     assert full.n_params() - qwen.n_params() == 2 * 2 * (128 * 128 - 128 * 32 + 128 - 32)
-    for bad, says in (("arch=llama,layers=2,hidden=128,heads=8,seq=32", "needs ffn"),
-                      ("arch=mamba,layers=2,hidden=128,heads=8,seq=32", "arch must be one of gpt2, llama, qwen2"),
-                      ("arch=qwen2,layers=2,hidden=128,heads=8,kv_heads=3,ffn=64,seq=32", "multiple of kv_heads"),
-                      ("layers=2,hidden=128,heads=8,kv_heads=2,seq=32", "as many key/value heads"),
-                      ("layers=2,hidden=128,heads=8,seq=32,tied=0", "tied LM head"),
-                      ("arch=qwen2,layers=2,hidden=128,heads=8,ffn=64,seq=32,tied=maybe", "tied must be 1 or 0")):
+    base = "layers=2,hidden=128,heads=8,seq=32"
+    for bad, says in ((f"arch=llama,{base},vocab=64", "needs ffn"),
+                      (f"arch=llama,{base},ffn=64", "missing vocab"),
+                      (f"arch=mamba,{base},vocab=64", "arch must be one of gpt2, llama, qwen2"),
+                      (f"arch=qwen2,{base},kv_heads=3,ffn=64,vocab=64", "multiple of kv_heads"),
+                      (f"{base},kv_heads=2", "as many key/value heads"),
+                      (f"{base},tied=0", "tied LM head"),
+                      (f"arch=qwen2,{base},ffn=64,vocab=64,tied=maybe", "tied must be 1 or 0")):
         with pytest.raises(ValueError, match=says):
             flops.Transformer.parse(bad)
 
