@@ -41,8 +41,8 @@ class GPU:
     nvlink: str | None                  # its NVLink generation (the `nvswitch` link of its generation)
     host_link: str                      # PCIe generation to the host (offload traffic)
     source: str
-    # Volta/Turing (the cuBLAS 10 era): fp16 GEMMs use tensor cores only when M, N and K are multiples of 8,
-    # else the CUDA cores (NVIDIA's Matrix Multiplication Background User's Guide, DU-09799-001, sec. 2.2);
+    # Volta/Turing (the cuBLAS 10 era): fp16 GEMMs use tensor cores only when K and the leading dimensions are
+    # multiples of 8, else the CUDA cores (flops._tensor_cores has the sources);
     # Ampere and later use tensor cores for any shape (cuBLAS >= 11).
     tensor_core_alignment: int = 1
     # What this lab measured on this GPU kind (bench_gpu_constants.py), if loaded: its efficiencies replace the
@@ -197,7 +197,8 @@ def load_published_gemm(path: str | Path) -> tuple[list[str], Measured]:
     best: dict[str, float] = {}
     for dtype, rows in data["shapes"].items():
         shapes[dtype] = [{"label": row["label"], "m": row["padded"][0], "n": row["padded"][1], "k": row["padded"][2],
-                          "seconds": row["ms"] / 1e3} for row in rows]
+                          "a_t": bool(row["a_t"]), "b_t": bool(row["b_t"]), "seconds": row["ms"] / 1e3}
+                         for row in rows]
         best[dtype] = max(2.0 * r["m"] * r["n"] * r["k"] / r["seconds"] for r in shapes[dtype])
     source = f"{data['source']}; memory bandwidth: 0.8 of the datasheet's, assumed"
     measured = Measured(source=source, device_name=str(data["gpu"]), gemm_flops_per_s=best, gemm_shapes=shapes,

@@ -43,6 +43,9 @@ class Op:
     flops: float
     bytes: float
     gemm: tuple[int, int, int, int] | None = None   # (batch, M, N, K)
+    # The GEMM as cuBLAS gets it, (m, k, lda, ldb, ldc, then a batched GEMM's strides between its matrices, which
+    # set each matrix's address): what decides tensor cores under cuBLAS 10 (`_tensor_cores`)
+    blas: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -66,6 +69,45 @@ def _nbytes(values: Any) -> float:
         elif isinstance(value, (list, tuple)):
             total += _nbytes(value)
     return total
+
+
+def _leading(x: torch.Tensor) -> int:
+    """A matrix's leading dimension as PyTorch hands it to cuBLAS (ATen's prepare_matrix_for_cublas): its row stride
+    if row-major, its column stride if column-major, else its column count (it is copied to a contiguous one)."""
+    rows, cols = int(x.shape[-2]), int(x.shape[-1])
+    row_stride, col_stride = int(x.stride()[-2]), int(x.stride()[-1])
+    if col_stride == 1 and row_stride >= max(1, cols):
+        return row_stride
+    if row_stride == 1 and col_stride >= max(1, rows):
+        return col_stride
+    return cols
+
+
+def _blas(name: str, args: tuple, out: Any) -> tuple[int, ...] | None:
+    """(m, k, lda, ldb, ldc[, the operands' batch strides]) of the cuBLAS call: for a row-major output C = A @ B
+    PyTorch has cuBLAS compute C's transpose, B^T A^T, so cuBLAS's m is C's columns, its first operand B and its
+    second A."""
+    if name not in _GEMMS or not isinstance(out, torch.Tensor):
+        return None
+    a, b = (args[1], args[2]) if name in ("aten.addmm", "aten.baddbmm") else (args[0], args[1])
+    columns = int(out.shape[-1])
+    batch = tuple(int(x.stride()[0]) for x in (b, a) if x.dim() == 3 and x.shape[0] > 1)
+    return (columns, int(a.shape[-1]), _leading(b), _leading(a), columns, *batch)
+
+
+def _tensor_cores(op: Op, align: int) -> bool:
+    """Whether cuBLAS runs an fp16 GEMM on tensor cores where it needs aligned sizes (Volta/Turing, cuBLAS 10):
+    k and every leading dimension multiples of `align` (8) and m of half that, as NVIDIA's "Programming Tensor Cores
+    in CUDA 9" (2017) writes its cublasGemmEx call; Baidu DeepBench's harness pads exactly those (M and K for NN and
+    TN, M and N for NT: code/nvidia/gemm_bench.cu), and its V100 and T4 runs with N = 9,124 or 8,457 went at
+    tensor-core speed. A batched GEMM's matrices must start aligned too (the same post: 16-byte pointers), so its
+    batch strides count as leading dimensions. Without the call's view, all of M, N and K."""
+    if align == 1 or op.gemm is None:
+        return True
+    if op.blas is None:
+        return all(d % align == 0 for d in op.gemm[1:])
+    m, k, *leading = op.blas
+    return m % max(1, align // 2) == 0 and all(d % align == 0 for d in (k, *leading))
 
 
 def _gemm_shape(name: str, args: tuple, out: Any) -> tuple[int, int, int, int] | None:
@@ -96,7 +138,8 @@ class _Recorder(TorchDispatchMode):
         name = str(packet)
         outputs = out if isinstance(out, (list, tuple)) else (out,)
         moved = _nbytes(args) + _nbytes(list(kwargs.values())) + _nbytes(outputs)
-        getattr(self.census, self.phase).append(Op(name, flops, moved, _gemm_shape(name, args, out)))
+        getattr(self.census, self.phase).append(Op(name, flops, moved, _gemm_shape(name, args, out),
+                                                   _blas(name, args, out)))
         return out
 
 
@@ -130,8 +173,7 @@ def op_seconds(op: Op, gpu: GPU, precision: str) -> float:
     batch, m, n, k = op.gemm
     tiles = batch * math.ceil(m / TILE) * math.ceil(n / TILE)
     waves = math.ceil(tiles / gpu.sms)
-    align = gpu.tensor_core_alignment
-    tensor_cores = precision == "fp32" or align == 1 or all(d % align == 0 for d in (m, n, k))
+    tensor_cores = precision == "fp32" or _tensor_cores(op, gpu.tensor_core_alignment)
     peak = gpu.peak(precision) if tensor_cores else gpu.cuda_core_peak(precision)
     per_sm = peak / gpu.sms * gpu.gemm_efficiency(precision if tensor_cores else "fp32")
     return max(waves * 2.0 * TILE * TILE * k / per_sm, memory_s)
@@ -374,7 +416,10 @@ def gemm_check(gpu: GPU) -> list[dict[str, Any]]:
     for dtype, shapes in gpu.measured.gemm_shapes.items():
         for shape in shapes:
             m, n, k = int(shape["m"]), int(shape["n"]), int(shape["k"])
-            op = Op("aten.mm", 2.0 * m * n * k, float(size[dtype] * (m * k + k * n + m * n)), (1, m, n, k))
+            blas = None
+            if "a_t" in shape:  # a published grid's own cuBLAS call (column-major, A and B transposed or not)
+                blas = (m, k, k if shape["a_t"] else m, n if shape["b_t"] else k, m)
+            op = Op("aten.mm", 2.0 * m * n * k, float(size[dtype] * (m * k + k * n + m * n)), (1, m, n, k), blas)
             predicted = op_seconds(op, gpu, dtype)
             rows.append({"dtype": dtype, "label": shape.get("label", f"{m}x{n}x{k}"), "m": m, "n": n, "k": k,
                          "measured_s": float(shape["seconds"]), "predicted_s": predicted,

@@ -117,6 +117,31 @@ def test_gemm_waves_and_volta_tensor_core_alignment():
     assert flops.op_seconds(over, a100, "bf16") == pytest.approx(2 * flops.op_seconds(full, a100, "bf16"))
 
 
+def test_cublas_10_needs_k_and_the_leading_dimensions_aligned_not_every_size():
+    v100 = hw.gpu("V100-32GB")
+
+    def call(m, n, k, blas):
+        return flops.Op("aten.mm", 2.0 * m * n * k, 0.0, (1, m, n, k), blas)
+
+    aligned = call(5128, 9128, 2048, (5128, 2048, 5128, 2048, 5128))
+    # DeepBench's NN GEMM: M and K padded, N = 9,124 not: it ran at tensor-core speed on the V100
+    free_n = call(5128, 9124, 2048, (5128, 2048, 5128, 2048, 5128))
+    assert flops.op_seconds(free_n, v100, "fp16") < 1.01 * flops.op_seconds(aligned, v100, "fp16")
+    for blas in ((5128, 2046, 5128, 2046, 5128),            # k
+                 (5128, 2048, 5128, 2052, 5128),            # a leading dimension
+                 (5128, 2048, 5128, 2048, 5128, 1028, 8)):  # a batched GEMM's matrix starting misaligned
+        slow = flops.op_seconds(call(5128, 9128, 2048, blas), v100, "fp16")
+        assert slow > 3 * flops.op_seconds(aligned, v100, "fp16")
+    # In PyTorch's call an nn.Linear's rows (tokens) are cuBLAS's free n; its output features set m and ldc.
+    linear = torch.nn.Linear(1024, 4096).to(torch.float16).to("meta")
+    census = flops.count(lambda: linear(torch.zeros(1021, 1024, dtype=torch.float16, device="meta")).sum())
+    (forward,) = [op for op in census.forward if op.gemm]
+    assert forward.blas[:2] == (4096, 1024) and flops._tensor_cores(forward, 8)
+    head = torch.nn.Linear(1024, 50257, bias=False).to(torch.float16).to("meta")  # GPT-2's LM head
+    census = flops.count(lambda: head(torch.zeros(1024, 1024, dtype=torch.float16, device="meta")).pow(2).sum())
+    assert not any(flops._tensor_cores(op, 8) for op in census.forward + census.backward if op.gemm)
+
+
 def test_transformer_spec_parsing_refuses_bad_input():
     assert flops.Transformer.parse("layers=2,hidden=64,heads=4,seq=32").vocab == 50257
     for bad in ("layers=2,hidden=64", "layers=x,hidden=64,heads=4,seq=8", "depth=2,hidden=64,heads=4,seq=8",
