@@ -14,7 +14,8 @@ from labkit.study import flops
 from labkit.study import predict as P
 
 # Transformer shapes a learner may pick (GPT-2 sizes, Hugging Face's configs; GPT-3 sizes from Brown et al. 2020,
-# Table 2.1) beside the lab's own models.
+# Table 2.1; Qwen2.5-1.5B and Llama-2 7B by their Hugging Face config.json, at the sequence of the published
+# Qwen2.5 runs, data/published/ source 8, and Llama 2's context) beside the lab's own models.
 SHAPES: dict[str, flops.Transformer] = {
     "GPT-2 small (124M)": flops.Transformer(layers=12, hidden=768, heads=12, seq=1024),
     "GPT-2 medium (355M)": flops.Transformer(layers=24, hidden=1024, heads=16, seq=1024),
@@ -22,6 +23,10 @@ SHAPES: dict[str, flops.Transformer] = {
     "GPT-2 XL (1.5B)": flops.Transformer(layers=48, hidden=1600, heads=25, seq=1024),
     "GPT-3 2.7B": flops.Transformer(layers=32, hidden=2560, heads=32, seq=2048),
     "GPT-3 6.7B": flops.Transformer(layers=32, hidden=4096, heads=32, seq=2048),
+    "Qwen2.5-1.5B (seq 512)": flops.Transformer(arch="qwen2", layers=28, hidden=1536, heads=12, kv_heads=2, ffn=8960,
+                                                seq=512, vocab=151936, tied=True),
+    "Llama-2 7B (seq 4096)": flops.Transformer(arch="llama", layers=32, hidden=4096, heads=32, ffn=11008, seq=4096,
+                                               vocab=32000),
 }
 LAB_MODELS = ("lab GPT (ci size)", "lab MLP (ci answer)")
 STRATEGY_LABELS = {"torch": "plain PyTorch DDP", "z0": "ZeRO-0", "z1": "ZeRO-1", "z2": "ZeRO-2", "z3": "ZeRO-3",

@@ -188,6 +188,14 @@ def test_zero3s_recomputed_fetches_land_on_the_blocks_whatever_comes_before_them
     assert P.TransformerWorkload(flops.Transformer.parse(spec)).modules_before_blocks() == 2  # GPT-2's wte and wpe
 
 
+def test_the_notebooks_modern_presets_have_their_models_sizes():
+    from labkit.study import predict_views as V
+
+    # the model cards' parameter counts: Qwen2.5-1.5B 1.54B, Llama-2 7B 6,738,415,616 (Hugging Face's count)
+    assert 1.54e9 < V.SHAPES["Qwen2.5-1.5B (seq 512)"].n_params() < 1.55e9
+    assert V.SHAPES["Llama-2 7B (seq 4096)"].n_params() == 6_738_415_616
+
+
 def test_a_llama_style_shape_says_what_gpt2_does_not_have():
     qwen = flops.Transformer.parse("arch=qwen2,layers=2,hidden=128,heads=8,kv_heads=2,ffn=352,seq=32,vocab=64")
     assert (qwen.dropout, qwen.kv_heads, qwen.tied) == (0.0, 2, False)  # the arch's defaults
