@@ -28,7 +28,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -134,16 +134,20 @@ def module_layout(model: Any) -> list[list[int]]:
     registration order (the forward order of the lab's models; check yours if it reuses modules).
     ZeRO-3 gathers one module's parameters in one call; stages 0-2 flatten them in this order.
     Works on the meta device."""
-    layout, seen = [], set()
-    for module in model.modules():
+    return [own for _, own in module_params(model)]
+
+
+def module_params(model: Any) -> Iterator[tuple[str, list[int]]]:
+    """(name, its own parameters' element counts) of every module that holds some, in registration order."""
+    seen: set[int] = set()
+    for name, module in model.named_modules():
         own = []
         for param in module.parameters(recurse=False):
             if id(param) not in seen:  # a shared parameter once, as model.parameters() yields it
                 seen.add(id(param))
                 own.append(param.numel())
         if own:
-            layout.append(own)
-    return layout
+            yield name, own
 
 
 def _zero_config(stage: int, zero_settings: Mapping[str, Any]) -> Any:

@@ -323,25 +323,17 @@ class _Structure:
 @functools.lru_cache(maxsize=64)
 def _structure(shape: Transformer) -> _Structure:
     """Read off the one-layer model (`shape.layers` is 1) on the meta device."""
+    from labkit.study import comms
+
     model = _build(shape, 1, torch.float32)
     before: list[list[int]] = []
     block: list[list[int]] = []
     after: list[list[int]] = []
-    outside = inside = 0
-    seen: set[int] = set()
-    for name, module in model.named_modules():
-        in_block = bool(_BLOCK.search(name))
-        own = []
-        for param in module.parameters(recurse=False):
-            if id(param) not in seen:  # a shared parameter once, as model.parameters() yields it (comms.module_layout)
-                seen.add(id(param))
-                own.append(param.numel())
-        if not list(module.parameters(recurse=False)):
-            inside += in_block
-            outside += not in_block
-        elif own:
-            (block if in_block else after if block else before).append(own)
-    return _Structure(before, block, after, outside, inside)
+    for name, own in comms.module_params(model):
+        (block if _BLOCK.search(name) else after if block else before).append(own)
+    paramless = [name for name, module in model.named_modules() if not list(module.parameters(recurse=False))]
+    inside = sum(1 for name in paramless if _BLOCK.search(name))
+    return _Structure(before, block, after, len(paramless) - inside, inside)
 
 
 def _build(shape: Transformer, layers: int, dtype: torch.dtype) -> Any:
