@@ -83,18 +83,6 @@ def _leading(x: torch.Tensor) -> int:
     return cols
 
 
-def _blas(name: str, args: tuple, out: Any) -> tuple[int, ...] | None:
-    """(m, k, lda, ldb, ldc[, the operands' batch strides]) of the cuBLAS call: for a row-major output C = A @ B
-    PyTorch has cuBLAS compute C's transpose, B^T A^T, so cuBLAS's m is C's columns, its first operand B and its
-    second A."""
-    if name not in _GEMMS or not isinstance(out, torch.Tensor):
-        return None
-    a, b = (args[1], args[2]) if name in ("aten.addmm", "aten.baddbmm") else (args[0], args[1])
-    columns = int(out.shape[-1])
-    batch = tuple(int(x.stride()[0]) for x in (b, a) if x.dim() == 3 and x.shape[0] > 1)
-    return (columns, int(a.shape[-1]), _leading(b), _leading(a), columns, *batch)
-
-
 def _tensor_cores(op: Op, align: int) -> bool:
     """Whether cuBLAS runs an fp16 GEMM on tensor cores where it needs aligned sizes (Volta/Turing, cuBLAS 10):
     k and every leading dimension multiples of `align` (8) and m of half that, as NVIDIA's "Programming Tensor Cores
@@ -110,14 +98,18 @@ def _tensor_cores(op: Op, align: int) -> bool:
     return m % max(1, align // 2) == 0 and all(d % align == 0 for d in (k, *leading))
 
 
-def _gemm_shape(name: str, args: tuple, out: Any) -> tuple[int, int, int, int] | None:
+def _gemm(name: str, args: tuple, out: Any) -> tuple[tuple[int, int, int, int] | None, tuple[int, ...] | None]:
+    """A matrix product's (batch, M, N, K) and its cuBLAS call's (m, k, lda, ldb, ldc[, the operands' batch
+    strides]); (None, None) for any other op. For a row-major output C = A @ B PyTorch has cuBLAS compute C's
+    transpose, B^T A^T, so cuBLAS's m is C's columns, its first operand B and its second A."""
     if name not in _GEMMS or not isinstance(out, torch.Tensor):
-        return None
-    a = args[1] if name in ("aten.addmm", "aten.baddbmm") else args[0]
+        return None, None
+    a, b = (args[1], args[2]) if name in ("aten.addmm", "aten.baddbmm") else (args[0], args[1])
     k = int(a.shape[-1])
-    if out.dim() == 3:
-        return int(out.shape[0]), int(out.shape[1]), int(out.shape[2]), k
-    return 1, int(out.shape[0]), int(out.shape[1]), k
+    rows, columns = int(out.shape[-2]), int(out.shape[-1])
+    batch = tuple(int(x.stride()[0]) for x in (b, a) if x.dim() == 3 and x.shape[0] > 1)
+    shape = (int(out.shape[0]) if out.dim() == 3 else 1, rows, columns, k)
+    return shape, (columns, k, _leading(b), _leading(a), columns, *batch)
 
 
 class _Recorder(TorchDispatchMode):
@@ -138,8 +130,7 @@ class _Recorder(TorchDispatchMode):
         name = str(packet)
         outputs = out if isinstance(out, (list, tuple)) else (out,)
         moved = _nbytes(args) + _nbytes(list(kwargs.values())) + _nbytes(outputs)
-        getattr(self.census, self.phase).append(Op(name, flops, moved, _gemm_shape(name, args, out),
-                                                   _blas(name, args, out)))
+        getattr(self.census, self.phase).append(Op(name, flops, moved, *_gemm(name, args, out)))
         return out
 
 
