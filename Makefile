@@ -74,9 +74,10 @@ lint: install
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m mypy
 
-# Linters, unit tests, real-run tests, fault suite, browser test, and every notebook through nbval.
+# Linters, unit tests, real-run tests, fault suite, browser test, and every notebook through nbval. The 25 slowest
+# tests are listed at the end: where the suite's time goes, in every CI log.
 test: ops lint
-	LABKIT_PROFILE=ci $(BIN)/python -m pytest -ra tests --nbval-lax notebooks
+	LABKIT_PROFILE=ci $(BIN)/python -m pytest -ra --durations=25 tests --nbval-lax notebooks
 
 # The tests that start no process (every one that does is marked slow: tests/conftest.py), under 2 minutes.
 test-fast: install

@@ -20,7 +20,9 @@ What each figure is:
 - memory: `dst.copy_(src)` of 1 GiB, 2 bytes moved per byte copied.
 - host_copy: 256 MiB each way, pinned and pageable host memory.
 - cpu_adam: DeepSpeedCPUAdam.step() (adamw) over fp32 parameters on the host, all the host's threads; the op is
-  JIT-built by g++ in a child process started first (skipped if it is not built within --cpu-adam-build-s).
+  JIT-built by g++ in a child process started first (skipped if it is not built within --cpu-adam-build-s). Beside
+  it, ZeRO-Offload's two host passes over the same number of parameters: the fp32 gradients scaled in place and the
+  fp32 parameters copied into a bf16 buffer (labkit.study.predict: CPU_ADAM_BYTES_PER_PARAM's comment).
 - gpu_adamw: torch.optim.AdamW(fused=True) and (foreach=True), fp32 parameters on the GPU.
 - zero3: deepspeed.initialize at 1 rank (nccl on GPU, gloo on CPU), a stack of Linear(64, 64) modules at two depths,
   ZeRO stage 3 (every parameter fetched: persistence threshold 0) and stage 0, micro-steps timed with the device
@@ -273,15 +275,31 @@ def measure_cpu_adam(quick: bool) -> dict[str, Any]:
     params = adam_params(n, tensors, "cpu")
     opt = DeepSpeedCPUAdam(params, lr=1e-3, adamw_mode=True)
     opt.step()
-    times = []
-    for _ in range(3 if quick else 5):
-        start = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    seconds = float(statistics.median(times))
+    repeats = 3 if quick else 5
+    seconds = host_median(opt.step, repeats)
+    # ZeRO-Offload's two passes beside CPU Adam over the same fp32 partition (stage_1_and_2.py, 0.19.8): the
+    # gradients scaled in place by a 0-d tensor (unscale_and_clip_grads, :3216) and the updated fp32 partition
+    # copied into a 16-bit buffer (:3095; pinned there where a GPU is, pageable here: the copy is on the host alone)
+    grad = torch.randn(n)
+    scale = torch.tensor(1.5)
+    fp32, bit16 = torch.randn(n), torch.empty(n, dtype=torch.bfloat16)
+    unscale = host_median(lambda: grad.mul_(1.0 / scale), repeats)
+    to_bit16 = host_median(lambda: bit16.copy_(fp32), repeats)
     return {"params": n, "tensors": tensors, "dtype": "fp32", "threads": torch.get_num_threads(),
             "cpu_cores": os.cpu_count(), "s_per_param": seconds / n, "bytes_per_s": 28 * n / seconds,
-            "note": "DeepSpeedCPUAdam (adamw_mode), 28 bytes/param as gpu_adamw"}
+            "unscale_s_per_param": unscale / n, "to_bit16_s_per_param": to_bit16 / n,
+            "note": "DeepSpeedCPUAdam (adamw_mode), 28 bytes/param as gpu_adamw; unscale: fp32 grad.mul_(1 / a 0-d "
+                    "tensor), 8 bytes/param; to_bit16: bf16 buffer.copy_(fp32), 6 bytes/param"}
+
+
+def host_median(fn: Callable[[], Any], repeats: int) -> float:
+    """The median wall time of `repeats` calls of a host-only `fn`."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(statistics.median(times))
 
 
 def free_port() -> int:
@@ -473,6 +491,8 @@ def table(result: dict[str, Any]) -> list[tuple[str, str]]:
     add("AdamW fused (GPU)", "gpu_adamw", "fused_s_per_param", 1e12, "ps/param")
     add("AdamW foreach (GPU)", "gpu_adamw", "foreach_s_per_param", 1e12, "ps/param")
     add("DeepSpeed CPU Adam (host)", "cpu_adam", "s_per_param", 1e9, "ns/param")
+    add("offload's unscale pass (host)", "cpu_adam", "unscale_s_per_param", 1e9, "ns/param")
+    add("offload's copy to 16 bits (host)", "cpu_adam", "to_bit16_s_per_param", 1e9, "ns/param")
     add("launch + dispatch per op", "launch", "launch_s", 1e6, "us")
     add("ZeRO-3 per module per micro-step", "zero3", "per_module_per_micro_step_s", 1e6, "us")
     add("ZeRO-3 fixed per micro-step", "zero3", "per_micro_step_s", 1e3, "ms")

@@ -325,7 +325,12 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
     predict.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default=None, help="default fp16")
     predict.add_argument("--activation-checkpointing", action="store_true", help="recompute the forward in backward")
     predict.add_argument("--host-memory-gb-per-s", type=float, default=None,
-                         help="a node's host memory bandwidth for CPU Adam (default 256: 2 sockets x 6 DDR4-2666)")
+                         help="your nodes' host memory bandwidth, GB/s: ZeRO-Offload's host work as memory traffic "
+                              "at it (default: a GPU node host's measured CPU Adam, else 256: 2 sockets x 6 "
+                              "DDR4-2666)")
+    predict.add_argument("--zero", default=None, metavar="KEY=VALUE,...",
+                         help="DeepSpeed zero_optimization settings that are not its defaults, e.g. "
+                              "reduce_bucket_size=1e7,overlap_comm=true (checked by DeepSpeed's config model)")
     predict.add_argument("--b-crit", type=float, default=None, help="critical batch for time to the same loss")
     predict.add_argument("--results", default=None, help="an answer's results dir: B_crit from its noise.csv")
     predict.add_argument("--card", action="store_true", help="print the predicted answer card (both ways to grow "

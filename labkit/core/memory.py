@@ -142,11 +142,13 @@ _DIFFERENCES = {
 }
 
 
-def reduce_bucket_bytes(stage: int, precision: str = "mixed", reduce_bucket_size: int = 500_000_000) -> int:
+def reduce_bucket_bytes(stage: int, precision: str = "mixed", reduce_bucket_size: int = 500_000_000,
+                        overlap_comm: bool = False) -> int:
     """Bytes of DeepSpeed 0.19.8's contiguous reduce bucket (``contiguous_gradients``, the default) on one rank.
 
     Stages 1/2: ``setup_buckets`` allocates ``torch.empty(reduce_bucket_size)`` in the grads' dtype at each
-    backward (twice with ``overlap_comm``, which defaults to on only at stage 3) and frees it in the epilogue.
+    backward, a second one with ``overlap_comm`` (stage_1_and_2.py:3266-3278; off by default at stages 1-2), and
+    frees them in the epilogue.
     Stage 3: allocated once in ``__init__`` and kept.  Stage 0 has no ZeRO bucket (0).  It does not shrink with
     the model: 5e8 elements are 1 GB in bf16/fp16, 2 GB in fp32, whatever Psi is.
     """
@@ -154,7 +156,8 @@ def reduce_bucket_bytes(stage: int, precision: str = "mixed", reduce_bucket_size
         raise ValueError(f"stage must be 0..3, got {stage}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    return 0 if stage == 0 else int(reduce_bucket_size) * (4 if precision == "fp32" else 2)
+    buffers = 2 if overlap_comm and stage in (1, 2) else 1
+    return 0 if stage == 0 else buffers * int(reduce_bucket_size) * (4 if precision == "fp32" else 2)
 
 
 def accountings(n_params: int, world_size: int, precision: str = "mixed", *,

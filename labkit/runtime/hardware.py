@@ -153,6 +153,10 @@ class Measured:
     zero3_per_module_s: float | None  # ZeRO-3's hooks per module per micro-step (fetch before forward and backward)
     zero3_per_micro_step_s: float | None  # ZeRO-3's fixed host cost per micro-step (may read < 0: noise, use 0)
     zero3_per_paramless_module_s: float | None = None  # per module without parameters (ZeRO-3 hooks it too)
+    # ZeRO-Offload's two host passes beside CPU Adam, per parameter, all the host's threads: the fp32 gradients scaled
+    # in place, and fp32 parameters copied into a bf16 buffer
+    offload_unscale_s_per_param: float | None = None
+    offload_to_bf16_s_per_param: float | None = None
 
 
 def _number(section: dict[str, Any], key: str) -> float | None:
@@ -182,7 +186,9 @@ def load_measured(path: str | Path) -> Measured:
                     launch_s=_number(data.get("launch") or {}, "launch_s"),
                     zero3_per_module_s=_number(zero3, "per_module_per_micro_step_s"),
                     zero3_per_micro_step_s=_number(zero3, "per_micro_step_s"),
-                    zero3_per_paramless_module_s=_number(zero3, "per_paramless_module_per_micro_step_s"))
+                    zero3_per_paramless_module_s=_number(zero3, "per_paramless_module_per_micro_step_s"),
+                    offload_unscale_s_per_param=_number(adam, "unscale_s_per_param"),
+                    offload_to_bf16_s_per_param=_number(adam, "to_bit16_s_per_param"))
 
 
 def load_published_gemm(path: str | Path) -> tuple[list[str], Measured]:

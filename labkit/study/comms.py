@@ -150,7 +150,7 @@ def module_params(model: Any) -> Iterator[tuple[str, list[int]]]:
             yield name, own
 
 
-def _zero_config(stage: int, zero_settings: Mapping[str, Any]) -> Any:
+def zero_config(stage: int, zero_settings: Mapping[str, Any]) -> Any:
     """DeepSpeed's own model of the zero_optimization section: its defaults, aliases and checks."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -159,6 +159,51 @@ def _zero_config(stage: int, zero_settings: Mapping[str, Any]) -> Any:
         return DeepSpeedZeroConfig(stage=stage, **settings)
     except Exception as exc:  # pydantic's ValidationError names the setting
         raise ValueError(f"zero settings refused by DeepSpeed: {exc}") from None
+
+
+def zero_settings(text: str) -> dict[str, Any]:
+    """`zero_optimization` settings written `key=value,key=value` (a ds_config's keys; values true/false, numbers
+    as 1e7 or 50000000, else strings), as a dict; a ValueError names what does not read. What DeepSpeed makes of
+    them is checked where they are used (`check_zero_settings`)."""
+    out: dict[str, Any] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not key or not value:
+            raise ValueError(f"zero settings are key=value pairs separated by commas; got {item!r}")
+        if key in out:
+            raise ValueError(f"zero setting {key!r} given twice")
+        out[key] = _setting(value)
+    return out
+
+
+def _setting(value: str) -> Any:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return int(number) if number.is_integer() and abs(number) < 2**63 else number
+
+
+def check_zero_settings(stage: int, settings: Mapping[str, Any], offload_optimizer: bool = False) -> Any:
+    """DeepSpeed's config model of `settings` at `stage`; a ValueError naming the setting where that model refuses
+    them, this module does not model its communication, or they say otherwise than the stage and strategy do
+    (`stage`; an optimizer offload turned on or off, under any of DeepSpeed's names for it)."""
+    if "stage" in settings:
+        raise ValueError("the zero settings do not set the stage: the strategy does (--stage, points.csv's stage)")
+    cfg = zero_config(stage, settings)
+    if cfg.offload_optimizer is not None:  # said, under one of its names
+        offloaded = str(cfg.offload_optimizer.device) != "none"
+        if offloaded != offload_optimizer:
+            raise ValueError(f"the zero settings turn the optimizer's offload {'on' if offloaded else 'off'}: the "
+                             "strategy says whether it is offloaded (--offload-optimizer, points.csv's "
+                             "offload_optimizer)")
+    _refuse_unmodelled(stage, cfg, offload_optimizer)
+    return cfg
 
 
 def _refuse_unmodelled(stage: int, cfg: Any, offload_optimizer: bool) -> None:
@@ -245,8 +290,7 @@ def collectives(stage: int | None, n_params: int, world_size: int, *, precision:
         settings["stage3_max_reuse_distance"] = reuse_distance
     if bucket_elems is not None:
         settings["reduce_bucket_size"] = bucket_elems
-    cfg = _zero_config(stage, settings)
-    _refuse_unmodelled(stage, cfg, offload_optimizer)
+    cfg = check_zero_settings(stage, settings, offload_optimizer)
     out: list[Collective] = []
     if stage == 0:
         _stage0(out, numels or [n_params], precision, grad_accum, gradient_clipping)
@@ -376,8 +420,15 @@ def _persistent(modules: Sequence[Sequence[int]], cfg: Any) -> list[list[bool]]:
 
 def gathered_params(modules: Sequence[Sequence[int]], **zero_settings: Any) -> list[int]:
     """Per module (`module_layout`'s shape), how many of its parameters ZeRO-3 gathers (the rest persist)."""
-    flags = _persistent(modules, _zero_config(3, zero_settings))
+    flags = _persistent(modules, zero_config(3, zero_settings))
     return [sum(1 for keep in row if not keep) for row in flags]
+
+
+def persistent_elements(modules: Sequence[Sequence[int]], **zero_settings: Any) -> int:
+    """Elements of the parameters ZeRO-3 keeps whole on every rank (`_persistent`)."""
+    flags = _persistent(modules, zero_config(3, zero_settings))
+    return sum(n for module, row in zip(modules, flags, strict=True) for n, keep in zip(module, row, strict=True)
+               if keep)
 
 
 def _gathered(numels: Iterable[int], world_size: int) -> int:

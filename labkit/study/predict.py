@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -45,13 +45,24 @@ STRATEGIES: dict[str, tuple[int | None, bool]] = {
 }
 PRECISIONS = ("fp16", "bf16", "fp32")
 
-# The optimizer's pass over each parameter it updates, in bytes of memory traffic. DeepSpeed's fused Adam (GPU)
-# and its CPU Adam (csrc/adam/cpu_adam_impl.cpp, 0.19.8) read the fp32 master, gradient, exp_avg and exp_avg_sq
-# (16 B) and write master, exp_avg, exp_avg_sq (12 B) and the training-dtype copy of the parameter (2 B).
+# The optimizer's pass over each parameter it updates on the GPU, in bytes of memory traffic: DeepSpeed's fused Adam
+# reads the fp32 master, gradient, exp_avg and exp_avg_sq (16 B) and writes master, exp_avg, exp_avg_sq (12 B), and
+# the training-dtype copy of the parameter is written (2 B).
 ADAM_BYTES_PER_PARAM = 30
-# CPU Adam is memory-bound on the host. Default host: a 2-socket server with 6 channels of DDR4-2666 per socket,
-# 2 x 6 x 21.3 GB/s = 256 GB/s (Intel ARK, Xeon Platinum 8168: the DGX-2's CPUs); pass --host-memory-gb-per-s
-# for yours. The node's host bandwidth is shared by its GPUs' ranks.
+# ZeRO-Offload's host work per owned parameter per step, 0.19.8: DeepSpeedCPUAdam's pass (csrc/includes/
+# cpu_adam.h, Step_AVX: the same 16 B read and 12 B written) and two passes of torch's beside it, in
+# stage_1_and_2.py: unscale_and_clip_grads multiplies the fp32 gradient partition in place whenever clipping is on
+# (DeepSpeed's default gradient_clipping 1.0) or the loss scale is not 1 (:3193-3216), 8 B, and the updated fp32
+# partition is copied into the pinned 16-bit upload buffer (:3095), 4 B read and the training dtype's written.
+# stage3.py unscales always (:2979-2987) and copies the fp32 partition straight into the 16-bit one on the GPU
+# (:2858), which torch converts on the host first: the same bytes there, counted the same. Where a host's passes
+# were not measured they move their bytes at the rate its CPU Adam moves its own (assumed: 0.5x its time for bf16;
+# on this lab's 2-core CPU machine they took 0.68-0.80x, data/predict-ci/offload_passes/).
+CPU_ADAM_BYTES_PER_PARAM = 28
+OFFLOAD_UNSCALE_BYTES_PER_PARAM = 8
+# Where no node host's CPU Adam was measured, all of it is memory traffic at the host's memory bandwidth. Default
+# host: a 2-socket server with 6 channels of DDR4-2666 per socket, 2 x 6 x 21.3 GB/s = 256 GB/s (Intel ARK, Xeon
+# Platinum 8168: the DGX-2's CPUs); pass --host-memory-gb-per-s for yours. The node's ranks share its host.
 DEFAULT_HOST_MEMORY_GB_PER_S = 256.0
 HOST_MEMORY_EFFICIENCY = MEMORY_EFFICIENCY  # assumed, as a GPU's (labkit.runtime.hardware)
 # ZeRO-3's host-side cost of one submodule fetch (DeepSpeed's pre-forward / pre-backward hooks, Python): measured
@@ -106,18 +117,26 @@ class HostCosts:
                 + hooked_paramless * self.zero3_per_paramless_module_s + self.zero3_per_micro_step_s + gather)
 
 
+def node_host(gpu: GPU, figure: str) -> tuple[Any, str] | None:
+    """(the measured node host that has `figure`, a `Measured` field, for `gpu`; its source line): its own node's,
+    else another GPU node's this lab measured (the same DeepSpeed and PyTorch on another host CPU: the source line
+    says whose); None where no node's host has it."""
+    if gpu.measured is not None and getattr(gpu.measured, figure) is not None:
+        return gpu.measured, gpu.measured.source
+    for _, other in sorted(GPUS.items()):
+        if other.measured is not None and getattr(other.measured, figure) is not None:
+            return other.measured, f"{other.measured.source} (its node's host; {gpu.name}'s not measured)"
+    return None
+
+
 def host_costs(gpu: GPU) -> HostCosts:
-    """The node host's costs for `gpu`: measured on that GPU kind's node where this lab had it; else on any GPU node
-    this lab measured (the same DeepSpeed and PyTorch issue the work, on another host CPU: stated in `source`); else
+    """The node host's costs for `gpu` (`node_host`: its own node's as measured, else another GPU node's); else
     ZeRO-3's hooks from this lab's CPU machine and no launch term. Measured figures below 0 (a difference of two
     noisy timings) count as 0. ZeRO-3's gather path (2 ranks or more) as this lab's CPU machine measured it
     (ZERO3_RANKS_JSON), where it did: CPU time of the same DeepSpeed code, an estimate for a GPU node's host."""
-    measured = [gpu.measured] if gpu.measured is not None and gpu.measured.zero3_per_module_s is not None else []
-    measured += [g.measured for _, g in sorted(GPUS.items())
-                 if g.measured is not None and g.measured.zero3_per_module_s is not None]
-    if measured:
-        m = measured[0]
-        source = m.source if m is gpu.measured else f"{m.source} (its node's host; {gpu.name}'s not measured)"
+    host = node_host(gpu, "zero3_per_module_s")
+    if host is not None:
+        m, source = host
         costs = HostCosts(m.launch_s or 0.0, max(m.zero3_per_module_s or 0.0, 0.0),
                           max(m.zero3_per_micro_step_s or 0.0, 0.0), max(m.zero3_per_paramless_module_s or 0.0, 0.0),
                           source)
@@ -150,15 +169,16 @@ def _zero3_ranks(path: Path) -> tuple[float, float, str] | None:
         return None
 
 
-def gather_counts(workload: Workload, checkpointing: bool) -> tuple[float, float]:
+def gather_counts(workload: Workload, checkpointing: bool,
+                  zero: Mapping[str, Any] | None = None) -> tuple[float, float]:
     """(fetches that gather, gathered parameters fetched) per micro-step at ZeRO-3: every module holding a parameter
-    over the persistence threshold (comms.gathered_params) is fetched before its forward and its backward; under
-    activation checkpointing the modules inside the blocks once more, counted at half as HostCosts counts their
-    hooks (module_layout's order: the modules before the blocks, e.g. GPT-2's two embeddings, the blocks' modules,
-    then those after them)."""
+    over the persistence threshold (comms.gathered_params, with the `zero` settings) is fetched before its forward
+    and its backward; under activation checkpointing the modules inside the blocks once more, counted at half as
+    HostCosts counts their hooks (module_layout's order: the modules before the blocks, e.g. GPT-2's two
+    embeddings, the blocks' modules, then those after them)."""
     from labkit.study import comms
 
-    gathered = comms.gathered_params(workload.module_layout())
+    gathered = comms.gathered_params(workload.module_layout(), **(zero or {}))
     weights = [2.0] * len(gathered)
     if checkpointing:
         start = workload.modules_before_blocks()
@@ -376,17 +396,18 @@ def link_fit_json(fit: Any, *, raw: bool = False) -> dict[str, Any]:
 
 
 def collective_rows(stage: int | None, workload: Workload, world_size: int, *, precision: str, grad_accum: int,
-                    offload_optimizer: bool) -> list[Any]:
+                    offload_optimizer: bool, zero: Mapping[str, Any] | None = None) -> list[Any]:
     """DeepSpeed 0.19.8's collectives for one rank (comms.collectives, with the model's module layout: exact
-    buckets, per-module ZeRO-3 gathers); plain PyTorch DDP sends stage 0's gradient all-reduce, but in buckets
-    during the backward (overlapped: torch's DDP docs)."""
+    buckets, per-module ZeRO-3 gathers; the `zero_optimization` settings `zero`, else DeepSpeed's defaults); plain
+    PyTorch DDP sends stage 0's gradient all-reduce, but in buckets during the backward (overlapped: torch's DDP
+    docs)."""
     if world_size < 2:
         return []
     from labkit.study import comms
 
     rows = comms.collectives(0 if stage is None else stage, workload.n_params, world_size, precision=precision,
                              grad_accum=grad_accum, offload_optimizer=offload_optimizer,
-                             modules=workload.module_layout())
+                             modules=workload.module_layout(), **(zero or {}))
     if stage is None:
         rows = [dataclasses.replace(c, overlappable=True, phase="backward") for c in rows]
     return list(rows)
@@ -470,6 +491,7 @@ class Prediction:
     max_micro_batch: int
     hardware: str
     constants: str = ""       # where the GPU kind's efficiencies and the host's costs come from (measured / assumed)
+    zero: dict[str, Any] = field(default_factory=dict)  # the zero_optimization settings given (empty: the defaults)
     collectives: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -485,15 +507,25 @@ def partition_ranks(stage: int | None, world_size: int) -> int:
 
 def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch: int, grad_accum: int = 1,
             precision: str = "fp16", activation_checkpointing: bool = False,
-            host_memory_gb_per_s: float = DEFAULT_HOST_MEMORY_GB_PER_S) -> Prediction:
-    """One optimizer step of one rank of `workload` on `cluster` (module doc). Every figure is predicted."""
+            host_memory_gb_per_s: float | None = None, zero: Mapping[str, Any] | None = None) -> Prediction:
+    """One optimizer step of one rank of `workload` on `cluster` (module doc). Every figure is predicted. `zero`:
+    DeepSpeed's `zero_optimization` settings where they are not its defaults (`comms.zero_settings` reads them
+    from `key=value,...`), checked by DeepSpeed's own config model first."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if micro_batch < 1 or grad_accum < 1:
         raise ValueError("micro_batch and grad_accum must be >= 1")
+    if host_memory_gb_per_s is not None and host_memory_gb_per_s <= 0:
+        raise ValueError(f"host_memory_gb_per_s must be > 0, got {host_memory_gb_per_s}")
     stage, offload = STRATEGIES[strategy]
+    if zero:
+        if stage is None:
+            raise ValueError("zero settings are DeepSpeed's; plain PyTorch has none")
+        from labkit.study import comms
+
+        comms.check_zero_settings(stage, zero, offload)
     gpu, n = cluster.gpu, cluster.world_size
     gpu.peak(precision)  # a precision the GPU has no tensor cores for is refused here
     costs = workload.costs(micro_batch, gpu, precision, activation_checkpointing)
@@ -502,7 +534,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     host_s = host_costs(gpu).micro_step_s(
         costs.ops, workload.param_modules, workload.paramless_modules, stage,
         workload.recomputed_modules() if activation_checkpointing else (0, 0), world_size=n,
-        gathers=gather_counts(workload, activation_checkpointing) if stage == 3 and n > 1 else (0.0, 0.0))
+        gathers=gather_counts(workload, activation_checkpointing, zero) if stage == 3 and n > 1 else (0.0, 0.0))
     on_gpu = {"forward": costs.forward_s, "backward": costs.backward_s}  # the device's own, before the host's bound
     if host_s > costs.forward_s + costs.backward_s:
         scale = host_s / (costs.forward_s + costs.backward_s)
@@ -510,7 +542,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     owned = workload.n_params / partition_ranks(stage, n)
     optimizer_s = 0.0 if offload else owned * ADAM_BYTES_PER_PARAM / (gpu.memory_bytes_per_s * gpu.memory_efficiency)
     compute_s = grad_accum * (costs.forward_s + costs.backward_s) + optimizer_s
-    rows = collective_rows(stage, workload, n, precision=precision, grad_accum=grad_accum, offload_optimizer=offload)
+    rows = collective_rows(stage, workload, n, precision=precision, grad_accum=grad_accum, offload_optimizer=offload,
+                           zero=zero)
     comm = comm_time(rows, ClusterLinks(cluster), n, grad_accum=grad_accum,
                      hide_behind={"forward": costs.forward_s, "backward": costs.backward_s},
                      slowdown=OVERLAP_COMPUTE_SLOWDOWN, device=on_gpu)
@@ -518,7 +551,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     step = compute_s + comm.exposed_s + offload_s
     global_batch = micro_batch * grad_accum * n
     states, fits, max_micro = _memory(workload, cluster, stage, offload, precision, micro_batch,
-                                      activation_checkpointing)
+                                      activation_checkpointing, zero)
     return Prediction(
         strategy=strategy, world_size=n, micro_batch=micro_batch, grad_accum=grad_accum, global_batch=global_batch,
         step_time_s=step, samples_per_s=global_batch / step,
@@ -529,41 +562,74 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         host_overhead_s=grad_accum * host_s,
         device_bytes=states + costs.activation_bytes, activation_bytes=costs.activation_bytes, fits=fits,
         max_micro_batch=max_micro, hardware=cluster.describe(),
-        constants=f"device: {gpu.constants_source}; host: {host_costs(gpu).source}", collectives=comm.rows)
+        constants=f"device: {gpu.constants_source}; host: {host_costs(gpu).source}"
+                  + (f"; {offload_host(gpu, precision, host_memory_gb_per_s)[1]}" if offload else ""),
+        zero=dict(zero or {}), collectives=comm.rows)
 
 
 def _offload_s(stage: int | None, offload: bool, owned: float, grad_accum: int, cluster: Cluster, precision: str,
-               host_memory_gb_per_s: float) -> float:
+               host_memory_gb_per_s: float | None) -> float:
     """ZeRO-Offload, not overlapped (DeepSpeed's default): the rank's gradient partition goes down in fp32 (stages
-    2-3 every micro-step, stage 1 at the boundary), CPU Adam runs over it on the host, and the updated parameters
-    come back up in the training dtype. CPU Adam: this lab's measurement of DeepSpeedCPUAdam on the GPU kind's node
-    host where it has one (all the host's threads; the node's ranks share them), else memory traffic at the host's
-    memory bandwidth."""
+    2-3 every micro-step, stage 1 at the boundary), the host runs CPU Adam and the two passes beside it over the
+    rank's partition (CPU_ADAM_BYTES_PER_PARAM's comment), and the updated parameters come back up in the training
+    dtype. The node's ranks share its host (`offload_host`)."""
     if not offload:
         return 0.0
     downs = grad_accum if stage in (2, 3) else 1
     param_size = 4 if precision == "fp32" else 2
-    measured = cluster.gpu.measured.cpu_adam_s_per_param if cluster.gpu.measured else None
-    if measured:
-        adam_s = owned * measured * cluster.gpus_per_node
-    else:
-        adam_s = owned * ADAM_BYTES_PER_PARAM / (host_memory_gb_per_s * GB * HOST_MEMORY_EFFICIENCY
-                                                 / cluster.gpus_per_node)
-    return (downs * 4 * owned / cluster.device_to_host_bytes_per_s() + adam_s
+    host_s_per_param, _ = offload_host(cluster.gpu, precision, host_memory_gb_per_s)
+    return (downs * 4 * owned / cluster.device_to_host_bytes_per_s()
+            + owned * host_s_per_param * cluster.gpus_per_node
             + param_size * owned / cluster.host_to_device_bytes_per_s())
 
 
+def offload_host(gpu: GPU, precision: str, host_memory_gb_per_s: float | None = None) -> tuple[float, str]:
+    """(seconds of ZeRO-Offload's host work per parameter on one node's host, its ranks' parameters together; where
+    that comes from). Given `host_memory_gb_per_s`: all of the work as memory traffic at that bandwidth x
+    HOST_MEMORY_EFFICIENCY. Else CPU Adam as this lab measured DeepSpeedCPUAdam (all the host's threads) on the GPU
+    kind's own node host, else on another GPU node's host (`node_host` says whose), with the two passes as measured
+    beside it there (the copy measured into bf16, scaled by its bytes for fp32 training), else at the rate that CPU
+    Adam moves bytes (assumed). Else the default bandwidth (assumed)."""
+    copy_bytes = 4 + (4 if precision == "fp32" else 2)
+    passes_bytes = OFFLOAD_UNSCALE_BYTES_PER_PARAM + copy_bytes
+    host = node_host(gpu, "cpu_adam_s_per_param")
+    if host is not None and host_memory_gb_per_s is None:
+        measured, source = host
+        adam = measured.cpu_adam_s_per_param
+        unscale, to_bf16 = measured.offload_unscale_s_per_param, measured.offload_to_bf16_s_per_param
+        if unscale is not None and to_bf16 is not None:
+            return adam + unscale + to_bf16 * copy_bytes / 6, f"CPU Adam and its two passes: {source}"
+        return (adam * (1 + passes_bytes / CPU_ADAM_BYTES_PER_PARAM),
+                f"CPU Adam: {source}; its two passes at CPU Adam's bytes per second (assumed)")
+    if host_memory_gb_per_s is not None and host_memory_gb_per_s <= 0:
+        raise ValueError(f"host_memory_gb_per_s must be > 0, got {host_memory_gb_per_s}")
+    bandwidth = host_memory_gb_per_s or DEFAULT_HOST_MEMORY_GB_PER_S
+    given = "given" if host_memory_gb_per_s else "assumed (DEFAULT_HOST_MEMORY_GB_PER_S)"
+    return ((CPU_ADAM_BYTES_PER_PARAM + passes_bytes) / (bandwidth * GB * HOST_MEMORY_EFFICIENCY),
+            f"CPU Adam and its two passes: memory traffic at {bandwidth:g} GB/s of host memory, {given}, "
+            f"x {HOST_MEMORY_EFFICIENCY}")
+
+
 def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bool, precision: str,
-            micro_batch: int, checkpointing: bool) -> tuple[float, bool, int]:
+            micro_batch: int, checkpointing: bool,
+            settings: Mapping[str, Any] | None = None) -> tuple[float, bool, int]:
     """(device bytes of the model states + bucket, fits, the largest micro-batch that fits): states from
-    labkit.core.memory (DeepSpeed 0.19.8's accounting), activations counted on the meta device (linear in the
-    micro-batch: measured at 1 sample)."""
+    labkit.core.memory (DeepSpeed 0.19.8's accounting; the bucket and ZeRO-3's persistent parameters as the
+    `settings` make them), activations counted on the meta device (linear in the micro-batch: measured at 1
+    sample)."""
     n = cluster.world_size
     mem_precision = "fp32" if precision == "fp32" else precision
     zero = 0 if stage is None else stage
+    persistent, bucket = workload.persistent_params, memory.reduce_bucket_bytes(zero, mem_precision)
+    if settings and stage is not None:
+        from labkit.study import comms
+
+        persistent = comms.persistent_elements(workload.module_layout(), **settings)
+        cfg = comms.zero_config(zero, settings)
+        bucket = memory.reduce_bucket_bytes(zero, mem_precision, int(cfg.reduce_bucket_size), bool(cfg.overlap_comm))
     states = memory.model_state_bytes(workload.n_params, zero, n, mem_precision, offload,
-                                      persistent_params=workload.persistent_params if zero == 3 else 0)
-    device = states["device_bytes"] + (memory.reduce_bucket_bytes(zero, mem_precision) if stage else 0)
+                                      persistent_params=persistent if zero == 3 else 0)
+    device = states["device_bytes"] + (bucket if stage else 0)
     per_sample = workload.costs(1, cluster.gpu, precision, checkpointing).activation_bytes
     room = cluster.gpu.memory_bytes - device
     max_micro = max(0, int(room // per_sample)) if per_sample > 0 else 0
@@ -634,13 +700,16 @@ def _conditions(before: Prediction, after: Prediction, b_crit: float | None) -> 
 
 def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0", micro_batch: int = 8,
                    micro_batch_range: tuple[int, int] | None = None, precision: str = "fp16",
-                   activation_checkpointing: bool = False, b_crit: float | None = None) -> dict[str, Any]:
+                   activation_checkpointing: bool = False, b_crit: float | None = None,
+                   host_memory_gb_per_s: float | None = None, zero: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The answer card's shape (labkit.study.card: ways x per_step/per_epoch/to_target, each with verdict, ratio,
     from_batch, to_batch, condition), PREDICTED for `cluster`. ranks: 1 GPU -> every GPU at `micro_batch`;
-    micro_batch: `micro_batch_range` (default micro_batch/4 -> micro_batch*4) on every GPU; grad_accum: 1 -> 16."""
+    micro_batch: `micro_batch_range` (default micro_batch/4 -> micro_batch*4) on every GPU; grad_accum: 1 -> 16.
+    `host_memory_gb_per_s` and `zero` as `predict` takes them."""
     def run(c: Cluster, m: int, a: int = 1) -> Prediction:
         return predict(workload, c, strategy=strategy, micro_batch=m, grad_accum=a, precision=precision,
-                       activation_checkpointing=activation_checkpointing)
+                       activation_checkpointing=activation_checkpointing, host_memory_gb_per_s=host_memory_gb_per_s,
+                       zero=zero)
 
     low, high = micro_batch_range or (max(1, micro_batch // 4), micro_batch * 4)
     one = dataclasses.replace(cluster, gpus_per_node=1, nodes=1, inter_gbps=0.0)

@@ -8,7 +8,7 @@ from typing import Any
 
 from labkit.study import flops
 from labkit.study.predict import (
-    DEFAULT_HOST_MEMORY_GB_PER_S,
+    STRATEGIES,
     Cluster,
     TransformerWorkload,
     Workload,
@@ -45,6 +45,23 @@ def _strategy(args: Any) -> str:
     if args.offload_optimizer and stage == 0:
         raise _bad("offload_optimizer", "DeepSpeed offloads the optimizer only with ZeRO stage >= 1 (--stage 1-3)")
     return f"z{stage}" + ("-offload" if args.offload_optimizer else "")
+
+
+def _zero(args: Any, strategy: str) -> dict[str, Any]:
+    """--zero's `zero_optimization` settings, read and checked by DeepSpeed's config model at the strategy's stage."""
+    if not args.zero:
+        return {}
+    from labkit.study import comms
+
+    if strategy == "torch":
+        raise _bad("zero", "--zero sets DeepSpeed's zero_optimization; plain PyTorch has none")
+    stage, offload = STRATEGIES[strategy]
+    try:
+        settings = comms.zero_settings(args.zero)
+        comms.check_zero_settings(int(stage or 0), settings, offload)
+    except ValueError as exc:
+        raise _bad("zero", str(exc)) from None
+    return settings
 
 
 def _workload(args: Any) -> Workload:
@@ -117,6 +134,7 @@ def _prediction(args: Any) -> dict[str, Any]:
         out = _cli_from_run(args)
     else:
         cluster, strategy, b_crit = _cluster(args), _strategy(args), _b_crit(args)
+        zero = _zero(args, strategy)
         precision = args.precision or "fp16"
         try:
             cluster.gpu.peak(precision)
@@ -131,7 +149,7 @@ def _prediction(args: Any) -> dict[str, Any]:
         try:
             pred = predict(workload, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
                            precision=precision, activation_checkpointing=args.activation_checkpointing,
-                           host_memory_gb_per_s=args.host_memory_gb_per_s or DEFAULT_HOST_MEMORY_GB_PER_S)
+                           host_memory_gb_per_s=args.host_memory_gb_per_s, zero=zero)
         except ValueError as exc:
             raise _bad("predict", str(exc)) from None
         out = pred.to_dict()
@@ -141,7 +159,8 @@ def _prediction(args: Any) -> dict[str, Any]:
             out["steps_to_target_over_s_min"] = steps_to_target(pred.global_batch, b_crit)
         if args.card:
             out["card"] = predicted_card(workload, cluster, strategy=strategy, micro_batch=micro, precision=precision,
-                                         activation_checkpointing=args.activation_checkpointing, b_crit=b_crit)
+                                         activation_checkpointing=args.activation_checkpointing, b_crit=b_crit,
+                                         host_memory_gb_per_s=args.host_memory_gb_per_s, zero=zero)
     return out
 
 
@@ -150,6 +169,8 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
 
     if args.transformer or args.model:
         raise _bad("from_run", "--from takes the model from the run")
+    if args.zero:
+        raise _bad("zero", "--from takes the zero settings from the run")
     from labkit.study.calibrate import calibrated, link_fits, read_run
 
     if not Path(args.from_run).is_dir():
@@ -194,6 +215,8 @@ def format_table(out: dict[str, Any]) -> str:
             text = f"{value:.4g}" if isinstance(value, float) else str(value)
             label = "measured " if key.startswith("measured_") else "predicted"  # the run it was calibrated on
             lines.append(f"  {label} {key:28s} {text}")
+    if out.get("zero"):
+        lines.append("  with zero_optimization " + ", ".join(f"{k}={v}" for k, v in out["zero"].items()))
     card = out.get("card")
     if card:
         lines.append("  predicted answer card (time at the larger batch / at the smaller):")

@@ -16,12 +16,14 @@ Where a source leaves a setting out, one rule fills it for every point (never a 
 * the link inside a node not stated (`intra` empty): the GPU kind's own (`auto`: its NVLink, else its PCIe);
 * nodes not stated: GPUs / GPUs per node; the network not stated (`inter_gbps` empty): none on one node, and a
   point on many nodes without it is refused;
-* `offload_optimizer` not stated: off (DeepSpeed's default).
+* `offload_optimizer` not stated: off (DeepSpeed's default);
+* `zero` (the `zero_optimization` settings the source's config sets, `key=value,...`) empty: DeepSpeed 0.19.8's
+  defaults, which is also what a row whose source does not print its config gets.
 
 `load` checks every row before anything is predicted and names each problem by point and column: every unreadable
 cell at once, then, in rows whose cells all read, what combines them (the shape, the cluster, the batches, the
-strategy, the FLOP formula). A table of other points (`benchmarks/bench_predict.py --points FILE`) is refused
-before any of it is predicted.
+strategy, the FLOP formula, the zero settings). A table of other points (`benchmarks/bench_predict.py --points
+FILE`) is refused before any of it is predicted.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 
 from labkit.runtime.hardware import Cluster
 from labkit.runtime.hardware import gpu as find_gpu
-from labkit.study import flops
+from labkit.study import comms, flops
 from labkit.study import predict as P
 
 POINTS_CSV = Path(__file__).resolve().parents[2] / "data" / "published" / "points.csv"
@@ -44,7 +46,8 @@ MEGATRON_VOCAB_DIVISOR = 128
 REQUIRED = ("point_id", "source", "locator", "layers", "hidden", "heads", "seq", "vocab", "gpu", "gpus",
             "gpus_per_node", "precision", "stage", "metric", "value")
 OPTIONAL = ("model", "code", "dropout", "arch", "kv_heads", "ffn", "tied_embeddings", "nodes", "intra", "inter_gbps",
-            "offload_optimizer", "activation_checkpointing", "micro_batch", "global_batch", "flops_formula", "notes")
+            "offload_optimizer", "activation_checkpointing", "micro_batch", "global_batch", "zero", "flops_formula",
+            "notes")
 POSITIVE_INTS = ("layers", "hidden", "heads", "seq", "vocab", "kv_heads", "ffn", "gpus", "gpus_per_node", "nodes",
                  "micro_batch", "global_batch")
 NUMBERS = ("value", "inter_gbps", "dropout")
@@ -111,7 +114,8 @@ def _check(row: Any) -> list[str]:
 def _check_combined(row: Any) -> list[str]:
     """The checks of a readable row that combine cells: each builds what `setup` builds, and says why it cannot."""
     checks = {"shape": lambda: _shape(row), "cluster": lambda: _cluster(row), "batches": lambda: batches(row),
-              "strategy": lambda: _strategy(row), "precision": lambda: find_gpu(row["gpu"]).peak(row["precision"])}
+              "strategy": lambda: _strategy(row), "precision": lambda: find_gpu(row["gpu"]).peak(row["precision"]),
+              "zero": lambda: _check_zero(row)}
     if row["metric"] == "tflops_per_gpu":
         checks["flops_formula"] = lambda: flops_passes(row)
     out = []
@@ -248,6 +252,18 @@ def _cluster(row: Any) -> Cluster:
     return cluster
 
 
+def _zero(row: Any) -> dict[str, Any]:
+    """The row's `zero_optimization` settings (empty: DeepSpeed's defaults)."""
+    return {} if _blank(row.get("zero")) else comms.zero_settings(str(row["zero"]))
+
+
+def _check_zero(row: Any) -> None:
+    """What DeepSpeed's config model says of the row's zero settings at its stage (none given: nothing to check)."""
+    settings = _zero(row)
+    if settings:
+        comms.check_zero_settings(int(row["stage"]), settings, bool(row["offload_optimizer"]))
+
+
 def _strategy(row: Any) -> str:
     strategy = f"z{int(float(row['stage']))}" + ("-offload" if _bool(row["offload_optimizer"]) else "")
     if strategy not in P.STRATEGIES:
@@ -263,7 +279,7 @@ def setup(row: Any) -> dict[str, Any]:
         raise ValueError(f"{row['point_id']}: {err}") from err
     workload = P.TransformerWorkload(shape, name=str(row["model"]))
     args: dict[str, Any] = dict(workload=workload, cluster=cluster, strategy=strategy, micro_batch=micro,
-                                grad_accum=accum, precision=str(row["precision"]))
+                                grad_accum=accum, precision=str(row["precision"]), zero=_zero(row))
     ckpt = _bool(row["activation_checkpointing"])
     if ckpt is None:
         ckpt = not P.predict(**args, activation_checkpointing=False).fits

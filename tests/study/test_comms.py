@@ -192,6 +192,29 @@ def test_bad_input_is_refused_with_the_setting_named(kwargs, message):
         comms.collectives(args.pop("stage"), args.pop("n_params"), args.pop("world_size"), **args)
 
 
+def test_zero_settings_read_as_a_ds_config_writes_them():
+    text = "reduce_bucket_size=1e7, overlap_comm=TRUE,stage3_param_persistence_threshold=0,,zero_hpz_partition_size=1"
+    assert comms.zero_settings(text) == {"reduce_bucket_size": 10_000_000, "overlap_comm": True,
+                                         "stage3_param_persistence_threshold": 0, "zero_hpz_partition_size": 1}
+    assert comms.zero_settings("stage3_max_reuse_distance=2.5e8,memory_efficient_linear=false") == {
+        "stage3_max_reuse_distance": 250_000_000, "memory_efficient_linear": False}
+    for bad, says in (("reduce_bucket_size", "key=value"), ("=1", "key=value"), ("a=1,a=2", "given twice")):
+        with pytest.raises(ValueError, match=says):
+            comms.zero_settings(bad)
+    comms.check_zero_settings(3, comms.zero_settings(text))
+    with pytest.raises(ValueError, match="no_such_setting"):
+        comms.check_zero_settings(2, {"no_such_setting": 1})
+    with pytest.raises(ValueError, match="zero_quantized_gradients"):
+        comms.check_zero_settings(3, {"zero_quantized_gradients": True})
+
+
+def test_persistent_elements_follow_the_threshold():
+    modules = [[4096, 64], [64, 64], [10_000, 100]]
+    assert comms.persistent_elements(modules) == 64 + 64 + 64 + 100 + 4096 + 10_000  # all under 1e5
+    assert comms.persistent_elements(modules, stage3_param_persistence_threshold=100) == 64 * 3 + 100
+    assert comms.persistent_elements(modules, stage3_param_persistence_threshold=0) == 0
+
+
 # -- the rank side ---------------------------------------------------------------------------
 def test_deepspeed_cumulative_latencies_become_per_call_times():
     # DeepSpeed 0.19.8 logs each call as the running total of that name's calls (any size).

@@ -327,3 +327,6 @@ def test_accountings_side_by_side_show_the_stage_1_grads_and_the_bucket() -> Non
     assert memory.accountings(PSI, 2, "fp32").reduce_bucket_bytes.tolist() == [0] + [2 * 10**9] * 3
     assert memory.accountings(PSI, 2, "fp32").paper_device_bytes.isna().all()
     assert memory.accountings(PSI, 2, reduce_bucket_size=1000).reduce_bucket_bytes.max() == 2000
+    # overlap_comm gives stages 1-2 a second bucket (stage_1_and_2.py setup_buckets); stage 3 keeps its one
+    overlapped = [memory.reduce_bucket_bytes(s, "bf16", 1000, overlap_comm=True) for s in (0, 1, 2, 3)]
+    assert overlapped == [0, 4000, 4000, 2000]

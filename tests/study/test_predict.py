@@ -249,6 +249,58 @@ def test_offload_moves_the_optimizer_to_the_host_and_the_pcie_link():
     assert off.device_bytes < plain.device_bytes
 
 
+def test_zero_settings_reach_the_collectives_the_gathers_and_the_memory():
+    default = _predict("z3", nodes=2)
+    small_buckets = _predict("z3", nodes=2, zero={"reduce_bucket_size": 10_000_000})
+
+    def calls(p, op):
+        return sum(row["count"] for row in p.collectives if row["op"] == op)
+
+    def gathered(p, per):
+        return sum(row["count"] * row["bytes"] for row in p.collectives
+                   if row["op"] == "all_gather" and row["per"] == per)
+
+    assert calls(small_buckets, "reduce_scatter") > calls(default, "reduce_scatter")
+    assert small_buckets.device_bytes < default.device_bytes  # a bucket of 1e7 elements, not 5e8
+    whole = _predict("z3", nodes=2, zero={"stage3_param_persistence_threshold": 0})
+    # every bias and LayerNorm is gathered with its module each micro-step, none after the step
+    assert gathered(whole, "micro_step") > gathered(default, "micro_step")
+    assert gathered(whole, "step") == 0 < gathered(default, "step")
+    assert whole.host_overhead_s > default.host_overhead_s  # and the LayerNorms' fetches run the gather path
+    assert whole.device_bytes < default.device_bytes  # nothing kept whole on every rank
+    assert _predict("z3", nodes=2, zero={"reduce_bucket_size": 500_000_000}).step_time_s == default.step_time_s
+    with pytest.raises(ValueError, match="plain PyTorch has none"):
+        _predict("torch", zero={"overlap_comm": True})
+    with pytest.raises(ValueError, match="zero_quantized_weights"):
+        _predict("z3", zero={"zero_quantized_weights": True})
+    with pytest.raises(ValueError, match="do not set the stage"):
+        _predict("z3", nodes=2, zero={"stage": 1})
+    with pytest.raises(ValueError, match="turn the optimizer's offload on"):  # DeepSpeed's old name for it
+        _predict("z2", nodes=2, zero={"cpu_offload": True})
+    # stages 1-2 keep a second reduce bucket with overlap_comm (2 bytes x 5e8 elements in bf16)
+    overlapped = _predict("z2", zero={"overlap_comm": True})
+    assert overlapped.device_bytes - _predict("z2").device_bytes == pytest.approx(2 * 500_000_000)
+    # the predicted card takes them too
+    card = P.predicted_card(P.TransformerWorkload(GPT2_XL), hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8),
+                            strategy="z3", micro_batch=4, precision="bf16", zero={"reduce_bucket_size": 10_000_000})
+    assert card != P.predicted_card(P.TransformerWorkload(GPT2_XL), hw.Cluster(gpu=hw.gpu("A100-80GB"),
+                                    gpus_per_node=8), strategy="z3", micro_batch=4, precision="bf16")
+
+
+def test_the_cli_takes_zero_settings(capsys):
+    base = ["predict", "--transformer", "layers=4,hidden=1024,heads=16,seq=512", "--gpu", "A100-80GB",
+            "--gpus-per-node", "8", "--stage", "3", "--micro-batch", "2", "--format", "json"]
+    outs = []
+    for extra in ([], ["--zero", "reduce_bucket_size=1e6"]):
+        assert main([*base, *extra]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    # more, smaller reduce-scatters (each its ring latency) and a smaller bucket on the device
+    assert outs[1]["comm_s"] > outs[0]["comm_s"] and outs[1]["device_bytes"] < outs[0]["device_bytes"]
+    assert outs[0]["zero"] == {} and outs[1]["zero"] == {"reduce_bucket_size": 1_000_000}  # what it was told
+    assert main([*base[:-2], "--zero", "reduce_bucket_size=1e6"]) == 0
+    assert "with zero_optimization reduce_bucket_size=1000000" in capsys.readouterr().out
+
+
 def test_checkpointing_recomputes_the_forward_and_saves_memory():
     plain, ckpt = _predict(micro=2), _predict(micro=2, activation_checkpointing=True)
     assert ckpt.activation_bytes < plain.activation_bytes / 5
@@ -377,6 +429,9 @@ def test_the_issues_command_prints_every_key(capsys):
     (["--gpu", "T4", "--precision", "bf16"], "bf16"),
     (["--gpus-per-node", "0"], "must be >= 1"),
     (["--host-cpu", "zen"], "known: intel, amd, other, auto"),
+    (["--stage", "3", "--zero", "no_such_setting=1"], "no_such_setting"),
+    (["--stage", "3", "--zero", "reduce_bucket_size"], "key=value"),
+    (["--plain-pytorch", "--zero", "overlap_comm=true"], "plain PyTorch has none"),
 ])
 def test_bad_input_exits_2_naming_the_problem(capsys, argv, says):
     assert main(["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", *argv]) == 2
@@ -596,8 +651,55 @@ def test_offload_uses_the_measured_cpu_adam_and_pinned_copies(h100):
     cluster = hw.Cluster(gpu=h100, gpus_per_node=8)
     pred = P.predict(work, cluster, strategy="z2-offload", micro_batch=1, precision="bf16")
     owned = GPT2_XL.n_params() / 8
-    expected = 4 * owned / 4.5e10 + owned * 1e-9 * 8 + 2 * owned / 5.0e10  # down fp32, Adam (8 ranks share it), up
-    assert pred.offload_s == pytest.approx(expected)
+    # down in fp32; on the host (8 ranks share it) CPU Adam's 28 bytes and its two passes' 8 + 4 + 2 at CPU Adam's
+    # measured rate; up in bf16
+    host = 1e-9 * (28 + 14) / 28
+    assert pred.offload_s == pytest.approx(4 * owned / 4.5e10 + owned * host * 8 + 2 * owned / 5.0e10)
+    assert "its two passes at CPU Adam's bytes per second (assumed)" in pred.constants
+    # fp32 training copies 4 bytes back, not 2
+    assert P.offload_host(h100, "fp32")[0] == pytest.approx(1e-9 * (28 + 16) / 28)
+
+
+def test_measured_offload_passes_replace_the_assumed_ones(tmp_path, assumed_only):
+    path = tmp_path / "gpu_constants.json"
+    path.write_text(json.dumps({**MEASURED, "cpu_adam": {"s_per_param": 1.0e-9, "unscale_s_per_param": 2e-10,
+                                                         "to_bit16_s_per_param": 3e-10}}))
+    measured = hw.load_measured(path)
+    assert (measured.offload_unscale_s_per_param, measured.offload_to_bf16_s_per_param) == (2e-10, 3e-10)
+    h100 = hw.with_measured(hw.gpu("H100-SXM"), measured)
+    assert P.offload_host(h100, "bf16") == (pytest.approx(1.5e-9), f"CPU Adam and its two passes: {MEASURED['source']}")
+    # fp32 training copies 8 bytes where the measured copy into bf16 moved 6
+    assert P.offload_host(h100, "fp32")[0] == pytest.approx(1.0e-9 + 2e-10 + 3e-10 * 8 / 6)
+    path.write_text(json.dumps({**MEASURED, "cpu_adam": {"s_per_param": 1.0e-9, "unscale_s_per_param": 2e-10}}))
+    one_pass = hw.with_measured(hw.gpu("H100-SXM"), hw.load_measured(path))
+    assert "(assumed)" in P.offload_host(one_pass, "bf16")[1]  # one pass alone is not the two
+
+
+def test_a_gpu_kind_without_its_own_host_borrows_a_measured_one_and_a_given_bandwidth_beats_both(monkeypatch, h100):
+    monkeypatch.setitem(hw.GPUS, "H100-SXM", h100)
+    a100 = hw.gpu("A100-40GB")
+    assert a100.measured is None
+    seconds, source = P.offload_host(a100, "bf16")
+    assert seconds == pytest.approx(1.5e-9) and "(its node's host; A100-40GB's not measured)" in source
+    given, source = P.offload_host(a100, "bf16", host_memory_gb_per_s=400)
+    assert given == pytest.approx(42 / (400e9 * P.HOST_MEMORY_EFFICIENCY))
+    assert "400 GB/s of host memory, given" in source
+    assert P.offload_host(h100, "bf16", host_memory_gb_per_s=400)[0] == pytest.approx(given)  # told, even there
+    work, cluster = P.TransformerWorkload(GPT2_XL), hw.Cluster(gpu=a100, gpus_per_node=2)
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match="host_memory_gb_per_s must be > 0"):
+            P.predict(work, cluster, strategy="z2-offload", micro_batch=1, precision="bf16", host_memory_gb_per_s=bad)
+    # stage 1 offloads too: the gradients go down once per step, not per micro-step
+    z1, z2 = (P.predict(work, cluster, strategy=s, micro_batch=1, grad_accum=4, precision="bf16")
+              for s in ("z1-offload", "z2-offload"))
+    owned = GPT2_XL.n_params() / 2
+    assert z2.offload_s - z1.offload_s == pytest.approx(3 * 4 * owned / cluster.device_to_host_bytes_per_s())
+
+
+def test_without_any_measured_host_offload_is_memory_traffic_at_the_default_bandwidth(assumed_only):
+    seconds, source = P.offload_host(hw.gpu("A100-40GB"), "bf16")
+    assert seconds == pytest.approx(42 / (P.DEFAULT_HOST_MEMORY_GB_PER_S * 1e9 * P.HOST_MEMORY_EFFICIENCY))
+    assert "assumed (DEFAULT_HOST_MEMORY_GB_PER_S)" in source
 
 
 def test_a_file_without_gpu_figures_is_refused(tmp_path):

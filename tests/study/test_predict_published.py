@@ -69,18 +69,20 @@ def test_eq3_reads_the_zeropp_tutorials_log_and_counts_passes_as_its_source_did(
         published.load(_write(tmp_path, points, edit))
 
 
-@pytest.mark.xfail(strict=True, reason="the model does not reach the issue's goal on the published points "
-                   "(median <= 25%, every point <= 40%; it reaches 42.3% / 208%). Over 40%: ZeRO-3 at 640-2240 "
-                   "A100s (SC21; a cost growing with the ranks beyond NCCL's ring latency model), ZeRO-3 on 384 "
-                   "V100 at 200-800 Gb/s (the ZeRO++ blog; the model hides more of the communication behind compute "
-                   "than those runs did), ZeRO-3 at micro-batch 1 on 16 V100 (a per-module host cost of "
-                   "2021's DeepSpeed), GPT-2 large and XL end to end "
-                   "(a training loop's own work outside DeepSpeed's calls) and ZeRO-Offload on 2 A100s with "
-                   "DeepSpeed 0.17 (the host's part 2.6-3x the model's); docs/predict.md has the arithmetic. "
-                   "strict: this test fails the day the model meets the goal, so the goal is then enforced here")
-def test_the_issues_goal_on_the_published_points(comparison):
-    errors = comparison["error"].abs()
-    assert errors.median() <= GOAL_MEDIAN and errors.max() <= GOAL_MAX
+def test_the_issues_median_goal_on_the_published_points(comparison):
+    assert comparison["error"].abs().median() <= GOAL_MEDIAN
+
+
+@pytest.mark.xfail(strict=True, reason="the model does not reach the issue's goal for every point (<= 40%; it "
+                   "reaches 208%, 19 of 35 points within 25%). Over 40%: ZeRO-3 at 640-2240 A100s (SC21) and at "
+                   "micro-batch 1 on 16 V100 (autotuning), both with DeepSpeed's ZeRO-3 before v0.6.0 (a device "
+                   "synchronize per fetch, rewritten in #1453); ZeRO-3 on 384 V100 at 400-800 Gb/s (the ZeRO++ blog; "
+                   "those steps are about compute plus all the communication, the model hides part of it); GPT-2 "
+                   "large and XL end to end (a training loop's own work outside DeepSpeed's calls); docs/predict.md "
+                   "has the arithmetic. strict: this test fails the day the model meets the goal, so the goal is then "
+                   "enforced here")
+def test_the_issues_goal_for_every_published_point(comparison):
+    assert comparison["error"].abs().max() <= GOAL_MAX
 
 
 def test_the_rules_fill_what_a_source_leaves_out(points):
@@ -106,6 +108,22 @@ def test_a_llama_style_row_is_built_from_its_own_columns(tmp_path, points):
     assert "tied_embeddings must be True or False" in str(err.value)
     with pytest.raises(ValueError, match="shape: a qwen2 transformer needs ffn"):
         published.load(_write(tmp_path, points, {**edit, "tied_embeddings": ""}))
+
+
+def test_a_rows_zero_settings_reach_the_prediction(tmp_path, points):
+    dsx = published.setup(points[points["point_id"] == "dsx-bf16mw-6.9b-baseline"].iloc[0])
+    assert dsx["zero"] == {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 50_000_000,
+                           "stage3_param_persistence_threshold": 0}  # its configs/baseline.json
+    assert published.setup(points[points["point_id"] == "zfb-qwen2.5-1.5b-z2"].iloc[0])["zero"] == {}
+    zpp = points[points["point_id"] == "zpp-18b-400g-1k"].iloc[0].copy()
+    stated = published.compare(points[points["point_id"] == "zpp-18b-400g-1k"])
+    zpp["zero"] = ""
+    defaults = published.compare(zpp.to_frame().T)
+    assert stated["predicted"].iloc[0] != defaults["predicted"].iloc[0]  # 1e7-element reduce buckets, not 5e8
+    with pytest.raises(ValueError, match=r"ds-megatron-1\.5b: zero: zero settings refused by DeepSpeed"):
+        published.load(_write(tmp_path, points, {"zero": "no_such_setting=1"}))
+    with pytest.raises(ValueError, match=r"zero: .*zero_quantized_weights"):
+        published.load(_write(tmp_path, points, {"zero": "zero_quantized_weights=true", "stage": "3"}))
 
 
 def test_a_row_without_micro_or_global_batch_is_refused(points):
