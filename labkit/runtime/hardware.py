@@ -156,7 +156,7 @@ class Measured:
     # ZeRO-Offload's two host passes beside CPU Adam, per parameter, all the host's threads: the fp32 gradients scaled
     # in place, and fp32 parameters copied into a bf16 buffer
     offload_unscale_s_per_param: float | None = None
-    offload_to_bf16_s_per_param: float | None = None
+    offload_to_bit16_s_per_param: float | None = None
 
 
 def _number(section: dict[str, Any], key: str) -> float | None:
@@ -188,7 +188,7 @@ def load_measured(path: str | Path) -> Measured:
                     zero3_per_micro_step_s=_number(zero3, "per_micro_step_s"),
                     zero3_per_paramless_module_s=_number(zero3, "per_paramless_module_per_micro_step_s"),
                     offload_unscale_s_per_param=_number(adam, "unscale_s_per_param"),
-                    offload_to_bf16_s_per_param=_number(adam, "to_bit16_s_per_param"))
+                    offload_to_bit16_s_per_param=_number(adam, "to_bit16_s_per_param"))
 
 
 def load_published_gemm(path: str | Path) -> tuple[list[str], Measured]:

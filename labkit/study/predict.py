@@ -596,9 +596,11 @@ def offload_host(gpu: GPU, precision: str, host_memory_gb_per_s: float | None = 
     if host is not None and host_memory_gb_per_s is None:
         measured, source = host
         adam = measured.cpu_adam_s_per_param
-        unscale, to_bf16 = measured.offload_unscale_s_per_param, measured.offload_to_bf16_s_per_param
-        if unscale is not None and to_bf16 is not None:
-            return adam + unscale + to_bf16 * copy_bytes / 6, f"CPU Adam and its two passes: {source}"
+        unscale, to_bit16 = measured.offload_unscale_s_per_param, measured.offload_to_bit16_s_per_param
+        if unscale is not None and to_bit16 is not None:
+            measured_copy_bytes = 4 + 2  # bench_gpu_constants times the copy into bf16
+            return (adam + unscale + to_bit16 * copy_bytes / measured_copy_bytes,
+                    f"CPU Adam and its two passes: {source}")
         return (adam * (1 + passes_bytes / CPU_ADAM_BYTES_PER_PARAM),
                 f"CPU Adam: {source}; its two passes at CPU Adam's bytes per second (assumed)")
     if host_memory_gb_per_s is not None and host_memory_gb_per_s <= 0:

@@ -665,7 +665,7 @@ def test_measured_offload_passes_replace_the_assumed_ones(tmp_path, assumed_only
     path.write_text(json.dumps({**MEASURED, "cpu_adam": {"s_per_param": 1.0e-9, "unscale_s_per_param": 2e-10,
                                                          "to_bit16_s_per_param": 3e-10}}))
     measured = hw.load_measured(path)
-    assert (measured.offload_unscale_s_per_param, measured.offload_to_bf16_s_per_param) == (2e-10, 3e-10)
+    assert (measured.offload_unscale_s_per_param, measured.offload_to_bit16_s_per_param) == (2e-10, 3e-10)
     h100 = hw.with_measured(hw.gpu("H100-SXM"), measured)
     assert P.offload_host(h100, "bf16") == (pytest.approx(1.5e-9), f"CPU Adam and its two passes: {MEASURED['source']}")
     # fp32 training copies 8 bytes where the measured copy into bf16 moved 6
