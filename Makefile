@@ -74,10 +74,17 @@ lint: install
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m mypy
 
-# Linters, unit tests, real-run tests, fault suite, browser test, and every notebook through nbval. The 25 slowest
-# tests are listed at the end: where the suite's time goes, in every CI log.
-test: ops lint
-	LABKIT_PROFILE=ci $(BIN)/python -m pytest -ra --durations=25 tests --nbval-lax notebooks
+# Linters, unit tests, real-run tests, fault suite, browser test, and every notebook through nbval. The op builds
+# and the linters run side by side (mypy and the last op build use one core each). pytest runs in TEST_WORKERS
+# processes (pytest-xdist; 0: in this one), each file's tests in one of them: a notebook's cells run in order in
+# one kernel, and a module's shared runs start once. One worker leaves a 2-core machine's second core idle about a
+# third of the time (its runs wait on imports, launches and sleeps); two keep both busy. The 25 slowest tests are
+# listed at the end: where the suite's time goes, in every CI log.
+TEST_WORKERS ?= 2
+test: install
+	$(MAKE) --no-print-directory -j2 ops lint
+	LABKIT_PROFILE=ci $(BIN)/python -m pytest -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile \
+		tests --nbval-lax notebooks
 
 # The tests that start no process (every one that does is marked slow: tests/conftest.py), under 2 minutes.
 test-fast: install
