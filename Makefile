@@ -17,9 +17,6 @@ EXTRAS ?= lab,test,hf,monitor
 # Offline (an air-gapped node): WHEELHOUSE=dir made by `make wheelhouse`; pip then never reaches an index.
 WHEELHOUSE ?=
 PIP_FROM := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)),)
-# More pip install flags, e.g. PIP_FLAGS=--no-compile (CI: pip's single-threaded byte-compiling of every installed
-# module costs ~30 s; Python compiles what a process imports, once, itself).
-PIP_FLAGS ?=
 
 .PHONY: install ops lab test test-fast lint bench docs clean gpu-check gpu-reference wheelhouse wheelhouse-proof
 
@@ -31,7 +28,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(if $(WHEELHOUSE),,$(BIN)/python -m pip install -q --upgrade pip)
 	$(if $(SYSTEM_TORCH),grep -v '^torch==' constraints.txt,cat constraints.txt) > $(VENV)/constraints.txt
-	$(BIN)/python -m pip install -q $(PIP_FROM) $(PIP_FLAGS) -c $(VENV)/constraints.txt -e '.$(if $(EXTRAS),[$(EXTRAS)])'
+	$(BIN)/python -m pip install -q $(PIP_FROM) -c $(VENV)/constraints.txt -e '.$(if $(EXTRAS),[$(EXTRAS)])'
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -55,7 +52,7 @@ wheelhouse-proof: install
 	$(PROOF)/node/bin/python -m pip list --format=freeze > $(PROOF)/node-freeze.txt
 	$(MAKE) --no-print-directory wheelhouse WHEELHOUSE=$(PROOF)/wheelhouse EXTRAS= NODE_PACKAGES=$(PROOF)/node-freeze.txt
 	$(MAKE) --no-print-directory install VENV=$(PROOF)/venv PYTHON=$(PROOF)/node/bin/python \
-		WHEELHOUSE=$(PROOF)/wheelhouse EXTRAS= PIP_FLAGS=--no-compile
+		WHEELHOUSE=$(PROOF)/wheelhouse EXTRAS=
 	$(PROOF)/venv/bin/python -c "import torch, sys; assert torch.__file__.startswith('$(PROOF)/node'), torch.__file__"
 	LABKIT_RUNS_DIR=$(PROOF)/runs TORCH_EXTENSIONS_DIR=$(PROOF)/torch_extensions \
 		$(PROOF)/venv/bin/python -m labkit run --example zero3 --world-size 2 \
