@@ -261,7 +261,7 @@ def _check_zero(row: Any) -> None:
     """What DeepSpeed's config model says of the row's zero settings at its stage (none given: nothing to check)."""
     settings = _zero(row)
     if settings:
-        comms.check_zero_settings(int(row["stage"]), settings, bool(row["offload_optimizer"]))
+        comms.check_zero_settings(int(row["stage"]), settings, bool(_bool(row["offload_optimizer"])))
 
 
 def _strategy(row: Any) -> str:

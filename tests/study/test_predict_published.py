@@ -124,6 +124,11 @@ def test_a_rows_zero_settings_reach_the_prediction(tmp_path, points):
         published.load(_write(tmp_path, points, {"zero": "no_such_setting=1"}))
     with pytest.raises(ValueError, match=r"zero: .*zero_quantized_weights"):
         published.load(_write(tmp_path, points, {"zero": "zero_quantized_weights=true", "stage": "3"}))
+    # The row's own offload cell, as it reads ("False" is not offloaded), against an offload alias in its settings.
+    with pytest.raises(ValueError, match=r"zero: the zero settings turn the optimizer's offload on"):
+        published.load(_write(tmp_path, points, {"zero": "cpu_offload=true", "offload_optimizer": "False"}))
+    assert published.load(_write(tmp_path, points, {"zero": "cpu_offload=true", "offload_optimizer": "True"}))[
+        "zero"].iloc[0] == "cpu_offload=true"
 
 
 def test_a_row_without_micro_or_global_batch_is_refused(points):
