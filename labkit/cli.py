@@ -297,7 +297,8 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
     what = predict.add_mutually_exclusive_group(required=True)
     what.add_argument("--transformer", metavar="SPEC", help="a decoder by its shape, GPT-2-style by default: "
                       "layers=48,hidden=1600,heads=16,seq=1024[,vocab=50257][,dropout=0.1]; LLaMA or Qwen2-style: "
-                      "arch=llama|qwen2,...,ffn=N[,kv_heads=N][,tied=1]")
+                      "arch=llama|qwen2,...,ffn=N[,kv_heads=N][,tied=1]; attention=eager|sdpa (default: eager "
+                      "for GPT-2, sdpa, a fused kernel, for the others)")
     what.add_argument("--model", help="a lab model: 'mlp', 'gpt' or 'package.module:build_model' (counted on the "
                       "meta device; sized by --hidden/--depth/--input-size)")
     what.add_argument("--from", dest="from_run", metavar="RUN_DIR",

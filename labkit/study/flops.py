@@ -8,6 +8,10 @@ keeps for the backward (the activations). `roofline_s` turns the ops into second
 * a GEMM runs in waves of output tiles over the streaming multiprocessors: time = waves x one tile's
   FLOPs / (per-SM peak x the GPU kind's GEMM efficiency) (tile and wave quantization, NVIDIA's "Matrix Multiplication
   Background User's Guide", DU-09799-001, ch. 3), and never less than its bytes / memory bandwidth;
+* a fused attention (torch's `scaled_dot_product_attention`, which a GPU runs as FlashAttention-2 or the
+  memory-efficient kernel) is one op each way: the FLOPs it executes (the backward recomputes the scores; a causal
+  mask skips the blocks above the diagonal) in waves of 128-query blocks at the GPU kind's fused-attention share of
+  the peak, never less than its bytes (Q, K, V, the output and their gradients: no s x s scores) / memory bandwidth;
 * every other op is memory-bound: bytes / (memory bandwidth x its memory efficiency) (the guide's ch. 2: an op
   whose FLOPs per byte are below the GPU's FLOPs:bytes ratio is limited by memory).
 
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -46,6 +51,8 @@ class Op:
     # The GEMM as cuBLAS gets it, (m, k, lda, ldb, ldc, then a batched GEMM's strides between its matrices, which
     # set each matrix's address): what decides tensor cores under cuBLAS 10 (`_tensor_cores`)
     blas: tuple[int, ...] | None = None
+    # A fused attention: (batch x query heads, query length, key length, head dim, causal, backward)
+    attention: tuple[int, int, int, int, bool, bool] | None = None
 
 
 @dataclass
@@ -117,10 +124,13 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.census = census
         self.phase = "forward"
+        self.muted = False  # while a fused op makes its outputs: they are its own writes, counted with it
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.muted:
+            return out
         schema = func._schema
         # A view (an alias that writes nothing) launches no kernel and moves no bytes.
         if schema.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
@@ -132,6 +142,71 @@ class _Recorder(TorchDispatchMode):
         moved = _nbytes(args) + _nbytes(list(kwargs.values())) + _nbytes(outputs)
         getattr(self.census, self.phase).append(Op(name, flops, moved, *_gemm(name, args, out)))
         return out
+
+
+ATTENTIONS = ("eager", "sdpa")
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _new(recorder: _Recorder, like: torch.Tensor, shape: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    recorder.muted = True
+    try:
+        return like.new_empty(shape, dtype=dtype or like.dtype)
+    finally:
+        recorder.muted = False
+
+
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backward: bool,
+                  moved: float) -> Op:
+    """The fused op's FLOPs as the eager kernels' matrix products count them (Q K^T and P V forward, four products
+    backward), so that model FLOPs do not depend on the kernel; what it executes is `attention_seconds`'s."""
+    heads = math.prod(q.shape[:-2])
+    q_len, k_len, dim = int(q.shape[-2]), int(k.shape[-2]), int(q.shape[-1])
+    forward = 2.0 * heads * q_len * k_len * (dim + int(v.shape[-1]))
+    return Op("fused_attention", 2 * forward if backward else forward, moved,
+              attention=(int(heads), q_len, k_len, dim, causal, backward))
+
+
+class _FusedAttention(torch.autograd.Function):
+    """scaled_dot_product_attention as a GPU runs it: one kernel each way that keeps the s x s scores on chip and
+    saves Q, K, V, its output and each row's log-sum-exp (FlashAttention-2's backward inputs) for the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, recorder: _Recorder, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                causal: bool) -> torch.Tensor:
+        out = _new(recorder, q, (*q.shape[:-1], v.shape[-1]))
+        lse = _new(recorder, q, q.shape[:-1], torch.float32)
+        moved = _nbytes((q, k, v, out, lse))
+        recorder.census.forward.append(_attention_op(q, k, v, causal, False, moved))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.recorder, ctx.causal = recorder, causal
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        recorder = ctx.recorder
+        grads = tuple(_new(recorder, t, t.shape) for t in (q, k, v))
+        moved = _nbytes((q, k, v, out, lse, grad, *grads))
+        getattr(recorder.census, recorder.phase).append(_attention_op(q, k, v, ctx.causal, True, moved))
+        return (None, *grads, None)
+
+
+class _FusedSdpa(TorchFunctionMode):
+    """Routes torch.nn.functional.scaled_dot_product_attention to `_FusedAttention` (on the meta device torch would
+    run its math fallback, the eager kernels); with a mask other than the causal flag nothing is skipped."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        call = dict(zip(_SDPA_ARGS[:len(args)], args, strict=True), **kwargs)
+        causal = bool(call.get("is_causal")) and call.get("attn_mask") is None
+        return _FusedAttention.apply(self.recorder, call["query"], call["key"], call["value"], causal)
 
 
 def count(step: Callable[[], torch.Tensor], params: list[torch.nn.Parameter] | None = None) -> Census:
@@ -149,16 +224,36 @@ def count(step: Callable[[], torch.Tensor], params: list[torch.nn.Parameter] | N
         return tensor
 
     recorder = _Recorder(census)
-    with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with recorder, _FusedSdpa(recorder), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = step()
         recorder.phase = "backward"
         loss.backward()
     return census
 
 
+def attention_seconds(op: Op, gpu: GPU, precision: str) -> float:
+    """A fused attention's compute time: the FLOPs FlashAttention-2 executes (forward Q K^T and P V; backward Q K^T
+    again and four products, arXiv:2307.08691, Algorithm 2), over the blocks of 128 x 128 a causal mask leaves
+    (the diagonal's included), in waves of 128-query blocks per batch and head over the SMs (its parallelisation,
+    the paper's section 3.2), at the GPU kind's fused-attention share of the peak (fp32 runs on the CUDA cores)."""
+    assert op.attention is not None
+    heads, q_len, k_len, dim, causal, backward = op.attention
+    blocks_q, blocks_k = math.ceil(q_len / TILE), math.ceil(k_len / TILE)
+    share = 1.0
+    if causal and blocks_q == blocks_k:
+        share = (blocks_q + 1) / (2 * blocks_q)
+    executed = 2.0 * heads * q_len * k_len * dim * (5 if backward else 2) * share
+    tiles = heads * blocks_q
+    waves = math.ceil(tiles / gpu.sms)
+    peak = gpu.cuda_core_peak(precision) if precision == "fp32" else gpu.peak(precision)
+    return executed * waves * gpu.sms / tiles / (peak * gpu.attention_efficiency)
+
+
 def op_seconds(op: Op, gpu: GPU, precision: str) -> float:
     """One op on one GPU: the roofline of the module doc (GEMMs with tile and wave quantization)."""
     memory_s = op.bytes / (gpu.memory_bytes_per_s * gpu.memory_efficiency)
+    if op.attention is not None:
+        return max(attention_seconds(op, gpu, precision), memory_s)
     if op.gemm is None:
         return memory_s
     batch, m, n, k = op.gemm
@@ -186,13 +281,16 @@ _BLOCK = re.compile(r"(^|\.)(h|layers)\.0(\.|$)")  # a module inside the first d
 @dataclass(frozen=True, kw_only=True)
 class Transformer:
     """A decoder-only transformer by its shape; its modules and parameters are Hugging Face's class for `arch`
-    (ARCHS) built on the meta device. Attention is materialised (softmax over s x s scores: the "eager" kernels),
-    as in the 2020-2021 codes; fused attention kernels (SDPA, FlashAttention) skip that memory traffic, so at long
-    sequences the model overstates attention's time. `dropout`: on the embeddings, the attention probabilities and
-    both residual branches for gpt2, 0.1 by default as both GPT codes train (Hugging Face's GPT2Config resid_pdrop =
-    embd_pdrop = attn_pdrop = 0.1; Megatron-LM's --hidden-dropout and --attention-dropout 0.1); on the attention
-    probabilities only for llama and qwen2, 0 by default (their configs' attention_dropout): a dropout is a kernel
-    over its tensor in the forward and one in the backward."""
+    (ARCHS) built on the meta device. `attention`: "eager" materialises the s x s scores (a softmax, a mask and a
+    dropout over them: the 2019-2021 GPT codes, Hugging Face's eager kernels and Megatron-LM's fused softmax alike);
+    "sdpa" is torch's scaled_dot_product_attention, which a GPU runs fused (FlashAttention-2 or the
+    memory-efficient kernel: module doc). Default: eager for gpt2 (the codes its published points ran), sdpa for
+    llama and qwen2 (transformers' default attn_implementation for them since v4.36). `dropout`: on the embeddings,
+    the attention probabilities and both residual branches for gpt2, 0.1 by default as both GPT codes train
+    (Hugging Face's GPT2Config resid_pdrop = embd_pdrop = attn_pdrop = 0.1; Megatron-LM's --hidden-dropout and
+    --attention-dropout 0.1); on the attention probabilities only for llama and qwen2, 0 by default (their configs'
+    attention_dropout): a dropout is a kernel over its tensor in the forward and one in the backward (inside the
+    fused attention with sdpa)."""
 
     layers: int
     hidden: int
@@ -204,6 +302,7 @@ class Transformer:
     kv_heads: int | None = None    # key/value heads (grouped-query attention; llama and qwen2); None: heads
     ffn: int | None = None         # the MLP's inner width; None: 4 x hidden (gpt2); llama and qwen2 must say
     tied: bool | None = None       # the LM head is the token embedding; None: the arch's default (gpt2 yes, else no)
+    attention: str | None = None   # "eager" or "sdpa" (ATTENTIONS); None: the arch's default (gpt2 eager, else sdpa)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -216,8 +315,12 @@ class Transformer:
         kv_heads = self.heads if self.kv_heads is None else self.kv_heads
         ffn = 4 * self.hidden if self.ffn is None else self.ffn
         tied = gpt2 if self.tied is None else self.tied
-        for name, value in (("dropout", dropout), ("kv_heads", kv_heads), ("ffn", ffn), ("tied", tied)):
+        attention = ("eager" if gpt2 else "sdpa") if self.attention is None else self.attention
+        for name, value in (("dropout", dropout), ("kv_heads", kv_heads), ("ffn", ffn), ("tied", tied),
+                            ("attention", attention)):
             object.__setattr__(self, name, value)
+        if attention not in ATTENTIONS:
+            raise ValueError(f"transformer attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
         for name in ("layers", "hidden", "heads", "seq", "vocab", "kv_heads", "ffn"):
             if getattr(self, name) < 1:
                 raise ValueError(f"transformer {name} must be >= 1")
@@ -232,17 +335,17 @@ class Transformer:
 
     @classmethod
     def parse(cls, text: str) -> Transformer:
-        """'layers=48,hidden=1600,heads=16,seq=1024[,vocab=50257][,dropout=0.1][,ffn=6400]' (GPT-2), or a llama or qwen2
-        decoder (vocab and ffn required):
+        """'layers=48,hidden=1600,heads=16,seq=1024[,vocab=50257][,dropout=0.1][,ffn=6400][,attention=sdpa]' (GPT-2),
+        or a llama or qwen2 decoder (vocab and ffn required):
         'arch=qwen2,layers=36,hidden=2048,heads=16,kv_heads=2,ffn=11008,seq=512,vocab=151936,tied=1'."""
         ints = ("layers", "hidden", "heads", "seq", "vocab", "kv_heads", "ffn")
         values: dict[str, Any] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
-            if not sep or key not in (*ints, "dropout", "arch", "tied"):
+            if not sep or key not in (*ints, "dropout", "arch", "tied", "attention"):
                 raise ValueError(f"--transformer takes layers=,hidden=,heads=,seq=[,vocab=,dropout=,arch=,kv_heads=,"
-                                 f"ffn=,tied=], got {part!r}")
-            if key == "arch":
+                                 f"ffn=,tied=,attention=], got {part!r}")
+            if key in ("arch", "attention"):
                 values[key] = value
             elif key == "tied":
                 if value.lower() not in ("1", "0", "true", "false"):
@@ -333,7 +436,7 @@ def _build(shape: Transformer, layers: int, dtype: torch.dtype) -> Any:
 
     # no token ids: GPT-2's (50256) lie outside the small vocabulary of the module-counting models, and transformers
     # warns in the learner's notebook
-    settings: dict[str, Any] = dict(vocab_size=shape.vocab, attn_implementation="eager", bos_token_id=None,
+    settings: dict[str, Any] = dict(vocab_size=shape.vocab, attn_implementation=shape.attention, bos_token_id=None,
                                     eos_token_id=None)
     if shape.arch == "gpt2":
         settings.update(n_layer=layers, n_embd=shape.hidden, n_head=shape.heads, n_positions=shape.seq,

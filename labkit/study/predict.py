@@ -346,13 +346,14 @@ class ModuleWorkload:
 def lab_workload(config: Any) -> Workload:
     """The workload of a RunConfig's model: the lab's byte-level GPT is Hugging Face's GPT2LMHeadModel of a known
     shape (labkit.models.gpt), counted as that transformer on the meta device (its own forward reads a value, which
-    the meta device cannot give, and a CPU copy of a GPT-2-small-sized model is slow to count); any other model is
-    built from the config and counted as it is."""
+    the meta device cannot give, and a CPU copy of a GPT-2-small-sized model is slow to count), with dropout off and
+    transformers' default attention, SDPA, as it runs; any other model is built from the config and counted as it
+    is."""
     if config.model == "gpt":
         from labkit.models.gpt import VOCAB_SIZE, n_heads
 
         shape = flops.Transformer(layers=config.depth, hidden=config.hidden, heads=n_heads(config.hidden),
-                                  seq=config.input_size, vocab=VOCAB_SIZE, dropout=0.0)  # the lab's GPT: dropout off
+                                  seq=config.input_size, vocab=VOCAB_SIZE, dropout=0.0, attention="sdpa")
         return TransformerWorkload(shape, name="gpt")
     return ModuleWorkload(config)
 

@@ -11,6 +11,8 @@ Where a source leaves a setting out, one rule fills it for every point (never a 
 * `arch` not stated: gpt2 (Hugging Face's GPT2LMHeadModel, as Megatron-LM's GPT); llama and qwen2 rows give `ffn`
   (the MLP's inner width) and may give `kv_heads` (grouped-query attention; empty: as many as heads) and
   `tied_embeddings` (empty: gpt2 tied, the others not), as the model's own config says (`flops.Transformer`);
+* `attention` not stated: the arch's default kernels, eager for gpt2 (the 2019-2021 GPT codes materialise the scores)
+  and sdpa for llama and qwen2 (transformers' default for them), as `flops.Transformer` says;
 * dropout not stated (the `dropout` cell empty): the arch's default, 0.1 for gpt2 (Hugging Face's and Megatron-LM's
   GPT) and 0 for llama and qwen2 (their configs' attention_dropout); a code without dropout layers says 0;
 * the link inside a node not stated (`intra` empty): the GPU kind's own (`auto`: its NVLink, else its PCIe);
@@ -45,7 +47,8 @@ MEGATRON_VOCAB_DIVISOR = 128
 # fill them.
 REQUIRED = ("point_id", "source", "locator", "layers", "hidden", "heads", "seq", "vocab", "gpu", "gpus",
             "gpus_per_node", "precision", "stage", "metric", "value")
-OPTIONAL = ("model", "code", "dropout", "arch", "kv_heads", "ffn", "tied_embeddings", "nodes", "intra", "inter_gbps",
+OPTIONAL = ("model", "code", "dropout", "arch", "kv_heads", "ffn", "tied_embeddings", "attention", "nodes", "intra",
+            "inter_gbps",
             "offload_optimizer", "activation_checkpointing", "micro_batch", "global_batch", "zero", "flops_formula",
             "notes")
 POSITIVE_INTS = ("layers", "hidden", "heads", "seq", "vocab", "kv_heads", "ffn", "gpus", "gpus_per_node", "nodes",
@@ -229,7 +232,7 @@ def _shape(row: Any) -> flops.Transformer:
     """The row's transformer; empty cells take `flops.Transformer`'s defaults for the row's arch (gpt2 if empty)."""
     given: dict[str, Any] = {}
     for key, column, kind in (("dropout", "dropout", float), ("arch", "arch", str), ("kv_heads", "kv_heads", int),
-                              ("ffn", "ffn", int), ("tied", "tied_embeddings", _bool)):
+                              ("ffn", "ffn", int), ("tied", "tied_embeddings", _bool), ("attention", "attention", str)):
         if not _blank(row.get(column)):
             given[key] = kind(float(row[column])) if kind is int else kind(row[column])
     return flops.Transformer(layers=int(row["layers"]), hidden=int(row["hidden"]), heads=int(row["heads"]),

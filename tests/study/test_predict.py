@@ -528,6 +528,8 @@ def test_the_lab_gpt_is_counted_as_the_transformer_it_is():
     work = P.lab_workload(config)
     assert isinstance(work, P.TransformerWorkload)
     assert work.shape.dropout == 0.0  # the lab's GPT trains without dropout (labkit.models.gpt)
+    # and with transformers' default attention, which the census counts as the fused kernel a GPU runs
+    assert work.shape.attention == builders.build_model(config).lm.config._attn_implementation == "sdpa"
     assert work.n_params == sum(builders.param_numels(config))
     assert work.module_layout() == comms.module_layout(builders.meta_model(config))
 
@@ -569,6 +571,89 @@ def test_dropout_is_a_kernel_each_way_and_keeps_its_mask():
     assert flops.Transformer.parse("layers=2,hidden=128,heads=4,seq=64,dropout=0").dropout == 0.0
     with pytest.raises(ValueError, match="dropout"):
         flops.Transformer.parse("layers=2,hidden=128,heads=4,seq=64,dropout=1.5")
+
+
+LLAMA = "arch=llama,layers=2,hidden=128,heads=4,kv_heads=2,ffn=256,seq=64,vocab=512"
+
+
+def test_fused_attention_counts_eagers_flops_without_keeping_the_scores():
+    sdpa, eager = (flops.Transformer.parse(f"{LLAMA},attention={a}") for a in ("sdpa", "eager"))
+    ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    census = {}
+    for shape in (sdpa, eager):
+        model = flops._build(shape, 2, torch.float32)
+        census[shape.attention] = flops.count(lambda m=model: m(input_ids=ids, labels=ids).loss,
+                                              list(model.parameters()))
+    fused = census["sdpa"]
+    assert fused.flops() == census["eager"].flops()  # the FLOPs do not depend on the kernel
+    assert [op.attention for op in fused.forward if op.attention] == [(2 * 4, 64, 64, 32, True, False)] * 2
+    assert sum(1 for op in fused.backward if op.attention) == 2  # one kernel each way per layer
+    assert not any(op.name == "aten._safe_softmax" for op in fused.forward)
+    # what eager keeps and the fused kernel does not: each layer's fp32 scores (batch x heads x seq x seq) less
+    # the fused kernel's log-sum-exp per row
+    scores, lse = 2 * 4 * 64 * 64 * 4, 2 * 4 * 64 * 4
+    assert census["eager"].saved_bytes - fused.saved_bytes == pytest.approx(2 * (scores - lse), rel=0.05)
+
+
+def test_your_models_sdpa_call_is_one_fused_op_each_way_and_a_mask_skips_nothing():
+    class Attend(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(64, 3 * 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).view(2, 32, 3, 4, 16).permute(2, 0, 3, 1, 4)
+            mask = torch.ones(32, 32, dtype=torch.bool, device=x.device).tril()
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, mask).sum()  # positional, as torch allows
+
+    with torch.device("meta"):
+        model = Attend()
+    census = flops.module_census(model, lambda: model(torch.zeros(2, 32, 64, device="meta")))
+    fused = [op for op in census.forward + census.backward if op.attention]
+    assert [op.attention for op in fused] == [(8, 32, 32, 16, False, False), (8, 32, 32, 16, False, True)]
+    assert [op.flops for op in fused] == [4 * 8 * 32 * 32 * 16, 8 * 8 * 32 * 32 * 16]
+
+
+def test_a_fused_attention_skips_the_masked_blocks_and_recomputes_in_the_backward():
+    a100, h100 = hw.gpu("A100-80GB"), hw.gpu("H100-SXM")
+    dims = dict(heads=8 * 32, q_len=4096, k_len=4096, dim=128)
+
+    def op(causal=True, backward=False, moved=0.0, **kw):
+        a = {**dims, **kw}
+        return flops.Op("fused_attention", 0.0, moved,
+                        attention=(a["heads"], a["q_len"], a["k_len"], a["dim"], causal, backward))
+
+    fwd = flops.attention_seconds(op(), a100, "bf16")
+    blocks = 4096 // 128
+    assert flops.attention_seconds(op(causal=False), a100, "bf16") == pytest.approx(
+        fwd * 2 * blocks / (blocks + 1))  # a causal mask leaves the diagonal and the blocks below it
+    assert flops.attention_seconds(op(backward=True), a100, "bf16") == pytest.approx(2.5 * fwd)  # 5 products, not 2
+    # the FLOPs executed at the GPU kind's fused-attention share of its peak (256 x 32 query blocks: full waves)
+    executed = 4 * 256 * 4096 * 4096 * 128 * (blocks + 1) / (2 * blocks)
+    waves = math.ceil(256 * blocks / a100.sms)
+    assert fwd == pytest.approx(executed * waves * a100.sms / (256 * blocks) / (312e12 * 0.5))
+    assert flops.attention_seconds(op(), h100, "bf16") < fwd  # Hopper: 0.35 of a 3x higher peak
+    # a short kernel is bound by its bytes
+    short = op(heads=1, q_len=128, k_len=128, moved=1e9)
+    assert flops.op_seconds(short, a100, "bf16") == pytest.approx(1e9 / (a100.memory_bytes_per_s * 0.8))
+
+
+def test_attention_is_sdpa_for_llama_and_eager_for_gpt2_unless_said():
+    assert flops.Transformer.parse(LLAMA).attention == "sdpa"
+    assert flops.Transformer.parse("layers=2,hidden=128,heads=4,seq=64").attention == "eager"
+    assert flops.Transformer.parse("layers=2,hidden=128,heads=4,seq=64,attention=sdpa").attention == "sdpa"
+    with pytest.raises(ValueError, match="attention must be one of eager, sdpa"):
+        flops.Transformer.parse(f"{LLAMA},attention=flash")
+
+
+def test_at_long_sequences_a_fused_attention_predicts_a_faster_step_and_a_bigger_micro_batch():
+    cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
+    shape = "arch=llama,layers=4,hidden=2048,heads=16,ffn=5504,seq=4096,vocab=32000"
+    runs = {a: P.predict(P.TransformerWorkload(flops.Transformer.parse(f"{shape},attention={a}")), cluster,
+                         strategy="z3", micro_batch=2, precision="bf16") for a in ("eager", "sdpa")}
+    assert runs["sdpa"].compute_s < 0.8 * runs["eager"].compute_s
+    assert runs["sdpa"].max_micro_batch > runs["eager"].max_micro_batch
+    assert runs["sdpa"].model_tflops_per_gpu > runs["eager"].model_tflops_per_gpu
 
 
 # What benchmarks/bench_gpu_constants.py writes on a GPU (its keys; the figures are this test's own inputs).

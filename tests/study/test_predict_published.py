@@ -108,6 +108,11 @@ def test_a_llama_style_row_is_built_from_its_own_columns(tmp_path, points):
     assert "tied_embeddings must be True or False" in str(err.value)
     with pytest.raises(ValueError, match="shape: a qwen2 transformer needs ffn"):
         published.load(_write(tmp_path, points, {**edit, "tied_embeddings": ""}))
+    assert qwen.attention == "sdpa"  # qwen2's default: the kernel transformers loads, as the script did
+    fused = published.load(_write(tmp_path, points, {"attention": "sdpa"}))  # a GPT-2 row that ran SDPA
+    assert published.setup(fused.iloc[0])["workload"].shape.attention == "sdpa"
+    with pytest.raises(ValueError, match=r"ds-megatron-1\.5b: shape: transformer attention must be one of eager, sdpa"):
+        published.load(_write(tmp_path, points, {"attention": "flash"}))
 
 
 def test_a_rows_zero_settings_reach_the_prediction(tmp_path, points):
