@@ -24,6 +24,11 @@ What each figure is:
   it, ZeRO-Offload's two host passes over the same number of parameters: the fp32 gradients scaled in place and the
   fp32 parameters copied into a bf16 buffer (labkit.study.predict: CPU_ADAM_BYTES_PER_PARAM's comment).
 - gpu_adamw: torch.optim.AdamW(fused=True) and (foreach=True), fp32 parameters on the GPU.
+- attention: torch's scaled_dot_product_attention, causal, bf16, (batch, heads, tokens, head dim) over a grid of
+  GPT and LLaMA shapes, the forward and the forward + backward each timed with CUDA events (the kernel torch picks by
+  default: FlashAttention-2 on Ampere and Hopper); each shape's share of the preset's dense bf16 peak counts the work
+  as the predictor does (labkit.study.flops.attention_work), and the best share is `efficiency`, which replaces the
+  preset's published or assumed one (labkit.runtime.hardware.FUSED_ATTENTION_EFFICIENCY).
 - zero3: deepspeed.initialize at 1 rank (nccl on GPU, gloo on CPU), a stack of Linear(64, 64) modules at two depths,
   ZeRO stage 3 (every parameter fetched: persistence threshold 0) and stage 0, micro-steps timed with the device
   synchronized; the per-module cost is the slope over depth of stage 3 minus stage 0 (fixed costs cancel), the
@@ -53,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 FORMAT = "labkit-gpu-constants/1"
-SECTIONS = ("gemm", "memory", "host_copy", "gpu_adamw", "launch", "cpu_adam", "zero3")
+SECTIONS = ("gemm", "memory", "host_copy", "gpu_adamw", "attention", "launch", "cpu_adam", "zero3")
 MiB = 1 << 20
 
 
@@ -195,6 +200,56 @@ def measure_gpu_adamw(quick: bool) -> dict[str, Any]:
         del opt, params
     torch.cuda.empty_cache()
     return out
+
+
+def attention_shapes(quick: bool) -> list[tuple[int, int, int, int]]:
+    """(batch, heads, tokens, head dim): GPT-2 small's heads at 1k tokens, GPT-3 and LLaMA 7B's at 2k-8k."""
+    if quick:
+        return [(2, 4, 256, 64)]
+    return [(8, 12, 1024, 64), (4, 32, 2048, 128), (2, 32, 4096, 128), (1, 32, 8192, 128)]
+
+
+def measure_attention(clock: Clock, quick: bool) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    from labkit.runtime import hardware
+    from labkit.study import flops
+
+    name = torch.cuda.get_device_name()
+    preset = hardware.preset_for(name)
+    peak = hardware.GPUS[preset].peak("bf16") if preset else None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows: list[dict[str, Any]] = []
+    for batch, heads, tokens, dim in attention_shapes(quick):
+        row: dict[str, Any] = {"batch": batch, "heads": heads, "tokens": tokens, "dim": dim, "causal": True}
+        if clock.left() < 45:  # leave time for the host sections and DeepSpeed
+            rows.append({**row, "skipped": "time budget"})
+            continue
+        q, k, v = (torch.randn(batch, heads, tokens, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn_like(q)
+
+        def forward(q: Any = q, k: Any = k, v: Any = v) -> Any:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def both(grad: Any = grad) -> None:
+            forward().backward(grad)
+
+        with torch.no_grad():
+            row["forward_s"] = cuda_time(forward, repeats=7)
+        row["forward_backward_s"] = cuda_time(both, repeats=7)
+        ops = (flops.Op("fused_attention", 0.0, 0.0, attention=(batch * heads, tokens, tokens, dim, True, back))
+               for back in (False, True))
+        work = sum(flops.attention_work(op, sms) for op in ops)
+        if peak:
+            row["share_of_peak"] = work / row["forward_backward_s"] / peak
+        rows.append(row)
+        del q, k, v, grad
+    torch.cuda.empty_cache()
+    shares = [r["share_of_peak"] for r in rows if "share_of_peak" in r]
+    return {"op": "F.scaled_dot_product_attention(q, k, v, is_causal=True), bf16", "preset": preset,
+            "peak_flops_per_s": peak, "sms": sms, "shapes": rows, "efficiency": max(shares) if shares else None}
 
 
 def measure_launch(cuda: bool, quick: bool) -> dict[str, Any]:
@@ -454,7 +509,8 @@ def measure(budget_s: float, quick: bool, cpu_adam_build_s: float, only: tuple[s
     no_gpu = skipped("no CUDA GPU")
     gpu_sections: dict[str, Callable[[], dict[str, Any]]] = {
         "gemm": lambda: measure_gemm(clock, quick), "memory": lambda: measure_memory(quick),
-        "host_copy": lambda: measure_host_copy(quick), "gpu_adamw": lambda: measure_gpu_adamw(quick)}
+        "host_copy": lambda: measure_host_copy(quick), "gpu_adamw": lambda: measure_gpu_adamw(quick),
+        "attention": lambda: measure_attention(clock, quick)}
     for name, fn in gpu_sections.items():
         if name in only:
             run_section(result, name, fn if cuda else (lambda: dict(no_gpu)))
@@ -490,6 +546,7 @@ def table(result: dict[str, Any]) -> list[tuple[str, str]]:
     add("pageable device -> host", "host_copy", "pageable_d2h_bytes_per_s", 1e-9, "GB/s")
     add("AdamW fused (GPU)", "gpu_adamw", "fused_s_per_param", 1e12, "ps/param")
     add("AdamW foreach (GPU)", "gpu_adamw", "foreach_s_per_param", 1e12, "ps/param")
+    add("fused attention (SDPA), best share of peak", "attention", "efficiency", 1, "")
     add("DeepSpeed CPU Adam (host)", "cpu_adam", "s_per_param", 1e9, "ns/param")
     add("offload's unscale pass (host)", "cpu_adam", "unscale_s_per_param", 1e9, "ns/param")
     add("offload's copy to 16 bits (host)", "cpu_adam", "to_bit16_s_per_param", 1e9, "ns/param")

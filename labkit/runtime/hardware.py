@@ -57,8 +57,9 @@ class GPU:
     # multiples of 8, else the CUDA cores (flops._tensor_cores has the sources);
     # Ampere and later use tensor cores for any shape (cuBLAS >= 11).
     tensor_core_alignment: int = 1
-    # A fused attention kernel's share of the dense tensor-core peak (FUSED_ATTENTION_EFFICIENCY has the sources)
-    attention_efficiency: float = 0.0
+    # A fused attention kernel's share of the dense tensor-core peak, published or assumed
+    # (FUSED_ATTENTION_EFFICIENCY has the sources); a measurement replaces it (`attention_efficiency`)
+    fused_attention: float = 0.0
     # What this lab measured on this GPU kind (bench_gpu_constants.py), if loaded: its efficiencies replace the
     # assumed ones, and its host figures (launch, ZeRO-3 hooks, CPU Adam, pinned copies) are the node's host.
     measured: Measured | None = field(default=None, compare=False)
@@ -74,6 +75,11 @@ class GPU:
     def memory_efficiency(self) -> float:
         copy = self.measured.memory_bytes_per_s if self.measured else None
         return copy / self.memory_bytes_per_s if copy else MEMORY_EFFICIENCY
+
+    @property
+    def attention_efficiency(self) -> float:
+        measured = self.measured.attention_efficiency if self.measured else None
+        return measured or self.fused_attention
 
     @property
     def constants_source(self) -> str:
@@ -110,43 +116,43 @@ _A10G = "AWS G5 (A10G, 24 GB, 600 GB/s, 80 SMs, PCIe 4): AWS publishes no dense 
 GPUS: dict[str, GPU] = {g.name: g for g in (
     GPU(name="V100-16GB", peak_flops={"fp16": 125e12, "bf16": 0.0, "fp32": 15.7e12}, memory_bytes=16 * GB,
         memory_bytes_per_s=900 * GB, sms=80, nvlink="nvlink2", host_link="pcie3",
-        source=_V100_SXM2, tensor_core_alignment=8, attention_efficiency=_ATTN["volta"]),
+        source=_V100_SXM2, tensor_core_alignment=8, fused_attention=_ATTN["volta"]),
     GPU(name="V100-32GB", peak_flops={"fp16": 125e12, "bf16": 0.0, "fp32": 15.7e12}, memory_bytes=32 * GB,
         memory_bytes_per_s=900 * GB, sms=80, nvlink="nvlink2", host_link="pcie3",
-        source=_V100_SXM2, tensor_core_alignment=8, attention_efficiency=_ATTN["volta"]),
+        source=_V100_SXM2, tensor_core_alignment=8, fused_attention=_ATTN["volta"]),
     GPU(name="V100-16GB-PCIE", peak_flops={"fp16": 112e12, "bf16": 0.0, "fp32": 14e12}, memory_bytes=16 * GB,
         memory_bytes_per_s=900 * GB, sms=80, nvlink=None, host_link="pcie3",
-        source=_V100_PCIE, tensor_core_alignment=8, attention_efficiency=_ATTN["volta"]),
+        source=_V100_PCIE, tensor_core_alignment=8, fused_attention=_ATTN["volta"]),
     GPU(name="V100-32GB-PCIE", peak_flops={"fp16": 112e12, "bf16": 0.0, "fp32": 14e12}, memory_bytes=32 * GB,
         memory_bytes_per_s=900 * GB, sms=80, nvlink=None, host_link="pcie3",
-        source=_V100_PCIE, tensor_core_alignment=8, attention_efficiency=_ATTN["volta"]),
+        source=_V100_PCIE, tensor_core_alignment=8, fused_attention=_ATTN["volta"]),
     GPU(name="A100-40GB", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=40 * GB,
         memory_bytes_per_s=1555 * GB, sms=108, nvlink="nvlink3", host_link="pcie4", source=_A100,
-        attention_efficiency=_ATTN["ampere"]),
+        fused_attention=_ATTN["ampere"]),
     GPU(name="A100-80GB", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=80 * GB,
         memory_bytes_per_s=2039 * GB, sms=108, nvlink="nvlink3", host_link="pcie4", source=_A100,
-        attention_efficiency=_ATTN["ampere"]),
+        fused_attention=_ATTN["ampere"]),
     GPU(name="A100-40GB-PCIE", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=40 * GB,
         memory_bytes_per_s=1555 * GB, sms=108, nvlink=None, host_link="pcie4", source=_A100,
-        attention_efficiency=_ATTN["ampere"]),
+        fused_attention=_ATTN["ampere"]),
     GPU(name="A100-80GB-PCIE", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=80 * GB,
         memory_bytes_per_s=1935 * GB, sms=108, nvlink=None, host_link="pcie4", source=_A100,
-        attention_efficiency=_ATTN["ampere"]),
+        fused_attention=_ATTN["ampere"]),
     GPU(name="H100-SXM", peak_flops={"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, memory_bytes=80 * GB,
         memory_bytes_per_s=3350 * GB, sms=132, nvlink="nvlink4", host_link="pcie5", source=_H100,
-        attention_efficiency=_ATTN["hopper"]),
+        fused_attention=_ATTN["hopper"]),
     GPU(name="H100-PCIE", peak_flops={"fp16": 756e12, "bf16": 756e12, "fp32": 51e12}, memory_bytes=80 * GB,
         memory_bytes_per_s=2000 * GB, sms=114, nvlink=None, host_link="pcie5", source=_H100,
-        attention_efficiency=_ATTN["hopper"]),
+        fused_attention=_ATTN["hopper"]),
     GPU(name="L4", peak_flops={"fp16": 121e12, "bf16": 121e12, "fp32": 30.3e12}, memory_bytes=24 * GB,
         memory_bytes_per_s=300 * GB, sms=58, nvlink=None, host_link="pcie4", source=_L4,
-        attention_efficiency=_ATTN["ada"]),
+        fused_attention=_ATTN["ada"]),
     GPU(name="T4", peak_flops={"fp16": 65e12, "bf16": 0.0, "fp32": 8.1e12}, memory_bytes=16 * GB,
         memory_bytes_per_s=320 * GB, sms=40, nvlink=None, host_link="pcie3", source=_T4, tensor_core_alignment=8,
-        attention_efficiency=_ATTN["turing"]),
+        fused_attention=_ATTN["turing"]),
     GPU(name="A10G", peak_flops={"fp16": 70e12, "bf16": 70e12, "fp32": 31.2e12}, memory_bytes=24 * GB,
         memory_bytes_per_s=600 * GB, sms=80, nvlink=None, host_link="pcie4", source=_A10G,
-        attention_efficiency=_ATTN["ampere"]),
+        fused_attention=_ATTN["ampere"]),
 )}
 # Where a part comes as SXM and PCIe, the plain name is the SXM part (the issue's naming).
 ALIASES = {"V100": "V100-32GB", "A100": "A100-80GB", "H100": "H100-SXM", "V100-32GB-SXM2": "V100-32GB",
@@ -180,6 +186,9 @@ class Measured:
     # in place, and fp32 parameters copied into a bf16 buffer
     offload_unscale_s_per_param: float | None = None
     offload_to_bit16_s_per_param: float | None = None
+    # torch's scaled_dot_product_attention, forward + backward, causal: the best share of the dense bf16 peak over
+    # its grid, counted as flops.attention_work counts the work (what the model divides by it)
+    attention_efficiency: float | None = None
 
 
 def _number(section: dict[str, Any], key: str) -> float | None:
@@ -211,7 +220,8 @@ def load_measured(path: str | Path) -> Measured:
                     zero3_per_micro_step_s=_number(zero3, "per_micro_step_s"),
                     zero3_per_paramless_module_s=_number(zero3, "per_paramless_module_per_micro_step_s"),
                     offload_unscale_s_per_param=_number(adam, "unscale_s_per_param"),
-                    offload_to_bit16_s_per_param=_number(adam, "to_bit16_s_per_param"))
+                    offload_to_bit16_s_per_param=_number(adam, "to_bit16_s_per_param"),
+                    attention_efficiency=_number(data.get("attention") or {}, "efficiency"))
 
 
 def load_published_gemm(path: str | Path) -> tuple[list[str], Measured]:

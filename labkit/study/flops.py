@@ -231,11 +231,11 @@ def count(step: Callable[[], torch.Tensor], params: list[torch.nn.Parameter] | N
     return census
 
 
-def attention_seconds(op: Op, gpu: GPU, precision: str) -> float:
-    """A fused attention's compute time: the FLOPs FlashAttention-2 executes (forward Q K^T and P V; backward Q K^T
-    again and four products, arXiv:2307.08691, Algorithm 2), over the blocks of 128 x 128 a causal mask leaves
-    (the diagonal's included), in waves of 128-query blocks per batch and head over the SMs (its parallelisation,
-    the paper's section 3.2), at the GPU kind's fused-attention share of the peak (fp32 runs on the CUDA cores)."""
+def attention_work(op: Op, sms: int) -> float:
+    """A fused attention's work in FLOPs as a GPU of `sms` SMs runs it: the FLOPs FlashAttention-2 executes (forward
+    Q K^T and P V; backward Q K^T again and four products, arXiv:2307.08691, Algorithm 2), over the blocks of
+    128 x 128 a causal mask leaves (the diagonal's included), x the waves of 128-query blocks per batch and head over
+    the SMs (its parallelisation, the paper's section 3.2) / the blocks: a partial wave counts whole."""
     assert op.attention is not None
     heads, q_len, k_len, dim, causal, backward = op.attention
     blocks_q, blocks_k = math.ceil(q_len / TILE), math.ceil(k_len / TILE)
@@ -244,9 +244,14 @@ def attention_seconds(op: Op, gpu: GPU, precision: str) -> float:
         share = (blocks_q + 1) / (2 * blocks_q)
     executed = 2.0 * heads * q_len * k_len * dim * (5 if backward else 2) * share
     tiles = heads * blocks_q
-    waves = math.ceil(tiles / gpu.sms)
+    return executed * math.ceil(tiles / sms) * sms / tiles
+
+
+def attention_seconds(op: Op, gpu: GPU, precision: str) -> float:
+    """A fused attention's compute time: its work (`attention_work`) at the GPU kind's fused-attention share of the
+    peak (fp32 runs on the CUDA cores)."""
     peak = gpu.cuda_core_peak(precision) if precision == "fp32" else gpu.peak(precision)
-    return executed * waves * gpu.sms / tiles / (peak * gpu.attention_efficiency)
+    return attention_work(op, gpu.sms) / (peak * gpu.attention_efficiency)
 
 
 def op_seconds(op: Op, gpu: GPU, precision: str) -> float:

@@ -27,7 +27,7 @@ def test_cpu_path_writes_every_section(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["format"] == "labkit-gpu-constants/1"
     assert result["source"].startswith("measured on CPU") and "in this lab" in result["source"]
-    for section in ("gemm", "memory", "host_copy", "gpu_adamw"):
+    for section in ("gemm", "memory", "host_copy", "gpu_adamw", "attention"):
         assert result[section]["skipped"] == "no CUDA GPU"
     assert result["launch"]["device"] == "cpu" and result["launch"]["launch_s"] > 0
     zero3 = result["zero3"]

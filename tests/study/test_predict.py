@@ -669,6 +669,7 @@ MEASURED = {
     "memory": {"copy_bytes_per_s": 2.9e12}, "host_copy": {"pinned_h2d_bytes_per_s": 5.0e10,
                                                           "pinned_d2h_bytes_per_s": 4.5e10},
     "cpu_adam": {"s_per_param": 1.0e-9}, "gpu_adamw": {"skipped": "failed: ..."}, "launch": {"launch_s": 6e-6},
+    "attention": {"efficiency": 0.52},
     "zero3": {"per_module_per_micro_step_s": 3e-4, "per_micro_step_s": -1e-4,
               "per_paramless_module_per_micro_step_s": 1e-4}}
 
@@ -706,6 +707,7 @@ def test_measured_constants_replace_the_assumed_ones(h100):
     assert h100.memory_efficiency == pytest.approx(2.9 / 3.35)
     assert h100.constants_source.startswith("measured on NVIDIA H100") and "assumed" in assumed.constants_source
     assert [s["label"] for s in h100.measured.gemm_shapes["bf16"]] == ["square 8192", "qkv h=768 T=512"]
+    assert (assumed.attention_efficiency, h100.attention_efficiency) == (0.35, 0.52)  # published, then measured
     work = P.TransformerWorkload(SMALL)
     before = P.predict(work, hw.Cluster(gpu=assumed), strategy="z0", micro_batch=4, precision="bf16")
     after = P.predict(work, hw.Cluster(gpu=h100), strategy="z0", micro_batch=4, precision="bf16")
