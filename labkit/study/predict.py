@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from labkit.core import memory
 from labkit.runtime.hardware import GB, GPU, GPUS, MEMORY_EFFICIENCY, Cluster
 from labkit.runtime.hardware import gpu as find_gpu
-from labkit.study import flops
+from labkit.study import flops, optimizer_bytes
 from labkit.study.verdict import FLAT_BAND, verdict
 
 HARDWARE = GPUS   # the GPU presets (labkit.runtime.hardware), as the issue names them
@@ -45,10 +45,9 @@ STRATEGIES: dict[str, tuple[int | None, bool]] = {
 }
 PRECISIONS = ("fp16", "bf16", "fp32")
 
-# The optimizer's pass over each parameter it updates on the GPU, in bytes of memory traffic: DeepSpeed's fused Adam
-# reads the fp32 master, gradient, exp_avg and exp_avg_sq (16 B) and writes master, exp_avg, exp_avg_sq (12 B), and
-# the training-dtype copy of the parameter is written (2 B).
-ADAM_BYTES_PER_PARAM = 30
+# The optimizer step's device memory traffic per parameter a rank owns is counted on DeepSpeed 0.19.8's own step
+# (labkit.study.optimizer_bytes: data/predict-ci/optimizer_bytes.json): 64-78 B with a 16-bit precision, of which
+# its fused Adam kernel moves 28.
 # ZeRO-Offload's host work per owned parameter per step, 0.19.8: DeepSpeedCPUAdam's pass (csrc/includes/
 # cpu_adam.h, Step_AVX: the same 16 B read and 12 B written) and two passes of torch's beside it, in
 # stage_1_and_2.py: unscale_and_clip_grads multiplies the fp32 gradient partition in place whenever clipping is on
@@ -541,7 +540,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         scale = host_s / (costs.forward_s + costs.backward_s)
         costs = dataclasses.replace(costs, forward_s=costs.forward_s * scale, backward_s=costs.backward_s * scale)
     owned = workload.n_params / partition_ranks(stage, n)
-    optimizer_s = 0.0 if offload else owned * ADAM_BYTES_PER_PARAM / (gpu.memory_bytes_per_s * gpu.memory_efficiency)
+    optimizer_s = 0.0 if offload else (owned * optimizer_bytes.step_bytes(stage, precision)
+                                       / (gpu.memory_bytes_per_s * gpu.memory_efficiency))
     compute_s = grad_accum * (costs.forward_s + costs.backward_s) + optimizer_s
     rows = collective_rows(stage, workload, n, precision=precision, grad_accum=grad_accum, offload_optimizer=offload,
                            zero=zero)

@@ -74,7 +74,7 @@ def test_the_issues_median_goal_on_the_published_points(comparison):
 
 
 @pytest.mark.xfail(strict=True, reason="the model does not reach the issue's goal for every point (<= 40%; it "
-                   "reaches 208%, 19 of 35 points within 25%). Over 40%: ZeRO-3 at 640-2240 A100s (SC21) and at "
+                   "reaches 204%, 20 of 35 points within 25%). Over 40%: ZeRO-3 at 640-2240 A100s (SC21) and at "
                    "micro-batch 1 on 16 V100 (autotuning), both with DeepSpeed's ZeRO-3 before v0.6.0 (a device "
                    "synchronize per fetch, rewritten in #1453); ZeRO-3 on 384 V100 at 400-800 Gb/s (the ZeRO++ blog; "
                    "those steps are about compute plus all the communication, the model hides part of it); GPT-2 "

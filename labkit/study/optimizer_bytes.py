@@ -1,0 +1,223 @@
+"""The device memory traffic of one optimizer step per parameter a rank owns, counted on DeepSpeed 0.19.8's own step.
+
+A real 1-rank engine (the CPU accelerator, gloo) takes three steps of a 4-layer 1024 x 1024 model; the third
+`engine.step()` runs under a TorchDispatchMode that adds up every aten op's bytes: what it reads (its tensor
+arguments), what it writes (its outputs, and the arguments an in-place op writes, which a `_foreach_*_` returns
+none of). The Adam update itself is DeepSpeed's fused kernel, an extension of its own that no dispatch mode sees;
+its traffic is added by its source: `FUSED_ADAM_BYTES_PER_PARAM`. So the figure is what 0.19.8's step does around
+the kernel (the overflow check, the gradient norm in fp64, the casts to the fp32 partition, the unscale and clip, the
+copy back to 16 bits), per stage and precision, not a hand count. Plain PyTorch (`torch`): torch.optim.Adam's
+default step on a GPU (foreach, fp32 parameters), counted the same way, kernel and all.
+
+    python -m labkit.study.optimizer_bytes --out data/predict-ci/optimizer_bytes.json   # ~1 min on 2 cores
+
+`labkit.study.predict` reads the file (`step_bytes`). Each count runs in its own process (`python -m
+labkit.study.optimizer_bytes --one STAGE PRECISION`), so that no caller inherits a process group. The CPU
+accelerator runs the same aten ops as CUDA's here (the norm's fp64 too: both support it); ZeRO-Offload's step is
+the host's, timed apart (`predict._offload_s`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+STAGES = ("torch", "0", "1", "2", "3")
+PRECISIONS = ("fp16", "bf16", "fp32")
+OPTIMIZER_BYTES_JSON = Path(__file__).resolve().parents[2] / "data" / "predict-ci" / "optimizer_bytes.json"
+# DeepSpeed's fused Adam (csrc/adam/multi_tensor_adam.cu, AdamFunctor): per fp32 parameter it reads the parameter,
+# its gradient, exp_avg and exp_avg_sq (16 B) and writes the parameter, exp_avg and exp_avg_sq (12 B).
+FUSED_ADAM_BYTES_PER_PARAM = 28
+# In-place ops that write their argument without reading it
+OVERWRITES = {"aten.copy_", "aten.zero_", "aten.fill_"}
+WIDTH, LAYERS = 1024, 4  # 4.2M parameters: the per-tensor scalars (norms, flags) are < 0.01 B per parameter
+
+
+def _nbytes(value: Any) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _recorder() -> Any:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Traffic(TorchDispatchMode):
+        """Bytes read (tensor arguments) and written (outputs, and arguments written in place) per aten op."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.by_op: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            schema = func._schema
+            if schema.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+                return out  # a view: no kernel
+            name = str(func.overloadpacket)
+            values = dict(zip([a.name for a in schema.arguments], args, strict=False), **kwargs)
+            written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+            read = [v for k, v in values.items() if not (name in OVERWRITES and k in written)]
+            returns_written = schema.returns and all(r.alias_info is not None and r.alias_info.is_write
+                                                     for r in schema.returns)
+            moved = (_nbytes(read) + _nbytes([values.get(k) for k in written])
+                     + (0 if returns_written else _nbytes(out)))
+            self.by_op[name] = self.by_op.get(name, 0) + moved
+            return out
+
+    return Traffic()
+
+
+def _summary(by_op: dict[str, int], params: int, kernel: int) -> dict[str, Any]:
+    around = sum(by_op.values()) / params
+    return {"bytes_per_param": round(around + kernel, 3), "aten_bytes_per_param": round(around, 3),
+            "kernel_bytes_per_param": kernel,
+            "by_op": {k: round(v / params, 3) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])
+                      if v / params >= 1e-3}}
+
+
+def count_deepspeed_step(stage: int, precision: str) -> dict[str, Any]:
+    """One engine.step() of a real 1-rank DeepSpeed engine, in this process (it initialises a gloo group)."""
+    import logging
+
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    from labkit.runtime.ds_import import import_deepspeed
+
+    import_deepspeed()
+    import deepspeed
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+                              "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}
+    if precision != "fp32":
+        # a small initial loss scale: no step of the count may overflow (a skipped step runs no optimizer)
+        config[precision] = {"enabled": True, **({"initial_scale_power": 4} if precision == "fp16" else {})}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    x = torch.randn(2, WIDTH, dtype=dtype)
+    traffic = _recorder()
+    for step in range(3):
+        engine.backward(engine(x).float().pow(2).mean())
+        if step < 2:
+            engine.step()
+            continue
+        skipped = engine.skipped_steps
+        with traffic:
+            engine.step()
+        if engine.skipped_steps != skipped:
+            raise RuntimeError("the counted step overflowed and was skipped: it ran no optimizer")
+    params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+    return {"stage": stage, "precision": precision, "optimizer": type(engine.optimizer).__name__,
+            **_summary(traffic.by_op, params, FUSED_ADAM_BYTES_PER_PARAM)}
+
+
+def count_torch_adam() -> dict[str, Any]:
+    """torch.optim.Adam's default step on a GPU (foreach) over fp32 parameters: the plain PyTorch loop's."""
+    import torch
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(WIDTH, WIDTH)) for _ in range(LAYERS)]
+    optimizer = torch.optim.Adam(params, lr=1e-4, foreach=True)
+    traffic = _recorder()
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if step < 2:
+            optimizer.step()
+            continue
+        with traffic:
+            optimizer.step()
+    # foreach: every pass is an aten op, the update included (no kernel of its own to add)
+    return {"stage": "torch", "precision": "fp32", "optimizer": "torch.optim.Adam(foreach=True)",
+            **_summary(traffic.by_op, sum(p.numel() for p in params), 0)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def count_in_subprocess(stage: str, precision: str, timeout_s: float = 300) -> dict[str, Any]:
+    """One count in a child process (its process group and DeepSpeed's state die with it)."""
+    done = subprocess.run([sys.executable, "-m", "labkit.study.optimizer_bytes", "--one", stage, precision],
+                          capture_output=True, text=True, timeout=timeout_s)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"counting stage {stage} {precision} failed (exit {done.returncode}): "
+                           f"{(done.stderr or done.stdout).strip()[-1500:]}")
+    return dict(json.loads(lines[-1]))
+
+
+def measure() -> dict[str, Any]:
+    """Every stage x precision DeepSpeed runs (plain PyTorch: fp32 parameters only), each in its own process."""
+    import deepspeed
+    import torch
+
+    counts = [count_in_subprocess("torch", "fp32")]
+    counts += [count_in_subprocess(stage, precision) for stage in STAGES[1:] for precision in PRECISIONS]
+    return {"format": "labkit-optimizer-bytes/1", "deepspeed": deepspeed.__version__, "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M"), "model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}, bias=False)",
+            "source": "python -m labkit.study.optimizer_bytes (its docstring says how it counts)", "counts": counts}
+
+
+@functools.lru_cache(maxsize=1)
+def _table(path: str) -> dict[tuple[str, str], float]:
+    data = json.loads(Path(path).read_text())
+    return {(str(c["stage"]), str(c["precision"])): float(c["bytes_per_param"]) for c in data["counts"]}
+
+
+def step_bytes(stage: int | None, precision: str, path: str | os.PathLike | None = None) -> float:
+    """Device bytes moved per owned parameter by one optimizer step of `stage` (None: plain PyTorch, whose
+    parameters are fp32 whatever the precision) in `precision`: the committed count (module doc)."""
+    table = _table(str(path or OPTIMIZER_BYTES_JSON))
+    key = ("torch", "fp32") if stage is None else (str(stage), precision)
+    if key not in table:
+        raise ValueError(f"no counted optimizer step for stage {key[0]} in {key[1]} ({path or OPTIMIZER_BYTES_JSON})")
+    return table[key]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="write every count here as JSON")
+    parser.add_argument("--one", nargs=2, metavar=("STAGE", "PRECISION"),
+                        help=f"count one step in this process and print it (STAGE of {STAGES}, PRECISION of "
+                             f"{PRECISIONS})")
+    args = parser.parse_args(argv)
+    if args.one:
+        stage, precision = args.one
+        if stage not in STAGES or precision not in PRECISIONS:
+            parser.error(f"STAGE must be one of {STAGES} and PRECISION one of {PRECISIONS}")
+        print(json.dumps(count_torch_adam() if stage == "torch" else count_deepspeed_step(int(stage), precision)))
+        return 0
+    if not args.out:
+        parser.error("--out or --one is required")
+    result = measure()
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    for c in result["counts"]:
+        print(f"stage {c['stage']:>5} {c['precision']}: {c['bytes_per_param']:6.1f} B per owned parameter "
+              f"({c['optimizer']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
