@@ -24,11 +24,12 @@ What each figure is:
   it, ZeRO-Offload's two host passes over the same number of parameters: the fp32 gradients scaled in place and the
   fp32 parameters copied into a bf16 buffer (labkit.study.predict: CPU_ADAM_BYTES_PER_PARAM's comment).
 - gpu_adamw: torch.optim.AdamW(fused=True) and (foreach=True), fp32 parameters on the GPU.
-- attention: torch's scaled_dot_product_attention, causal, bf16, (batch, heads, tokens, head dim) over a grid of
-  GPT and LLaMA shapes, the forward and the forward + backward each timed with CUDA events (the kernel torch picks by
-  default: FlashAttention-2 on Ampere and Hopper); each shape's share of the preset's dense bf16 peak counts the work
-  as the predictor does (labkit.study.flops.attention_work), and the best share is `efficiency`, which replaces the
-  preset's published or assumed one (labkit.runtime.hardware.FUSED_ATTENTION_EFFICIENCY).
+- attention: torch's scaled_dot_product_attention, causal, bf16 (fp16 on a GPU without a bf16 peak), (batch, heads,
+  tokens, head dim) over a grid of GPT and LLaMA shapes, the forward and the forward + backward each timed with CUDA
+  events under FlashAttention-2 where it runs, else the memory-efficient kernel (`backend` says which); each shape's
+  share of the preset's dense peak counts the work as the predictor does (labkit.study.flops.attention_share), and
+  the best share is `efficiency`, which replaces the preset's published or assumed one
+  (labkit.runtime.hardware.FUSED_ATTENTION_EFFICIENCY).
 - zero3: deepspeed.initialize at 1 rank (nccl on GPU, gloo on CPU), a stack of Linear(64, 64) modules at two depths,
   ZeRO stage 3 (every parameter fetched: persistence threshold 0) and stage 0, micro-steps timed with the device
   synchronized; the per-module cost is the slope over depth of stage 3 minus stage 0 (fixed costs cancel), the
@@ -212,44 +213,54 @@ def attention_shapes(quick: bool) -> list[tuple[int, int, int, int]]:
 def measure_attention(clock: Clock, quick: bool) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from labkit.runtime import hardware
     from labkit.study import flops
 
-    name = torch.cuda.get_device_name()
-    preset = hardware.preset_for(name)
-    peak = hardware.GPUS[preset].peak("bf16") if preset else None
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    preset = hardware.preset_for(torch.cuda.get_device_name())
+    gpu = hardware.GPUS[preset] if preset else None
+    # bf16 where the GPU has a bf16 peak, else fp16 (Volta and Turing)
+    name = "bf16" if gpu is None or gpu.peak_flops.get("bf16") else "fp16"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    peak = gpu.peak(name) if gpu else None
     rows: list[dict[str, Any]] = []
     for batch, heads, tokens, dim in attention_shapes(quick):
         row: dict[str, Any] = {"batch": batch, "heads": heads, "tokens": tokens, "dim": dim, "causal": True}
         if clock.left() < 45:  # leave time for the host sections and DeepSpeed
             rows.append({**row, "skipped": "time budget"})
             continue
-        q, k, v = (torch.randn(batch, heads, tokens, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        q, k, v = (torch.randn(batch, heads, tokens, dim, device="cuda", dtype=dtype, requires_grad=True)
                    for _ in range(3))
         grad = torch.randn_like(q)
 
         def forward(q: Any = q, k: Any = k, v: Any = v) -> Any:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        def both(grad: Any = grad) -> None:
-            forward().backward(grad)
+        def both(q: Any = q, k: Any = k, v: Any = v, grad: Any = grad) -> Any:
+            # autograd.grad, not backward: no accumulation into .grad, which would add three copies per call
+            return torch.autograd.grad(forward(), (q, k, v), grad)
 
-        with torch.no_grad():
-            row["forward_s"] = cuda_time(forward, repeats=7)
-        row["forward_backward_s"] = cuda_time(both, repeats=7)
-        ops = (flops.Op("fused_attention", 0.0, 0.0, attention=(batch * heads, tokens, tokens, dim, True, back))
-               for back in (False, True))
-        work = sum(flops.attention_work(op, sms) for op in ops)
-        if peak:
-            row["share_of_peak"] = work / row["forward_backward_s"] / peak
+        # the fused kernel torch prefers where it runs (FlashAttention-2 on Ampere and later), else the
+        # memory-efficient one: which ran is recorded
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            try:
+                with sdpa_kernel(backend):
+                    with torch.no_grad():
+                        row["forward_s"] = cuda_time(forward, repeats=7)
+                    row["forward_backward_s"] = cuda_time(both, repeats=7)
+                row["backend"] = backend.name
+                break
+            except RuntimeError as exc:  # "No available kernel": this backend cannot run this shape here
+                row[f"{backend.name}_unavailable"] = str(exc).splitlines()[0][:200]
+        if "forward_backward_s" in row and peak:
+            row["share_of_peak"] = flops.attention_share(batch * heads, tokens, dim, row["forward_backward_s"], peak)
         rows.append(row)
         del q, k, v, grad
     torch.cuda.empty_cache()
     shares = [r["share_of_peak"] for r in rows if "share_of_peak" in r]
-    return {"op": "F.scaled_dot_product_attention(q, k, v, is_causal=True), bf16", "preset": preset,
-            "peak_flops_per_s": peak, "sms": sms, "shapes": rows, "efficiency": max(shares) if shares else None}
+    return {"op": f"F.scaled_dot_product_attention(q, k, v, is_causal=True), {name}", "dtype": name,
+            "preset": preset, "peak_flops_per_s": peak, "shapes": rows, "efficiency": max(shares) if shares else None}
 
 
 def measure_launch(cuda: bool, quick: bool) -> dict[str, Any]:

@@ -30,9 +30,11 @@ GEMM_EFFICIENCY = 0.8    # a large cuBLAS GEMM's share of the dense tensor-core 
 MEMORY_EFFICIENCY = 0.8  # a streaming element-wise kernel's share of the datasheet memory bandwidth
 ASSUMED = "assumed (no measurement of this GPU kind loaded): GEMM 0.8 of peak, memory 0.8 of datasheet bandwidth"
 # A fused attention kernel's (torch's scaled_dot_product_attention on a GPU) share of the dense fp16/bf16 peak, per
-# GPU generation, for the FLOPs it executes (flops.attention_seconds). Published where found, else assumed:
+# GPU generation, for the FLOPs it executes counted as FlashAttention's benchmarks count them (flops.attention_work:
+# causal half, backward 2.5x). Published where found, else assumed:
 # * Ampere (A100; A10G, the same generation, assumed alike): 0.50, the low end of FlashAttention-2's "50-73% of the
-#   theoretical maximum FLOPs/s on A100" (Dao, arXiv:2307.08691, abstract), taken for forward + backward;
+#   theoretical maximum FLOPs/s on A100" (Dao, arXiv:2307.08691, abstract), over its grid of lengths, taken for
+#   forward + backward (the abstract gives no split);
 # * Hopper (H100): 0.35, "FlashAttention-2 achieving only 35% utilization on the H100 GPU" (Shah et al.,
 #   FlashAttention-3, arXiv:2407.08608, abstract): the kernel torch's SDPA runs there;
 # * Ada (L4): 0.50, ASSUMED as Ampere's (FlashAttention-2 runs there; no published share found);
@@ -40,7 +42,6 @@ ASSUMED = "assumed (no measurement of this GPU kind loaded): GEMM 0.8 of peak, m
 #   memory-efficient kernel; the low end of the first FlashAttention's "25-40%" on A100 (the FlashAttention-2
 #   abstract), no measurement on these GPUs found.
 FUSED_ATTENTION_EFFICIENCY = {"ampere": 0.50, "hopper": 0.35, "ada": 0.50, "volta": 0.25, "turing": 0.25}
-_ATTN = FUSED_ATTENTION_EFFICIENCY
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,9 +58,9 @@ class GPU:
     # multiples of 8, else the CUDA cores (flops._tensor_cores has the sources);
     # Ampere and later use tensor cores for any shape (cuBLAS >= 11).
     tensor_core_alignment: int = 1
-    # A fused attention kernel's share of the dense tensor-core peak, published or assumed
+    # A fused attention kernel's share of the dense tensor-core peak, published or assumed, by its GPU generation
     # (FUSED_ATTENTION_EFFICIENCY has the sources); a measurement replaces it (`attention_efficiency`)
-    fused_attention: float = 0.0
+    attention_share: float
     # What this lab measured on this GPU kind (bench_gpu_constants.py), if loaded: its efficiencies replace the
     # assumed ones, and its host figures (launch, ZeRO-3 hooks, CPU Adam, pinned copies) are the node's host.
     measured: Measured | None = field(default=None, compare=False)
@@ -79,7 +80,7 @@ class GPU:
     @property
     def attention_efficiency(self) -> float:
         measured = self.measured.attention_efficiency if self.measured else None
-        return measured or self.fused_attention
+        return measured or self.attention_share
 
     @property
     def constants_source(self) -> str:
@@ -116,43 +117,43 @@ _A10G = "AWS G5 (A10G, 24 GB, 600 GB/s, 80 SMs, PCIe 4): AWS publishes no dense 
 GPUS: dict[str, GPU] = {g.name: g for g in (
     GPU(name="V100-16GB", peak_flops={"fp16": 125e12, "bf16": 0.0, "fp32": 15.7e12}, memory_bytes=16 * GB,
         memory_bytes_per_s=900 * GB, sms=80, nvlink="nvlink2", host_link="pcie3",
-        source=_V100_SXM2, tensor_core_alignment=8, fused_attention=_ATTN["volta"]),
+        source=_V100_SXM2, tensor_core_alignment=8, attention_share=FUSED_ATTENTION_EFFICIENCY["volta"]),
     GPU(name="V100-32GB", peak_flops={"fp16": 125e12, "bf16": 0.0, "fp32": 15.7e12}, memory_bytes=32 * GB,
         memory_bytes_per_s=900 * GB, sms=80, nvlink="nvlink2", host_link="pcie3",
-        source=_V100_SXM2, tensor_core_alignment=8, fused_attention=_ATTN["volta"]),
+        source=_V100_SXM2, tensor_core_alignment=8, attention_share=FUSED_ATTENTION_EFFICIENCY["volta"]),
     GPU(name="V100-16GB-PCIE", peak_flops={"fp16": 112e12, "bf16": 0.0, "fp32": 14e12}, memory_bytes=16 * GB,
         memory_bytes_per_s=900 * GB, sms=80, nvlink=None, host_link="pcie3",
-        source=_V100_PCIE, tensor_core_alignment=8, fused_attention=_ATTN["volta"]),
+        source=_V100_PCIE, tensor_core_alignment=8, attention_share=FUSED_ATTENTION_EFFICIENCY["volta"]),
     GPU(name="V100-32GB-PCIE", peak_flops={"fp16": 112e12, "bf16": 0.0, "fp32": 14e12}, memory_bytes=32 * GB,
         memory_bytes_per_s=900 * GB, sms=80, nvlink=None, host_link="pcie3",
-        source=_V100_PCIE, tensor_core_alignment=8, fused_attention=_ATTN["volta"]),
+        source=_V100_PCIE, tensor_core_alignment=8, attention_share=FUSED_ATTENTION_EFFICIENCY["volta"]),
     GPU(name="A100-40GB", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=40 * GB,
         memory_bytes_per_s=1555 * GB, sms=108, nvlink="nvlink3", host_link="pcie4", source=_A100,
-        fused_attention=_ATTN["ampere"]),
+        attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
     GPU(name="A100-80GB", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=80 * GB,
         memory_bytes_per_s=2039 * GB, sms=108, nvlink="nvlink3", host_link="pcie4", source=_A100,
-        fused_attention=_ATTN["ampere"]),
+        attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
     GPU(name="A100-40GB-PCIE", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=40 * GB,
         memory_bytes_per_s=1555 * GB, sms=108, nvlink=None, host_link="pcie4", source=_A100,
-        fused_attention=_ATTN["ampere"]),
+        attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
     GPU(name="A100-80GB-PCIE", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=80 * GB,
         memory_bytes_per_s=1935 * GB, sms=108, nvlink=None, host_link="pcie4", source=_A100,
-        fused_attention=_ATTN["ampere"]),
+        attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
     GPU(name="H100-SXM", peak_flops={"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, memory_bytes=80 * GB,
         memory_bytes_per_s=3350 * GB, sms=132, nvlink="nvlink4", host_link="pcie5", source=_H100,
-        fused_attention=_ATTN["hopper"]),
+        attention_share=FUSED_ATTENTION_EFFICIENCY["hopper"]),
     GPU(name="H100-PCIE", peak_flops={"fp16": 756e12, "bf16": 756e12, "fp32": 51e12}, memory_bytes=80 * GB,
         memory_bytes_per_s=2000 * GB, sms=114, nvlink=None, host_link="pcie5", source=_H100,
-        fused_attention=_ATTN["hopper"]),
+        attention_share=FUSED_ATTENTION_EFFICIENCY["hopper"]),
     GPU(name="L4", peak_flops={"fp16": 121e12, "bf16": 121e12, "fp32": 30.3e12}, memory_bytes=24 * GB,
         memory_bytes_per_s=300 * GB, sms=58, nvlink=None, host_link="pcie4", source=_L4,
-        fused_attention=_ATTN["ada"]),
+        attention_share=FUSED_ATTENTION_EFFICIENCY["ada"]),
     GPU(name="T4", peak_flops={"fp16": 65e12, "bf16": 0.0, "fp32": 8.1e12}, memory_bytes=16 * GB,
         memory_bytes_per_s=320 * GB, sms=40, nvlink=None, host_link="pcie3", source=_T4, tensor_core_alignment=8,
-        fused_attention=_ATTN["turing"]),
+        attention_share=FUSED_ATTENTION_EFFICIENCY["turing"]),
     GPU(name="A10G", peak_flops={"fp16": 70e12, "bf16": 70e12, "fp32": 31.2e12}, memory_bytes=24 * GB,
         memory_bytes_per_s=600 * GB, sms=80, nvlink=None, host_link="pcie4", source=_A10G,
-        fused_attention=_ATTN["ampere"]),
+        attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
 )}
 # Where a part comes as SXM and PCIe, the plain name is the SXM part (the issue's naming).
 ALIASES = {"V100": "V100-32GB", "A100": "A100-80GB", "H100": "H100-SXM", "V100-32GB-SXM2": "V100-32GB",

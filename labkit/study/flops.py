@@ -9,26 +9,29 @@ keeps for the backward (the activations). `roofline_s` turns the ops into second
   FLOPs / (per-SM peak x the GPU kind's GEMM efficiency) (tile and wave quantization, NVIDIA's "Matrix Multiplication
   Background User's Guide", DU-09799-001, ch. 3), and never less than its bytes / memory bandwidth;
 * a fused attention (torch's `scaled_dot_product_attention`, which a GPU runs as FlashAttention-2 or the
-  memory-efficient kernel) is one op each way: the FLOPs it executes (the backward recomputes the scores; a causal
-  mask skips the blocks above the diagonal) in waves of 128-query blocks at the GPU kind's fused-attention share of
-  the peak, never less than its bytes (Q, K, V, the output and their gradients: no s x s scores) / memory bandwidth;
+  memory-efficient kernel) is one op each way: the FLOPs it executes as FlashAttention's benchmarks count them (the
+  backward recomputes the scores, 2.5x the forward; a causal mask halves both) at the GPU kind's fused-attention
+  share of the peak, never less than its bytes (Q, K, V, the output and their gradients: no s x s scores) / memory
+  bandwidth;
 * every other op is memory-bound: bytes / (memory bandwidth x its memory efficiency) (the guide's ch. 2: an op
   whose FLOPs per byte are below the GPU's FLOPs:bytes ratio is limited by memory).
 
 So small micro-batches run far below peak for a reason the learner can see (partial waves, memory-bound
-GEMMs, element-wise ops that do not shrink with the GEMMs), with two constants per GPU kind (measured by this lab
-where it had that GPU, else assumed: `labkit.runtime.hardware.GPU.gemm_efficiency`), none per point.
+GEMMs, element-wise ops that do not shrink with the GEMMs), with three constants per GPU kind, the GEMMs', the
+memory's and the fused attention's shares (measured by this lab where it had that GPU, else published or assumed:
+`labkit.runtime.hardware.GPU`), none per point.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -42,6 +45,18 @@ TILE = 128               # cuBLAS's typical 128 x 128 output tile (the guide's s
 _GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"}
 
 
+class Attention(NamedTuple):
+    """A fused attention's shape: what its work depends on."""
+
+    heads: int       # batch x query heads
+    q_len: int
+    k_len: int
+    dim: int         # the query's and key's head dimension
+    v_dim: int       # the value's
+    causal: bool     # the causal flag and no other mask: the blocks above the diagonal are skipped
+    backward: bool
+
+
 @dataclass(frozen=True)
 class Op:
     name: str
@@ -51,8 +66,7 @@ class Op:
     # The GEMM as cuBLAS gets it, (m, k, lda, ldb, ldc, then a batched GEMM's strides between its matrices, which
     # set each matrix's address): what decides tensor cores under cuBLAS 10 (`_tensor_cores`)
     blas: tuple[int, ...] | None = None
-    # A fused attention: (batch x query heads, query length, key length, head dim, causal, backward)
-    attention: tuple[int, int, int, int, bool, bool] | None = None
+    attention: Attention | None = None  # a fused attention's shape
 
 
 @dataclass
@@ -126,6 +140,14 @@ class _Recorder(TorchDispatchMode):
         self.phase = "forward"
         self.muted = False  # while a fused op makes its outputs: they are its own writes, counted with it
 
+    @contextlib.contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        self.muted = True
+        try:
+            yield
+        finally:
+            self.muted = False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -148,65 +170,78 @@ ATTENTIONS = ("eager", "sdpa")
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def _new(recorder: _Recorder, like: torch.Tensor, shape: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
-    recorder.muted = True
-    try:
-        return like.new_empty(shape, dtype=dtype or like.dtype)
-    finally:
-        recorder.muted = False
-
-
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backward: bool,
-                  moved: float) -> Op:
+def _attention_op(attention: Attention, moved: float) -> Op:
     """The fused op's FLOPs as the eager kernels' matrix products count them (Q K^T and P V forward, four products
-    backward), so that model FLOPs do not depend on the kernel; what it executes is `attention_seconds`'s."""
-    heads = math.prod(q.shape[:-2])
-    q_len, k_len, dim = int(q.shape[-2]), int(k.shape[-2]), int(q.shape[-1])
-    forward = 2.0 * heads * q_len * k_len * (dim + int(v.shape[-1]))
-    return Op("fused_attention", 2 * forward if backward else forward, moved,
-              attention=(int(heads), q_len, k_len, dim, causal, backward))
+    backward), so that model FLOPs do not depend on the kernel; what it executes is `attention_work`'s."""
+    a = attention
+    forward = 2.0 * a.heads * a.q_len * a.k_len * (a.dim + a.v_dim)
+    return Op("fused_attention", 2 * forward if a.backward else forward, moved, attention=a)
 
 
 class _FusedAttention(torch.autograd.Function):
-    """scaled_dot_product_attention as a GPU runs it: one kernel each way that keeps the s x s scores on chip and
-    saves Q, K, V, its output and each row's log-sum-exp (FlashAttention-2's backward inputs) for the backward."""
+    """scaled_dot_product_attention as a GPU runs it: one kernel each way that keeps the scores on chip and saves
+    Q, K, V, its output and each row's log-sum-exp (FlashAttention-2's backward inputs; a mask too) for the
+    backward. Its outputs are zeros (real memory when counted on a CPU copy) laid out as its inputs."""
 
     @staticmethod
     def forward(ctx: Any, recorder: _Recorder, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                causal: bool) -> torch.Tensor:
-        out = _new(recorder, q, (*q.shape[:-1], v.shape[-1]))
-        lse = _new(recorder, q, q.shape[:-1], torch.float32)
-        moved = _nbytes((q, k, v, out, lse))
-        recorder.census.forward.append(_attention_op(q, k, v, causal, False, moved))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.recorder, ctx.causal = recorder, causal
+                mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:  # grouped-query: fewer key/value heads
+            lead = (*torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]), q.shape[-3])
+        else:
+            lead = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+        shape = (*lead, q.shape[-2], v.shape[-1])
+        with recorder.unrecorded():
+            out = torch.zeros_like(q) if tuple(q.shape) == shape else q.new_zeros(shape)
+            lse = q.new_zeros((*lead, q.shape[-2]), dtype=torch.float32)
+        ctx.attention = Attention(math.prod(lead), q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], causal, False)
+        getattr(recorder.census, recorder.phase).append(_attention_op(ctx.attention, _nbytes((q, k, v, mask, out,
+                                                                                              lse))))
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.recorder = recorder
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, mask = ctx.saved_tensors
         recorder = ctx.recorder
-        grads = tuple(_new(recorder, t, t.shape) for t in (q, k, v))
-        moved = _nbytes((q, k, v, out, lse, grad, *grads))
-        getattr(recorder.census, recorder.phase).append(_attention_op(q, k, v, ctx.causal, True, moved))
+        with recorder.unrecorded():
+            grads: list[torch.Tensor | None] = [torch.zeros_like(t) for t in (q, k, v)]
+            grads.append(torch.zeros_like(mask) if mask is not None and ctx.needs_input_grad[4] else None)
+        moved = _nbytes((q, k, v, mask, out, lse, grad, *grads))
+        getattr(recorder.census, recorder.phase).append(_attention_op(ctx.attention._replace(backward=True), moved))
         return (None, *grads, None)
 
 
+def _fused_sdpa(recorder: _Recorder) -> Callable[..., torch.Tensor]:
+    """scaled_dot_product_attention's signature, routed to `_FusedAttention` (on the meta device torch would run
+    its math fallback, the eager kernels)."""
+
+    def sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        call = dict(zip(_SDPA_ARGS[:len(args)], args, strict=True), **kwargs)
+        mask = call.get("attn_mask")
+        causal = bool(call.get("is_causal")) and mask is None
+        return _FusedAttention.apply(recorder, call["query"], call["key"], call["value"], mask, causal)
+
+    return sdpa
+
+
 class _FusedSdpa(TorchFunctionMode):
-    """Routes torch.nn.functional.scaled_dot_product_attention to `_FusedAttention` (on the meta device torch would
-    run its math fallback, the eager kernels); with a mask other than the causal flag nothing is skipped."""
+    """Routes scaled_dot_product_attention called by a name bound before the count (`from torch.nn.functional
+    import ...`); `count` swaps the module's own attribute, which a checkpoint's recompute in the backward calls
+    (function modes are off there)."""
 
     def __init__(self, recorder: _Recorder) -> None:
         super().__init__()
-        self.recorder = recorder
+        self.sdpa = _fused_sdpa(recorder)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        call = dict(zip(_SDPA_ARGS[:len(args)], args, strict=True), **kwargs)
-        causal = bool(call.get("is_causal")) and call.get("attn_mask") is None
-        return _FusedAttention.apply(self.recorder, call["query"], call["key"], call["value"], causal)
+        if func is _SDPA:
+            return self.sdpa(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 def count(step: Callable[[], torch.Tensor], params: list[torch.nn.Parameter] | None = None) -> Census:
@@ -224,34 +259,43 @@ def count(step: Callable[[], torch.Tensor], params: list[torch.nn.Parameter] | N
         return tensor
 
     recorder = _Recorder(census)
-    with recorder, _FusedSdpa(recorder), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = step()
-        recorder.phase = "backward"
-        loss.backward()
+    routed = _FusedSdpa(recorder)
+    torch.nn.functional.scaled_dot_product_attention = routed.sdpa
+    try:
+        with recorder, routed, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = step()
+            recorder.phase = "backward"
+            loss.backward()
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = _SDPA
     return census
 
 
-def attention_work(op: Op, sms: int) -> float:
-    """A fused attention's work in FLOPs as a GPU of `sms` SMs runs it: the FLOPs FlashAttention-2 executes (forward
-    Q K^T and P V; backward Q K^T again and four products, arXiv:2307.08691, Algorithm 2), over the blocks of
-    128 x 128 a causal mask leaves (the diagonal's included), x the waves of 128-query blocks per batch and head over
-    the SMs (its parallelisation, the paper's section 3.2) / the blocks: a partial wave counts whole."""
-    assert op.attention is not None
-    heads, q_len, k_len, dim, causal, backward = op.attention
-    blocks_q, blocks_k = math.ceil(q_len / TILE), math.ceil(k_len / TILE)
-    share = 1.0
-    if causal and blocks_q == blocks_k:
-        share = (blocks_q + 1) / (2 * blocks_q)
-    executed = 2.0 * heads * q_len * k_len * dim * (5 if backward else 2) * share
-    tiles = heads * blocks_q
-    return executed * math.ceil(tiles / sms) * sms / tiles
+def attention_work(a: Attention) -> float:
+    """The FLOPs a fused attention executes, counted as FlashAttention-2's benchmark counts them
+    (Dao-AILab/flash-attention@c082294e0f6c01d46318694a6f3e0274225a9683, benchmarks/benchmark_flash_attention.py,
+    `flops`: a causal mask halves the work, the backward is 2.5x the forward), the convention of the published shares
+    the model divides it by: forward Q K^T and P V; backward Q K^T again and four products (arXiv:2307.08691,
+    Algorithm 2). No wave quantization: a published share is the kernel's throughput over that benchmark's grid
+    (batch x tokens 32 x 512 to 1 x 16,384, width 2,048, head dims 64 and 128), whose low end is taken."""
+    products = 2.0 * a.heads * a.q_len * a.k_len
+    executed = products * (3 * a.dim + 2 * a.v_dim if a.backward else a.dim + a.v_dim)
+    return executed / 2 if a.causal else executed
 
 
 def attention_seconds(op: Op, gpu: GPU, precision: str) -> float:
     """A fused attention's compute time: its work (`attention_work`) at the GPU kind's fused-attention share of the
     peak (fp32 runs on the CUDA cores)."""
+    assert op.attention is not None
     peak = gpu.cuda_core_peak(precision) if precision == "fp32" else gpu.peak(precision)
-    return attention_work(op, gpu.sms) / (peak * gpu.attention_efficiency)
+    return attention_work(op.attention) / (peak * gpu.attention_efficiency)
+
+
+def attention_share(heads: int, tokens: int, dim: int, seconds: float, peak: float) -> float:
+    """The share of `peak` at which a causal self-attention's forward + backward took `seconds`, its work counted
+    as `attention_seconds` counts it: what bench_gpu_constants.py measures and the model then divides by."""
+    work = sum(attention_work(Attention(heads, tokens, tokens, dim, dim, True, back)) for back in (False, True))
+    return work / seconds / peak
 
 
 def op_seconds(op: Op, gpu: GPU, precision: str) -> float:

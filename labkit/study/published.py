@@ -48,9 +48,8 @@ MEGATRON_VOCAB_DIVISOR = 128
 REQUIRED = ("point_id", "source", "locator", "layers", "hidden", "heads", "seq", "vocab", "gpu", "gpus",
             "gpus_per_node", "precision", "stage", "metric", "value")
 OPTIONAL = ("model", "code", "dropout", "arch", "kv_heads", "ffn", "tied_embeddings", "attention", "nodes", "intra",
-            "inter_gbps",
-            "offload_optimizer", "activation_checkpointing", "micro_batch", "global_batch", "zero", "flops_formula",
-            "notes")
+            "inter_gbps", "offload_optimizer", "activation_checkpointing", "micro_batch", "global_batch", "zero",
+            "flops_formula", "notes")
 POSITIVE_INTS = ("layers", "hidden", "heads", "seq", "vocab", "kv_heads", "ffn", "gpus", "gpus_per_node", "nodes",
                  "micro_batch", "global_batch")
 NUMBERS = ("value", "inter_gbps", "dropout")
