@@ -2,19 +2,24 @@
 
 A real 1-rank engine (the CPU accelerator, gloo) takes three steps of a 4-layer 1024 x 1024 model; the third
 `engine.step()` runs under a TorchDispatchMode that adds up every aten op's bytes: what it reads (its tensor
-arguments), what it writes (its outputs, and the arguments an in-place op writes, which a `_foreach_*_` returns
-none of). The Adam update itself is DeepSpeed's fused kernel, an extension of its own that no dispatch mode sees;
-its traffic is added by its source: `FUSED_ADAM_BYTES_PER_PARAM`. So the figure is what 0.19.8's step does around
-the kernel (the overflow check, the gradient norm in fp64, the casts to the fp32 partition, the unscale and clip, the
-copy back to 16 bits), per stage and precision, not a hand count. Plain PyTorch (`torch`): torch.optim.Adam's
-default step on a GPU (foreach, fp32 parameters), counted the same way, kernel and all.
+arguments, each tensor once however often it is passed), what it writes (its outputs, and the arguments an in-place
+op writes, which a `_foreach_*_` returns none of); an allocation moves nothing. The Adam update itself is DeepSpeed's
+fused kernel, an extension of its own that no dispatch mode sees; its traffic is added by its source:
+`FUSED_ADAM_BYTES_PER_PARAM`. So the figure is what 0.19.8's step does around the kernel (the overflow check, the
+gradient norm, the casts to the fp32 partition, the unscale and clip, the copy back to 16 bits), per stage and
+precision, at DeepSpeed's defaults (gradient clipping on, 1.0), not a hand count. Stage 0 in bf16 runs
+FP16_Optimizer with a bf16 dtype, as in fp16 (engine.py's `_configure_fp16_optimizer` for a fused Adam; its
+BF16_Optimizer is for pipeline parallelism or ZeRO-1 with fp32 gradient accumulation). Plain PyTorch (`torch`):
+torch.optim.Adam's default step on a GPU (foreach, fp32 parameters), counted the same way, kernel and all.
 
     python -m labkit.study.optimizer_bytes --out data/predict-ci/optimizer_bytes.json   # ~1 min on 2 cores
 
 `labkit.study.predict` reads the file (`step_bytes`). Each count runs in its own process (`python -m
-labkit.study.optimizer_bytes --one STAGE PRECISION`), so that no caller inherits a process group. The CPU
-accelerator runs the same aten ops as CUDA's here (the norm's fp64 too: both support it); ZeRO-Offload's step is
-the host's, timed apart (`predict._offload_s`).
+labkit.study.optimizer_bytes --one STAGE PRECISION`), so that no caller inherits a process group, on DeepSpeed's CPU
+accelerator even where a GPU is (the count is of aten ops, not a timing). It runs the same aten ops as CUDA's here
+(the norm's fp64 too: both support it; its other accelerator branches pick streams); at 2 ranks the bytes per owned
+parameter are the same, plus the updated parameters' all-gather, which the model counts as communication.
+ZeRO-Offload's step is the host's, timed apart (`predict._offload_s`).
 """
 
 from __future__ import annotations
@@ -30,25 +35,35 @@ import time
 from pathlib import Path
 from typing import Any
 
+FORMAT = "labkit-optimizer-bytes/1"
 STAGES = ("torch", "0", "1", "2", "3")
 PRECISIONS = ("fp16", "bf16", "fp32")
 OPTIMIZER_BYTES_JSON = Path(__file__).resolve().parents[2] / "data" / "predict-ci" / "optimizer_bytes.json"
 # DeepSpeed's fused Adam (csrc/adam/multi_tensor_adam.cu, AdamFunctor): per fp32 parameter it reads the parameter,
 # its gradient, exp_avg and exp_avg_sq (16 B) and writes the parameter, exp_avg and exp_avg_sq (12 B).
 FUSED_ADAM_BYTES_PER_PARAM = 28
-# In-place ops that write their argument without reading it
+# In-place ops that write their argument without reading it, and allocations (no kernel)
 OVERWRITES = {"aten.copy_", "aten.zero_", "aten.fill_"}
+ALLOCATIONS = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
 WIDTH, LAYERS = 1024, 4  # 4.2M parameters: the per-tensor scalars (norms, flags) are < 0.01 B per parameter
 
 
-def _nbytes(value: Any) -> int:
+def _tensors(value: Any) -> list[Any]:
     import torch
 
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return [value]
     if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _nbytes(*values: Any) -> int:
+    """The bytes of the tensors in `values`, each counted once (`addcmul_(v, g, g)` reads g once)."""
+    seen = {}
+    for t in _tensors(list(values)):
+        seen[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)] = t
+    return sum(t.numel() * t.element_size() for t in seen.values())
 
 
 def _recorder() -> Any:
@@ -68,6 +83,8 @@ def _recorder() -> Any:
             if schema.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
                 return out  # a view: no kernel
             name = str(func.overloadpacket)
+            if name in ALLOCATIONS:
+                return out
             values = dict(zip([a.name for a in schema.arguments], args, strict=False), **kwargs)
             written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
             read = [v for k, v in values.items() if not (name in OVERWRITES and k in written)]
@@ -96,7 +113,7 @@ def count_deepspeed_step(stage: int, precision: str) -> dict[str, Any]:
     import torch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+                      LOCAL_RANK="0", DS_ACCELERATOR="cpu")
     from labkit.runtime.ds_import import import_deepspeed
 
     import_deepspeed()
@@ -120,11 +137,10 @@ def count_deepspeed_step(stage: int, precision: str) -> dict[str, Any]:
         if step < 2:
             engine.step()
             continue
-        skipped = engine.skipped_steps
         with traffic:
             engine.step()
-        if engine.skipped_steps != skipped:
-            raise RuntimeError("the counted step overflowed and was skipped: it ran no optimizer")
+    if engine.skipped_steps:  # a skipped step runs no optimizer; a skipped first one would move its set-up here
+        raise RuntimeError(f"{engine.skipped_steps} of the 3 steps overflowed and were skipped: nothing to count")
     params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
     return {"stage": stage, "precision": precision, "optimizer": type(engine.optimizer).__name__,
             **_summary(traffic.by_op, params, FUSED_ADAM_BYTES_PER_PARAM)}
@@ -159,8 +175,13 @@ def _free_port() -> int:
 
 def count_in_subprocess(stage: str, precision: str, timeout_s: float = 300) -> dict[str, Any]:
     """One count in a child process (its process group and DeepSpeed's state die with it)."""
-    done = subprocess.run([sys.executable, "-m", "labkit.study.optimizer_bytes", "--one", stage, precision],
-                          capture_output=True, text=True, timeout=timeout_s)
+    try:
+        done = subprocess.run([sys.executable, "-m", "labkit.study.optimizer_bytes", "--one", stage, precision],
+                              capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"counting stage {stage} {precision} took over {timeout_s:.0f} s: "
+                           f"{str(exc.stderr or '')[-1500:]}") from None
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"counting stage {stage} {precision} failed (exit {done.returncode}): "
@@ -170,12 +191,11 @@ def count_in_subprocess(stage: str, precision: str, timeout_s: float = 300) -> d
 
 def measure() -> dict[str, Any]:
     """Every stage x precision DeepSpeed runs (plain PyTorch: fp32 parameters only), each in its own process."""
-    import deepspeed
-    import torch
+    from importlib.metadata import version
 
     counts = [count_in_subprocess("torch", "fp32")]
     counts += [count_in_subprocess(stage, precision) for stage in STAGES[1:] for precision in PRECISIONS]
-    return {"format": "labkit-optimizer-bytes/1", "deepspeed": deepspeed.__version__, "torch": torch.__version__,
+    return {"format": FORMAT, "deepspeed": version("deepspeed"), "torch": version("torch"),
             "date": time.strftime("%Y-%m-%d %H:%M"), "model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}, bias=False)",
             "source": "python -m labkit.study.optimizer_bytes (its docstring says how it counts)", "counts": counts}
 
@@ -183,6 +203,8 @@ def measure() -> dict[str, Any]:
 @functools.lru_cache(maxsize=1)
 def _table(path: str) -> dict[tuple[str, str], float]:
     data = json.loads(Path(path).read_text())
+    if data.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} file (python -m labkit.study.optimizer_bytes --out writes one)")
     return {(str(c["stage"]), str(c["precision"])): float(c["bytes_per_param"]) for c in data["counts"]}
 
 
@@ -205,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.one:
         stage, precision = args.one
-        if stage not in STAGES or precision not in PRECISIONS:
-            parser.error(f"STAGE must be one of {STAGES} and PRECISION one of {PRECISIONS}")
+        if stage not in STAGES or precision not in PRECISIONS or (stage == "torch" and precision != "fp32"):
+            parser.error(f"STAGE must be one of {STAGES} and PRECISION one of {PRECISIONS} (torch: fp32, the "
+                         f"plain loop's parameters)")
         print(json.dumps(count_torch_adam() if stage == "torch" else count_deepspeed_step(int(stage), precision)))
         return 0
     if not args.out:
