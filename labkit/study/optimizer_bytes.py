@@ -112,8 +112,12 @@ def count_deepspeed_step(stage: int, precision: str) -> dict[str, Any]:
 
     import torch
 
+    from labkit.runtime.ops import DEFAULT_EXTENSIONS_DIR, interpreter_path
+
+    # DeepSpeed's fused Adam from the ops `make ops` built (a JIT build here would take a minute)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", DS_ACCELERATOR="cpu")
+                      LOCAL_RANK="0", DS_ACCELERATOR="cpu", PATH=interpreter_path(os.environ.get("PATH")),
+                      TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR") or str(DEFAULT_EXTENSIONS_DIR))
     from labkit.runtime.ds_import import import_deepspeed
 
     import_deepspeed()
