@@ -221,7 +221,7 @@ def test_two_runs_that_fit_only_one_at_a_time_run_one_after_the_other(runs_root,
 
     # Long enough (a few seconds) for launch_all to sample each run's processes (every admission.SAMPLE_S):
     # a warm launch of SMALL's 4 steps ends before the first sample.
-    config = RunConfig(**{**SMALL, "steps": 3000})
+    config = RunConfig(**{**SMALL, "steps": 1000})
     one = admission.Admission.here().estimate(config)
     monkeypatch.setenv(admission.MEMORY_LIMIT_ENV, str(limit_for(1.5, one)))
     stream = io.StringIO()
