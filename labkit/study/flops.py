@@ -195,8 +195,8 @@ class _FusedAttention(torch.autograd.Function):
             out = torch.zeros_like(q) if tuple(q.shape) == shape else q.new_zeros(shape)
             lse = q.new_zeros((*lead, q.shape[-2]), dtype=torch.float32)
         ctx.attention = Attention(math.prod(lead), q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], causal, False)
-        getattr(recorder.census, recorder.phase).append(_attention_op(ctx.attention, _nbytes((q, k, v, mask, out,
-                                                                                              lse))))
+        moved = _nbytes((q, k, v, mask, out, lse))
+        getattr(recorder.census, recorder.phase).append(_attention_op(ctx.attention, moved))
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.recorder = recorder
         return out
