@@ -28,7 +28,6 @@ import argparse
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -112,10 +111,11 @@ def count_deepspeed_step(stage: int, precision: str) -> dict[str, Any]:
 
     import torch
 
+    from labkit.launch.launcher import free_port
     from labkit.runtime.ops import DEFAULT_EXTENSIONS_DIR, interpreter_path
 
     # DeepSpeed's fused Adam from the ops `make ops` built (a JIT build here would take a minute)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", DS_ACCELERATOR="cpu", PATH=interpreter_path(os.environ.get("PATH")),
                       TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR") or str(DEFAULT_EXTENSIONS_DIR))
     from labkit.runtime.ds_import import import_deepspeed
@@ -169,12 +169,6 @@ def count_torch_adam() -> dict[str, Any]:
     # foreach: every pass is an aten op, the update included (no kernel of its own to add)
     return {"stage": "torch", "precision": "fp32", "optimizer": "torch.optim.Adam(foreach=True)",
             **_summary(traffic.by_op, sum(p.numel() for p in params), 0)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def count_in_subprocess(stage: str, precision: str, timeout_s: float = 300) -> dict[str, Any]:
