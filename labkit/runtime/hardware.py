@@ -36,7 +36,8 @@ ASSUMED = "assumed (no measurement of this GPU kind loaded): GEMM 0.8 of peak, m
 #   theoretical maximum FLOPs/s on A100" (Dao, arXiv:2307.08691, abstract), over its grid of lengths, taken for
 #   forward + backward (the abstract gives no split);
 # * Hopper (H100): 0.35, "FlashAttention-2 achieving only 35% utilization on the H100 GPU" (Shah et al.,
-#   FlashAttention-3, arXiv:2407.08608, abstract): the kernel torch's SDPA runs there;
+#   FlashAttention-3, arXiv:2407.08608, abstract): SDPA's flash backend (a cuDNN backend, where torch picks it, or
+#   FlashAttention-3 run faster there);
 # * Ada (L4): 0.50, ASSUMED as Ampere's (FlashAttention-2 runs there; no published share found);
 # * Volta and Turing (V100, T4): 0.25, ASSUMED: FlashAttention-2 does not run there and torch runs its
 #   memory-efficient kernel; the low end of the first FlashAttention's "25-40%" on A100 (the FlashAttention-2
@@ -187,7 +188,7 @@ class Measured:
     # in place, and fp32 parameters copied into a bf16 buffer
     offload_unscale_s_per_param: float | None = None
     offload_to_bit16_s_per_param: float | None = None
-    # torch's scaled_dot_product_attention, forward + backward, causal: the best share of the dense bf16 peak over
+    # torch's scaled_dot_product_attention, forward + backward, causal: the best share of the dense 16-bit peak over
     # its grid, counted as flops.attention_work counts the work (what the model divides by it)
     attention_efficiency: float | None = None
 
