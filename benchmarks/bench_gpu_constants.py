@@ -46,7 +46,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -368,12 +367,6 @@ def host_median(fn: Callable[[], Any], repeats: int) -> float:
     return float(statistics.median(times))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure_zero3(cuda: bool, quick: bool, clock: Clock) -> dict[str, Any]:
     """ZeRO-3's host cost per module at 1 rank: stage 3 minus stage 0, per module (the slope over two depths) and
     per micro-step (the intercept), forward + backward and the optimizer step, each timed with the device
@@ -382,6 +375,8 @@ def measure_zero3(cuda: bool, quick: bool, clock: Clock) -> dict[str, Any]:
 
     import torch
     from torch import nn
+
+    from labkit.launch.launcher import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")

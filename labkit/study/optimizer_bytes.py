@@ -175,8 +175,7 @@ def count_in_subprocess(stage: str, precision: str, timeout_s: float = 300) -> d
     """One count in a child process (its process group and DeepSpeed's state die with it)."""
     try:
         done = subprocess.run([sys.executable, "-m", "labkit.study.optimizer_bytes", "--one", stage, precision],
-                              capture_output=True, text=True, timeout=timeout_s,
-                              env={**os.environ, "DS_ACCELERATOR": "cpu"})
+                              capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
         raise RuntimeError(f"counting stage {stage} {precision} took over {timeout_s:.0f} s: "
                            f"{str(exc.stderr or '')[-1500:]}") from None
