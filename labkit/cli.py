@@ -305,16 +305,16 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
                       help="calibrate on a finished run and predict it at another --world-size/--micro-batch/--stage")
     for name in ("hidden", "depth", "input_size"):
         predict.add_argument(flag(name), type=int, default=None, help=_flag_help(name))
-    predict.add_argument("--gpu", default="A100-80GB",
+    predict.add_argument("--gpu", default=None,
                          help="GPU kind (labkit.study.predict.HARDWARE; default A100-80GB)")
-    predict.add_argument("--gpus-per-node", type=int, default=1, help="GPUs in one node (default 1)")
-    predict.add_argument("--nodes", type=int, default=1, help="nodes (default 1); several need --inter-gbps")
-    predict.add_argument("--intra", default="auto", help="link inside a node: nvlink2, nvlink3, nvlink4, nvswitch "
+    predict.add_argument("--gpus-per-node", type=int, default=None, help="GPUs in one node (default 1)")
+    predict.add_argument("--nodes", type=int, default=None, help="nodes (default 1); several need --inter-gbps")
+    predict.add_argument("--intra", default=None, help="link inside a node: nvlink2, nvlink3, nvlink4, nvswitch "
                          "(the NVSwitch of the GPU's generation), pcie3, pcie4, pcie5; auto (default): NVSwitch "
                          "where the GPU has NVLink, else its PCIe")
-    predict.add_argument("--inter-gbps", type=float, default=0.0,
+    predict.add_argument("--inter-gbps", type=float, default=None,
                          help="the node's total network bandwidth in Gb/s (8 HDR links: 1600; one EDR: 100)")
-    predict.add_argument("--host-cpu", default="auto", type=str.lower,
+    predict.add_argument("--host-cpu", default=None, type=str.lower,
                          help="the nodes' CPU vendor, intel, amd or other (NCCL's network overhead per ring step); "
                          "auto (default): the GPU kind's DGX")
     predict.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage (default 0)")

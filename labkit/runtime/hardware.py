@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -367,18 +368,32 @@ def gpu(name: str) -> GPU:
     return GPUS[ALIASES.get(key, key)]
 
 
-def intra_link(name: str, gpu_kind: GPU) -> Link:
+# An NVLink bridge joins two PCIe cards: the A100 PCIe's at 600 GB/s (its datasheet, _A100: "NVIDIA NVLink Bridge
+# for 2 GPUs"), NVLink 3's figure. The H100 PCIe's bridge (600 GB/s) is slower than NVLink 4 and has no preset.
+NVLINK_BRIDGE = {"A100-40GB-PCIE": "nvlink3", "A100-80GB-PCIE": "nvlink3"}
+
+
+def links_for(gpu_kind: GPU, gpus_per_node: int = 1) -> list[str]:
+    """The links a node of `gpus_per_node` such GPUs can have: its own NVLink (and NVSwitch) on an SXM part, a
+    bridge on a pair of bridgeable PCIe cards, and its PCIe generation or an older one (an older slot)."""
+    names = [gpu_kind.nvlink, "nvswitch"] if gpu_kind.nvlink else []
+    if gpu_kind.name in NVLINK_BRIDGE and gpus_per_node <= 2:
+        names.append(NVLINK_BRIDGE[gpu_kind.name])
+    return [*names, *(p for p in ("pcie3", "pcie4", "pcie5") if p <= gpu_kind.host_link)]
+
+
+def intra_link(name: str, gpu_kind: GPU, gpus_per_node: int = 1) -> Link:
     """The link inside a node; `nvswitch` is the NVLink of the GPU's own generation; `auto` that where the GPU has
-    NVLink, else its PCIe generation."""
+    NVLink, else its PCIe generation. A link the GPU cannot have (NVLink 4 on a V100, NVLink on a T4) is refused."""
     if name == "auto":
         name = "nvswitch" if gpu_kind.nvlink else gpu_kind.host_link
     if name not in INTRA_LINKS:
         raise ValueError(f"unknown link {name!r}; known: {', '.join(INTRA_LINKS)}")
-    if name == "nvswitch":
-        if gpu_kind.nvlink is None:
-            raise ValueError(f"{gpu_kind.name} has no NVLink (a PCIe card): use {gpu_kind.host_link}")
-        name = gpu_kind.nvlink
-    return LINKS[name]
+    allowed = links_for(gpu_kind, gpus_per_node)
+    if name not in allowed:
+        raise ValueError(f"{gpu_kind.name} cannot have {name} in a node of {gpus_per_node} GPU(s); its links: "
+                         f"{', '.join(allowed)}")
+    return LINKS[gpu_kind.nvlink if name == "nvswitch" and gpu_kind.nvlink else name]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -395,9 +410,11 @@ class Cluster:
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nodes < 1:
             raise ValueError("gpus_per_node and nodes must be >= 1")
+        if not math.isfinite(self.inter_gbps) or self.inter_gbps < 0:
+            raise ValueError(f"--inter-gbps must be a finite bandwidth >= 0 Gb/s, got {self.inter_gbps}")
         if self.nodes > 1 and self.inter_gbps <= 0:
             raise ValueError("several nodes need --inter-gbps, the node's network bandwidth in Gb/s")
-        intra_link(self.intra, self.gpu)  # validates the name
+        intra_link(self.intra, self.gpu, self.gpus_per_node)  # validates the name and that the GPU can have it
         if self.host_cpu not in HOST_CPUS:
             raise ValueError(f"unknown host CPU {self.host_cpu!r}; known: {', '.join(HOST_CPUS)}")
 
@@ -406,7 +423,7 @@ class Cluster:
         return self.gpus_per_node * self.nodes
 
     def link(self) -> Link:
-        return intra_link(self.intra, self.gpu)
+        return intra_link(self.intra, self.gpu, self.gpus_per_node)
 
     def bus_bytes_per_s(self, ranks: int | None = None) -> float:
         """The bus bandwidth a ring over `ranks` GPUs (default: all) gets: inside one node, the intra link;

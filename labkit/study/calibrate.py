@@ -5,6 +5,7 @@ that against 2-rank runs (`cpu_comparison`, data/predict-ci/). Every figure it r
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,10 +180,11 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
     micro_old = max(compute_old - optimizer_old, 0.0) / accum
     speed = effective_cores(run.threads_per_rank, old_n, cores) / effective_cores(new_threads, new_n, cores)
     scale = 1.0
+    work = ModuleWorkload(config)
+    new_c = work.census(new_m, precision)
     if new_m != old_m:
-        work = ModuleWorkload(config)
         device = device or measure_cpu_device()
-        old_c, new_c = work.census(old_m, precision), work.census(new_m, precision)
+        old_c = work.census(old_m, precision)
         scale = device.seconds(new_c.forward + new_c.backward) / device.seconds(old_c.forward + old_c.backward)
     micro_new = micro_old * scale * speed
     optimizer_new = optimizer_old * speed * partition_ranks(old_stage, old_n) / partition_ranks(new_stage, new_n)
@@ -194,12 +196,52 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
                      hide_behind={"forward": share, "backward": share} if spare else {})
     step = accum * micro_new + optimizer_new + comm.exposed_s
     global_batch = new_m * accum * new_n
+    tflops = accum * new_c.flops() / step / 1e12  # per rank; the lab's models recompute nothing
+    memory = memory_here(work, {**run.config, "world_size": new_n, "stage": new_stage, "micro_batch": new_m,
+                                "threads_per_rank": new_threads}, precision)
     return {"predicted": True, "calibrated_from": run.run_dir, "world_size": new_n, "micro_batch": new_m,
             "grad_accum": accum, "stage": new_stage, "offload_optimizer": run.offload, "threads_per_rank": new_threads,
             "global_batch": global_batch, "step_time_s": step, "samples_per_s": global_batch / step,
+            "model_tflops_per_gpu": tflops, "hardware_tflops_per_gpu": tflops, **memory,
             "compute_s": accum * micro_new + optimizer_new, "optimizer_s": optimizer_new, "comm_s": comm.total_s,
             "exposed_comm_s": comm.exposed_s, "offload_s": 0.0, "measured_step_time_s": run.step_time_s,
             "compute_per_collective_s": busy, "collectives": comm.rows}
+
+
+def memory_here(work: ModuleWorkload, values: dict[str, Any], precision: str) -> dict[str, Any]:
+    """`device_bytes` (one CPU rank: its base, model states and activations, as labkit's admission estimates a run
+    before it starts), `fits` (all the ranks and the launcher, in what this machine could give runs) and
+    `max_micro_batch`, for the run's config at `values`. Activations: the admission's facts for labkit's MLP, else
+    the census (at 1 and 2 samples: a fixed part, then bytes per added sample)."""
+    import psutil
+
+    from labkit.core.config import RunConfig, without_local_device_checks
+    from labkit.launch import admission
+
+    with without_local_device_checks():
+        config = RunConfig.from_dict({k: v for k, v in values.items() if k in RunConfig.__dataclass_fields__})
+    here = admission.Admission.here()
+    facts = here.learned.model(config)
+    fixed = 0.0
+    if facts is None or facts.activation_bytes_per_sample is None:
+        one, two = (work.census(m, precision).saved_bytes for m in (1, 2))
+        fixed, facts = one - (two - one), admission.ModelFacts(work.n_params, two - one)
+
+    def at(micro: int) -> admission.Estimate:
+        with without_local_device_checks():
+            variant = dataclasses.replace(config, micro_batch=micro)
+        return admission.estimate(variant, model=facts, is_cpu=True, rank_base_bytes=here.learned.rank_base_bytes,
+                                  launcher_bytes=here.learned.launcher_bytes, cores=here.cores)
+
+    def total(micro: int) -> float:
+        return at(micro).total_bytes + config.world_size * fixed
+
+    room, _ = admission.room_bytes(vm_total=psutil.virtual_memory().total, limit=admission.memory_limit(),
+                                   tree_rss=0)
+    per_sample = total(2) - total(1)
+    largest = 0 if total(1) > room or per_sample <= 0 else 1 + int((room - total(1)) // per_sample)
+    return {"device_bytes": float(at(config.micro_batch).rank_bytes + fixed), "fits": total(config.micro_batch) <= room,
+            "max_micro_batch": largest, "memory_room_bytes": float(room)}
 
 
 def _calls(rows: list[Any]) -> float:

@@ -375,6 +375,9 @@ class Transformer:
                 raise ValueError(f"transformer {name} must be >= 1")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if not gpt2 and (self.hidden // self.heads) % 2:
+            raise ValueError(f"a {self.arch} transformer's head dimension, hidden / heads = "
+                             f"{self.hidden // self.heads}, must be even: rotary positions turn pairs of its features")
         if self.heads % kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({kv_heads})")
         if gpt2 and (kv_heads != self.heads or not tied):
@@ -394,6 +397,8 @@ class Transformer:
             if not sep or key not in (*ints, "dropout", "arch", "tied", "attention"):
                 raise ValueError(f"--transformer takes layers=,hidden=,heads=,seq=[,vocab=,dropout=,arch=,kv_heads=,"
                                  f"ffn=,tied=,attention=], got {part!r}")
+            if key in values:
+                raise ValueError(f"--transformer {key} given twice")
             if key in ("arch", "attention"):
                 values[key] = value
             elif key == "tied":

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -519,8 +520,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if micro_batch < 1 or grad_accum < 1:
         raise ValueError("micro_batch and grad_accum must be >= 1")
-    if host_memory_gb_per_s is not None and host_memory_gb_per_s <= 0:
-        raise ValueError(f"host_memory_gb_per_s must be > 0, got {host_memory_gb_per_s}")
+    if host_memory_gb_per_s is not None and not (0 < host_memory_gb_per_s < math.inf):
+        raise ValueError(f"host_memory_gb_per_s must be a finite bandwidth > 0, got {host_memory_gb_per_s}")
     stage, offload = STRATEGIES[strategy]
     if zero:
         if stage is None:
@@ -553,8 +554,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     offload_s = _offload_s(stage, offload, owned, grad_accum, cluster, precision, host_memory_gb_per_s)
     step = compute_s + comm.exposed_s + offload_s
     global_batch = micro_batch * grad_accum * n
-    states, fits, max_micro = _memory(workload, cluster, stage, offload, precision, micro_batch,
-                                      activation_checkpointing, zero)
+    states, max_micro = _memory(workload, cluster, stage, offload, precision, activation_checkpointing, zero)
+    fits = states + costs.activation_bytes <= gpu.memory_bytes
     return Prediction(
         strategy=strategy, world_size=n, micro_batch=micro_batch, grad_accum=grad_accum, global_batch=global_batch,
         step_time_s=step, samples_per_s=global_batch / step,
@@ -606,8 +607,8 @@ def offload_host(gpu: GPU, precision: str, host_memory_gb_per_s: float | None = 
                     f"CPU Adam and its two passes: {source}")
         return (adam * (1 + passes_bytes / CPU_ADAM_BYTES_PER_PARAM),
                 f"CPU Adam: {source}; its two passes at CPU Adam's bytes per second (assumed)")
-    if host_memory_gb_per_s is not None and host_memory_gb_per_s <= 0:
-        raise ValueError(f"host_memory_gb_per_s must be > 0, got {host_memory_gb_per_s}")
+    if host_memory_gb_per_s is not None and not (0 < host_memory_gb_per_s < math.inf):
+        raise ValueError(f"host_memory_gb_per_s must be a finite bandwidth > 0, got {host_memory_gb_per_s}")
     bandwidth = host_memory_gb_per_s or DEFAULT_HOST_MEMORY_GB_PER_S
     given = "given" if host_memory_gb_per_s else "assumed (DEFAULT_HOST_MEMORY_GB_PER_S)"
     return ((CPU_ADAM_BYTES_PER_PARAM + passes_bytes) / (bandwidth * GB * HOST_MEMORY_EFFICIENCY),
@@ -616,12 +617,11 @@ def offload_host(gpu: GPU, precision: str, host_memory_gb_per_s: float | None = 
 
 
 def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bool, precision: str,
-            micro_batch: int, checkpointing: bool,
-            settings: Mapping[str, Any] | None = None) -> tuple[float, bool, int]:
-    """(device bytes of the model states + bucket, fits, the largest micro-batch that fits): states from
+            checkpointing: bool, settings: Mapping[str, Any] | None = None) -> tuple[float, int]:
+    """(device bytes of the model states + bucket, the largest micro-batch that fits): states from
     labkit.core.memory (DeepSpeed 0.19.8's accounting; the bucket and ZeRO-3's persistent parameters as the
-    `settings` make them), activations counted on the meta device (linear in the micro-batch: measured at 1
-    sample)."""
+    `settings` make them), activations counted on the meta device at 1 and 2 samples (a part that does not grow
+    with the micro-batch, then the same bytes per added sample)."""
     n = cluster.world_size
     mem_precision = "fp32" if precision == "fp32" else precision
     zero = 0 if stage is None else stage
@@ -635,10 +635,12 @@ def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bo
     states = memory.model_state_bytes(workload.n_params, zero, n, mem_precision, offload,
                                       persistent_params=persistent if zero == 3 else 0)
     device = states["device_bytes"] + (bucket if stage else 0)
-    per_sample = workload.costs(1, cluster.gpu, precision, checkpointing).activation_bytes
-    room = cluster.gpu.memory_bytes - device
-    max_micro = max(0, int(room // per_sample)) if per_sample > 0 else 0
-    return device, micro_batch <= max_micro, max_micro
+    one = workload.costs(1, cluster.gpu, precision, checkpointing).activation_bytes
+    per_sample = workload.costs(2, cluster.gpu, precision, checkpointing).activation_bytes - one
+    room = cluster.gpu.memory_bytes - device - one
+    if room < 0:
+        return device, 0
+    return device, 1 + int(room // per_sample) if per_sample > 0 else 0
 
 
 # -- time to the same loss --------------------------------------------------------------------------------------

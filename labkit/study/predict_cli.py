@@ -3,6 +3,7 @@ flags or from a measured run (`--from RUN_DIR`, calibrated by labkit.study.calib
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,40 @@ def _bad(field_name: str, message: str) -> Exception:
     return ConfigError(field_name, message)
 
 
+DEFAULT_GPU = "A100-80GB"
+# The flags each way of predicting reads (the parser's defaults are None or False, so a flag given is one set):
+# a flag the chosen way does not read is refused, not ignored.
+FLAGS_FOR_SHAPES = ("gpu", "gpus_per_node", "nodes", "intra", "inter_gbps", "host_cpu", "plain_pytorch",
+                    "offload_optimizer", "global_batch", "grad_accum", "precision", "activation_checkpointing",
+                    "host_memory_gb_per_s", "zero", "b_crit", "results", "card")
+FLAGS_FOR_LAB_MODELS = ("hidden", "depth", "input_size")
+FLAGS_FOR_RUNS = ("world_size", "threads_per_rank", "links")
+
+
+def _refuse_unread(args: Any) -> None:
+    """Exit 2 naming every flag the chosen way (--transformer, --model or --from) does not read."""
+    def given(names: tuple[str, ...]) -> list[str]:
+        return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) not in (None, False)]
+
+    if args.from_run:
+        unread, why = given(FLAGS_FOR_SHAPES + FLAGS_FOR_LAB_MODELS), (
+            "--from predicts its run on this machine at another --world-size, --micro-batch, --stage or "
+            "--threads-per-rank (its model, precision and hardware are the run's)")
+    else:
+        unread, why = given(FLAGS_FOR_RUNS), "--world-size, --threads-per-rank and --links are --from's"
+        if args.transformer:
+            unread += given(FLAGS_FOR_LAB_MODELS)
+            why += "; --hidden, --depth and --input-size size a lab --model (a --transformer has its shape)"
+    if unread:
+        raise _bad("predict", f"{', '.join(unread)} not read here: {why}")
+
+
 def _cluster(args: Any) -> Cluster:
     try:
-        kind = find_gpu(args.gpu)
-        return Cluster(gpu=kind, gpus_per_node=args.gpus_per_node, nodes=args.nodes, intra=args.intra,
-                       inter_gbps=args.inter_gbps, host_cpu=args.host_cpu)
+        kind = find_gpu(args.gpu or DEFAULT_GPU)
+        return Cluster(gpu=kind, gpus_per_node=args.gpus_per_node or 1, nodes=args.nodes or 1,
+                       intra=args.intra or "auto", inter_gbps=0.0 if args.inter_gbps is None else args.inter_gbps,
+                       host_cpu=args.host_cpu or "auto")
     except ValueError as exc:
         raise _bad("hardware", str(exc)) from None
 
@@ -96,8 +126,8 @@ def _accumulation(args: Any, micro: int, world_size: int) -> int:
 
 def _b_crit(args: Any) -> float | None:
     if args.b_crit is not None:
-        if args.b_crit <= 0:
-            raise _bad("b_crit", "--b-crit must be > 0")
+        if not 0 < args.b_crit < math.inf:
+            raise _bad("b_crit", f"--b-crit must be a finite batch size > 0, got {args.b_crit}")
         return float(args.b_crit)
     if args.results:
         if not Path(args.results).is_dir():
@@ -130,6 +160,7 @@ def _prediction(args: Any) -> dict[str, Any]:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise _bad(name, f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    _refuse_unread(args)
     if args.from_run:
         out = _cli_from_run(args)
     else:
@@ -167,10 +198,6 @@ def _prediction(args: Any) -> dict[str, Any]:
 def _cli_from_run(args: Any) -> dict[str, Any]:
     import json
 
-    if args.transformer or args.model:
-        raise _bad("from_run", "--from takes the model from the run")
-    if args.zero:
-        raise _bad("zero", "--from takes the zero settings from the run")
     from labkit.study.calibrate import calibrated, link_fits, read_run
 
     if not Path(args.from_run).is_dir():
@@ -180,9 +207,6 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
     except ValueError as exc:
         raise _bad("from_run", str(exc)) from None
     stage = args.stage
-    if args.offload_optimizer or args.plain_pytorch:
-        raise _bad("from_run", "--from keeps the run's offload and DeepSpeed: change --world-size, --micro-batch or "
-                               "--stage")
     if stage == 0 and run.offload:
         raise _bad("stage", "the run offloads its optimizer: stage 0 cannot")
     if args.links:

@@ -146,6 +146,7 @@ def explore(*, gpu: str, gpus_per_node: int, nodes: int, intra: str, inter_gbps:
 
 
 def controls() -> dict[str, Any]:
-    """The choices the widgets offer (tested: every one is accepted by `explore`)."""
+    """The choices the widgets offer. A link the chosen GPU cannot have (`hardware.links_for`) is refused by
+    `explore` with the reason, which the notebook's widget prints."""
     return {"gpu": list(GPUS), "intra": list(INTRA_LINKS), "model": [*SHAPES, *LAB_MODELS],
             "strategy": [s for s in P.STRATEGIES if s in STRATEGY_LABELS], "network_gbps": dict(NETWORK_GBPS)}

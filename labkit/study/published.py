@@ -66,6 +66,10 @@ def load(path: str | Path | None = None) -> Any:
     missing = [c for c in REQUIRED if c not in table.columns]
     if missing:
         raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; every point needs {', '.join(REQUIRED)}")
+    unknown = [c for c in table.columns if c not in (*REQUIRED, *OPTIONAL)]
+    if unknown:  # a misspelt column would otherwise leave its cells to a rule's default
+        raise ValueError(f"{path}: unknown column(s) {', '.join(map(repr, unknown))}; the columns are "
+                         f"{', '.join((*REQUIRED, *OPTIONAL))} (data/published/README.md)")
     if table.empty:
         raise ValueError(f"{path}: no points")
     for column in OPTIONAL:

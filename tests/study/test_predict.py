@@ -36,8 +36,32 @@ def test_unknown_gpu_and_link_name_every_known_one():
         hw.gpu("X100")
     with pytest.raises(ValueError, match=r"nvlink3.*pcie5"):
         hw.intra_link("nvlink9", hw.gpu("A100-80GB"))
-    with pytest.raises(ValueError, match="no NVLink"):
+    with pytest.raises(ValueError, match=r"T4 cannot have nvswitch.*its links: pcie3$"):
         hw.intra_link("nvswitch", hw.gpu("T4"))
+
+
+@pytest.mark.parametrize("gpu,link,gpus_per_node", [
+    ("V100-32GB", "nvlink4", 8), ("H100-SXM", "nvlink2", 8), ("T4", "nvlink3", 2), ("T4", "pcie5", 1),
+    ("L4", "pcie5", 1), ("A100-80GB-PCIE", "nvlink3", 4), ("A100-80GB-PCIE", "nvswitch", 2),
+    ("H100-PCIE", "nvlink4", 2),
+])
+def test_a_link_the_gpu_cannot_have_is_refused(gpu, link, gpus_per_node):
+    with pytest.raises(ValueError, match=f"{gpu} cannot have {link}"):
+        hw.Cluster(gpu=hw.gpu(gpu), gpus_per_node=gpus_per_node, intra=link)
+
+
+def test_links_a_gpu_can_have():
+    assert hw.links_for(hw.gpu("V100-32GB"), 16) == ["nvlink2", "nvswitch", "pcie3"]
+    assert hw.links_for(hw.gpu("A100-80GB-PCIE"), 2) == ["nvlink3", "pcie3", "pcie4"]  # a bridged pair
+    assert hw.links_for(hw.gpu("A100-80GB-PCIE"), 4) == ["pcie3", "pcie4"]
+    assert hw.links_for(hw.gpu("H100-SXM"), 8) == ["nvlink4", "nvswitch", "pcie3", "pcie4", "pcie5"]
+    assert hw.Cluster(gpu=hw.gpu("H100-SXM"), gpus_per_node=8, intra="pcie4").link().name == "pcie4"
+
+
+@pytest.mark.parametrize("gbps", [float("nan"), float("inf"), -5.0])
+def test_a_network_bandwidth_that_is_not_a_finite_number_is_refused(gbps):
+    with pytest.raises(ValueError, match="inter-gbps must be a finite bandwidth"):
+        hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=2, inter_gbps=gbps)
 
 
 def test_nvswitch_is_the_nvlink_of_the_gpus_generation():
@@ -511,11 +535,38 @@ def test_from_a_run_on_the_command_line_labels_the_measured_step_measured(tmp_pa
     # --format json: stdout is the JSON alone (what imported libraries print goes to stderr)
     assert main(["predict", "--from", str(tmp_path), "--world-size", "2", "--links", str(links), "--format",
                  "json"]) == 0
-    assert json.loads(capsys.readouterr().out)["compute_per_collective_s"] > 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["compute_per_collective_s"] > 0
+    # the keys, as a prediction from flags has them (per rank: these are CPU ranks)
+    from labkit.core.config import RunConfig
+
+    assert out["model_tflops_per_gpu"] == out["hardware_tflops_per_gpu"] > 0
+    work = P.ModuleWorkload(RunConfig.from_dict(config))
+    census = work.census(config["micro_batch"], config.get("precision", "fp32"))
+    assert out["model_tflops_per_gpu"] == pytest.approx(census.flops() / out["step_time_s"] / 1e12)
+    assert out["fits"] is True and 0 < out["device_bytes"] < out["memory_room_bytes"]
+    assert out["max_micro_batch"] >= config["micro_batch"]
     # a fit of the link alone (the fastest calls after a barrier, no calls kept to refit) is refused for a mean step
     links.write_text(json.dumps({**FIT, "statistic": "fastest"}))
     assert main(["predict", "--from", str(tmp_path), "--world-size", "2", "--links", str(links)]) == 2
     assert "as training meets it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,unread", [
+    (["--from", "RUN", "--world-size", "2", "--gpu", "H100-SXM"], ["--gpu"]),
+    (["--from", "RUN", "--nodes", "3", "--global-batch", "999", "--card", "--precision", "bf16"],
+     ["--nodes", "--global-batch", "--precision", "--card"]),
+    (["--from", "RUN", "--zero", "overlap_comm=true", "--offload-optimizer"], ["--offload-optimizer", "--zero"]),
+    (["--transformer", "layers=2,hidden=64,heads=4,seq=32", "--world-size", "4", "--links", "x.json"],
+     ["--world-size", "--links"]),
+    (["--transformer", "layers=2,hidden=64,heads=4,seq=32", "--hidden", "128"], ["--hidden"]),
+    (["--model", "mlp", "--threads-per-rank", "2"], ["--threads-per-rank"]),
+])
+def test_a_flag_the_chosen_way_does_not_read_is_refused_not_ignored(tmp_path, capsys, argv, unread):
+    argv = [str(tmp_path) if a == "RUN" else a for a in argv]
+    assert main(["predict", *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"{', '.join(unread)} not read here" in err
 
 
 def test_the_lab_gpt_is_counted_as_the_transformer_it_is():
@@ -825,8 +876,8 @@ def test_a_gpu_kind_without_its_own_host_borrows_a_measured_one_and_a_given_band
     assert "400 GB/s of host memory, given" in source
     assert P.offload_host(h100, "bf16", host_memory_gb_per_s=400)[0] == pytest.approx(given)  # told, even there
     work, cluster = P.TransformerWorkload(GPT2_XL), hw.Cluster(gpu=a100, gpus_per_node=2)
-    for bad in (0, -5):
-        with pytest.raises(ValueError, match="host_memory_gb_per_s must be > 0"):
+    for bad in (0, -5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="host_memory_gb_per_s must be a finite bandwidth > 0"):
             P.predict(work, cluster, strategy="z2-offload", micro_batch=1, precision="bf16", host_memory_gb_per_s=bad)
     # stage 1 offloads too: the gradients go down once per step, not per micro-step
     z1, z2 = (P.predict(work, cluster, strategy=s, micro_batch=1, grad_accum=4, precision="bf16")

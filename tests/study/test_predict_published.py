@@ -210,6 +210,11 @@ def test_a_point_on_many_nodes_without_its_network_is_refused(tmp_path, points):
     assert "cluster: unknown link 'nvlink9'" in text and "precision: V100-32GB has no bf16 tensor-core peak" in text
     with pytest.raises(ValueError, match="missing column"):
         published.load(_write(tmp_path, points, {"value": None}))
+    # a link the GPU kind cannot have, and a misspelt column (its cells would otherwise fall to a rule's default)
+    with pytest.raises(ValueError, match="V100-32GB cannot have pcie5"):
+        published.load(_write(tmp_path, points, {"intra": "pcie5"}))
+    with pytest.raises(ValueError, match="unknown column.*'micro_bach'"):
+        published.load(_write(tmp_path, points, {"micro_batch": None, "micro_bach": "4"}))
 
 
 def test_empty_and_absent_optional_cells_are_filled_by_the_rules(tmp_path, points):
