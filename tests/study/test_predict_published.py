@@ -213,7 +213,7 @@ def test_a_point_on_many_nodes_without_its_network_is_refused(tmp_path, points):
     # a link the GPU kind cannot have, and a misspelt column (its cells would otherwise fall to a rule's default)
     with pytest.raises(ValueError, match="V100-32GB cannot have pcie5"):
         published.load(_write(tmp_path, points, {"intra": "pcie5"}))
-    with pytest.raises(ValueError, match="unknown column.*'micro_bach'"):
+    with pytest.raises(ValueError, match=r"unknown column.*'micro_bach'"):
         published.load(_write(tmp_path, points, {"micro_batch": None, "micro_bach": "4"}))
 
 
