@@ -368,16 +368,17 @@ def gpu(name: str) -> GPU:
     return GPUS[ALIASES.get(key, key)]
 
 
-# An NVLink bridge joins two PCIe cards: the A100 PCIe's at 600 GB/s (its datasheet, _A100: "NVIDIA NVLink Bridge
-# for 2 GPUs"), NVLink 3's figure. The H100 PCIe's bridge (600 GB/s) is slower than NVLink 4 and has no preset.
-NVLINK_BRIDGE = {"A100-40GB-PCIE": "nvlink3", "A100-80GB-PCIE": "nvlink3"}
+# An NVLink bridge joins two PCIe cards at 600 GB/s, 300 per direction: NVLink 3's figure. The A100 PCIe's (its
+# datasheet, _A100: "NVIDIA NVLink Bridge for 2 GPUs: 600 GB/s") and the H100 PCIe's (NVIDIA H100 datasheet, PCIe:
+# "NVLink: 600GB/s", a 2-way bridge; slower than the SXM part's NVLink 4, so `nvlink4` is refused there).
+NVLINK_BRIDGE = {"A100-40GB-PCIE": "nvlink3", "A100-80GB-PCIE": "nvlink3", "H100-PCIE": "nvlink3"}
 
 
 def links_for(gpu_kind: GPU, gpus_per_node: int = 1) -> list[str]:
     """The links a node of `gpus_per_node` such GPUs can have: its own NVLink (and NVSwitch) on an SXM part, a
     bridge on a pair of bridgeable PCIe cards, and its PCIe generation or an older one (an older slot)."""
     names = [gpu_kind.nvlink, "nvswitch"] if gpu_kind.nvlink else []
-    if gpu_kind.name in NVLINK_BRIDGE and gpus_per_node <= 2:
+    if gpu_kind.name in NVLINK_BRIDGE and gpus_per_node == 2:
         names.append(NVLINK_BRIDGE[gpu_kind.name])
     return [*names, *(p for p in ("pcie3", "pcie4", "pcie5") if p <= gpu_kind.host_link)]
 

@@ -5,7 +5,6 @@ that against 2-rank runs (`cpu_comparison`, data/predict-ci/). Every figure it r
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,37 +209,35 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
 
 def memory_here(work: ModuleWorkload, values: dict[str, Any], precision: str) -> dict[str, Any]:
     """`device_bytes` (one CPU rank: its base, model states and activations, as labkit's admission estimates a run
-    before it starts), `fits` (all the ranks and the launcher, in what this machine could give runs) and
-    `max_micro_batch`, for the run's config at `values`. Activations: the admission's facts for labkit's MLP, else
-    the census (at 1 and 2 samples: a fixed part, then bytes per added sample)."""
+    before it starts), `fits` (all the ranks and the launcher, in what this machine could give runs:
+    `memory_room_bytes`) and `max_micro_batch` (also within the samples each rank gets), for the run's config at
+    `values`. Activations: the admission's count for labkit's MLP, else the census's."""
     import psutil
 
     from labkit.core.config import RunConfig, without_local_device_checks
     from labkit.launch import admission
+    from labkit.study.predict import largest_micro_batch
 
     with without_local_device_checks():
         config = RunConfig.from_dict({k: v for k, v in values.items() if k in RunConfig.__dataclass_fields__})
     here = admission.Admission.here()
     facts = here.learned.model(config)
-    fixed = 0.0
-    if facts is None or facts.activation_bytes_per_sample is None:
-        one, two = (work.census(m, precision).saved_bytes for m in (1, 2))
-        fixed, facts = one - (two - one), admission.ModelFacts(work.n_params, two - one)
+    per_sample = facts.activation_bytes_per_sample if facts is not None else None
 
-    def at(micro: int) -> admission.Estimate:
-        with without_local_device_checks():
-            variant = dataclasses.replace(config, micro_batch=micro)
-        return admission.estimate(variant, model=facts, is_cpu=True, rank_base_bytes=here.learned.rank_base_bytes,
-                                  launcher_bytes=here.learned.launcher_bytes, cores=here.cores)
+    def activations(micro: int) -> float:
+        return per_sample * micro if per_sample is not None else float(work.census(micro, precision).saved_bytes)
 
-    def total(micro: int) -> float:
-        return at(micro).total_bytes + config.world_size * fixed
-
+    without = admission.estimate(config, model=admission.ModelFacts(work.n_params, 0.0), is_cpu=True,
+                                 rank_base_bytes=here.learned.rank_base_bytes,
+                                 launcher_bytes=here.learned.launcher_bytes, cores=here.cores)
     room, _ = admission.room_bytes(vm_total=psutil.virtual_memory().total, limit=admission.memory_limit(),
                                    tree_rss=0)
-    per_sample = total(2) - total(1)
-    largest = 0 if total(1) > room or per_sample <= 0 else 1 + int((room - total(1)) // per_sample)
-    return {"device_bytes": float(at(config.micro_batch).rank_bytes + fixed), "fits": total(config.micro_batch) <= room,
+    per_rank_room = (room - without.launcher_bytes) / config.world_size - without.rank_bytes
+    largest = largest_micro_batch(activations, per_rank_room)
+    if config.distributed_sampler and not config.sample_with_replacement:
+        largest = min(largest, config.dataset_size // config.world_size)  # RunConfig's own rule
+    device = without.rank_bytes + activations(config.micro_batch)
+    return {"device_bytes": float(device), "fits": device * config.world_size + without.launcher_bytes <= room,
             "max_micro_batch": largest, "memory_room_bytes": float(room)}
 
 

@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -620,8 +620,7 @@ def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bo
             checkpointing: bool, settings: Mapping[str, Any] | None = None) -> tuple[float, int]:
     """(device bytes of the model states + bucket, the largest micro-batch that fits): states from
     labkit.core.memory (DeepSpeed 0.19.8's accounting; the bucket and ZeRO-3's persistent parameters as the
-    `settings` make them), activations counted on the meta device at 1 and 2 samples (a part that does not grow
-    with the micro-batch, then the same bytes per added sample)."""
+    `settings` make them) and the activations counted on the meta device (`largest_micro_batch`)."""
     n = cluster.world_size
     mem_precision = "fp32" if precision == "fp32" else precision
     zero = 0 if stage is None else stage
@@ -635,12 +634,30 @@ def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bo
     states = memory.model_state_bytes(workload.n_params, zero, n, mem_precision, offload,
                                       persistent_params=persistent if zero == 3 else 0)
     device = states["device_bytes"] + (bucket if stage else 0)
-    one = workload.costs(1, cluster.gpu, precision, checkpointing).activation_bytes
-    per_sample = workload.costs(2, cluster.gpu, precision, checkpointing).activation_bytes - one
-    room = cluster.gpu.memory_bytes - device - one
-    if room < 0:
-        return device, 0
-    return device, 1 + int(room // per_sample) if per_sample > 0 else 0
+    return device, largest_micro_batch(
+        lambda m: workload.costs(m, cluster.gpu, precision, checkpointing).activation_bytes,
+        cluster.gpu.memory_bytes - device)
+
+
+def largest_micro_batch(activations: Callable[[int], float], room: float) -> int:
+    """The largest micro-batch whose counted activations fit in `room` bytes (0: not even one sample). The counts
+    grow by the same bytes per sample from 2 samples on (a GPT-2 shape's 1-sample count is above that line: its
+    attention saves the value heads, at 1 sample a view into the fused QKV projection's output, whose whole storage
+    is counted, and from 2 on a copy of their own), so the line through the counts at 2 and 3 samples is solved
+    where the counts at 2, 3 and 4 lie on one line, else the counts themselves are walked to the boundary."""
+    if activations(1) > room:
+        return 0
+    two, three = activations(2), activations(3)
+    per_sample = three - two
+    if per_sample <= 0:
+        return 1
+    candidate = max(1, int((room - (two - 2 * per_sample)) // per_sample))
+    if abs(activations(4) - three - per_sample) > 1e-9 * per_sample:  # not one line: walk on the counts themselves
+        while candidate > 1 and activations(candidate) > room:
+            candidate -= 1
+        while activations(candidate + 1) <= room:
+            candidate += 1
+    return candidate
 
 
 # -- time to the same loss --------------------------------------------------------------------------------------

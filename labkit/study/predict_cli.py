@@ -41,7 +41,9 @@ FLAGS_FOR_RUNS = ("world_size", "threads_per_rank", "links")
 def _refuse_unread(args: Any) -> None:
     """Exit 2 naming every flag the chosen way (--transformer, --model or --from) does not read."""
     def given(names: tuple[str, ...]) -> list[str]:
-        return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) not in (None, False)]
+        # unset: None (values) or False (switches); a value of 0 is a flag given
+        return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) is not None
+                and getattr(args, n) is not False]
 
     if args.from_run:
         unread, why = given(FLAGS_FOR_SHAPES + FLAGS_FOR_LAB_MODELS), (
@@ -58,10 +60,12 @@ def _refuse_unread(args: Any) -> None:
 
 def _cluster(args: Any) -> Cluster:
     try:
-        kind = find_gpu(args.gpu or DEFAULT_GPU)
-        return Cluster(gpu=kind, gpus_per_node=args.gpus_per_node or 1, nodes=args.nodes or 1,
-                       intra=args.intra or "auto", inter_gbps=0.0 if args.inter_gbps is None else args.inter_gbps,
-                       host_cpu=args.host_cpu or "auto")
+        def given(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        return Cluster(gpu=find_gpu(given(args.gpu, DEFAULT_GPU)), gpus_per_node=given(args.gpus_per_node, 1),
+                       nodes=given(args.nodes, 1), intra=given(args.intra, "auto"),
+                       inter_gbps=given(args.inter_gbps, 0.0), host_cpu=given(args.host_cpu, "auto"))
     except ValueError as exc:
         raise _bad("hardware", str(exc)) from None
 

@@ -53,6 +53,7 @@ def test_a_link_the_gpu_cannot_have_is_refused(gpu, link, gpus_per_node):
 def test_links_a_gpu_can_have():
     assert hw.links_for(hw.gpu("V100-32GB"), 16) == ["nvlink2", "nvswitch", "pcie3"]
     assert hw.links_for(hw.gpu("A100-80GB-PCIE"), 2) == ["nvlink3", "pcie3", "pcie4"]  # a bridged pair
+    assert hw.links_for(hw.gpu("H100-PCIE"), 2) == ["nvlink3", "pcie3", "pcie4", "pcie5"]  # its bridge: 600 GB/s
     assert hw.links_for(hw.gpu("A100-80GB-PCIE"), 4) == ["pcie3", "pcie4"]
     assert hw.links_for(hw.gpu("H100-SXM"), 8) == ["nvlink4", "nvswitch", "pcie3", "pcie4", "pcie5"]
     assert hw.Cluster(gpu=hw.gpu("H100-SXM"), gpus_per_node=8, intra="pcie4").link().name == "pcie4"
@@ -561,12 +562,42 @@ def test_from_a_run_on_the_command_line_labels_the_measured_step_measured(tmp_pa
      ["--world-size", "--links"]),
     (["--transformer", "layers=2,hidden=64,heads=4,seq=32", "--hidden", "128"], ["--hidden"]),
     (["--model", "mlp", "--threads-per-rank", "2"], ["--threads-per-rank"]),
+    (["--from", "RUN", "--inter-gbps", "0", "--b-crit", "0"], ["--inter-gbps", "--b-crit"]),  # 0 is given
 ])
 def test_a_flag_the_chosen_way_does_not_read_is_refused_not_ignored(tmp_path, capsys, argv, unread):
     argv = [str(tmp_path) if a == "RUN" else a for a in argv]
     assert main(["predict", *argv]) == 2
     err = capsys.readouterr().err
     assert f"{', '.join(unread)} not read here" in err
+
+
+@pytest.mark.parametrize("flag", ["--gpu", "--intra", "--host-cpu"])
+def test_an_empty_name_is_refused_not_taken_for_the_default(capsys, flag):
+    assert main(["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", flag, ""]) == 2
+    assert "unknown" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape,checkpointing", [
+    (flops.Transformer(layers=12, hidden=768, heads=12, seq=1024, vocab=50257, dropout=0.0), False),
+    (GPT2_XL, True),  # GPT-2's 1-sample count is off the line the others are on
+    (flops.Transformer(arch="llama", layers=4, hidden=1024, heads=8, kv_heads=2, ffn=2816, seq=2048, vocab=32000),
+     False),
+])
+def test_the_largest_micro_batch_fits_and_one_more_does_not(shape, checkpointing):
+    work, cluster = P.TransformerWorkload(shape), hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
+    largest = P.predict(work, cluster, strategy="z1", micro_batch=1, precision="bf16",
+                        activation_checkpointing=checkpointing).max_micro_batch
+    at, over = (P.predict(work, cluster, strategy="z1", micro_batch=m, precision="bf16",
+                          activation_checkpointing=checkpointing) for m in (largest, largest + 1))
+    assert at.fits and at.device_bytes <= cluster.gpu.memory_bytes < over.device_bytes and not over.fits
+    assert at.max_micro_batch == over.max_micro_batch == largest
+
+
+def test_the_largest_micro_batch_walks_counts_that_are_not_one_line():
+    counts = {1: 10.0, 2: 12.0, 3: 14.0, 4: 17.0, 5: 20.0, 6: 23.0}  # +2, +2, then +3 per sample
+    assert P.largest_micro_batch(lambda m: counts.get(m, 20.0 + 3 * (m - 5)), 21.0) == 5
+    assert P.largest_micro_batch(lambda m: 10.0 + m, 9.0) == 0
+    assert P.largest_micro_batch(lambda m: 10.0 + 2 * m, 100.0) == 45
 
 
 def test_the_lab_gpt_is_counted_as_the_transformer_it_is():
