@@ -82,13 +82,16 @@ class Census:
         return float(sum(op.flops for op in ops))
 
 
-def _nbytes(values: Any) -> float:
+def _nbytes(values: Any, seen: set[int] | None = None) -> float:
+    """Bytes of the tensors in `values` (nested lists too), each tensor once: `x * x` reads x once."""
+    seen = set() if seen is None else seen
     total = 0.0
     for value in values:
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and id(value) not in seen:
+            seen.add(id(value))
             total += value.numel() * value.element_size()
         elif isinstance(value, (list, tuple)):
-            total += _nbytes(value)
+            total += _nbytes(value, seen)
     return total
 
 
@@ -161,7 +164,7 @@ class _Recorder(TorchDispatchMode):
         flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
         name = str(packet)
         outputs = out if isinstance(out, (list, tuple)) else (out,)
-        moved = _nbytes(args) + _nbytes(list(kwargs.values())) + _nbytes(outputs)
+        moved = _nbytes([*args, *kwargs.values()]) + _nbytes(outputs)  # an in-place op's output is its write
         getattr(self.census, self.phase).append(Op(name, flops, moved, *_gemm(name, args, out)))
         return out
 

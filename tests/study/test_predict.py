@@ -107,6 +107,13 @@ def test_census_counts_what_torchs_flop_counter_counts_on_the_meta_device():
     assert sum(1 for op in census.forward if op.gemm) >= 2 * 4  # qkv, proj, fc, out per layer
 
 
+def test_a_tensor_an_op_reads_twice_is_moved_once():
+    x = torch.zeros(1000, device="meta", requires_grad=True)
+    census = flops.count(lambda: (x * x * x).sum(), [x])
+    squares = [op.bytes for op in census.forward if op.name == "aten.mul"]
+    assert squares == [2 * 4000.0, 3 * 4000.0]  # x * x: x read once, one output; then (x * x) * x: two reads, one out
+
+
 def test_layer_extrapolation_is_exact_for_a_stack_of_identical_blocks():
     three = flops.Transformer(layers=3, hidden=128, heads=4, seq=64, vocab=512)
     costs = flops.transformer_costs(three, 2, "fp32")
