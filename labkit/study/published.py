@@ -40,7 +40,8 @@ from labkit.study import comms, flops
 from labkit.study import predict as P
 
 POINTS_CSV = Path(__file__).resolve().parents[2] / "data" / "published" / "points.csv"
-METRICS = ("samples_per_s", "step_time_s", "tflops_per_gpu")
+# tokens_per_s: samples_per_s x seq, all GPUs; tokens_per_s_per_gpu: the same over the GPUs (as many sources print it)
+METRICS = ("samples_per_s", "step_time_s", "tflops_per_gpu", "tokens_per_s", "tokens_per_s_per_gpu")
 FLOPS_FORMULAS = ("megatron_sc21", "megatron_eq3_by_checkpointing")
 MEGATRON_VOCAB_DIVISOR = 128
 # Cells every point must fill (the README's columns); the other columns may be empty or absent, and the rules above
@@ -202,6 +203,8 @@ def published_samples_per_s(row: Any) -> float:
         return value
     if row["metric"] == "step_time_s":
         return batches(row)[2] / value
+    if row["metric"] in ("tokens_per_s", "tokens_per_s_per_gpu"):
+        return value * (float(row["gpus"]) if row["metric"] == "tokens_per_s_per_gpu" else 1.0) / int(row["seq"])
     per_sample = megatron_flops_per_sample(int(row["layers"]), int(row["hidden"]), int(row["seq"]), _vocab(row),
                                            flops_passes(row))
     return value * 1e12 * float(row["gpus"]) / per_sample
@@ -307,7 +310,7 @@ def compare(table: Any | None = None) -> Any:
             predicted = pred.samples_per_s
         elif row["metric"] == "step_time_s":
             predicted = pred.step_time_s
-        else:  # the source's own FLOP formula applied to the predicted throughput
+        else:  # tokens, or the source's own FLOP formula, per sample, applied to the predicted throughput
             per_sample = published / published_samples_per_s(row)
             predicted = per_sample * pred.samples_per_s
         rows.append({

@@ -217,6 +217,16 @@ def test_a_point_on_many_nodes_without_its_network_is_refused(tmp_path, points):
         published.load(_write(tmp_path, points, {"micro_batch": None, "micro_bach": "4"}))
 
 
+def test_a_point_published_in_tokens_is_checked_as_its_samples(tmp_path, points):
+    row = points.iloc[0]
+    assert row["metric"] == "samples_per_s"
+    samples, seq, gpus = float(row["value"]), int(row["seq"]), int(row["gpus"])
+    errors = [published.compare(published.load(_write(tmp_path, points, edit)))["error"].iloc[0] for edit in (
+        {}, {"metric": "tokens_per_s", "value": str(samples * seq)},
+        {"metric": "tokens_per_s_per_gpu", "value": str(samples * seq / gpus)})]
+    assert errors[1] == pytest.approx(errors[0]) and errors[2] == pytest.approx(errors[0])
+
+
 def test_empty_and_absent_optional_cells_are_filled_by_the_rules(tmp_path, points):
     # one node, the network and node count left empty, the optional columns absent
     edit = {"gpus": "16", "nodes": "", "inter_gbps": "", "global_batch": "512", "offload_optimizer": None,
