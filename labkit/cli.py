@@ -306,7 +306,8 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
     for name in ("hidden", "depth", "input_size"):
         predict.add_argument(flag(name), type=int, default=None, help=_flag_help(name))
     predict.add_argument("--gpu", default=None,
-                         help="GPU kind (labkit.study.predict.HARDWARE; default A100-80GB)")
+                         help="GPU kind (labkit.study.predict.HARDWARE, or a device name as torch prints it, e.g. "
+                              "'NVIDIA A100-SXM4-40GB'; default A100-80GB)")
     predict.add_argument("--gpus-per-node", type=int, default=None, help="GPUs in one node (default 1)")
     predict.add_argument("--nodes", type=int, default=None, help="nodes (default 1); several need --inter-gbps")
     predict.add_argument("--intra", default=None, help="link inside a node: nvlink2, nvlink3, nvlink4, nvswitch "

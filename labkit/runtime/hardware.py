@@ -360,9 +360,10 @@ NODE_CPU = {"V100-16GB": "intel", "V100-32GB": "intel", "A100-40GB": "amd", "A10
 
 
 def gpu(name: str) -> GPU:
-    """The preset named `name` (case-insensitive; SXM is the default where both exist), else a ValueError naming
+    """The preset named `name` (case-insensitive; SXM is the default where both exist), or the one a device name as
+    torch and nvidia-smi print it is ("NVIDIA A100-SXM4-40GB", "Tesla T4": `preset_for`), else a ValueError naming
     every known one."""
-    key = {k.lower(): k for k in (*GPUS, *ALIASES)}.get(name.lower())
+    key = {k.lower(): k for k in (*GPUS, *ALIASES)}.get(name.lower()) or preset_for(name)
     if key is None:
         raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
     return GPUS[ALIASES.get(key, key)]

@@ -65,6 +65,20 @@ def test_a_network_bandwidth_that_is_not_a_finite_number_is_refused(gbps):
         hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=2, inter_gbps=gbps)
 
 
+@pytest.mark.parametrize("name,preset", [
+    ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("A100 80GB PCIe", "A100-80GB-PCIE"), ("NVIDIA H100 80GB HBM3", "H100-SXM"),
+    ("Tesla V100-SXM2-16GB", "V100-16GB"), ("Tesla T4", "T4"), ("NVIDIA L4", "L4"), ("NVIDIA A10G", "A10G"),
+])
+def test_a_gpu_named_as_its_device_prints_it_is_its_preset(name, preset):
+    assert hw.gpu(name).name == preset
+
+
+@pytest.mark.parametrize("name", ["H100 NVL", "NVIDIA H200", "NVIDIA A10", "A100-32GB"])
+def test_a_device_without_a_preset_is_still_refused(name):
+    with pytest.raises(ValueError, match="unknown GPU"):
+        hw.gpu(name)
+
+
 def test_nvswitch_is_the_nvlink_of_the_gpus_generation():
     assert hw.intra_link("nvswitch", hw.gpu("V100-32GB")).name == "nvlink2"
     assert hw.intra_link("nvswitch", hw.gpu("A100-80GB")).name == "nvlink3"
