@@ -381,7 +381,8 @@ def links_for(gpu_kind: GPU, gpus_per_node: int = 1) -> list[str]:
     names = [gpu_kind.nvlink, "nvswitch"] if gpu_kind.nvlink else []
     if gpu_kind.name in NVLINK_BRIDGE and gpus_per_node == 2:
         names.append(NVLINK_BRIDGE[gpu_kind.name])
-    return [*names, *(p for p in ("pcie3", "pcie4", "pcie5") if p <= gpu_kind.host_link)]
+    generations = ("pcie3", "pcie4", "pcie5")
+    return [*names, *generations[:generations.index(gpu_kind.host_link) + 1]]
 
 
 def intra_link(name: str, gpu_kind: GPU, gpus_per_node: int = 1) -> Link:

@@ -58,14 +58,16 @@ def _refuse_unread(args: Any) -> None:
         raise _bad("predict", f"{', '.join(unread)} not read here: {why}")
 
 
+def _or(value: Any, default: Any) -> Any:
+    """A flag's value, or its default where it was not given (None; "" and 0 are values, checked where used)."""
+    return default if value is None else value
+
+
 def _cluster(args: Any) -> Cluster:
     try:
-        def given(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
-        return Cluster(gpu=find_gpu(given(args.gpu, DEFAULT_GPU)), gpus_per_node=given(args.gpus_per_node, 1),
-                       nodes=given(args.nodes, 1), intra=given(args.intra, "auto"),
-                       inter_gbps=given(args.inter_gbps, 0.0), host_cpu=given(args.host_cpu, "auto"))
+        return Cluster(gpu=find_gpu(_or(args.gpu, DEFAULT_GPU)), gpus_per_node=_or(args.gpus_per_node, 1),
+                       nodes=_or(args.nodes, 1), intra=_or(args.intra, "auto"), inter_gbps=_or(args.inter_gbps, 0.0),
+                       host_cpu=_or(args.host_cpu, "auto"))
     except ValueError as exc:
         raise _bad("hardware", str(exc)) from None
 
