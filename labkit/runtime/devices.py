@@ -24,6 +24,7 @@ GPU_PEAK_FLOPS: dict[tuple[str, ...], dict[str, float]] = {
     ("A100",): {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
     ("L4",): {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
     ("A10G",): {"bf16": 70e12, "fp16": 70e12, "fp32": 31.2e12},
+    ("A10",): {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},  # NVIDIA A10 datasheet (labkit.runtime.hardware)
     ("T4",): {"bf16": 0.0, "fp16": 65e12, "fp32": 8.1e12},  # Turing has no bf16 tensor cores
     ("V100",): {"bf16": 0.0, "fp16": 125e12, "fp32": 15.7e12},
 }

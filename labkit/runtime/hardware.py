@@ -110,6 +110,10 @@ _A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOPS BF16/FP16 dens
 _H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023): SXM 989 TFLOPS BF16/FP16 dense (1,979 sparse), 67 FP32, " \
         "3.35 TB/s, 132 SMs, NVLink 900 GB/s (18 links x 25 GB/s per direction); PCIe 756 dense (1,513 sparse), " \
         "51 FP32, 2.0 TB/s, 114 SMs"
+_H200 = "NVIDIA H200 Tensor Core GPU datasheet (2024): SXM 1,979 TFLOPS BF16/FP16 with sparsity (989 dense), " \
+        "67 FP32, 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5; the H100's GH100 die (132 SMs, the H100 SXM's)"
+_A10 = "NVIDIA A10 Tensor Core GPU datasheet (2021): 125 TFLOPS BF16/FP16 dense (250 sparse), 31.2 FP32, " \
+       "24 GB GDDR6, 600 GB/s, 288 tensor cores (72 SMs of 4), PCIe Gen4"
 _L4 = "NVIDIA L4 datasheet (2023): 121 TFLOPS BF16/FP16 dense (242 sparse), 30.3 FP32, 24 GB, 300 GB/s, 58 SMs, PCIe 4"
 _T4 = "NVIDIA T4 datasheet (2019): 65 TFLOPS FP16 mixed, 8.1 FP32, 16 GB, 320 GB/s, 40 SMs, PCIe 3 (no bf16)"
 _A10G = "AWS G5 (A10G, 24 GB, 600 GB/s, 80 SMs, PCIe 4): AWS publishes no dense tensor peak; 70 TFLOPS BF16/FP16 " \
@@ -147,6 +151,9 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
     GPU(name="H100-PCIE", peak_flops={"fp16": 756e12, "bf16": 756e12, "fp32": 51e12}, memory_bytes=80 * GB,
         memory_bytes_per_s=2000 * GB, sms=114, nvlink=None, host_link="pcie5", source=_H100,
         attention_share=FUSED_ATTENTION_EFFICIENCY["hopper"]),
+    GPU(name="H200-SXM", peak_flops={"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, memory_bytes=141 * GB,
+        memory_bytes_per_s=4800 * GB, sms=132, nvlink="nvlink4", host_link="pcie5", source=_H200,
+        attention_share=FUSED_ATTENTION_EFFICIENCY["hopper"]),
     GPU(name="L4", peak_flops={"fp16": 121e12, "bf16": 121e12, "fp32": 30.3e12}, memory_bytes=24 * GB,
         memory_bytes_per_s=300 * GB, sms=58, nvlink=None, host_link="pcie4", source=_L4,
         attention_share=FUSED_ATTENTION_EFFICIENCY["ada"]),
@@ -156,10 +163,13 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
     GPU(name="A10G", peak_flops={"fp16": 70e12, "bf16": 70e12, "fp32": 31.2e12}, memory_bytes=24 * GB,
         memory_bytes_per_s=600 * GB, sms=80, nvlink=None, host_link="pcie4", source=_A10G,
         attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
+    GPU(name="A10", peak_flops={"fp16": 125e12, "bf16": 125e12, "fp32": 31.2e12}, memory_bytes=24 * GB,
+        memory_bytes_per_s=600 * GB, sms=72, nvlink=None, host_link="pcie4", source=_A10,
+        attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
 )}
 # Where a part comes as SXM and PCIe, the plain name is the SXM part (the issue's naming).
-ALIASES = {"V100": "V100-32GB", "A100": "A100-80GB", "H100": "H100-SXM", "V100-32GB-SXM2": "V100-32GB",
-           "A100-80GB-SXM4": "A100-80GB", "A100-40GB-SXM4": "A100-40GB"}
+ALIASES = {"V100": "V100-32GB", "A100": "A100-80GB", "H100": "H100-SXM", "H200": "H200-SXM",
+           "V100-32GB-SXM2": "V100-32GB", "A100-80GB-SXM4": "A100-80GB", "A100-40GB-SXM4": "A100-40GB"}
 
 
 # -- constants this lab measured on a GPU kind ---------------------------------------------------------------------
@@ -255,18 +265,21 @@ def load_published_gemm(path: str | Path) -> tuple[list[str], Measured]:
 
 def preset_for(device_name: str) -> str | None:
     """The preset a CUDA device name is ("NVIDIA H100 80GB HBM3" -> "H100-SXM", "NVIDIA A100-SXM4-40GB" ->
-    "A100-40GB", "Tesla V100-PCIE-16GB" -> "V100-16GB-PCIE"), or None for a GPU without one (H100 NVL). Pure."""
+    "A100-40GB", "Tesla V100-PCIE-16GB" -> "V100-16GB-PCIE", "NVIDIA H200" -> "H200-SXM"), or None for a GPU
+    without one (the H100 NVL and H200 NVL, bridged PCIe cards of other clocks). Pure."""
     name = device_name.lower()
     pcie = "pcie" in name
     memory = re.search(r"(\d+)\s*gb", name)
     if "h100" in name:
         return None if "nvl" in name else ("H100-PCIE" if pcie else "H100-SXM")
+    if "h200" in name:
+        return None if "nvl" in name or pcie else "H200-SXM"
     for kind, default in (("a100", "80"), ("v100", "32")):
         if kind in name:
             gb = memory.group(1) if memory else default
             preset = f"{kind.upper()}-{gb}GB" + ("-PCIE" if pcie else "")
             return preset if preset in GPUS else None
-    for kind in ("A10G", "L4", "T4"):
+    for kind in ("A10G", "A10", "L4", "T4"):  # a word each: "a10" is not in "a10g" or "a100"
         if re.search(rf"\b{kind.lower()}\b", name):
             return kind
     return None
@@ -355,8 +368,9 @@ SIMPLE_NET_OVERHEAD_FACTOR = 3
 HOST_CPUS = (*NET_OVERHEAD_S, "auto")
 # The host CPU of each GPU kind's reference node (`auto`), per NVIDIA's datasheets: DGX-1 (2 x Intel Xeon E5-2698 v4)
 # and DGX-2 (2 x Intel Xeon Platinum 8168) for V100 SXM; DGX A100 (2 x AMD EPYC 7742); DGX H100 (2 x Intel Xeon
-# Platinum 8480C). PCIe cards have no reference node: NCCL's default.
-NODE_CPU = {"V100-16GB": "intel", "V100-32GB": "intel", "A100-40GB": "amd", "A100-80GB": "amd", "H100-SXM": "intel"}
+# Platinum 8480C) and DGX H200 (the same two Xeons). PCIe cards have no reference node: NCCL's default.
+NODE_CPU = {"V100-16GB": "intel", "V100-32GB": "intel", "A100-40GB": "amd", "A100-80GB": "amd", "H100-SXM": "intel",
+            "H200-SXM": "intel"}
 
 
 def gpu(name: str) -> GPU:
@@ -430,14 +444,19 @@ class Cluster:
 
     def bus_bytes_per_s(self, ranks: int | None = None) -> float:
         """The bus bandwidth a ring over `ranks` GPUs (default: all) gets: inside one node, the intra link;
-        across nodes, the slower of the intra link and the node's whole network (a ring of NCCL's per NIC: every
-        node sends the full ring volume through its NICs together, so the node's total is the limit)."""
+        across nodes, the slowest of the intra link (where a node has 2 GPUs or more), the node's whole network
+        (a ring of NCCL's per NIC: every node sends the full ring volume through its NICs together, so the node's
+        total is the limit) and its GPUs' own PCIe links together, which every byte to or from the NICs crosses
+        (GPUDirect RDMA: a GPU's x16 link to its NIC; one A100 feeds at most 25 GB/s into any network)."""
         ranks = self.world_size if ranks is None else ranks
         link = self.link()
         intra = link.bytes_per_s * link.efficiency
         if ranks <= self.gpus_per_node or self.nodes == 1:
             return intra
-        return min(intra, self.inter_gbps / 8 * GB * NETWORK_EFFICIENCY)
+        pcie = self.host_link()
+        to_nics = min(self.inter_gbps / 8 * GB * NETWORK_EFFICIENCY,
+                      self.gpus_per_node * pcie.bytes_per_s * pcie.efficiency)
+        return to_nics if self.gpus_per_node == 1 else min(intra, to_nics)
 
     def ring_latency_s(self, op: str, ranks: int | None = None) -> float:
         """NCCL's latency of one ring collective (tuning.cc): base + intra-node steps x the link's step latency +

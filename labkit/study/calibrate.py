@@ -335,7 +335,7 @@ def cpu_comparison(data_dir: str | os.PathLike, statistic: str = "mean",
         rows.append({"strategy": two["strategy"], "micro_batch": int(two["micro_batch"]),
                      "measured_1_rank_s": float(base["step_time_s"]), "predicted_2_rank_s": pred["step_time_s"],
                      "measured_2_rank_s": float(two["step_time_s"]),
-                     "predicted_comm_s": pred["exposed_comm_s"],
+                     "predicted_exposed_comm_s": pred["exposed_comm_s"],
                      "compute_per_collective_s": pred["compute_per_collective_s"],
                      "error": pred["step_time_s"] / float(two["step_time_s"]) - 1})
     return pd.DataFrame(rows)
@@ -609,10 +609,10 @@ def answer_check(results_dir: str | os.PathLike, link_fit: dict[str, Any]) -> An
         rows.append({"strategy": many["strategy"], "micro_batch": int(many["micro_batch"]),
                      "world_size": measured.world_size, "measured_1_rank_s": base.step_time_s,
                      "predicted_s": pred["step_time_s"], "measured_s": measured.step_time_s,
-                     "predicted_comm_s": pred["exposed_comm_s"],
+                     "predicted_exposed_comm_s": pred["exposed_comm_s"],
                      "error": pred["step_time_s"] / measured.step_time_s - 1})
     return pd.DataFrame(rows, columns=["strategy", "micro_batch", "world_size", "measured_1_rank_s", "predicted_s",
-                                       "measured_s", "predicted_comm_s", "error"])
+                                       "measured_s", "predicted_exposed_comm_s", "error"])
 
 
 def report_section(results_dir: str | os.PathLike, link_fit: dict[str, Any] | None) -> str:

@@ -24,6 +24,7 @@ argument named `tensor`), so `measured_collectives` multiplies those by the worl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -316,6 +317,50 @@ def _stage0(out: list[Collective], numels: list[int], precision: str, grad_accum
         _emit(out, [4], op="all_reduce", per="step", grad_accum=grad_accum, phase="optimizer", dtype="fp32",
               overlappable=False, what="gradient norm", caller="clip_grad_norm_",
               source=SRC + "runtime/engine.py:3511 -> runtime/utils.py:418")
+
+
+# torch's DistributedDataParallel (what "plain PyTorch" on several GPUs is): gradients all-reduced in buckets as the
+# backward produces them, parameters taken in reverse order (torch/nn/parallel/distributed.py, torch 2.13), a first
+# bucket of dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB, then bucket_cap_mb's default of 25 MiB each
+# (_DEFAULT_BUCKET_CAP_MB); a bucket closes once it reaches its cap (reducer.cpp, compute_bucket_assignment_by_size).
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def ddp_collectives(numels: Sequence[int], world_size: int, *, grad_accum: int = 1) -> list[Collective]:
+    """What torch's DDP sends per optimizer step for parameters of `numels` elements (registration order): one
+    all-reduce per gradient bucket, in fp32 whatever the training precision (the weights stay fp32 under autocast,
+    as the lab's plain trainer keeps them, so their gradients are fp32), once per step (gradient accumulation
+    under `no_sync`, DDP's way to skip the reduction of the other micro-steps). Every bucket but the last runs
+    while the backward goes on; the last (the first layers' gradients, ready when the backward ends) cannot."""
+    if world_size == 1:
+        return []
+    sizes, size, cap = [], 0, DDP_FIRST_BUCKET_BYTES
+    for n in reversed(list(numels)):
+        size += 4 * int(n)
+        if size >= cap:
+            sizes.append(size)
+            size, cap = 0, DDP_BUCKET_BYTES
+    sizes += [size] if size else []
+    out: list[Collective] = []
+    for k, bucket in enumerate(sizes):
+        _emit(out, [bucket], op="all_reduce", per="step", grad_accum=grad_accum, phase="backward", dtype="fp32",
+              overlappable=k < len(sizes) - 1, what="gradients", caller="DistributedDataParallel",
+              source="torch 2.13: torch/nn/parallel/distributed.py, the reducer's bucketed all-reduce")
+    return _merged(out)
+
+
+def _merged(rows: list[Collective]) -> list[Collective]:
+    """Rows that differ only in count, one row each (equal buckets of one kind)."""
+    merged: dict[tuple, Collective] = {}
+    for c in rows:
+        key = (c.op, c.bytes, c.per, c.phase, c.dtype, c.overlappable, c.what)
+        if key in merged:
+            m = merged[key]
+            merged[key] = dataclasses.replace(m, count=m.count + c.count, per_step=m.per_step + c.per_step)
+        else:
+            merged[key] = c
+    return list(merged.values())
 
 
 def _chunks_over(numels: Iterable[int], limit: int) -> list[int]:

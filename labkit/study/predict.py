@@ -402,18 +402,18 @@ def collective_rows(stage: int | None, workload: Workload, world_size: int, *, p
                     offload_optimizer: bool, zero: Mapping[str, Any] | None = None) -> list[Any]:
     """DeepSpeed 0.19.8's collectives for one rank (comms.collectives, with the model's module layout: exact
     buckets, per-module ZeRO-3 gathers; the `zero_optimization` settings `zero`, else DeepSpeed's defaults); plain
-    PyTorch DDP sends stage 0's gradient all-reduce, but in buckets during the backward (overlapped: torch's DDP
-    docs)."""
+    PyTorch is torch's DDP (comms.ddp_collectives: fp32 gradient buckets during the backward, the last one after
+    it)."""
     if world_size < 2:
         return []
     from labkit.study import comms
 
-    rows = comms.collectives(0 if stage is None else stage, workload.n_params, world_size, precision=precision,
-                             grad_accum=grad_accum, offload_optimizer=offload_optimizer,
-                             modules=workload.module_layout(), **(zero or {}))
     if stage is None:
-        rows = [dataclasses.replace(c, overlappable=True, phase="backward") for c in rows]
-    return list(rows)
+        numels = [n for module in workload.module_layout() for n in module]
+        return comms.ddp_collectives(numels, world_size, grad_accum=grad_accum)
+    return list(comms.collectives(stage, workload.n_params, world_size, precision=precision,
+                                  grad_accum=grad_accum, offload_optimizer=offload_optimizer,
+                                  modules=workload.module_layout(), **(zero or {})))
 
 
 @dataclass(frozen=True)
@@ -430,15 +430,23 @@ class CommTime:
 OVERLAP_COMPUTE_SLOWDOWN = 1.189
 
 
+def _past_phase(seconds: float, phase_s: float, gpu_s: float, slowdown: float) -> float:
+    """What of `seconds` of communication hidden behind a phase of `phase_s` (the GPU's own compute `gpu_s`, slowed
+    `slowdown` x beside it) runs past the phase."""
+    on_gpu = seconds if seconds > slowdown * gpu_s else gpu_s + seconds * (1.0 - 1.0 / slowdown)
+    return max(0.0, on_gpu - phase_s)
+
+
 def comm_time(rows: Iterable[Any], links: Any, world_size: int, *, grad_accum: int,
               hide_behind: dict[str, float], slowdown: float = 1.0,
               device: dict[str, float] | None = None) -> CommTime:
     """Seconds per optimizer step: every collective's count x (alpha-beta time of its ring bytes); overlappable
     ones hide behind the compute of their phase per micro-step (`hide_behind`: phase -> seconds per micro-step, as
-    the phase runs, host-bound or not), the rest is exposed. The GPU's own compute in a phase (`device`, default
-    the same) takes `slowdown` x as long beside hidden communication (GPUs: OVERLAP_COMPUTE_SLOWDOWN): on the GPU a
-    phase of compute D and communication X takes D + X (1 - 1/slowdown) while X <= slowdown x D, else X; what of
-    that runs past the phase is exposed."""
+    the phase runs, host-bound or not), the rest is exposed; one sent once per step (ZeRO-1's buckets, DDP's
+    under `no_sync`) hides behind the boundary micro-step's phase only. The GPU's own compute in a phase (`device`,
+    default the same) takes `slowdown` x as long beside hidden communication (GPUs: OVERLAP_COMPUTE_SLOWDOWN): on
+    the GPU a phase of compute D and communication X takes D + X (1 - 1/slowdown) while X <= slowdown x D, else X;
+    what of that runs past the phase is exposed."""
     if slowdown < 1:
         raise ValueError(f"slowdown must be >= 1, got {slowdown}")
     rows = list(rows)
@@ -447,7 +455,10 @@ def comm_time(rows: Iterable[Any], links: Any, world_size: int, *, grad_accum: i
     from labkit.study import comms
 
     total = exposed = 0.0
-    per_phase: dict[str, float] = {}
+    # hideable seconds per phase: of every micro-step (a micro-step's share), and of the boundary micro-step only
+    # (the collectives sent once per step, which only that micro-step's phase can hide)
+    every: dict[str, float] = {}
+    boundary: dict[str, float] = {}
     table = []
     for c in rows:
         repeats = c.per_step
@@ -455,16 +466,21 @@ def comm_time(rows: Iterable[Any], links: Any, world_size: int, *, grad_accum: i
         seconds = repeats * one
         total += seconds
         if c.overlappable and c.phase in hide_behind:
-            per_phase[c.phase] = per_phase.get(c.phase, 0.0) + seconds / grad_accum
+            if c.per == "micro_step":
+                every[c.phase] = every.get(c.phase, 0.0) + seconds / grad_accum
+            else:
+                boundary[c.phase] = boundary.get(c.phase, 0.0) + seconds
         else:
             exposed += seconds
         table.append({"op": c.op, "phase": c.phase, "per": c.per, "count": c.count, "bytes": c.bytes,
                       "overlappable": bool(c.overlappable), "seconds_per_step": seconds})
-    for phase, seconds in per_phase.items():
+    for phase in sorted({*every, *boundary}):
         phase_s = hide_behind[phase]
         gpu_s = (device or hide_behind).get(phase, phase_s)
-        on_gpu = seconds if seconds > slowdown * gpu_s else gpu_s + seconds * (1.0 - 1.0 / slowdown)
-        exposed += grad_accum * max(0.0, on_gpu - phase_s)
+
+        mine = every.get(phase, 0.0)
+        exposed += ((grad_accum - 1) * _past_phase(mine, phase_s, gpu_s, slowdown)
+                    + _past_phase(mine + boundary.get(phase, 0.0), phase_s, gpu_s, slowdown))
     return CommTime(total, exposed, table)
 
 
@@ -703,15 +719,21 @@ def _way_entry(before: Prediction, after: Prediction, kind: str, b_crit: float |
             "to_batch": after.global_batch, "condition": condition}
 
 
-def _conditions(before: Prediction, after: Prediction, b_crit: float | None) -> dict[str, str]:
+def _conditions(before: Prediction, after: Prediction, b_crit: float | None, way: str) -> dict[str, str]:
     hidden = after.comm_s - after.exposed_comm_s
     step = (f"predicted: {after.exposed_comm_s:.3g} s of {after.comm_s:.3g} s communication exposed per step "
             f"({hidden:.3g} s hidden behind compute), offload {after.offload_s:.3g} s, compute {after.compute_s:.3g} s")
     rate = after.samples_per_s / before.samples_per_s
     scale = after.global_batch / before.global_batch
-    epoch = (f"predicted samples/s x{rate:.2f} for a {scale:g}x batch: "
-             + ("the device is saturated (throughput no longer rises with the batch)" if rate < 1.1 else
-                "throughput still rises with the batch"))
+    if way == "ranks":
+        why = f"{rate / scale:.0%} of linear scaling"
+    elif way == "grad_accum":  # a micro-step's work stays the same: only the per-step costs are spread thinner
+        why = ("the per-step costs accumulation spreads (the optimizer step, communication at the boundary) were "
+               "already small" if rate < 1.1 else "accumulation spreads the per-step costs over more samples")
+    else:
+        why = ("the device is saturated (throughput no longer rises with the batch)" if rate < 1.1 else
+               "throughput still rises with the batch")
+    epoch = f"predicted samples/s x{rate:.2f} for a {scale:g}x batch: {why}"
     if b_crit is None:
         target = "no critical batch given"
     else:
@@ -736,7 +758,8 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
                        zero=zero)
 
     low, high = micro_batch_range or (max(1, micro_batch // 4), micro_batch * 4)
-    one = dataclasses.replace(cluster, gpus_per_node=1, nodes=1, inter_gbps=0.0)
+    # one GPU has no link to another: `auto`, not a link only several GPUs can have (a bridge joins two)
+    one = dataclasses.replace(cluster, gpus_per_node=1, nodes=1, inter_gbps=0.0, intra="auto")
     pairs: dict[str, tuple[Prediction, Prediction] | None] = {
         "ranks": None if cluster.world_size == 1 else (run(one, micro_batch), run(cluster, micro_batch)),
         "micro_batch": (run(cluster, low), run(cluster, high)),
@@ -750,7 +773,7 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
                                                                                          "to_target")}
             continue
         before, after = pair
-        conditions = _conditions(before, after, b_crit)
+        conditions = _conditions(before, after, b_crit, way)
         ways[way] = {kind: _way_entry(before, after, kind, b_crit, conditions[kind])
                      for kind in ("per_step", "per_epoch", "to_target")}
     return {"ways": ways, "deepspeed": _deepspeed_line(workload, cluster, micro_batch, precision,

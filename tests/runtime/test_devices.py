@@ -27,6 +27,7 @@ def test_datasheet_peak_matches_whole_model_names_only():
     assert peak("NVIDIA H100 NVL") == 835e12 and peak("NVIDIA H100 PCIe") == 756e12  # not the SXM's peak
     assert peak("NVIDIA H200 NVL") == 835e12 and peak("NVIDIA H200") == 989e12
     assert peak("NVIDIA L4") == 121e12
+    assert peak("NVIDIA A10") == 125e12 and peak("NVIDIA A10G") == 70e12  # the cloud variant's own figure
     assert peak("NVIDIA L40S") is None  # not the L4's figure: unknown parts measure a matmul instead
     assert peak("Tesla T4") is None  # no bf16 tensor cores on Turing
 

@@ -272,7 +272,7 @@ def test_answer_smoke_end_to_end(tmp_path):
     assert links["busy_s"] > 0 and links["statistic"] == "mean" and links["raw"]
     check = calibrate.answer_check(out, links)
     assert len(check) == len(calibrate.answer_pairs(results)) >= 1
-    assert (check["predicted_comm_s"] > 0).all() and check["error"].notna().all()
+    assert (check["predicted_exposed_comm_s"] > 0).all() and check["error"].notna().all()
     section = page[page.index("id='predicted-this-machine'"):]
     assert section.count("<td>predicted ") == len(check) and "No check" not in section.split("</section>")[0]
 

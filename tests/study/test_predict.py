@@ -27,6 +27,7 @@ def test_gpu_names_follow_the_issue_and_sxm_is_the_default():
         assert hw.gpu(name).name == name
     assert hw.gpu("a100").name == "A100-80GB"      # SXM where both exist
     assert hw.gpu("H100").name == "H100-SXM"
+    assert hw.gpu("H200").name == "H200-SXM"
     assert P.HARDWARE is hw.GPUS
     assert all(g.source for g in hw.GPUS.values())
 
@@ -68,12 +69,13 @@ def test_a_network_bandwidth_that_is_not_a_finite_number_is_refused(gbps):
 @pytest.mark.parametrize("name,preset", [
     ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("A100 80GB PCIe", "A100-80GB-PCIE"), ("NVIDIA H100 80GB HBM3", "H100-SXM"),
     ("Tesla V100-SXM2-16GB", "V100-16GB"), ("Tesla T4", "T4"), ("NVIDIA L4", "L4"), ("NVIDIA A10G", "A10G"),
+    ("NVIDIA A10", "A10"), ("NVIDIA H200", "H200-SXM"),
 ])
 def test_a_gpu_named_as_its_device_prints_it_is_its_preset(name, preset):
     assert hw.gpu(name).name == preset
 
 
-@pytest.mark.parametrize("name", ["H100 NVL", "NVIDIA H200", "NVIDIA A10", "A100-32GB"])
+@pytest.mark.parametrize("name", ["H100 NVL", "NVIDIA H200 NVL", "A100-32GB", "NVIDIA L40S"])
 def test_a_device_without_a_preset_is_still_refused(name):
     with pytest.raises(ValueError, match="unknown GPU"):
         hw.gpu(name)
@@ -263,10 +265,10 @@ def test_a_llama_style_shape_says_what_gpt2_does_not_have():
 
 
 # -- the step model --------------------------------------------------------------------------------------------------
-def _predict(strategy="z0", nodes=1, micro=4, **kw):
+def _predict(strategy="z0", nodes=1, micro=4, precision="bf16", **kw):
     cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=nodes, inter_gbps=200 if nodes > 1 else 0)
     return P.predict(P.TransformerWorkload(GPT2_XL), cluster, strategy=strategy, micro_batch=micro,
-                     precision="bf16", **kw)
+                     precision=precision, **kw)
 
 
 def test_a_prediction_is_a_sum_of_parts_and_says_it_is_predicted():
@@ -287,6 +289,67 @@ def test_communication_grows_with_a_slower_network_and_zero3_sends_more():
     assert _predict("z3").comm_s > _predict("z0").comm_s
     assert _predict("z3").exposed_comm_s < _predict("z3").comm_s  # prefetch / overlap_comm hide some
     assert _predict("z0").exposed_comm_s == pytest.approx(_predict("z0").comm_s)  # stage 0 reduces after backward
+
+
+def test_plain_pytorch_is_ddp_all_reducing_fp32_gradients_in_its_buckets():
+    from labkit.study import comms
+
+    # fp32 weights under autocast (the lab's plain trainer): the gradients DDP all-reduces are fp32 in any precision
+    numels = [n for module in P.TransformerWorkload(GPT2_XL).module_layout() for n in module]
+    rows = comms.ddp_collectives(numels, 16, grad_accum=4)
+    assert sum(r.bytes * r.count for r in rows) == 4 * sum(numels)
+    assert {r.dtype for r in rows} == {"fp32"} and {r.per for r in rows} == {"step"}  # no_sync: once per step
+    assert all(r.per_step == r.count for r in rows)
+    # torch's buckets: the first of at least 1 MiB (the last parameters), then at least 25 MiB each; only the last
+    # (the first layers', ready when the backward ends) cannot hide behind it
+    assert [r.overlappable for r in rows].count(False) == 1
+    hidden = [r for r in rows if r.overlappable]
+    assert all(r.bytes >= comms.DDP_FIRST_BUCKET_BYTES for r in hidden)
+    assert sum(r.count for r in hidden if r.bytes < comms.DDP_BUCKET_BYTES) <= 1  # the first bucket only
+    closing = next(r for r in rows if not r.overlappable)
+    assert closing.count == 1 and closing.bytes >= 4 * 50257 * 1600  # GPT-2's embeddings, the first parameters
+    assert comms.ddp_collectives(numels, 1) == []
+    bf16, fp32 = _predict("torch", nodes=4), _predict("torch", nodes=4, precision="fp32")
+    assert bf16.comm_s == pytest.approx(fp32.comm_s)  # the same fp32 gradients on the wire
+
+
+def test_a_collective_sent_once_per_step_hides_behind_one_micro_step_only():
+    from labkit.study import comms
+
+    links = P.ClusterLinks(hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8))
+    row = comms.Collective(op="all_reduce", bytes=2**30, count=1, per="step", phase="backward", dtype="fp32",
+                           overlappable=True, what="gradients", caller="test", source="test", per_step=1)
+    x = links.seconds("all_reduce", comms.ring_bytes_sent(row, 8), 8)
+    phase = x / 2  # each micro-step's backward hides half of it
+    for accum in (1, 4):
+        t = P.comm_time([row], links, 8, grad_accum=accum, hide_behind={"backward": phase})
+        assert t.total_s == pytest.approx(x) and t.exposed_s == pytest.approx(x - phase)  # not x - 4 x phase
+    micro = dataclasses.replace(row, per="micro_step", per_step=4)  # sent every micro-step: each hides its own
+    t = P.comm_time([micro], links, 8, grad_accum=4, hide_behind={"backward": phase})
+    assert t.exposed_s == pytest.approx(4 * (x - phase))
+    # accumulation does not hide DDP's once-per-step all-reduce behind the micro-steps before the boundary
+    assert _predict("torch", nodes=4, grad_accum=2).exposed_comm_s >= _predict("torch", nodes=4).exposed_comm_s
+
+
+def test_a_node_of_one_gpu_reaches_the_network_through_that_gpus_pcie_link():
+    a100 = hw.gpu("A100-80GB")
+    nvlink = hw.Cluster(gpu=a100, gpus_per_node=1, nodes=8, inter_gbps=1600)
+    pcie = hw.Cluster(gpu=a100, gpus_per_node=1, nodes=8, inter_gbps=1600, intra="pcie4")
+    # one PCIe 4 x16 link, not the 8 HDR NICs' 192 GB/s, and no NVLink in a node of one GPU
+    assert nvlink.bus_bytes_per_s() == pcie.bus_bytes_per_s() == pytest.approx(31.5e9 * hw.LINK_EFFICIENCY)
+    pair = hw.Cluster(gpu=a100, gpus_per_node=2, nodes=4, inter_gbps=1600)
+    assert pair.bus_bytes_per_s() == pytest.approx(2 * 31.5e9 * hw.LINK_EFFICIENCY)
+    dgx = hw.Cluster(gpu=a100, gpus_per_node=8, nodes=4, inter_gbps=1600)  # 8 x 25 GB/s of PCIe: the NICs bind
+    assert dgx.bus_bytes_per_s() == pytest.approx(200e9 * hw.NETWORK_EFFICIENCY)
+
+
+def test_the_card_of_a_bridged_pair_compares_it_with_one_gpu():
+    pair = hw.Cluster(gpu=hw.gpu("A100-80GB-PCIE"), gpus_per_node=2, intra="nvlink3")
+    card = P.predicted_card(P.TransformerWorkload(SMALL), pair, strategy="z2", micro_batch=4, precision="bf16")
+    assert card["ways"]["ranks"]["per_step"]["ratio"] > 0  # its 1-GPU baseline has no bridge to refuse
+    epoch = {way: card["ways"][way]["per_epoch"]["condition"] for way in card["ways"]}
+    assert "linear scaling" in epoch["ranks"] and "per-step costs" in epoch["grad_accum"]
+    assert "saturated" in epoch["micro_batch"] or "still rises" in epoch["micro_batch"]
 
 
 def test_offload_moves_the_optimizer_to_the_host_and_the_pcie_link():
@@ -962,6 +1025,8 @@ def test_device_names_map_to_presets():
     assert hw.preset_for("NVIDIA A100 80GB PCIe") == "A100-80GB-PCIE"
     assert hw.preset_for("Tesla V100-SXM2-32GB") == "V100-32GB"
     assert hw.preset_for("Tesla T4") == "T4" and hw.preset_for("NVIDIA A10G") == "A10G"
+    assert hw.preset_for("NVIDIA A10") == "A10" and hw.preset_for("NVIDIA H200") == "H200-SXM"
+    assert hw.preset_for("NVIDIA H200 NVL") is None
     assert hw.preset_for("NVIDIA GeForce RTX 4090") is None
 
 
