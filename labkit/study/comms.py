@@ -138,6 +138,21 @@ def module_layout(model: Any) -> list[list[int]]:
     return [own for _, own in module_params(model)]
 
 
+def tied_head(model: Any) -> bool:
+    """Whether the module registered last holds only parameters of the first parameter-holding module: a language
+    model's LM head tied to its token embedding (Hugging Face's `tie_word_embeddings`), which `module_layout` leaves
+    out (a shared parameter is counted once) and ZeRO-3 fetches again at the end of the forward."""
+    first: set[int] | None = None
+    last: list[int] = []
+    for _, module in model.named_modules():
+        own = [id(p) for p in module.parameters(recurse=False)]
+        if own:
+            first = set(own) if first is None else first
+            last = own
+    return first is not None and bool(last) and set(last) <= first and \
+        len(list(module_params(model))) > 1
+
+
 def module_params(model: Any) -> Iterator[tuple[str, list[int]]]:
     """(name, its own parameters' element counts) of every module that holds some, in registration order."""
     seen: set[int] = set()
@@ -268,7 +283,8 @@ def _emit(out: list[Collective], sizes: Iterable[int], *, per: str, grad_accum: 
 def collectives(stage: int | None, n_params: int, world_size: int, *, precision: str, grad_accum: int = 1,
                 offload_optimizer: bool = False, persistent_params: int = 0, reuse_distance: int | None = None,
                 bucket_elems: int | None = None, modules: Sequence[Sequence[int]] | None = None,
-                gradient_clipping: float = GRADIENT_CLIPPING_DEFAULT, **zero_settings: Any) -> list[Collective]:
+                gradient_clipping: float = GRADIENT_CLIPPING_DEFAULT, tied_head: bool = False,
+                **zero_settings: Any) -> list[Collective]:
     """Every collective DeepSpeed 0.19.8 runs in a steady training step (step 3 onwards: ZeRO-3
     records its module trace in the first steps), with its defaults unless `zero_settings` (the
     `zero_optimization` keys, e.g. `overlap_comm=True`, `stage3_prefetch_bucket_size=0`) say otherwise.
@@ -281,6 +297,8 @@ def collectives(stage: int | None, n_params: int, world_size: int, *, precision:
     `reuse_distance`, `bucket_elems`: `stage3_max_reuse_distance` and `reduce_bucket_size` (elements).
     `gradient_clipping`: the top-level ds_config key (DeepSpeed's default 1.0); stage 0 in fp32 clips
     with one all-reduce of the norm.
+    `tied_head`: the model ends with an LM head that is its first module's parameters (`tied_head(model)`): ZeRO-3
+    fetches them again there, gathering them where they were released (`_stage3_gathers`).
     One rank sends nothing: DeepSpeed still calls some collectives on a one-rank group, but they move no bytes.
     """
     numels = _check_inputs(stage, n_params, world_size, precision, grad_accum, persistent_params, modules)
@@ -298,7 +316,8 @@ def collectives(stage: int | None, n_params: int, world_size: int, *, precision:
     elif stage in (1, 2):
         _stage12(out, stage, numels or [n_params], world_size, precision, grad_accum, offload_optimizer, cfg)
     else:
-        _stage3(out, modules, n_params, persistent_params, world_size, precision, grad_accum, offload_optimizer, cfg)
+        _stage3(out, modules, n_params, persistent_params, world_size, precision, grad_accum, offload_optimizer, cfg,
+                tied_head)
     return out
 
 
@@ -500,7 +519,7 @@ def _gather_calls(params: Sequence[Sequence[int]], world_size: int, prefetch: in
 
 
 def _stage3_gathers(modules: Sequence[Sequence[int]] | None, n_params: int, persistent_params: int, world_size: int,
-                    cfg: Any) -> tuple[list[int], list[int], list[int]]:
+                    cfg: Any, tied_head: bool = False) -> tuple[list[int], list[int], list[int]]:
     """(forward calls, backward calls, persistent parameters) of ZeRO-3, in gathered elements.
 
     A module is gathered again in the backward unless it stayed gathered since its forward. The
@@ -510,7 +529,13 @@ def _stage3_gathers(modules: Sequence[Sequence[int]] | None, n_params: int, pers
     after it. It also keeps what the prefetcher already queued for the backward (:650): with the
     partitioned model smaller than one prefetch bucket, the first prefetch scans the whole trace and
     nothing is released. Without `modules`, parameters are spread evenly: those with more than
-    max_reuse_distance / 2 parameters after them are gathered again."""
+    max_reuse_distance / 2 parameters after them are gathered again.
+
+    A tied LM head (`tied_head`) uses the first module's parameters once more after the last module: every
+    module's distance to its backward grows by 2 x the head, and the first module's next use after its forward is
+    the head, the rest of the model away. Released there, it is gathered again at the head, kept through the head's
+    forward and backward (adjacent in the trace; released between them only with a reuse distance of 0), and
+    gathered again for its own backward after the same distance."""
     prefetch = int(cfg.prefetch_bucket_size)
     reuse = int(cfg.max_reuse_distance)
     window = min(prefetch, int(cfg.max_live_parameters))
@@ -524,16 +549,26 @@ def _stage3_gathers(modules: Sequence[Sequence[int]] | None, n_params: int, pers
     partitioned = [[n for n, p in zip(m, f, strict=True) if not p] for m, f in zip(modules, flags, strict=True)]
     persistent = [n for m, f in zip(modules, flags, strict=True) for n, p in zip(m, f, strict=True) if p]
     whole_model_queued = 0 < sum(map(sum, partitioned)) < window
-    again = [part if part and 2 * sum(map(sum, modules[k + 1:])) >= reuse and not whole_model_queued else []
-             for k, part in enumerate(partitioned)]
-    backward = again[::-1]  # the backward walks the modules in reverse, each module's parameters in order
-    return _gather_calls(partitioned, world_size, prefetch), _gather_calls(backward, world_size, prefetch), persistent
+    head = sum(modules[0]) if tied_head else 0
+    again = [part if part and 2 * (sum(map(sum, modules[k + 1:])) + head) >= reuse and not whole_model_queued
+             else [] for k, part in enumerate(partitioned)]
+    forward = list(partitioned)
+    backward = []
+    if tied_head:
+        released = bool(partitioned[0]) and sum(map(sum, modules[1:])) >= reuse and not whole_model_queued
+        again[0] = partitioned[0] if released else []
+        forward += [again[0]]  # the head's forward: gathered again where the embedding's was released
+        # the head's backward comes next: kept unless the window is 0 (the coordinator then stops before it, :658)
+        backward += [partitioned[0] if reuse <= 0 and not whole_model_queued else []]
+    backward += again[::-1]  # the backward walks the modules in reverse, each module's parameters in order
+    return _gather_calls(forward, world_size, prefetch), _gather_calls(backward, world_size, prefetch), persistent
 
 
 def _stage3(out: list[Collective], modules: Sequence[Sequence[int]] | None, n_params: int, persistent_params: int,
-            world_size: int, precision: str, grad_accum: int, offload: bool, cfg: Any) -> None:
+            world_size: int, precision: str, grad_accum: int, offload: bool, cfg: Any, tied_head: bool) -> None:
     size = DTYPE_BYTES[precision]
-    forward, backward, persistent = _stage3_gathers(modules, n_params, persistent_params, world_size, cfg)
+    forward, backward, persistent = _stage3_gathers(modules, n_params, persistent_params, world_size, cfg,
+                                                    tied_head)
     # Prefetched gathers run while earlier modules compute; the forward's first one has nothing before it.
     common: dict[str, Any] = {"op": "all_gather", "per": "micro_step", "grad_accum": grad_accum,
                               "dtype": precision, "what": "parameters", "caller": "allgather_fn"}
@@ -654,9 +689,10 @@ def run_collectives(config: Any) -> list[Collective]:
     zero = dict(ds_config.get("zero_optimization", {}))
     stage = int(zero.pop("stage", 0))
     offload = zero.pop("offload_optimizer", None)
-    modules = module_layout(meta_model(config))
+    model = meta_model(config)
+    modules = module_layout(model)
     return collectives(stage, sum(map(sum, modules)), config.world_size, precision=config.precision,
-                       grad_accum=config.grad_accum,
+                       grad_accum=config.grad_accum, tied_head=tied_head(model),
                        offload_optimizer=bool(offload) and offload.get("device", "none") != "none",
                        modules=modules, gradient_clipping=ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT),
                        **zero)

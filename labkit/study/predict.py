@@ -204,6 +204,9 @@ class Workload(Protocol):
     @property
     def paramless_modules(self) -> int: ...
 
+    @property
+    def tied_head(self) -> bool: ...  # an LM head that is the first module's parameters (comms.tied_head)
+
     def module_layout(self) -> list[list[int]]: ...
 
     def recomputed_modules(self) -> tuple[int, int]: ...
@@ -243,6 +246,10 @@ class TransformerWorkload:
     @property
     def paramless_modules(self) -> int:
         return self.shape.paramless_modules()
+
+    @property
+    def tied_head(self) -> bool:
+        return bool(self.shape.tied)
 
     def module_layout(self) -> list[list[int]]:
         return self.shape.module_layout()
@@ -292,6 +299,7 @@ class ModuleWorkload:
         self.persistent_params = builders.persistent_params(numels)
         model = builders.meta_model(self.config)
         self.layout = comms.module_layout(model)
+        self.tied_head = comms.tied_head(model)
         self.param_modules = len(self.layout)
         self.paramless_modules = sum(1 for m in model.modules() if not list(m.parameters(recurse=False)))
         self.name = self.config.model
@@ -413,7 +421,7 @@ def collective_rows(stage: int | None, workload: Workload, world_size: int, *, p
         return comms.ddp_collectives(numels, world_size, grad_accum=grad_accum)
     return list(comms.collectives(stage, workload.n_params, world_size, precision=precision,
                                   grad_accum=grad_accum, offload_optimizer=offload_optimizer,
-                                  modules=workload.module_layout(), **(zero or {})))
+                                  modules=workload.module_layout(), tied_head=workload.tied_head, **(zero or {})))
 
 
 @dataclass(frozen=True)

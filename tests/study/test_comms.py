@@ -176,6 +176,42 @@ def test_stage3_without_a_layout_regathers_the_parameters_with_more_than_half_th
         comms.collectives(3, 400_000_000, 8, precision="bf16"), what="parameters", phase="backward")
 
 
+def test_stage3_gathers_a_tied_heads_embedding_again_where_it_was_released():
+    # embedding 1,000 (the head's weight too), two layers of 4,000, a norm of 40 that persists; no prefetch
+    layout = [[1_000], [4_000], [4_000], [40]]
+    settings = {"stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_size": 0}
+
+    def gathers(reuse, tied):
+        cs = comms.collectives(3, 9_040, 2, precision="fp32", modules=layout, reuse_distance=reuse,
+                               tied_head=tied, **settings)
+        calls: dict[tuple[str, int], int] = {}  # (phase, elements) -> calls per step
+        for c in by(cs, what="parameters"):
+            calls[(c.phase, c.bytes // 4)] = calls.get((c.phase, c.bytes // 4), 0) + c.per_step
+        return sorted((phase, n, k) for (phase, n), k in calls.items())
+
+    # window 0: everything released at once, the head's forward and backward each gather the embedding again
+    assert gathers(0, True) == [("backward", 1_000, 2), ("backward", 4_000, 2), ("forward", 1_000, 2),
+                                ("forward", 4_000, 2)]
+    # window 8,040 = the rest of the model: the embedding is released after its forward (its next use, the head,
+    # is 8,040 away) and gathered at the head, kept through the head's backward, gathered again for its own. The
+    # first layer is 2 x (4,040 + the head's 1,000) from its backward, past the window; the second 2 x 1,040, within.
+    assert gathers(8_040, True) == [("backward", 1_000, 1), ("backward", 4_000, 1), ("forward", 1_000, 2),
+                                    ("forward", 4_000, 2)]
+    # window 8,041: the head is within it and so is the embedding's backward after it: gathered once per step,
+    # where untied the embedding's own backward is 2 x 8,040 away and gathers it again
+    assert gathers(8_041, True) == [("backward", 4_000, 1), ("forward", 1_000, 1), ("forward", 4_000, 2)]
+    assert gathers(8_041, False) == [("backward", 1_000, 1), ("backward", 4_000, 1), ("forward", 1_000, 1),
+                                     ("forward", 4_000, 2)]
+
+
+def test_a_tied_lm_head_is_found_on_the_model():
+    from labkit.core.config import RunConfig
+    from labkit.models.builders import meta_model
+
+    assert comms.tied_head(meta_model(RunConfig(model="gpt", hidden=64, depth=2, input_size=64)))
+    assert not comms.tied_head(meta_model(RunConfig(model="mlp")))
+
+
 # -- bad input ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, message", [
     ({"stage": 4}, "stage"), ({"precision": "fp8"}, "precision"), ({"world_size": 0}, "world_size"),
@@ -276,6 +312,12 @@ REAL_RUNS = {
     "stage 3": dict(example="zero3", grad_accum=2),
     "stage 3 partitioned": dict(example="zero3", ds_overrides=ZERO3_PARTITIONED),
     "stage 3 prefetch batches": dict(example="zero3", grad_accum=2, ds_overrides=ZERO3_PREFETCH),
+    # The lab's GPT, whose LM head is its token embedding: released after the embedding's forward (the rest of the
+    # model, 104,192 elements, is past a window of 50,000), gathered again at the head and for its own backward.
+    "stage 3 tied GPT": dict(example="zero3", model="gpt", hidden=64, depth=2, input_size=64,
+                             ds_overrides={"zero_optimization": {"stage3_param_persistence_threshold": 1000,
+                                                                 "stage3_max_reuse_distance": 50_000,
+                                                                 "stage3_prefetch_bucket_size": 0}}),
 }
 
 
@@ -286,7 +328,7 @@ def real_runs(tmp_path_factory) -> dict[str, object]:
     from labkit.launch.run import Run
 
     root = tmp_path_factory.mktemp("comms")
-    configs = {label: RunConfig(world_size=2, **ODD, **fields) for label, fields in REAL_RUNS.items()}
+    configs = {label: RunConfig(world_size=2, **{**ODD, **fields}) for label, fields in REAL_RUNS.items()}
     configs["plain PyTorch"] = RunConfig(example="pytorch", **ODD)
     runs = {label: Run(config, root=root).start() for label, config in configs.items()}
     runs["failing"] = Run(RunConfig(example="deepspeed", stage=2, world_size=2, **{**ODD, "steps": 50}), root=root,
