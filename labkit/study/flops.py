@@ -136,6 +136,23 @@ def _gemm(name: str, args: tuple, out: Any) -> tuple[tuple[int, int, int, int] |
     return shape, (columns, k, _leading(b), _leading(a), columns, *batch)
 
 
+# Ops that launch no kernel and move no bytes: allocations (their memory is written by the op that fills it, counted
+# there) and `_unsafe_view`, the reshape `matmul` returns after `mm`, a view whose schema carries no alias annotation.
+NO_TRAFFIC = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
+              "aten._unsafe_view"}
+
+
+def _moved(name: str, args: tuple, kwargs: dict, outputs: Any) -> float:
+    """Bytes an op's kernel reads and writes: its tensors, each once, but for two that read rows of a big input:
+    `nll_loss_forward` reads one logit per row (and its targets), `embedding` the rows its indices name."""
+    if name == "aten.nll_loss_forward":
+        logits, target = args[0], args[1]
+        return _nbytes([target, *outputs]) + target.numel() * logits.element_size()
+    if name == "aten.embedding":
+        return _nbytes([args[1]]) + 2 * _nbytes(outputs)  # the indices, the rows read, the rows written
+    return _nbytes([*args, *kwargs.values()]) + _nbytes(outputs)  # an in-place op's output is its write
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, census: Census) -> None:
         super().__init__()
@@ -161,11 +178,13 @@ class _Recorder(TorchDispatchMode):
         if schema.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
             return out
         packet = func.overloadpacket
-        flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
         name = str(packet)
+        if name in NO_TRAFFIC:
+            return out
+        flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
         outputs = out if isinstance(out, (list, tuple)) else (out,)
-        moved = _nbytes([*args, *kwargs.values()]) + _nbytes(outputs)  # an in-place op's output is its write
-        getattr(self.census, self.phase).append(Op(name, flops, moved, *_gemm(name, args, out)))
+        getattr(self.census, self.phase).append(Op(name, flops, _moved(name, args, kwargs, outputs),
+                                                   *_gemm(name, args, out)))
         return out
 
 
@@ -229,10 +248,20 @@ def _fused_sdpa(recorder: _Recorder) -> Callable[..., torch.Tensor]:
     return sdpa
 
 
+def _fused_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """Dropout as a GPU runs it: ATen takes its fused kernel, `native_dropout` (one pass writing the output and a
+    bool mask; `native_dropout_backward` in the backward), only for CUDA tensors (`is_fused_kernel_acceptable`,
+    aten/src/ATen/native/Dropout.cpp); on the meta device it would run the unfused path (a noise tensor in the input's
+    dtype, `bernoulli_`, `div_`, `mul`), about three times the traffic and a mask twice the size."""
+    if not training or not 0 < p < 1:
+        return _DROPOUT(input, p, training, inplace)
+    return torch.native_dropout(input, p, True)[0]
+
+
 class _FusedSdpa(TorchFunctionMode):
-    """Routes scaled_dot_product_attention called by a name bound before the count (`from torch.nn.functional
-    import ...`); `count` swaps the module's own attribute, which a checkpoint's recompute in the backward calls
-    (function modes are off there)."""
+    """Routes scaled_dot_product_attention and dropout called by a name bound before the count (`from
+    torch.nn.functional import ...`); `count` swaps the module's own attributes, which a checkpoint's recompute in
+    the backward calls (function modes are off there)."""
 
     def __init__(self, recorder: _Recorder) -> None:
         super().__init__()
@@ -241,10 +270,13 @@ class _FusedSdpa(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is _SDPA:
             return self.sdpa(*args, **(kwargs or {}))
+        if func is _DROPOUT:
+            return _fused_dropout(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
+_DROPOUT = torch.nn.functional.dropout
 
 
 def count(step: Callable[[], torch.Tensor], params: list[torch.nn.Parameter] | None = None) -> Census:
@@ -264,6 +296,7 @@ def count(step: Callable[[], torch.Tensor], params: list[torch.nn.Parameter] | N
     recorder = _Recorder(census)
     routed = _FusedSdpa(recorder)
     torch.nn.functional.scaled_dot_product_attention = routed.sdpa
+    torch.nn.functional.dropout = _fused_dropout
     try:
         with recorder, routed, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = step()
@@ -271,6 +304,7 @@ def count(step: Callable[[], torch.Tensor], params: list[torch.nn.Parameter] | N
             loss.backward()
     finally:
         torch.nn.functional.scaled_dot_product_attention = _SDPA
+        torch.nn.functional.dropout = _DROPOUT
     return census
 
 

@@ -272,13 +272,19 @@ class TransformerWorkload:
         ops_fwd = round(c.scaled(lambda x: len(x.forward), layers))
         ops = ops_fwd + round(c.scaled(lambda x: len(x.backward), layers))
         if checkpointing:
-            # Full recomputation (Megatron-LM's --checkpoint-activations): each layer keeps only its input and the
-            # backward recomputes one layer's forward at a time.
+            # Full recomputation (Megatron-LM's --checkpoint-activations, Hugging Face's gradient checkpointing):
+            # each block keeps only its input and the backward recomputes one block's forward at a time; the
+            # embeddings, the final norm and the LM head with its loss are not recomputed.
             per_layer = c.ops2.saved_bytes - c.ops1.saved_bytes
             base = c.ops1.saved_bytes - per_layer
             size = 4 if precision == "fp32" else 2
             saved = base + layers * micro_batch * self.shape.seq * self.shape.hidden * size + per_layer
-            return PhaseCosts(fwd, bwd + fwd, f_fwd + f_bwd, 2 * f_fwd + f_bwd, saved, ops + ops_fwd)
+            blocks_s = layers * (flops.roofline_s(c.ops2.forward, gpu, precision)
+                                 - flops.roofline_s(c.ops1.forward, gpu, precision))
+            blocks_flops = layers * (c.ops2.flops("forward") - c.ops1.flops("forward"))
+            blocks_ops = layers * (len(c.ops2.forward) - len(c.ops1.forward))
+            return PhaseCosts(fwd, bwd + blocks_s, f_fwd + f_bwd, f_fwd + blocks_flops + f_bwd, saved,
+                              ops + blocks_ops)
         return PhaseCosts(fwd, bwd, f_fwd + f_bwd, f_fwd + f_bwd, saved, ops)
 
 
@@ -512,6 +518,7 @@ class Prediction:
     exposed_comm_s: float
     offload_s: float
     host_overhead_s: float
+    host_bound_s: float       # of compute_s: the time the device waits on the host (its hooks, launches)
     device_bytes: float
     activation_bytes: float
     fits: bool
@@ -563,6 +570,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         workload.recomputed_modules() if activation_checkpointing else (0, 0), world_size=n,
         gathers=gather_counts(workload, activation_checkpointing, zero) if stage == 3 and n > 1 else (0.0, 0.0))
     on_gpu = {"forward": costs.forward_s, "backward": costs.backward_s}  # the device's own, before the host's bound
+    host_bound_s = grad_accum * max(0.0, host_s - costs.forward_s - costs.backward_s)
     if host_s > costs.forward_s + costs.backward_s:
         scale = host_s / (costs.forward_s + costs.backward_s)
         costs = dataclasses.replace(costs, forward_s=costs.forward_s * scale, backward_s=costs.backward_s * scale)
@@ -587,7 +595,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         hardware_tflops_per_gpu=costs.hardware_flops * grad_accum / step / 1e12,
         compute_s=compute_s, forward_s=costs.forward_s, backward_s=costs.backward_s, optimizer_s=optimizer_s,
         comm_s=comm.total_s, exposed_comm_s=comm.exposed_s, offload_s=offload_s,
-        host_overhead_s=grad_accum * host_s,
+        host_overhead_s=grad_accum * host_s, host_bound_s=host_bound_s,
         device_bytes=states + costs.activation_bytes, activation_bytes=costs.activation_bytes, fits=fits,
         max_micro_batch=max_micro, hardware=cluster.describe(),
         constants=f"device: {gpu.constants_source}; host: {host_costs(gpu).source}"
@@ -693,7 +701,8 @@ def steps_to_target(global_batch: float, b_crit: float, s_min: float = 1.0) -> f
 
 
 def b_crit_from(results_dir: str | os.PathLike) -> float | None:
-    """The lab's measured B_simple (pooled gradient noise scale over every probe of noise.csv), else None."""
+    """The lab's measured B_simple (pooled gradient noise scale over every probe of noise.csv), else None (no file,
+    or an estimate not above 0: the pooled trace of the noise came out negative, which is no critical batch)."""
     import pandas as pd
 
     from labkit.study.noise_scale import aggregate
@@ -704,7 +713,7 @@ def b_crit_from(results_dir: str | os.PathLike) -> float | None:
     noise = pd.read_csv(path)
     pooled = aggregate(noise[["grad_norm_small_sq", "grad_norm_big_sq", "noise_b_small", "noise_b_big"]]
                        .itertuples(index=False, name=None))
-    return None if pooled is None else pooled.b_simple
+    return None if pooled is None or pooled.b_simple is None or pooled.b_simple <= 0 else pooled.b_simple
 
 
 # -- the predicted answer card ---------------------------------------------------------------------------------
@@ -758,7 +767,8 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
                    host_memory_gb_per_s: float | None = None, zero: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The answer card's shape (labkit.study.card: ways x per_step/per_epoch/to_target, each with verdict, ratio,
     from_batch, to_batch, condition), PREDICTED for `cluster`. ranks: 1 GPU -> every GPU at `micro_batch`;
-    micro_batch: `micro_batch_range` (default micro_batch/4 -> micro_batch*4) on every GPU; grad_accum: 1 -> 16.
+    micro_batch: `micro_batch_range` (default micro_batch/4 -> micro_batch*4, or the largest micro-batch that fits
+    if smaller) on every GPU; grad_accum: 1 -> 16. A way whose either side does not fit has no verdict, and says so.
     `host_memory_gb_per_s` and `zero` as `predict` takes them."""
     def run(c: Cluster, m: int, a: int = 1) -> Prediction:
         return predict(workload, c, strategy=strategy, micro_batch=m, grad_accum=a, precision=precision,
@@ -766,6 +776,8 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
                        zero=zero)
 
     low, high = micro_batch_range or (max(1, micro_batch // 4), micro_batch * 4)
+    if micro_batch_range is None:  # the default range stops at the largest micro-batch that fits
+        high = max(micro_batch, min(high, run(cluster, micro_batch).max_micro_batch))
     # one GPU has no link to another: `auto`, not a link only several GPUs can have (a bridge joins two)
     one = dataclasses.replace(cluster, gpus_per_node=1, nodes=1, inter_gbps=0.0, intra="auto")
     pairs: dict[str, tuple[Prediction, Prediction] | None] = {
@@ -781,6 +793,15 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
                                                                                          "to_target")}
             continue
         before, after = pair
+        too_big = next((p for p in pair if not p.fits), None)
+        if too_big is not None:
+            why = (f"predicted: does not fit: micro-batch {too_big.micro_batch} on {too_big.hardware} needs "
+                   f"{too_big.device_bytes / 1e9:.1f} GB of {cluster.gpu.memory_bytes / 1e9:.0f} GB per GPU (the "
+                   f"largest that fits: {too_big.max_micro_batch})")
+            ways[way] = {kind: {"verdict": None, "ratio": None, "from_batch": before.global_batch,
+                                "to_batch": after.global_batch, "condition": why}
+                         for kind in ("per_step", "per_epoch", "to_target")}
+            continue
         conditions = _conditions(before, after, b_crit, way)
         ways[way] = {kind: _way_entry(before, after, kind, b_crit, conditions[kind])
                      for kind in ("per_step", "per_epoch", "to_target")}

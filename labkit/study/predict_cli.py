@@ -138,7 +138,14 @@ def _b_crit(args: Any) -> float | None:
     if args.results:
         if not Path(args.results).is_dir():
             raise _bad("results", f"no such results directory: {args.results}")
-        return b_crit_from(args.results)
+        if not (Path(args.results) / "noise.csv").is_file():
+            raise _bad("results", f"{args.results} has no noise.csv (the answer's gradient-noise probes): no "
+                                  "critical batch to read; give --b-crit instead")
+        b_crit = b_crit_from(args.results)
+        if b_crit is None:
+            raise _bad("results", f"{args.results}/noise.csv gives no positive critical batch (its noise estimate is "
+                                  "not above 0: too few or too noisy probes); give --b-crit instead")
+        return b_crit
     return None
 
 

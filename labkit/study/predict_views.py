@@ -63,12 +63,14 @@ def card_table(card: dict[str, Any]) -> pd.DataFrame:
 def strategy_parts(work: P.Workload, cluster: Cluster, *, micro_batch: int, precision: str = "bf16",
                    strategies: tuple[str, ...] = ("torch", "z0", "z1", "z2", "z3", "z2-offload"),
                    activation_checkpointing: bool = False) -> pd.DataFrame:
-    """Predicted seconds per step of each strategy, split into compute, exposed communication and offload."""
+    """Predicted seconds per step of each strategy, split into the device's compute, the time it waits on the host
+    (ZeRO-3's hooks, kernel launches: `host_bound_s`), exposed communication and offload."""
     rows = []
     for strategy in strategies:
         p = P.predict(work, cluster, strategy=strategy, micro_batch=micro_batch, precision=precision,
                       activation_checkpointing=activation_checkpointing)
-        rows.append({"strategy": STRATEGY_LABELS[strategy], "compute_s": p.compute_s,
+        rows.append({"strategy": STRATEGY_LABELS[strategy], "compute_s": p.compute_s - p.host_bound_s,
+                     "host_bound_s": p.host_bound_s,
                      "exposed_comm_s": p.exposed_comm_s, "hidden_comm_s": p.comm_s - p.exposed_comm_s,
                      "offload_s": p.offload_s, "step_time_s": p.step_time_s, "fits": p.fits,
                      "max_micro_batch": p.max_micro_batch})
@@ -76,12 +78,13 @@ def strategy_parts(work: P.Workload, cluster: Cluster, *, micro_batch: int, prec
 
 
 def parts_figure(parts: pd.DataFrame, title: str) -> Any:
-    """A stacked bar per strategy: compute, exposed communication, offload (predicted seconds per step)."""
+    """A stacked bar per strategy: the device's compute, waiting on the host, exposed communication, offload
+    (predicted seconds per step)."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    for column, name in (("compute_s", "compute"), ("exposed_comm_s", "exposed communication"),
-                         ("offload_s", "offload")):
+    for column, name in (("compute_s", "compute"), ("host_bound_s", "waiting on the host"),
+                         ("exposed_comm_s", "exposed communication"), ("offload_s", "offload")):
         fig.add_bar(x=parts["strategy"], y=parts[column], name=name)
     fig.update_layout(barmode="stack", title=f"Predicted: {title}", yaxis_title="predicted seconds per step",
                       height=380, margin=dict(l=60, r=20, t=60, b=40))

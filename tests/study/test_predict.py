@@ -130,6 +130,63 @@ def test_a_tensor_an_op_reads_twice_is_moved_once():
     assert squares == [2 * 4000.0, 3 * 4000.0]  # x * x: x read once, one output; then (x * x) * x: two reads, one out
 
 
+@pytest.mark.parametrize("reentrant", [None, False, True])
+def test_dropout_is_counted_as_the_fused_kernel_a_gpu_runs(reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.zeros(1000, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    drop = torch.nn.Dropout(0.1)
+
+    def step():
+        y = x * 2
+        return (drop(y) if reentrant is None else checkpoint(drop, y, use_reentrant=reentrant)).sum()
+
+    census = flops.count(step, [x])
+    ops = [op for op in census.forward + census.backward if "dropout" in op.name]
+    # one pass each way: read 2 B and write 2 B and a 1-byte mask, then read the gradient and the mask, write 2 B
+    forward = [op.bytes for op in ops if op.name == "aten.native_dropout"]
+    assert forward == ([5000.0] if reentrant is None else [5000.0, 5000.0])  # a checkpoint runs it again
+    assert [op.bytes for op in ops if op.name == "aten.native_dropout_backward"] == [5000.0]
+    assert not any(op.name in ("aten.bernoulli_", "aten.div_") for op in census.forward + census.backward)
+    assert torch.nn.functional.dropout is flops._DROPOUT  # restored after the count
+    off = flops.count(lambda: torch.nn.Dropout(0.0)(x * 2).sum(), [x])
+    assert not any("dropout" in op.name for op in off.forward + off.backward)  # p = 0: no kernel
+
+
+def test_views_allocations_and_row_reads_move_only_what_a_kernel_touches():
+    w = torch.zeros(8, 16, device="meta", requires_grad=True)
+    table = torch.zeros(100, 16, device="meta", requires_grad=True)
+    ids = torch.zeros(4, 3, dtype=torch.long, device="meta")
+
+    def step():
+        h = torch.nn.functional.embedding(ids, table)        # 12 rows of 16 read, written
+        logits = h @ w.t()                                     # mm, then matmul's _unsafe_view back to 3-d
+        return torch.nn.functional.cross_entropy(logits.view(-1, 8), ids.view(-1) % 8)
+
+    census = flops.count(step, [w, table])
+    names = [op.name for op in census.forward]
+    assert "aten._unsafe_view" not in names and "aten.empty" not in names
+    embedding = next(op for op in census.forward if op.name == "aten.embedding")
+    assert embedding.bytes == 12 * 8 + 2 * 12 * 16 * 4  # the indices, and 12 rows read and written, not the table
+    nll = next(op for op in census.forward if op.name == "aten.nll_loss_forward")
+    assert nll.bytes == 12 * 8 + 12 * 4 + 2 * 4  # targets, one log-probability per row, the loss and its weight
+
+
+def test_checkpointing_recomputes_the_blocks_and_counts_as_megatrons_eq_3():
+    # Megatron-LM's SC21 Eq. 3 counts the blocks' forward again (96 = 4 passes x 24), the LM head 3 times (V/16lh)
+    shape = flops.Transformer(layers=24, hidden=1024, heads=16, seq=1024, vocab=51200, dropout=0.0)
+    work = P.TransformerWorkload(shape)
+    costs = work.costs(4, hw.gpu("A100-80GB"), "bf16", checkpointing=True)
+    b, s, layers, h, v = 4, shape.seq, shape.layers, shape.hidden, shape.vocab
+    eq3 = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
+    assert costs.hardware_flops == pytest.approx(eq3, rel=1e-3)  # 1.2% over when the head was recomputed too
+    plain = work.costs(4, hw.gpu("A100-80GB"), "bf16", checkpointing=False)
+    assert plain.model_flops == costs.model_flops  # the model FLOPs leave the recomputation out
+    per_layer = flops.transformer_costs(shape, 4, "bf16")
+    block = per_layer.ops2.flops("forward") - per_layer.ops1.flops("forward")
+    assert costs.hardware_flops - plain.hardware_flops == pytest.approx(24 * block)  # the blocks, not the head
+
+
 def test_layer_extrapolation_is_exact_for_a_stack_of_identical_blocks():
     three = flops.Transformer(layers=3, hidden=128, heads=4, seq=64, vocab=512)
     costs = flops.transformer_costs(three, 2, "fp32")
@@ -350,6 +407,47 @@ def test_the_card_of_a_bridged_pair_compares_it_with_one_gpu():
     epoch = {way: card["ways"][way]["per_epoch"]["condition"] for way in card["ways"]}
     assert "linear scaling" in epoch["ranks"] and "per-step costs" in epoch["grad_accum"]
     assert "saturated" in epoch["micro_batch"] or "still rises" in epoch["micro_batch"]
+
+
+def test_a_card_gives_no_verdict_where_a_side_does_not_fit_and_its_default_range_stops_where_memory_does():
+    from labkit.study import predict_views as V
+
+    xl = V.workload("GPT-2 XL (1.5B)")
+    node = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
+    largest = P.predict(xl, node, strategy="z3", micro_batch=1, precision="bf16").max_micro_batch
+    too_big = P.predicted_card(xl, node, strategy="z3", micro_batch=largest + 2, precision="bf16")
+    for way in ("ranks", "micro_batch", "grad_accum"):
+        entry = too_big["ways"][way]["per_step"]
+        assert entry["verdict"] is None and entry["ratio"] is None and "does not fit" in entry["condition"]
+    fits = P.predicted_card(xl, node, strategy="z3", micro_batch=2, precision="bf16")
+    micro = fits["ways"]["micro_batch"]["per_step"]
+    assert micro["verdict"] is not None and micro["to_batch"] == largest * 8  # 2 x 4 = 8 does not fit: stop there
+    explicit = P.predicted_card(xl, node, strategy="z3", micro_batch=2, precision="bf16", micro_batch_range=(1, 64))
+    assert explicit["ways"]["micro_batch"]["per_step"]["verdict"] is None  # as asked, and said not to fit
+
+
+def test_the_bars_split_the_compute_from_the_wait_on_the_host():
+    from labkit.study import predict_views as V
+
+    cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
+    parts = V.strategy_parts(V.workload("GPT-2 XL (1.5B)"), cluster, micro_batch=1).set_index("strategy")
+    z3 = P.predict(V.workload("GPT-2 XL (1.5B)"), cluster, strategy="z3", micro_batch=1, precision="bf16")
+    assert z3.host_bound_s > 0  # ZeRO-3's hooks outlast GPT-2 XL's compute at micro-batch 1
+    assert parts.loc["ZeRO-3", "host_bound_s"] == pytest.approx(z3.host_bound_s)
+    assert parts.loc["ZeRO-3", "compute_s"] + z3.host_bound_s == pytest.approx(z3.compute_s)
+    assert parts.loc["ZeRO-2", "host_bound_s"] < z3.host_bound_s  # no hooks without stage 3
+
+
+def test_a_results_folder_without_a_positive_critical_batch_is_refused(tmp_path, capsys):
+    shape = ["predict", "--transformer", "layers=2,hidden=128,heads=2,seq=64", "--results", str(tmp_path)]
+    assert main(shape) == 2
+    assert "no noise.csv" in capsys.readouterr().err
+    # one probe whose big-batch norm is above the small one's: tr(Sigma) < 0, no critical batch
+    (tmp_path / "noise.csv").write_text("grad_norm_small_sq,grad_norm_big_sq,noise_b_small,noise_b_big\n"
+                                        "9.0,9.5,8,16\n")
+    assert P.b_crit_from(tmp_path) is None
+    assert main(shape) == 2
+    assert "no positive critical batch" in capsys.readouterr().err
 
 
 def test_offload_moves_the_optimizer_to_the_host_and_the_pcie_link():
