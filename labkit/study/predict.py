@@ -605,18 +605,38 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
 
 def _offload_s(stage: int | None, offload: bool, owned: float, grad_accum: int, cluster: Cluster, precision: str,
                host_memory_gb_per_s: float | None) -> float:
-    """ZeRO-Offload, not overlapped (DeepSpeed's default): the rank's gradient partition goes down in fp32 (stages
-    2-3 every micro-step, stage 1 at the boundary), the host runs CPU Adam and the two passes beside it over the
-    rank's partition (CPU_ADAM_BYTES_PER_PARAM's comment), and the updated parameters come back up in the training
-    dtype. The node's ranks share its host (`offload_host`)."""
+    """ZeRO-Offload, not overlapped (DeepSpeed's default): the rank's gradient partition goes down to the host
+    (`offload_grad_bytes`), the host runs CPU Adam and the two passes beside it over the rank's partition
+    (CPU_ADAM_BYTES_PER_PARAM's comment), and the updated parameters come back up in the training dtype. The node's
+    ranks share its host (`offload_host`)."""
     if not offload:
         return 0.0
-    downs = grad_accum if stage in (2, 3) else 1
+    assert stage is not None
+    down, up = offload_grad_bytes(stage, grad_accum, precision)
     param_size = 4 if precision == "fp32" else 2
     host_s_per_param, _ = offload_host(cluster.gpu, precision, host_memory_gb_per_s)
-    return (downs * 4 * owned / cluster.device_to_host_bytes_per_s()
+    return (down * owned / cluster.device_to_host_bytes_per_s()
             + owned * host_s_per_param * cluster.gpus_per_node
-            + param_size * owned / cluster.host_to_device_bytes_per_s())
+            + (up + param_size) * owned / cluster.host_to_device_bytes_per_s())
+
+
+def offload_grad_bytes(stage: int, grad_accum: int, precision: str) -> tuple[int, int]:
+    """(bytes down to the host, bytes back up) per owned parameter per optimizer step for the gradients under
+    ZeRO-Offload, as DeepSpeed 0.19.8 copies them. Every stage sends the boundary's gradient down in fp32, cast on the
+    device (4 B). Accumulating, stages 1-2 keep the running sum on the host in the training dtype (g B): each
+    micro-step after the first brings it up, adds and sends it down again, and stage 2 sends the first down too
+    (`copy_grads_in_partition` -> `async_accumulate_grad_in_cpu_via_gpu`, stage_1_and_2.py:2161-2173, :1809-1858;
+    stage 1 reduces at the boundary only, so there once). Stage 3 keeps its gradient partitions in a host buffer
+    (stage3.py:333, :791) and on every micro-step copies the partition down and back up (`partition_grads`,
+    :2024-2039) before the boundary's fp32 copy (:2044 -> :1443)."""
+    g = 4 if precision == "fp32" else 2
+    if stage == 3:
+        return grad_accum * g + 4, grad_accum * g
+    if grad_accum == 1:
+        return 4, 0
+    if stage == 1:
+        return g + 4, g
+    return grad_accum * g + 4, (grad_accum - 1) * g
 
 
 def offload_host(gpu: GPU, precision: str, host_memory_gb_per_s: float | None = None) -> tuple[float, str]:

@@ -450,6 +450,17 @@ def test_a_results_folder_without_a_positive_critical_batch_is_refused(tmp_path,
     assert "no positive critical batch" in capsys.readouterr().err
 
 
+def test_offloaded_gradients_move_as_deepspeed_copies_them():
+    # one micro-step: fp32 down, and at stage 3 the 16-bit partition down and back up first
+    assert [P.offload_grad_bytes(stage, 1, "bf16") for stage in (1, 2, 3)] == [(4, 0), (4, 0), (2 + 4, 2)]
+    # accumulating 4: stage 2 keeps the running sum on the host, stage 1 touches it at the boundary only
+    assert P.offload_grad_bytes(2, 4, "bf16") == (4 * 2 + 4, 3 * 2)
+    assert P.offload_grad_bytes(1, 4, "bf16") == (2 + 4, 2)
+    assert P.offload_grad_bytes(3, 4, "fp32") == (4 * 4 + 4, 4 * 4)
+    z2, z3 = _predict("z2-offload"), _predict("z3-offload")
+    assert z3.offload_s > z2.offload_s  # the same partition, more copies
+
+
 def test_offload_moves_the_optimizer_to_the_host_and_the_pcie_link():
     plain, off = _predict("z2"), _predict("z2-offload")
     assert plain.offload_s == 0 and off.offload_s > 0 and off.optimizer_s == 0 and plain.optimizer_s > 0
