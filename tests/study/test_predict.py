@@ -1103,11 +1103,12 @@ def test_a_gpu_kind_without_its_own_host_borrows_a_measured_one_and_a_given_band
     for bad in (0, -5, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="host_memory_gb_per_s must be a finite bandwidth > 0"):
             P.predict(work, cluster, strategy="z2-offload", micro_batch=1, precision="bf16", host_memory_gb_per_s=bad)
-    # stage 1 offloads too: the gradients go down once per step, not per micro-step
+    # stage 1 offloads too: it touches the host's running sum at the boundary only, stage 2 at every micro-step
     z1, z2 = (P.predict(work, cluster, strategy=s, micro_batch=1, grad_accum=4, precision="bf16")
               for s in ("z1-offload", "z2-offload"))
     owned = GPT2_XL.n_params() / 2
-    assert z2.offload_s - z1.offload_s == pytest.approx(3 * 4 * owned / cluster.device_to_host_bytes_per_s())
+    down, up = cluster.device_to_host_bytes_per_s(), cluster.host_to_device_bytes_per_s()
+    assert z2.offload_s - z1.offload_s == pytest.approx((12 - 6) * owned / down + (6 - 2) * owned / up)
 
 
 def test_without_any_measured_host_offload_is_memory_traffic_at_the_default_bandwidth(assumed_only):
