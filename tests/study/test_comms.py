@@ -298,8 +298,13 @@ def test_measured_collectives_reads_the_files_in_this_modules_convention(tmp_pat
 # Odd sizes exercise the padding: 100 -> 501 -> 9 is 50,100 + 501 + 4,509 + 9 = 55,119 parameters.
 ODD = dict(hidden=501, output_size=9, micro_batch=8, dataset_size=512, steps=4, comms_log=True)
 SPLIT_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 5_600}}  # the 50,100-element weight alone, split
-ZERO3_PARTITIONED = {"zero_optimization": {"stage3_param_persistence_threshold": 1000,  # the biases persist
-                                           "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}}
+# The lab's GPT with every weight partitioned (biases and norms persist), gathered module by module without prefetch.
+# Its LM head is its token embedding: a window of 50,000 elements releases the embedding after its forward (the rest
+# of the model, 104,192 elements, is past it), so it is gathered again at the head and for its own backward; the
+# other modules are gathered again for their backward unless 2 x (what follows them + the head) is within the window.
+ZERO3_PARTITIONED = {"zero_optimization": {"stage3_param_persistence_threshold": 1000,
+                                           "stage3_max_reuse_distance": 50_000, "stage3_prefetch_bucket_size": 0}}
+TIED_GPT = dict(model="gpt", hidden=64, depth=2, input_size=64)
 # Every parameter partitioned, gathered in prefetch batches of >= 30,000 elements: [50,100] then [501, 4,509, 9];
 # gradients reduce-scattered in 6,000-element buckets as ZeRO-3's linear returns them: [4,509, 9], [50,100], [501].
 ZERO3_PREFETCH = {"zero_optimization": {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 30_000,
@@ -310,14 +315,8 @@ REAL_RUNS = {
     "stage 2 small buckets": dict(example="deepspeed", stage=2, grad_accum=2, ds_overrides=SPLIT_BUCKETS),
     "stage 2 + offload": dict(example="offload", grad_accum=2),
     "stage 3": dict(example="zero3", grad_accum=2),
-    "stage 3 partitioned": dict(example="zero3", ds_overrides=ZERO3_PARTITIONED),
+    "stage 3 partitioned, tied GPT": dict(example="zero3", **TIED_GPT, ds_overrides=ZERO3_PARTITIONED),
     "stage 3 prefetch batches": dict(example="zero3", grad_accum=2, ds_overrides=ZERO3_PREFETCH),
-    # The lab's GPT, whose LM head is its token embedding: released after the embedding's forward (the rest of the
-    # model, 104,192 elements, is past a window of 50,000), gathered again at the head and for its own backward.
-    "stage 3 tied GPT": dict(example="zero3", model="gpt", hidden=64, depth=2, input_size=64,
-                             ds_overrides={"zero_optimization": {"stage3_param_persistence_threshold": 1000,
-                                                                 "stage3_max_reuse_distance": 50_000,
-                                                                 "stage3_prefetch_bucket_size": 0}}),
 }
 
 
@@ -360,7 +359,7 @@ def test_the_formula_matches_deepspeeds_log_byte_for_byte(real_runs, label):
 
 @pytest.mark.slow
 def test_stage3_records_its_trace_in_the_first_steps_and_every_rank_logs_the_same(real_runs):
-    measured = comms.measured_collectives(real_runs["stage 3 partitioned"].run_dir)
+    measured = comms.measured_collectives(real_runs["stage 3 partitioned, tied GPT"].run_dir)
     first = measured[measured["section"] == "step 1"]
     assert "ZeRO-3 trace check" in set(first["what"])  # broadcasts that compare the ranks' module traces
     assert "ZeRO-3 trace check" not in set(measured.loc[measured["section"] == "steady", "what"])
