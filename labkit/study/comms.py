@@ -141,7 +141,8 @@ def module_layout(model: Any) -> list[list[int]]:
 def tied_head(model: Any) -> bool:
     """Whether the module registered last holds only parameters of the first parameter-holding module: a language
     model's LM head tied to its token embedding (Hugging Face's `tie_word_embeddings`), which `module_layout` leaves
-    out (a shared parameter is counted once) and ZeRO-3 fetches again at the end of the forward."""
+    out (a shared parameter is counted once) and ZeRO-3 fetches again at the end of the forward. Not recognised (so
+    not modelled): a tied head with a bias of its own, or one followed by another module (a value head)."""
     first: set[int] | None = None
     last: list[int] = []
     for _, module in model.named_modules():
@@ -351,7 +352,9 @@ def ddp_collectives(numels: Sequence[int], world_size: int, *, grad_accum: int =
     all-reduce per gradient bucket, in fp32 whatever the training precision (the weights stay fp32 under autocast,
     as the lab's plain trainer keeps them, so their gradients are fp32), once per step (gradient accumulation
     under `no_sync`, DDP's way to skip the reduction of the other micro-steps). Every bucket but the last runs
-    while the backward goes on; the last (the first layers' gradients, ready when the backward ends) cannot."""
+    while the backward goes on; the last (the first layers' gradients, ready when the backward ends) cannot. The
+    buckets follow reverse registration order; torch rebuilds them after the first step in the order gradients were
+    ready (`_rebuild_buckets`), the same for a model that registers its modules in forward order."""
     if world_size == 1:
         return []
     sizes, size, cap = [], 0, DDP_FIRST_BUCKET_BYTES

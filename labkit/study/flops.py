@@ -251,9 +251,10 @@ def _fused_sdpa(recorder: _Recorder) -> Callable[..., torch.Tensor]:
 def _fused_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
     """Dropout as a GPU runs it: ATen takes its fused kernel, `native_dropout` (one pass writing the output and a
     bool mask; `native_dropout_backward` in the backward), only for CUDA tensors (`is_fused_kernel_acceptable`,
-    aten/src/ATen/native/Dropout.cpp); on the meta device it would run the unfused path (a noise tensor in the input's
-    dtype, `bernoulli_`, `div_`, `mul`), about three times the traffic and a mask twice the size."""
-    if not training or not 0 < p < 1:
+    aten/src/ATen/native/Dropout.cpp) and not in place (`dropout_` is always the unfused path); on the meta device the
+    out-of-place call would run the unfused path too (a noise tensor in the input's dtype, `bernoulli_`, `div_`,
+    `mul`), about three times the traffic and a mask twice the size."""
+    if inplace or not training or not 0 < p < 1:
         return _DROPOUT(input, p, training, inplace)
     return torch.native_dropout(input, p, True)[0]
 

@@ -802,15 +802,17 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
     one = dataclasses.replace(cluster, gpus_per_node=1, nodes=1, inter_gbps=0.0, intra="auto")
     pairs: dict[str, tuple[Prediction, Prediction] | None] = {
         "ranks": None if cluster.world_size == 1 else (run(one, micro_batch), run(cluster, micro_batch)),
-        "micro_batch": (run(cluster, low), run(cluster, high)),
+        "micro_batch": (run(cluster, low), run(cluster, high)) if low < high else None,
         "grad_accum": (run(cluster, micro_batch, GRAD_ACCUM_RANGE[0]), run(cluster, micro_batch, GRAD_ACCUM_RANGE[1])),
     }
     ways: dict[str, Any] = {}
     for way, pair in pairs.items():
         if pair is None:
+            why = ("1 device: ranks cannot grow" if way == "ranks" else
+                   f"micro-batch {low} is the largest that fits: the micro-batch cannot grow"
+                   if micro_batch_range is None else f"the range {low} -> {high} does not grow the micro-batch")
             ways[way] = {kind: {"verdict": None, "ratio": None, "from_batch": None, "to_batch": None,
-                                "condition": "1 device: ranks cannot grow"} for kind in ("per_step", "per_epoch",
-                                                                                         "to_target")}
+                                "condition": why} for kind in ("per_step", "per_epoch", "to_target")}
             continue
         before, after = pair
         too_big = next((p for p in pair if not p.fits), None)
