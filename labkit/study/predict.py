@@ -796,8 +796,9 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
                        zero=zero)
 
     low, high = micro_batch_range or (max(1, micro_batch // 4), micro_batch * 4)
+    largest = run(cluster, micro_batch).max_micro_batch
     if micro_batch_range is None:  # the default range stops at the largest micro-batch that fits
-        high = max(micro_batch, min(high, run(cluster, micro_batch).max_micro_batch))
+        high = max(micro_batch, min(high, largest))
     # one GPU has no link to another: `auto`, not a link only several GPUs can have (a bridge joins two)
     one = dataclasses.replace(cluster, gpus_per_node=1, nodes=1, inter_gbps=0.0, intra="auto")
     pairs: dict[str, tuple[Prediction, Prediction] | None] = {
@@ -809,8 +810,9 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
     for way, pair in pairs.items():
         if pair is None:
             why = ("1 device: ranks cannot grow" if way == "ranks" else
-                   f"micro-batch {low} is the largest that fits: the micro-batch cannot grow"
-                   if micro_batch_range is None else f"the range {low} -> {high} does not grow the micro-batch")
+                   f"the range {low} -> {high} does not grow the micro-batch" if micro_batch_range is not None else
+                   f"micro-batch {low} is the largest that fits: the micro-batch cannot grow" if largest >= low else
+                   f"predicted: no micro-batch fits on {cluster.describe()}")
             ways[way] = {kind: {"verdict": None, "ratio": None, "from_batch": None, "to_batch": None,
                                 "condition": why} for kind in ("per_step", "per_epoch", "to_target")}
             continue

@@ -433,6 +433,9 @@ def test_a_card_gives_no_verdict_where_a_side_does_not_fit_and_its_default_range
     assert P.predict(xl, small, strategy="z3", micro_batch=1, precision="fp16").max_micro_batch == 1
     one = P.predicted_card(xl, small, strategy="z3", micro_batch=1, precision="fp16")["ways"]["micro_batch"]
     assert one["per_step"]["verdict"] is None and "largest that fits" in one["per_step"]["condition"]
+    huge = P.TransformerWorkload(flops.Transformer(layers=48, hidden=6144, heads=48, seq=1024))  # 22B on a T4
+    none = P.predicted_card(huge, hw.Cluster(gpu=hw.gpu("T4")), micro_batch=1, precision="fp16")["ways"]
+    assert "no micro-batch fits" in none["micro_batch"]["per_step"]["condition"]
 
 
 def test_the_bars_split_the_compute_from_the_wait_on_the_host():
