@@ -24,7 +24,6 @@ argument named `tensor`), so `measured_collectives` multiplies those by the worl
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -365,24 +364,11 @@ def ddp_collectives(numels: Sequence[int], world_size: int, *, grad_accum: int =
             size, cap = 0, DDP_BUCKET_BYTES
     sizes += [size] if size else []
     out: list[Collective] = []
-    for k, bucket in enumerate(sizes):
-        _emit(out, [bucket], op="all_reduce", per="step", grad_accum=grad_accum, phase="backward", dtype="fp32",
-              overlappable=k < len(sizes) - 1, what="gradients", caller="DistributedDataParallel",
+    for part, hides in ((sizes[:-1], True), (sizes[-1:], False)):
+        _emit(out, part, op="all_reduce", per="step", grad_accum=grad_accum, phase="backward", dtype="fp32",
+              overlappable=hides, what="gradients", caller="DistributedDataParallel",
               source="torch 2.13: torch/nn/parallel/distributed.py, the reducer's bucketed all-reduce")
-    return _merged(out)
-
-
-def _merged(rows: list[Collective]) -> list[Collective]:
-    """Rows that differ only in count, one row each (equal buckets of one kind)."""
-    merged: dict[tuple, Collective] = {}
-    for c in rows:
-        key = (c.op, c.bytes, c.per, c.phase, c.dtype, c.overlappable, c.what)
-        if key in merged:
-            m = merged[key]
-            merged[key] = dataclasses.replace(m, count=m.count + c.count, per_step=m.per_step + c.per_step)
-        else:
-            merged[key] = c
-    return list(merged.values())
+    return out
 
 
 def _chunks_over(numels: Iterable[int], limit: int) -> list[int]:
