@@ -790,10 +790,15 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
     micro_batch: `micro_batch_range` (default micro_batch/4 -> micro_batch*4, or the largest micro-batch that fits
     if smaller) on every GPU; grad_accum: 1 -> 16. A way whose either side does not fit has no verdict, and says so.
     `host_memory_gb_per_s` and `zero` as `predict` takes them."""
+    made: dict[tuple[bool, int, int], Prediction] = {}  # the configuration at micro_batch serves three ways
+
     def run(c: Cluster, m: int, a: int = 1) -> Prediction:
-        return predict(workload, c, strategy=strategy, micro_batch=m, grad_accum=a, precision=precision,
-                       activation_checkpointing=activation_checkpointing, host_memory_gb_per_s=host_memory_gb_per_s,
-                       zero=zero)
+        key = (c is cluster, m, a)
+        if key not in made:
+            made[key] = predict(workload, c, strategy=strategy, micro_batch=m, grad_accum=a, precision=precision,
+                                activation_checkpointing=activation_checkpointing,
+                                host_memory_gb_per_s=host_memory_gb_per_s, zero=zero)
+        return made[key]
 
     low, high = micro_batch_range or (max(1, micro_batch // 4), micro_batch * 4)
     largest = run(cluster, micro_batch).max_micro_batch
