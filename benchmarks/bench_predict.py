@@ -8,7 +8,8 @@
 1. Published GPU points (data/published/points.csv): predicted / published per point; goals: median |error| <= 25%,
    every point <= 40% (tests/study/test_predict_published.py holds what the model reaches today).
    Where this lab measured a GPU kind (data/reference-*/gpu_constants.json, benchmarks/bench_gpu_constants.py),
-   the GEMM roofline against every GEMM of that grid (the model takes only its best GEMM from it).
+   the GEMM roofline against every GEMM of that grid (the model takes one number per dtype from it: the median rate
+   per SM of its GEMMs with a tile per SM and >= 0.1 ms).
 2. This machine: calibrated on 1-rank runs (the answer's ci MLP, every strategy, micro-batch 16/64/256, one thread
    per rank), the 2-rank points predicted with the link fit measured here as training meets it
    (labkit.study.comms.measure_training_links: after 0.25-4 ms of compute, the mean call, read at each run's own

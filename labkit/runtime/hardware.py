@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,14 @@ REPO = Path(__file__).resolve().parents[2]
 # data/published/gemm/); bench_gpu_constants.py measures both on a GPU the lab has.
 GEMM_EFFICIENCY = 0.8    # a large cuBLAS GEMM's share of the dense tensor-core peak (full waves, big K)
 MEMORY_EFFICIENCY = 0.8  # a streaming element-wise kernel's share of the datasheet memory bandwidth
+# The GEMM roofline (flops.op_seconds) runs 128 x 128 output tiles in waves over the SMs at one rate per SM: a GPU
+# kind's GEMM efficiency is that rate's share of the peak. From a grid of measured GEMMs (this lab's or published) it
+# is the MEDIAN rate the grid's GEMMs imply, over those the roofline describes: at least one tile per SM (fewer, and
+# cuBLAS splits K or picks smaller tiles) and at least GEMM_CALIBRATION_MIN_S (shorter ones are launch-bound). Until
+# 2026-11-28 it was the grid's best GEMM, an extreme the model then reached on every shape: 95-97% of DeepBench's V100
+# GEMMs in that range ran slower than predicted, by 9% (fp16) and 7% (fp32) at the median (docs/predict.md).
+GEMM_TILE = 128               # cuBLAS's typical 128 x 128 output tile (NVIDIA DU-09799-001, section 2.3)
+GEMM_CALIBRATION_MIN_S = 1e-4
 ASSUMED = "assumed (no measurement of this GPU kind loaded): GEMM 0.8 of peak, memory 0.8 of datasheet bandwidth"
 # A fused attention kernel's (torch's scaled_dot_product_attention on a GPU) share of the dense fp16/bf16 peak, per
 # GPU generation, for the FLOPs it executes counted as FlashAttention's benchmarks count them (flops.attention_work:
@@ -68,11 +77,11 @@ class GPU:
     measured: Measured | None = field(default=None, compare=False)
 
     def gemm_efficiency(self, precision: str) -> float:
-        """A large GEMM's share of the dense peak: the best GEMM of this lab's grid, or of a published one
-        (data/published/gemm/), / the datasheet peak, else the assumption."""
+        """The GEMM roofline's rate per SM as a share of the dense peak: the median a grid of measured GEMMs implies
+        (this lab's, or a published one, data/published/gemm/: `typical_gemm_efficiency`), else the assumption."""
         dtype = "fp16" if precision == "mixed" else precision
-        best = self.measured.gemm_flops_per_s.get(dtype) if self.measured else None
-        return best / self.peak(dtype) if best else GEMM_EFFICIENCY
+        measured = self.measured.gemm_efficiency.get(dtype) if self.measured else None
+        return measured if measured else GEMM_EFFICIENCY
 
     @property
     def memory_efficiency(self) -> float:
@@ -202,6 +211,31 @@ class Measured:
     # torch's scaled_dot_product_attention, forward + backward, causal: the best share of the dense 16-bit peak over
     # its grid, counted as flops.attention_work counts the work (what the model divides by it)
     attention_efficiency: float | None = None
+    # the GEMM efficiency per dtype on the GPU kind it is attached to (`with_measured`: it depends on the SMs and peak)
+    gemm_efficiency: dict[str, float] = field(default_factory=dict, compare=False)
+
+
+def typical_gemm_efficiency(kind: GPU, measured: Measured) -> dict[str, float]:
+    """Per dtype, the median over the grid's GEMMs of the rate per SM each one implies (waves x 2 x TILE^2 x K over
+    its measured time, / the peak per SM), among those with at least one output tile per SM, at least
+    GEMM_CALIBRATION_MIN_S, and on the tensor cores by the GPU kind's alignment rule (a 16-bit GEMM with every
+    dimension a multiple of it); a dtype with none such: its best GEMM's share of the peak. Pure."""
+    out: dict[str, float] = {}
+    for dtype, shapes in measured.gemm_shapes.items():
+        if not kind.peak_flops.get(dtype):
+            continue  # a dtype the GPU kind has no peak for (bf16 on a V100): nothing to share
+        implied = []
+        for shape in shapes:
+            m, n, k, seconds = int(shape["m"]), int(shape["n"]), int(shape["k"]), float(shape["seconds"])
+            tiles = math.ceil(m / GEMM_TILE) * math.ceil(n / GEMM_TILE)
+            aligned = dtype == "fp32" or all(d % kind.tensor_core_alignment == 0 for d in (m, n, k))
+            if tiles >= kind.sms and seconds >= GEMM_CALIBRATION_MIN_S and aligned:
+                implied.append(math.ceil(tiles / kind.sms) * 2.0 * GEMM_TILE ** 2 * k / seconds)  # per SM
+        best = measured.gemm_flops_per_s.get(dtype)
+        rate = statistics.median(implied) * kind.sms if implied else best
+        if rate:
+            out[dtype] = rate / kind.peak(dtype)
+    return out
 
 
 def _number(section: dict[str, Any], key: str) -> float | None:
@@ -239,8 +273,9 @@ def load_measured(path: str | Path) -> Measured:
 
 def load_published_gemm(path: str | Path) -> tuple[list[str], Measured]:
     """A published GEMM grid (data/published/gemm/*.json) as (the presets it describes, `Measured` with only its
-    GEMMs): each dtype's best GEMM becomes that GPU kind's GEMM efficiency, as a grid this lab measured would, and
-    every shape a check of the roofline (flops.gemm_check). Shapes run padded (DeepBench pads fp16 dimensions to
+    GEMMs): once attached to a preset (`with_measured`), the median rate per SM of each dtype's GEMMs becomes that GPU
+    kind's GEMM efficiency (`typical_gemm_efficiency`), as for a grid this lab measured, and every shape a check of
+    the roofline (flops.gemm_check). Shapes run padded (DeepBench pads fp16 dimensions to
     multiples of 8) are timed at the padded size. Memory bandwidth and the host's figures stay unmeasured."""
     data = json.loads(Path(path).read_text())
     if data.get("format") != PUBLISHED_GEMM_FORMAT:
@@ -286,6 +321,7 @@ def preset_for(device_name: str) -> str | None:
 
 
 def with_measured(kind: GPU, measured: Measured) -> GPU:
+    measured = dataclasses.replace(measured, gemm_efficiency=typical_gemm_efficiency(kind, measured))
     return dataclasses.replace(kind, measured=measured)
 
 

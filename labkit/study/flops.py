@@ -39,8 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from labkit.runtime.hardware import GEMM_EFFICIENCY, GPU, MEMORY_EFFICIENCY  # noqa: F401 -- the assumed values
-
-TILE = 128               # cuBLAS's typical 128 x 128 output tile (the guide's section 2.3)
+from labkit.runtime.hardware import GEMM_TILE as TILE  # cuBLAS's typical 128 x 128 output tile
 
 _GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"}
 
@@ -585,8 +584,9 @@ def module_census(model: torch.nn.Module, step: Callable[[], torch.Tensor]) -> C
 def gemm_check(gpu: GPU) -> list[dict[str, Any]]:
     """The GEMM roofline (`op_seconds`) against every GEMM of `gpu`'s grid (`gpu.measured`: this lab's, from
     bench_gpu_constants.py, or a published one, data/published/gemm/): predicted and measured seconds per shape and
-    dtype. The model takes one number from the grid (its best GEMM, as the GPU kind's efficiency); every other shape
-    is a check it was not fitted to."""
+    dtype. The model takes one number per dtype from the grid (the median rate per SM of the GEMMs with a tile per
+    SM and >= 0.1 ms: hardware.typical_gemm_efficiency), so those straddle the roofline by construction; the spread
+    around it, and the shorter and narrower GEMMs, are what this checks."""
     if gpu.measured is None:
         return []
     size = {"bf16": 2, "fp16": 2, "fp32": 4}
