@@ -95,7 +95,11 @@ class GPU:
 
     @property
     def constants_source(self) -> str:
-        return self.measured.source if self.measured else ASSUMED
+        if not self.measured:
+            return ASSUMED
+        shares = ", ".join(f"{dtype} {share:.3f}" for dtype, share in sorted(self.measured.gemm_efficiency.items()))
+        return (f"{self.measured.source}; GEMM efficiency, the median rate per SM of its GEMMs over the peak: {shares}"
+                if shares else self.measured.source)
 
     def peak(self, precision: str) -> float:
         dtype = "fp16" if precision == "mixed" else precision
