@@ -180,10 +180,10 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
     speed = effective_cores(run.threads_per_rank, old_n, cores) / effective_cores(new_threads, new_n, cores)
     scale = 1.0
     work = ModuleWorkload(config)
-    new_c = work.census(new_m, precision)
+    new_c = work.census(new_m, precision, cuda=False)
     if new_m != old_m:
         device = device or measure_cpu_device()
-        old_c = work.census(old_m, precision)
+        old_c = work.census(old_m, precision, cuda=False)
         scale = device.seconds(new_c.forward + new_c.backward) / device.seconds(old_c.forward + old_c.backward)
     micro_new = micro_old * scale * speed
     optimizer_new = optimizer_old * speed * partition_ranks(old_stage, old_n) / partition_ranks(new_stage, new_n)
@@ -225,7 +225,9 @@ def memory_here(work: ModuleWorkload, values: dict[str, Any], precision: str) ->
     per_sample = facts.activation_bytes_per_sample if facts is not None else None
 
     def activations(micro: int) -> float:
-        return per_sample * micro if per_sample is not None else float(work.census(micro, precision).saved_bytes)
+        if per_sample is not None:
+            return per_sample * micro
+        return float(work.census(micro, precision, cuda=False).saved_bytes)  # as this CPU runs it
 
     without = admission.estimate(config, model=admission.ModelFacts(work.n_params, 0.0), is_cpu=True,
                                  rank_base_bytes=here.learned.rank_base_bytes,

@@ -263,14 +263,15 @@ class _FusedSdpa(TorchFunctionMode):
     torch.nn.functional import ...`); `count` swaps the module's own attributes, which a checkpoint's recompute in
     the backward calls (function modes are off there)."""
 
-    def __init__(self, recorder: _Recorder) -> None:
+    def __init__(self, recorder: _Recorder, cuda_dropout: bool) -> None:
         super().__init__()
         self.sdpa = _fused_sdpa(recorder)
+        self.cuda_dropout = cuda_dropout
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is _SDPA:
             return self.sdpa(*args, **(kwargs or {}))
-        if func is _DROPOUT:
+        if func is _DROPOUT and self.cuda_dropout:
             return _fused_dropout(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
@@ -279,9 +280,12 @@ _SDPA = torch.nn.functional.scaled_dot_product_attention
 _DROPOUT = torch.nn.functional.dropout
 
 
-def count(step: Callable[[], torch.Tensor], params: list[torch.nn.Parameter] | None = None) -> Census:
+def count(step: Callable[[], torch.Tensor], params: list[torch.nn.Parameter] | None = None,
+          cuda_dropout: bool = True) -> Census:
     """Run `step()` (a forward returning the loss) and its backward under the recorder; `step` must build on
-    the meta device. Saved tensors that are parameters (or views of them) are model states, not activations."""
+    the meta device. Saved tensors that are parameters (or views of them) are model states, not activations.
+    `cuda_dropout`: count dropout as the fused kernel a GPU runs (`_fused_dropout`); False, as a CPU runs it (the
+    unfused path, a mask in the input's dtype), for a prediction of this machine's runs."""
     census = Census()
     owners = {p.untyped_storage()._cdata for p in params or []}
     seen: set[int] = set()
@@ -294,9 +298,10 @@ def count(step: Callable[[], torch.Tensor], params: list[torch.nn.Parameter] | N
         return tensor
 
     recorder = _Recorder(census)
-    routed = _FusedSdpa(recorder)
+    routed = _FusedSdpa(recorder, cuda_dropout)
     torch.nn.functional.scaled_dot_product_attention = routed.sdpa
-    torch.nn.functional.dropout = _fused_dropout
+    if cuda_dropout:
+        torch.nn.functional.dropout = _fused_dropout
     try:
         with recorder, routed, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = step()
@@ -576,9 +581,9 @@ def transformer_costs(shape: Transformer, micro_batch: int, dtype_name: str) -> 
     return LayerCosts(*censuses)
 
 
-def module_census(model: torch.nn.Module, step: Callable[[], torch.Tensor]) -> Census:
-    """Any model already on the meta device, with a `step()` that returns its loss."""
-    return count(step, list(model.parameters()))
+def module_census(model: torch.nn.Module, step: Callable[[], torch.Tensor], cuda_dropout: bool = True) -> Census:
+    """Any model already on the meta device, with a `step()` that returns its loss (`count`'s `cuda_dropout`)."""
+    return count(step, list(model.parameters()), cuda_dropout)
 
 
 def gemm_check(gpu: GPU) -> list[dict[str, Any]]:

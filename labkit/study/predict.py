@@ -319,8 +319,10 @@ class ModuleWorkload:
     def modules_before_blocks(self) -> int:
         return 0  # no blocks are recomputed (above)
 
-    def census(self, micro_batch: int, precision: str) -> flops.Census:
-        key = (micro_batch, precision)
+    def census(self, micro_batch: int, precision: str, cuda: bool = True) -> flops.Census:
+        """The model's ops at `micro_batch`, as a GPU runs them, or with `cuda=False` as this CPU does (dropout
+        unfused: calibrate's predictions of runs here)."""
+        key = (micro_batch, precision, cuda)
         if key not in self._cache:
             import torch
             from torch.utils.data import default_collate
@@ -336,7 +338,7 @@ class ModuleWorkload:
                 with torch.device(device), torch.random.fork_rng(devices=[]):
                     model = builders.build_model(self.config).to(dtype)
                 inputs, labels = (t.to(device).to(dtype) if t.is_floating_point() else t.to(device) for t in sample)
-                return flops.module_census(model, lambda: loss_fn(model, inputs, labels).float())
+                return flops.module_census(model, lambda: loss_fn(model, inputs, labels).float(), cuda)
 
             try:
                 self._cache[key] = census_on("meta")

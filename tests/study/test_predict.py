@@ -157,6 +157,22 @@ def test_dropout_is_counted_as_the_fused_kernel_a_gpu_runs(reentrant):
     assert "aten.native_dropout" not in names and "aten.bernoulli_" in names
 
 
+def test_dropout_counted_for_this_cpu_is_the_unfused_path_with_a_mask_in_the_inputs_dtype():
+    # calibrate predicts runs on this CPU: ATen's fused dropout is CUDA's only, so a CPU rank draws a noise tensor in
+    # the input's dtype (bernoulli_, div_) and keeps it for the backward (4 B per element in fp32, not CUDA's 1 B)
+    x = torch.zeros(1000, device="meta", requires_grad=True)
+    drop = torch.nn.Dropout(0.1)
+
+    def step():
+        return drop(x * 2).sum()
+
+    gpu, cpu = flops.count(step, [x]), flops.count(step, [x], cuda_dropout=False)
+    names = [op.name for op in cpu.forward]
+    assert "aten.native_dropout" not in names and "aten.bernoulli_" in names
+    assert cpu.saved_bytes - gpu.saved_bytes == 4000 - 1000  # the fp32 noise tensor, where CUDA keeps a bool mask
+    assert torch.nn.functional.dropout is flops._DROPOUT  # restored after the count
+
+
 def test_views_allocations_and_row_reads_move_only_what_a_kernel_touches():
     w = torch.zeros(8, 16, device="meta", requires_grad=True)
     table = torch.zeros(100, 16, device="meta", requires_grad=True)
