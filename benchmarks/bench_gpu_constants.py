@@ -531,6 +531,23 @@ def measure(budget_s: float, quick: bool, cpu_adam_build_s: float, only: tuple[s
     return result
 
 
+def model_gemm_efficiency(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """What the predictor will take from this grid once committed (labkit.runtime.hardware.typical_gemm_efficiency:
+    the median rate per SM of its GEMMs with a tile per SM and >= 0.1 ms), for a GPU with a preset."""
+    from labkit.runtime import hardware
+
+    preset = hardware.preset_for(str(result["device"].get("name"))) if result["device"].get("cuda") else None
+    gemm = result.get("gemm") or {}
+    sections = {dtype: gemm[dtype] for dtype in ("bf16", "fp16", "fp32") if (gemm.get(dtype) or {}).get("shapes")}
+    if preset is None or not sections:
+        return []
+    shapes = {dtype: [row for row in section["shapes"] if "seconds" in row] for dtype, section in sections.items()}
+    best = {dtype: section["best_flops_per_s"] for dtype, section in sections.items() if section["best_flops_per_s"]}
+    shares = hardware.typical_gemm_efficiency(hardware.GPUS[preset], shapes, best)
+    return [(f"GEMM {dtype}, the model's efficiency", f"{share:.3f} of {preset}'s peak (median rate per SM)")
+            for dtype, share in shares.items()]
+
+
 def table(result: dict[str, Any]) -> list[tuple[str, str]]:
     """The figures a reader wants first, as (what, value) rows."""
     rows: list[tuple[str, str]] = [("device", str(result["device"].get("name")))]
@@ -545,6 +562,7 @@ def table(result: dict[str, Any]) -> list[tuple[str, str]]:
     for dtype in ("bf16", "fp16", "fp32"):
         best = (result.get("gemm", {}).get(dtype) or {}).get("best_flops_per_s")
         rows.append((f"GEMM {dtype}, best", f"{best / 1e12:.1f} TFLOP/s" if best else "skipped"))
+    rows += model_gemm_efficiency(result)
     add("device memory copy", "memory", "copy_bytes_per_s", 1e-9, "GB/s")
     add("pinned host -> device", "host_copy", "pinned_h2d_bytes_per_s", 1e-9, "GB/s")
     add("pinned device -> host", "host_copy", "pinned_d2h_bytes_per_s", 1e-9, "GB/s")

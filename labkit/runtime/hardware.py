@@ -219,24 +219,25 @@ class Measured:
     gemm_efficiency: dict[str, float] = field(default_factory=dict, compare=False)
 
 
-def typical_gemm_efficiency(kind: GPU, measured: Measured) -> dict[str, float]:
+def typical_gemm_efficiency(kind: GPU, shapes: dict[str, list[dict[str, Any]]],
+                            best: dict[str, float]) -> dict[str, float]:
     """Per dtype, the median over the grid's GEMMs of the rate per SM each one implies (waves x 2 x TILE^2 x K over
     its measured time, / the peak per SM), among those with at least one output tile per SM, at least
     GEMM_CALIBRATION_MIN_S, and on the tensor cores by the GPU kind's alignment rule (a 16-bit GEMM with every
-    dimension a multiple of it); a dtype with none such: its best GEMM's share of the peak. Pure."""
+    dimension a multiple of it); a dtype with none such: its best GEMM's share of the peak (`best`, FLOP/s). `shapes`:
+    per dtype, the grid's GEMMs (m, n, k, seconds), as `Measured.gemm_shapes`. Pure."""
     out: dict[str, float] = {}
-    for dtype, shapes in measured.gemm_shapes.items():
+    for dtype, rows in shapes.items():
         if not kind.peak_flops.get(dtype):
             continue  # a dtype the GPU kind has no peak for (bf16 on a V100): nothing to share
         implied = []
-        for shape in shapes:
+        for shape in rows:
             m, n, k, seconds = int(shape["m"]), int(shape["n"]), int(shape["k"]), float(shape["seconds"])
             tiles = math.ceil(m / GEMM_TILE) * math.ceil(n / GEMM_TILE)
             aligned = dtype == "fp32" or all(d % kind.tensor_core_alignment == 0 for d in (m, n, k))
             if tiles >= kind.sms and seconds >= GEMM_CALIBRATION_MIN_S and aligned:
                 implied.append(math.ceil(tiles / kind.sms) * 2.0 * GEMM_TILE ** 2 * k / seconds)  # per SM
-        best = measured.gemm_flops_per_s.get(dtype)
-        rate = statistics.median(implied) * kind.sms if implied else best
+        rate = statistics.median(implied) * kind.sms if implied else best.get(dtype)
         if rate:
             out[dtype] = rate / kind.peak(dtype)
     return out
@@ -325,7 +326,8 @@ def preset_for(device_name: str) -> str | None:
 
 
 def with_measured(kind: GPU, measured: Measured) -> GPU:
-    measured = dataclasses.replace(measured, gemm_efficiency=typical_gemm_efficiency(kind, measured))
+    shares = typical_gemm_efficiency(kind, measured.gemm_shapes, measured.gemm_flops_per_s)
+    measured = dataclasses.replace(measured, gemm_efficiency=shares)
     return dataclasses.replace(kind, measured=measured)
 
 

@@ -51,6 +51,25 @@ def test_cpu_path_writes_every_section(tmp_path: Path) -> None:
         hardware.load_measured(out)
 
 
+def test_the_table_says_which_gemm_efficiency_the_model_takes_from_a_gpu_grid() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu_constants", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from labkit.runtime import hardware
+
+    measured = json.loads((REPO / "data" / "reference-h100-80gb" / "gpu_constants.json").read_text())
+    rows = dict(bench.table(measured))
+    h100 = hardware.gpu("H100-SXM")  # the committed file is this preset's grid: the same figure, computed twice
+    assert rows["GEMM bf16, the model's efficiency"] == f"{h100.gemm_efficiency('bf16'):.3f} of H100-SXM's peak " \
+        "(median rate per SM)"
+    assert float(rows["GEMM bf16, the model's efficiency"].split()[0]) < \
+        measured["gemm"]["bf16"]["best_flops_per_s"] / h100.peak("bf16")  # the median, below the best GEMM
+    assert not bench.model_gemm_efficiency({**measured, "device": {"cuda": False, "name": "cpu"}})
+
+
 @pytest.mark.slow
 def test_unknown_section_is_refused() -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), "--only", "gemm,nccl", "--out", "/dev/null"],

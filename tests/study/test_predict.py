@@ -1220,10 +1220,7 @@ def test_the_gemm_efficiency_is_the_median_rate_of_the_gemms_the_roofline_descri
         return {"label": f"{m}x{n}x{k}", "m": m, "n": n, "k": k, "seconds": seconds}
 
     def grid(*shapes, best=None):
-        return hw.Measured(source="s", device_name="d", gemm_flops_per_s={"fp16": best or 1e14},
-                           gemm_shapes={"fp16": list(shapes)}, memory_bytes_per_s=None, pinned_h2d_bytes_per_s=None,
-                           pinned_d2h_bytes_per_s=None, cpu_adam_s_per_param=None, launch_s=None,
-                           zero3_per_module_s=None, zero3_per_micro_step_s=None)
+        return {"fp16": list(shapes)}, {"fp16": best or 1e14}
 
     full = 2 * 128**2 * 16384 * 80  # one wave of 80 tiles of K = 16,384 (0.1-0.2 ms here)
     rates = (0.6, 0.7, 0.9)  # three GEMMs of 1280 x 1024 (80 tiles, one wave) at these shares of the peak
@@ -1231,13 +1228,18 @@ def test_the_gemm_efficiency_is_the_median_rate_of_the_gemms_the_roofline_descri
     outside = [shape(128, 1024, 16384, full / 8 / (0.99 * 125e12)),   # 8 tiles: fewer than the SMs
                shape(1280, 1024, 8, 2e-5),                          # 20 us: launch-bound
                shape(1280, 1020, 16384, full / (0.99 * 125e12))]     # N not a multiple of 8: off the tensor cores
-    measured = hw.typical_gemm_efficiency(v100, grid(*kept, *outside))
+    measured = hw.typical_gemm_efficiency(v100, *grid(*kept, *outside))
     assert measured["fp16"] == pytest.approx(0.7)  # the median of the three it describes, not the best (0.99)
-    assert hw.with_measured(v100, grid(*kept)).gemm_efficiency("fp16") == pytest.approx(0.7)
+    shapes, best = grid(*kept)
+    attached = hw.Measured(source="s", device_name="d", gemm_flops_per_s=best, gemm_shapes=shapes,
+                           memory_bytes_per_s=None, pinned_h2d_bytes_per_s=None, pinned_d2h_bytes_per_s=None,
+                           cpu_adam_s_per_param=None, launch_s=None, zero3_per_module_s=None,
+                           zero3_per_micro_step_s=None)
+    assert hw.with_measured(v100, attached).gemm_efficiency("fp16") == pytest.approx(0.7)
     # 88 tiles (11 x 8) take two waves: the time of one wave of 80 at half the rate
-    assert hw.typical_gemm_efficiency(v100, grid(shape(1296, 1024, 16384, full / (0.4 * 125e12))))["fp16"] == \
-        pytest.approx(0.8)
-    assert hw.typical_gemm_efficiency(v100, grid(*outside, best=5e13))["fp16"] == pytest.approx(0.4)  # none: the best
+    two_waves = grid(shape(1296, 1024, 16384, full / (0.4 * 125e12)))
+    assert hw.typical_gemm_efficiency(v100, *two_waves)["fp16"] == pytest.approx(0.8)
+    assert hw.typical_gemm_efficiency(v100, *grid(*outside, best=5e13))["fp16"] == pytest.approx(0.4)  # none: best
 
 
 def test_the_published_grids_gemms_straddle_the_roofline_they_calibrate():
