@@ -212,7 +212,7 @@ class Measured:
     # in place, and fp32 parameters copied into a bf16 buffer
     offload_unscale_s_per_param: float | None = None
     offload_to_bit16_s_per_param: float | None = None
-    # torch's scaled_dot_product_attention, forward + backward, causal: the best share of the dense 16-bit peak over
+    # torch's scaled_dot_product_attention, forward + backward, causal: the median share of the dense 16-bit peak over
     # its grid, counted as flops.attention_work counts the work (what the model divides by it)
     attention_efficiency: float | None = None
     # the GEMM efficiency per dtype on the GPU kind it is attached to (`with_measured`: it depends on the SMs and peak)
