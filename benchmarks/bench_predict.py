@@ -147,12 +147,15 @@ def gemm_check() -> None:
         seen.add(kind.constants_source)
         table = pd.DataFrame(rows)
         print(f"\n{kind.name}: GEMM roofline (PREDICTED) against {kind.constants_source}")
-        print(table[["dtype", "label", "m", "n", "k", "measured_s", "predicted_s", "error"]].to_string(
+        print(table[["dtype", "label", "m", "n", "k", "measured_s", "predicted_s", "error", "calibrates"]].to_string(
             index=False, float_format=lambda v: f"{v:.3g}"))
         errors = table["error"].abs()
         long = table[table["measured_s"] >= LONG_GEMM_S]["error"].abs()
         print(f"median |error| {errors.median():.1%}, max {errors.max():.1%} over {len(table)} GEMMs; "
               f"{len(long)} GEMMs of >= {LONG_GEMM_S * 1e3:g} ms: median {long.median():.1%}, max {long.max():.1%}")
+        for dtype, rate in table[table["calibrates"]].groupby("dtype")["error"]:  # the GEMMs its rate is taken from
+            print(f"  {dtype}: the rate is the median of {len(rate)} GEMMs (calibrates), around which their |error| "
+                  f"has median {rate.abs().median():.1%}, max {rate.abs().max():.1%}")
 
 
 def gpu_runs_check() -> object:

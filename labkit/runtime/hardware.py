@@ -32,8 +32,9 @@ GEMM_EFFICIENCY = 0.8    # a large cuBLAS GEMM's share of the dense tensor-core 
 MEMORY_EFFICIENCY = 0.8  # a streaming element-wise kernel's share of the datasheet memory bandwidth
 # The GEMM roofline (flops.op_seconds) runs 128 x 128 output tiles in waves over the SMs at one rate per SM: a GPU
 # kind's GEMM efficiency is that rate's share of the peak. From a grid of measured GEMMs (this lab's or published) it
-# is the MEDIAN rate the grid's GEMMs imply, over those the roofline describes: at least one tile per SM (fewer, and
-# cuBLAS splits K or picks smaller tiles) and at least GEMM_CALIBRATION_MIN_S (shorter ones are launch-bound). Until
+# is the MEDIAN rate the grid's GEMMs imply, over those the roofline describes (`calibrates`): whole tiles and at
+# least one per SM (else cuBLAS picks smaller tiles or splits K), at least GEMM_CALIBRATION_MIN_S (shorter ones are
+# launch-bound), on the tensor cores. Until
 # 2026-11-28 it was the grid's best GEMM, an extreme the model then reached on every shape: 95-97% of DeepBench's V100
 # GEMMs in that range ran slower than predicted, by 9% (fp16) and 7% (fp32) at the median (docs/predict.md).
 GEMM_TILE = 128               # cuBLAS's typical 128 x 128 output tile (NVIDIA DU-09799-001, section 2.3)
@@ -97,9 +98,11 @@ class GPU:
     def constants_source(self) -> str:
         if not self.measured:
             return ASSUMED
-        shares = ", ".join(f"{dtype} {share:.3f}" for dtype, share in sorted(self.measured.gemm_efficiency.items()))
-        return (f"{self.measured.source}; GEMM efficiency, the median rate per SM of its GEMMs over the peak: {shares}"
-                if shares else self.measured.source)
+        shares = []
+        for dtype, share in sorted(self.measured.gemm_efficiency.items()):
+            used = sum(calibrates(self, dtype, shape) for shape in self.measured.gemm_shapes.get(dtype, []))
+            shares.append(f"{dtype} {share:.3f} ({f'the median rate per SM of {used} GEMMs' if used else 'its best'})")
+        return f"{self.measured.source}; GEMM efficiency: {', '.join(shares)}" if shares else self.measured.source
 
     def peak(self, precision: str) -> float:
         dtype = "fp16" if precision == "mixed" else precision
@@ -219,24 +222,60 @@ class Measured:
     gemm_efficiency: dict[str, float] = field(default_factory=dict, compare=False)
 
 
+def gemm_waves(kind: GPU, batch: int, m: int, n: int) -> int:
+    """How many rounds of GEMM_TILE x GEMM_TILE output tiles the GPU kind's SMs take for an m x n output (tile and
+    wave quantization: NVIDIA's Matrix Multiplication Background User's Guide, DU-09799-001, ch. 2-3)."""
+    return math.ceil(batch * math.ceil(m / GEMM_TILE) * math.ceil(n / GEMM_TILE) / kind.sms)
+
+
+def on_tensor_cores(gemm: tuple[int, int, int, int], blas: tuple[int, ...] | None, align: int) -> bool:
+    """Whether cuBLAS runs an fp16 GEMM (batch, M, N, K) on tensor cores where it needs aligned sizes (Volta/Turing,
+    cuBLAS 10): k and every leading dimension of its call (`blas`: m, k, lda, ldb, ldc, then a batched GEMM's
+    strides between matrices) multiples of `align` (8) and m of half that, as NVIDIA's "Programming Tensor Cores in
+    CUDA 9" (2017) writes its cublasGemmEx call; Baidu DeepBench's harness pads exactly those (M and K for NN and TN,
+    M and N for NT: code/nvidia/gemm_bench.cu), and its V100 and T4 runs with N = 9,124 or 8,457 went at tensor-core
+    speed. A batched GEMM's matrices must start aligned too (the same post: 16-byte pointers), so its batch strides
+    count as leading dimensions. Without the call's view, all of M, N and K. `align` 1: any shape (cuBLAS >= 11)."""
+    if align == 1:
+        return True
+    if blas is None:
+        return all(d % align == 0 for d in gemm[1:])
+    m, k, *leading = blas
+    return m % max(1, align // 2) == 0 and all(d % align == 0 for d in (k, *leading))
+
+
+def grid_blas(shape: dict[str, Any]) -> tuple[int, ...] | None:
+    """A published grid's GEMM as its harness called cuBLAS (column-major; `a_t`, `b_t`: A and B transposed), as
+    (m, k, lda, ldb, ldc); None where the grid does not say (this lab's: torch's own call)."""
+    if "a_t" not in shape:
+        return None
+    m, n, k = int(shape["m"]), int(shape["n"]), int(shape["k"])
+    return (m, k, k if shape["a_t"] else m, n if shape["b_t"] else k, m)
+
+
+def calibrates(kind: GPU, dtype: str, shape: dict[str, Any]) -> bool:
+    """Whether a grid's GEMM is one the roofline describes, and so one `typical_gemm_efficiency` takes its median
+    over: whole tiles (M and N at least GEMM_TILE; a narrower output runs narrower tiles), at least one tile per SM
+    (fewer, and cuBLAS splits K), at least GEMM_CALIBRATION_MIN_S (shorter, launch-bound), and on the tensor cores
+    by `on_tensor_cores` (a 16-bit GEMM; fp32 runs on the CUDA cores). Pure."""
+    m, n, k = int(shape["m"]), int(shape["n"]), int(shape["k"])
+    tiles = math.ceil(m / GEMM_TILE) * math.ceil(n / GEMM_TILE)
+    tensor = dtype == "fp32" or on_tensor_cores((1, m, n, k), grid_blas(shape), kind.tensor_core_alignment)
+    return min(m, n) >= GEMM_TILE and tiles >= kind.sms and float(shape["seconds"]) >= GEMM_CALIBRATION_MIN_S and tensor
+
+
 def typical_gemm_efficiency(kind: GPU, shapes: dict[str, list[dict[str, Any]]],
                             best: dict[str, float]) -> dict[str, float]:
-    """Per dtype, the median over the grid's GEMMs of the rate per SM each one implies (waves x 2 x TILE^2 x K over
-    its measured time, / the peak per SM), among those with at least one output tile per SM, at least
-    GEMM_CALIBRATION_MIN_S, and on the tensor cores by the GPU kind's alignment rule (a 16-bit GEMM with every
-    dimension a multiple of it); a dtype with none such: its best GEMM's share of the peak (`best`, FLOP/s). `shapes`:
-    per dtype, the grid's GEMMs (m, n, k, seconds), as `Measured.gemm_shapes`. Pure."""
+    """Per dtype, the median over the grid's GEMMs the roofline describes (`calibrates`) of the rate per SM each one
+    implies (`gemm_waves` x 2 x TILE^2 x K over its measured time, / the peak per SM); a dtype with none such: its
+    best GEMM's share of the peak (`best`, FLOP/s). `shapes`: per dtype, the grid's GEMMs (m, n, k, seconds, and a
+    published grid's a_t, b_t), as `Measured.gemm_shapes`. Pure."""
     out: dict[str, float] = {}
     for dtype, rows in shapes.items():
         if not kind.peak_flops.get(dtype):
             continue  # a dtype the GPU kind has no peak for (bf16 on a V100): nothing to share
-        implied = []
-        for shape in rows:
-            m, n, k, seconds = int(shape["m"]), int(shape["n"]), int(shape["k"]), float(shape["seconds"])
-            tiles = math.ceil(m / GEMM_TILE) * math.ceil(n / GEMM_TILE)
-            aligned = dtype == "fp32" or all(d % kind.tensor_core_alignment == 0 for d in (m, n, k))
-            if tiles >= kind.sms and seconds >= GEMM_CALIBRATION_MIN_S and aligned:
-                implied.append(math.ceil(tiles / kind.sms) * 2.0 * GEMM_TILE ** 2 * k / seconds)  # per SM
+        implied = [gemm_waves(kind, 1, int(s["m"]), int(s["n"])) * 2.0 * GEMM_TILE ** 2 * int(s["k"]) / s["seconds"]
+                   for s in rows if calibrates(kind, dtype, s)]  # per SM
         rate = statistics.median(implied) * kind.sms if implied else best.get(dtype)
         if rate:
             out[dtype] = rate / kind.peak(dtype)

@@ -38,7 +38,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from labkit.runtime.hardware import GEMM_EFFICIENCY, GPU, MEMORY_EFFICIENCY  # noqa: F401 -- the assumed values
+from labkit.runtime.hardware import (  # noqa: F401 -- the assumed values
+    GEMM_EFFICIENCY,
+    GPU,
+    MEMORY_EFFICIENCY,
+    calibrates,
+    gemm_waves,
+    grid_blas,
+    on_tensor_cores,
+)
 from labkit.runtime.hardware import GEMM_TILE as TILE  # cuBLAS's typical 128 x 128 output tile
 
 _GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"}
@@ -107,18 +115,8 @@ def _leading(x: torch.Tensor) -> int:
 
 
 def _tensor_cores(op: Op, align: int) -> bool:
-    """Whether cuBLAS runs an fp16 GEMM on tensor cores where it needs aligned sizes (Volta/Turing, cuBLAS 10):
-    k and every leading dimension multiples of `align` (8) and m of half that, as NVIDIA's "Programming Tensor Cores
-    in CUDA 9" (2017) writes its cublasGemmEx call; Baidu DeepBench's harness pads exactly those (M and K for NN and
-    TN, M and N for NT: code/nvidia/gemm_bench.cu), and its V100 and T4 runs with N = 9,124 or 8,457 went at
-    tensor-core speed. A batched GEMM's matrices must start aligned too (the same post: 16-byte pointers), so its
-    batch strides count as leading dimensions. Without the call's view, all of M, N and K."""
-    if align == 1 or op.gemm is None:
-        return True
-    if op.blas is None:
-        return all(d % align == 0 for d in op.gemm[1:])
-    m, k, *leading = op.blas
-    return m % max(1, align // 2) == 0 and all(d % align == 0 for d in (k, *leading))
+    """Whether cuBLAS runs this fp16 GEMM on tensor cores (`hardware.on_tensor_cores`: cuBLAS 10's alignment)."""
+    return op.gemm is None or on_tensor_cores(op.gemm, op.blas, align)
 
 
 def _gemm(name: str, args: tuple, out: Any) -> tuple[tuple[int, int, int, int] | None, tuple[int, ...] | None]:
@@ -348,8 +346,7 @@ def op_seconds(op: Op, gpu: GPU, precision: str) -> float:
     if op.gemm is None:
         return memory_s
     batch, m, n, k = op.gemm
-    tiles = batch * math.ceil(m / TILE) * math.ceil(n / TILE)
-    waves = math.ceil(tiles / gpu.sms)
+    waves = gemm_waves(gpu, batch, m, n)
     tensor_cores = precision == "fp32" or _tensor_cores(op, gpu.tensor_core_alignment)
     peak = gpu.peak(precision) if tensor_cores else gpu.cuda_core_peak(precision)
     per_sm = peak / gpu.sms * gpu.gemm_efficiency(precision if tensor_cores else "fp32")
@@ -599,12 +596,11 @@ def gemm_check(gpu: GPU) -> list[dict[str, Any]]:
     for dtype, shapes in gpu.measured.gemm_shapes.items():
         for shape in shapes:
             m, n, k = int(shape["m"]), int(shape["n"]), int(shape["k"])
-            blas = None
-            if "a_t" in shape:  # a published grid's own cuBLAS call (column-major, A and B transposed or not)
-                blas = (m, k, k if shape["a_t"] else m, n if shape["b_t"] else k, m)
-            op = Op("aten.mm", 2.0 * m * n * k, float(size[dtype] * (m * k + k * n + m * n)), (1, m, n, k), blas)
+            op = Op("aten.mm", 2.0 * m * n * k, float(size[dtype] * (m * k + k * n + m * n)), (1, m, n, k),
+                    grid_blas(shape))
             predicted = op_seconds(op, gpu, dtype)
             rows.append({"dtype": dtype, "label": shape.get("label", f"{m}x{n}x{k}"), "m": m, "n": n, "k": k,
                          "measured_s": float(shape["seconds"]), "predicted_s": predicted,
-                         "error": predicted / float(shape["seconds"]) - 1})
+                         "error": predicted / float(shape["seconds"]) - 1,
+                         "calibrates": calibrates(gpu, dtype, shape)})
     return rows
