@@ -9,7 +9,7 @@
    every point <= 40% (tests/study/test_predict_published.py holds what the model reaches today).
    Where this lab measured a GPU kind (data/reference-*/gpu_constants.json, benchmarks/bench_gpu_constants.py),
    the GEMM roofline against every GEMM of that grid (the model takes one number per dtype from it: the median rate
-   per SM of its GEMMs with a tile per SM and >= 0.1 ms).
+   per SM of the GEMMs marked `calibrates`, whole tiles, a tile per SM, >= 0.1 ms, on the tensor cores).
 2. This machine: calibrated on 1-rank runs (the answer's ci MLP, every strategy, micro-batch 16/64/256, one thread
    per rank), the 2-rank points predicted with the link fit measured here as training meets it
    (labkit.study.comms.measure_training_links: after 0.25-4 ms of compute, the mean call, read at each run's own

@@ -586,9 +586,9 @@ def module_census(model: torch.nn.Module, step: Callable[[], torch.Tensor], cuda
 def gemm_check(gpu: GPU) -> list[dict[str, Any]]:
     """The GEMM roofline (`op_seconds`) against every GEMM of `gpu`'s grid (`gpu.measured`: this lab's, from
     bench_gpu_constants.py, or a published one, data/published/gemm/): predicted and measured seconds per shape and
-    dtype. The model takes one number per dtype from the grid (the median rate per SM of the GEMMs with a tile per
-    SM and >= 0.1 ms: hardware.typical_gemm_efficiency), so those straddle the roofline by construction; the spread
-    around it, and the shorter and narrower GEMMs, are what this checks."""
+    dtype, and whether the GPU kind's GEMM efficiency is taken from it (`calibrates`). The model takes one number per
+    dtype from the grid (hardware.typical_gemm_efficiency: the median rate per SM of the `calibrates` GEMMs), so
+    those straddle the roofline by construction; the spread around it, and the other GEMMs, are what this checks."""
     if gpu.measured is None:
         return []
     size = {"bf16": 2, "fp16": 2, "fp32": 4}
