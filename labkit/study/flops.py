@@ -464,9 +464,10 @@ class Transformer:
         return sum(sum(module) for module in self.module_layout())
 
     def param_modules(self) -> int:
-        """Submodules holding parameters directly (ZeRO-3 fetches each before its forward and its backward); a tied
-        LM head holds the embedding's, counted once."""
-        return len(self.module_layout())
+        """Submodules holding parameters directly (ZeRO-3 hooks each and fetches its parameters before its forward
+        and its backward): `module_layout`'s, and a tied LM head, which holds the embedding's weight (counted once
+        in the layout) and is fetched again for it."""
+        return len(self.module_layout()) + (1 if self.tied else 0)
 
     def paramless_modules(self) -> int:
         """Submodules without parameters of their own (blocks, attention and MLP containers, dropouts, the

@@ -184,6 +184,8 @@ def gather_counts(workload: Workload, checkpointing: bool,
         start = workload.modules_before_blocks()
         for i in range(start, start + workload.recomputed_modules()[0]):
             weights[i] += 0.5
+    if workload.tied_head and gathered:  # a tied LM head fetches the first module's parameters, forward and backward
+        gathered, weights = [*gathered, gathered[0]], [*weights, 2.0]
     pairs = list(zip(weights, gathered, strict=True))
     return sum(w for w, g in pairs if g), sum(w * g for w, g in pairs)
 
@@ -306,7 +308,7 @@ class ModuleWorkload:
         model = builders.meta_model(self.config)
         self.layout = comms.module_layout(model)
         self.tied_head = comms.tied_head(model)
-        self.param_modules = len(self.layout)
+        self.param_modules = len(self.layout) + (1 if self.tied_head else 0)  # a tied head is hooked and fetched too
         self.paramless_modules = sum(1 for m in model.modules() if not list(m.parameters(recurse=False)))
         self.name = self.config.model
 
