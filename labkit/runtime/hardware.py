@@ -32,11 +32,11 @@ GEMM_EFFICIENCY = 0.8    # a large cuBLAS GEMM's share of the dense tensor-core 
 MEMORY_EFFICIENCY = 0.8  # a streaming element-wise kernel's share of the datasheet memory bandwidth
 # The GEMM roofline (flops.op_seconds) runs 128 x 128 output tiles in waves over the SMs at one rate per SM: a GPU
 # kind's GEMM efficiency is that rate's share of the peak. From a grid of measured GEMMs (this lab's or published) it
-# is the MEDIAN rate the grid's GEMMs imply, over those the roofline describes (`calibrates`): whole tiles and at
-# least one per SM (else cuBLAS picks smaller tiles or splits K), at least GEMM_CALIBRATION_MIN_S (shorter ones are
-# launch-bound), on the tensor cores. Until
-# 2026-11-28 it was the grid's best GEMM, an extreme the model then reached on every shape: 95-97% of DeepBench's V100
-# GEMMs in that range ran slower than predicted, by 9% (fp16) and 7% (fp32) at the median (docs/predict.md).
+# is the MEDIAN rate the grid's GEMMs imply, over those the roofline describes (`calibrates`): M and N of at least
+# one tile each, at least one tile per SM (else cuBLAS picks smaller tiles or splits K), at least
+# GEMM_CALIBRATION_MIN_S (shorter ones are launch-bound), on the tensor cores. Until 2026-11-28 it was the grid's best
+# GEMM, an extreme the model then reached on every shape: 95-97% of DeepBench's V100 GEMMs in that range ran slower
+# than predicted, by 9% (fp16) and 7% (fp32) at the median (docs/predict.md).
 GEMM_TILE = 128               # cuBLAS's typical 128 x 128 output tile (NVIDIA DU-09799-001, section 2.3)
 GEMM_CALIBRATION_MIN_S = 1e-4
 ASSUMED = "assumed (no measurement of this GPU kind loaded): GEMM 0.8 of peak, memory 0.8 of datasheet bandwidth"
@@ -67,7 +67,7 @@ class GPU:
     host_link: str                      # PCIe generation to the host (offload traffic)
     source: str
     # Volta/Turing (the cuBLAS 10 era): fp16 GEMMs use tensor cores only when K and the leading dimensions are
-    # multiples of 8, else the CUDA cores (flops._tensor_cores has the sources);
+    # multiples of 8, else the CUDA cores (on_tensor_cores has the sources);
     # Ampere and later use tensor cores for any shape (cuBLAS >= 11).
     tensor_core_alignment: int = 1
     # A fused attention kernel's share of the dense tensor-core peak, published or assumed, by its GPU generation
@@ -101,8 +101,11 @@ class GPU:
         shares = []
         for dtype, share in sorted(self.measured.gemm_efficiency.items()):
             used = sum(calibrates(self, dtype, shape) for shape in self.measured.gemm_shapes.get(dtype, []))
-            shares.append(f"{dtype} {share:.3f} ({f'the median rate per SM of {used} GEMMs' if used else 'its best'})")
-        return f"{self.measured.source}; GEMM efficiency: {', '.join(shares)}" if shares else self.measured.source
+            how = f"the median rate per SM over {used} GEMM{'s' if used > 1 else ''}" if used else "its best GEMM"
+            shares.append(f"{dtype} {share:.3f} ({how})")
+        if not shares:
+            return self.measured.source
+        return f"{self.measured.source}; GEMM efficiency, of the peak: {', '.join(shares)}"
 
     def peak(self, precision: str) -> float:
         dtype = "fp16" if precision == "mixed" else precision
@@ -255,7 +258,7 @@ def grid_blas(shape: dict[str, Any]) -> tuple[int, ...] | None:
 
 def calibrates(kind: GPU, dtype: str, shape: dict[str, Any]) -> bool:
     """Whether a grid's GEMM is one the roofline describes, and so one `typical_gemm_efficiency` takes its median
-    over: whole tiles (M and N at least GEMM_TILE; a narrower output runs narrower tiles), at least one tile per SM
+    over: M and N of at least GEMM_TILE (a narrower output runs narrower tiles), at least one tile per SM
     (fewer, and cuBLAS splits K), at least GEMM_CALIBRATION_MIN_S (shorter, launch-bound), and on the tensor cores
     by `on_tensor_cores` (a 16-bit GEMM; fp32 runs on the CUDA cores). Pure."""
     m, n, k = int(shape["m"]), int(shape["n"]), int(shape["k"])

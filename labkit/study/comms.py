@@ -507,6 +507,32 @@ def _gather_calls(params: Sequence[Sequence[int]], world_size: int, prefetch: in
     return calls + ([_gathered(batch, world_size)] if batch else [])
 
 
+def _whole_model_queued(partitioned: Sequence[Sequence[int]], cfg: Any) -> bool:
+    """The partitioned model is smaller than one prefetch (within the live-parameter limit): the first prefetch scans
+    the whole trace and queues every module, so nothing is released (partitioned_param_coordinator.py:650)."""
+    return 0 < sum(map(sum, partitioned)) < min(int(cfg.prefetch_bucket_size), int(cfg.max_live_parameters))
+
+
+def _head_gathers(modules: Sequence[Sequence[int]], partitioned: Sequence[Sequence[int]],
+                  cfg: Any) -> tuple[bool, bool]:
+    """(forward, backward): whether a tied LM head's fetch gathers the first module's parameters again. In the
+    forward, where they were released after the first module's forward: the rest of the model, the head's next use
+    away in the trace, at least stage3_max_reuse_distance; in the backward (next in the trace), only with a reuse
+    distance of 0 (the coordinator then releases before it, :658)."""
+    if not partitioned[0] or _whole_model_queued(partitioned, cfg):
+        return False, False
+    reuse = int(cfg.max_reuse_distance)
+    return sum(map(sum, modules[1:])) >= reuse, reuse <= 0
+
+
+def tied_head_gathers(modules: Sequence[Sequence[int]], **zero_settings: Any) -> int:
+    """How many times per micro-step a tied LM head's fetch gathers (`_head_gathers`: 0, 1 or 2)."""
+    cfg = zero_config(3, zero_settings)
+    flags = _persistent(modules, cfg)
+    partitioned = [[n for n, p in zip(m, f, strict=True) if not p] for m, f in zip(modules, flags, strict=True)]
+    return sum(_head_gathers(modules, partitioned, cfg))
+
+
 def _stage3_gathers(modules: Sequence[Sequence[int]] | None, n_params: int, persistent_params: int, world_size: int,
                     cfg: Any, tied_head: bool = False) -> tuple[list[int], list[int], list[int]]:
     """(forward calls, backward calls, persistent parameters) of ZeRO-3, in gathered elements.
@@ -537,18 +563,18 @@ def _stage3_gathers(modules: Sequence[Sequence[int]] | None, n_params: int, pers
     flags = _persistent(modules, cfg)
     partitioned = [[n for n, p in zip(m, f, strict=True) if not p] for m, f in zip(modules, flags, strict=True)]
     persistent = [n for m, f in zip(modules, flags, strict=True) for n, p in zip(m, f, strict=True) if p]
-    whole_model_queued = 0 < sum(map(sum, partitioned)) < window
+    whole_model_queued = _whole_model_queued(partitioned, cfg)
     head = sum(modules[0]) if tied_head else 0
     again = [part if part and 2 * (sum(map(sum, modules[k + 1:])) + head) >= reuse and not whole_model_queued
              else [] for k, part in enumerate(partitioned)]
     forward = list(partitioned)
     backward = []
     if tied_head:
-        released = bool(partitioned[0]) and sum(map(sum, modules[1:])) >= reuse and not whole_model_queued
+        released, head_backward = _head_gathers(modules, partitioned, cfg)
         again[0] = partitioned[0] if released else []
         forward += [again[0]]  # the head's forward: gathered again where the embedding's was released
         # the head's backward comes next: kept unless the window is 0 (the coordinator then stops before it, :658)
-        backward += [partitioned[0] if reuse <= 0 and not whole_model_queued else []]
+        backward += [partitioned[0] if head_backward else []]
     backward += again[::-1]  # the backward walks the modules in reverse, each module's parameters in order
     return _gather_calls(forward, world_size, prefetch), _gather_calls(backward, world_size, prefetch), persistent
 

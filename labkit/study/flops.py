@@ -232,12 +232,16 @@ class _FusedAttention(torch.autograd.Function):
         return (None, *grads, None)
 
 
-def _fused_sdpa(recorder: _Recorder) -> Callable[..., torch.Tensor]:
+def _fused_sdpa(recorder: _Recorder, cuda: bool = True) -> Callable[..., torch.Tensor]:
     """scaled_dot_product_attention's signature, routed to `_FusedAttention` (on the meta device torch would run
-    its math fallback, the eager kernels)."""
+    its math fallback, the eager kernels). With `cuda` False, as a CPU runs it: its fused kernel
+    (`_scaled_dot_product_flash_attention_for_cpu`) has no dropout, so a call with dropout_p > 0 runs the math path,
+    counted as such."""
 
     def sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
         call = dict(zip(_SDPA_ARGS[:len(args)], args, strict=True), **kwargs)
+        if not cuda and float(call.get("dropout_p") or 0.0) > 0:
+            return _SDPA(*args, **kwargs)
         mask = call.get("attn_mask")
         causal = bool(call.get("is_causal")) and mask is None
         return _FusedAttention.apply(recorder, call["query"], call["key"], call["value"], mask, causal)
@@ -263,7 +267,7 @@ class _FusedSdpa(TorchFunctionMode):
 
     def __init__(self, recorder: _Recorder, cuda_dropout: bool) -> None:
         super().__init__()
-        self.sdpa = _fused_sdpa(recorder)
+        self.sdpa = _fused_sdpa(recorder, cuda_dropout)
         self.cuda_dropout = cuda_dropout
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -282,8 +286,9 @@ def count(step: Callable[[], torch.Tensor], params: list[torch.nn.Parameter] | N
           cuda_dropout: bool = True) -> Census:
     """Run `step()` (a forward returning the loss) and its backward under the recorder; `step` must build on
     the meta device. Saved tensors that are parameters (or views of them) are model states, not activations.
-    `cuda_dropout`: count dropout as the fused kernel a GPU runs (`_fused_dropout`); False, as a CPU runs it (the
-    unfused path, a mask in the input's dtype), for a prediction of this machine's runs."""
+    `cuda_dropout`: count dropout as the fused kernels a GPU runs (`_fused_dropout`, and inside a fused attention);
+    False, as a CPU runs it (the unfused path, a mask in the input's dtype; an attention with dropout on the math
+    path), for a prediction of this machine's runs."""
     census = Census()
     owners = {p.untyped_storage()._cdata for p in params or []}
     seen: set[int] = set()

@@ -178,14 +178,15 @@ def gather_counts(workload: Workload, checkpointing: bool,
     embeddings, the blocks' modules, then those after them)."""
     from labkit.study import comms
 
-    gathered = comms.gathered_params(workload.module_layout(), **(zero or {}))
+    layout = workload.module_layout()
+    gathered = comms.gathered_params(layout, **(zero or {}))
     weights = [2.0] * len(gathered)
     if checkpointing:
         start = workload.modules_before_blocks()
         for i in range(start, start + workload.recomputed_modules()[0]):
             weights[i] += 0.5
-    if workload.tied_head and gathered:  # a tied LM head fetches the first module's parameters, forward and backward
-        gathered, weights = [*gathered, gathered[0]], [*weights, 2.0]
+    if workload.tied_head and gathered:  # a tied LM head gathers the first module's parameters again, if released
+        gathered, weights = [*gathered, gathered[0]], [*weights, float(comms.tied_head_gathers(layout, **(zero or {})))]
     pairs = list(zip(weights, gathered, strict=True))
     return sum(w for w, g in pairs if g), sum(w * g for w, g in pairs)
 

@@ -172,6 +172,20 @@ def test_dropout_counted_for_this_cpu_is_the_unfused_path_with_a_mask_in_the_inp
     assert "aten.native_dropout" not in names and "aten.bernoulli_" in names
     assert cpu.saved_bytes - gpu.saved_bytes == 4000 - 1000  # the fp32 noise tensor, where CUDA keeps a bool mask
     assert torch.nn.functional.dropout is flops._DROPOUT  # restored after the count
+    # attention with dropout: fused on a GPU (the dropout inside the kernel); on a CPU the math path, whose fused
+    # kernel has no dropout (its eager products, softmax and dropout counted)
+    q = torch.zeros(1, 2, 8, 16, device="meta", requires_grad=True)
+
+    def attend():
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True).sum()
+
+    fused, math_path = flops.count(attend, [q]), flops.count(attend, [q], cuda_dropout=False)
+    assert any(op.attention is not None for op in fused.forward)
+    assert not any(op.attention is not None for op in math_path.forward)
+    assert {"aten.bmm", "aten.bernoulli_"} <= {op.name for op in math_path.forward}
+    without = flops.count(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q).sum(), [q],
+                          cuda_dropout=False)
+    assert any(op.attention is not None for op in without.forward)  # no dropout: the CPU's fused kernel
 
 
 def test_views_allocations_and_row_reads_move_only_what_a_kernel_touches():
@@ -769,7 +783,7 @@ def test_from_a_run_on_the_command_line_labels_the_measured_step_measured(tmp_pa
 
     assert out["model_tflops_per_gpu"] == out["hardware_tflops_per_gpu"] > 0
     work = P.ModuleWorkload(RunConfig.from_dict(config))
-    census = work.census(config["micro_batch"], config.get("precision", "fp32"))
+    census = work.census(config["micro_batch"], config.get("precision", "fp32"), cuda=False)  # as this CPU runs it
     assert out["model_tflops_per_gpu"] == pytest.approx(census.flops() / out["step_time_s"] / 1e12)
     assert out["fits"] is True and 0 < out["device_bytes"] < out["memory_room_bytes"]
     assert out["max_micro_batch"] >= config["micro_batch"]
@@ -1072,8 +1086,9 @@ def test_measured_constants_replace_the_assumed_ones(h100):
     assert h100.gemm_efficiency("fp32") == pytest.approx(5.0e13 / 67e12)
     assert h100.memory_efficiency == pytest.approx(2.9 / 3.35)
     assert h100.constants_source.startswith("measured on NVIDIA H100") and "assumed" in assumed.constants_source
-    assert h100.constants_source.endswith(f"GEMM efficiency: bf16 {SQUARE_8192_EFFICIENCY:.3f} (the median rate per "
-                                          "SM of 1 GEMMs), fp16 0.708 (its best), fp32 0.746 (its best)")
+    assert h100.constants_source.endswith(f"GEMM efficiency, of the peak: bf16 {SQUARE_8192_EFFICIENCY:.3f} (the "
+                                          "median rate per SM over 1 GEMM), fp16 0.708 (its best GEMM), fp32 0.746 "
+                                          "(its best GEMM)")
     assert [s["label"] for s in h100.measured.gemm_shapes["bf16"]] == ["square 8192", "qkv h=768 T=512"]
     assert (assumed.attention_efficiency, h100.attention_efficiency) == (0.35, 0.52)  # published, then measured
     work = P.TransformerWorkload(SMALL)
@@ -1279,11 +1294,14 @@ def test_a_file_that_is_not_a_published_grid_is_refused(tmp_path):
 def test_zero3s_gather_path_is_counted_per_fetch_and_per_rank_at_two_ranks_or_more():
     xl = P.TransformerWorkload(GPT2_XL)
     # per layer c_attn, c_proj, c_fc and the MLP's c_proj gather their weights (biases and LayerNorms persist:
-    # <= 1e5 elements); wte and wpe gather, and the tied LM head gathers wte's weight; ln_f persists. Two fetches
-    # each per micro-step.
-    assert P.gather_counts(xl, False) == (2 * (4 * 48 + 3), 2 * (4 * 48 + 3))
+    # <= 1e5 elements); wte and wpe gather; ln_f persists. Two fetches each per micro-step. The tied LM head gathers
+    # wte's weight once, in its forward: the 1.5B parameters after wte are past the 1e9 reuse distance, so wte's
+    # were released; its backward, next in the trace, finds them kept.
+    assert P.gather_counts(xl, False) == (2 * (4 * 48 + 2) + 1, 2 * (4 * 48 + 2) + 1)
     # checkpointing: the blocks' modules a third time, counted at half (not the head: outside the blocks)
-    assert P.gather_counts(xl, True) == (2 * (4 * 48 + 3) + 0.5 * 4 * 48,) * 2
+    assert P.gather_counts(xl, True) == (2 * (4 * 48 + 2) + 1 + 0.5 * 4 * 48,) * 2
+    assert P.gather_counts(xl, False, {"stage3_max_reuse_distance": 2e9}) == (2 * (4 * 48 + 2),) * 2  # kept: none
+    assert P.gather_counts(xl, False, {"stage3_max_reuse_distance": 0}) == (2 * (4 * 48 + 2) + 2,) * 2  # both ways
     host = P.HostCosts(1e-5, 1e-3, 0.0, 0.0, "test", zero3_gather_per_fetch_s=20e-6, zero3_gather_per_rank_param_s=4e-6)
     base = host.micro_step_s(100, 10, 5, 3)
     assert host.micro_step_s(100, 10, 5, 3, world_size=1, gathers=(20, 30)) == base  # 1 rank: nothing gathers
