@@ -445,13 +445,17 @@ slope = [(cpu[s, hi] - cpu[s, lo]) / (hi - lo) for s in (0, 3)]
 print(json.dumps({"rank": dist.get_rank(), "per_module_s": slope[1] - slope[0]}))
 """
 ZERO3_GATHERED_PER_MODULE = 2  # the probe's Linear: weight and bias, both gathered (threshold 0)
-ZERO3_FETCHES_PER_MICRO_STEP = 2  # before the forward and before the backward
+# Of its two fetches per micro-step only the forward's gathers: the probe's model (72 x 4,160 elements) is smaller than
+# one prefetch bucket and the reuse distance, so its backward finds the parameters kept (comms.gathering_fetches). Until
+# 2026-11-28 this was 2, which halved both gather-path figures.
+ZERO3_GATHERING_FETCHES_PER_MICRO_STEP = 1
 
 
 def fit_rank_scaling(per_module_s: dict[int, float]) -> dict[str, float]:
     """ZeRO-3's host work per module per micro-step at each world size -> (the 1-rank figure; the gather path's fixed
-    part per fetch; its part per rank per gathered parameter per fetch): a least-squares line over the world sizes
-    >= 2, its intercept minus the 1-rank figure the fixed part (the probe's module: 2 fetches of 2 parameters)."""
+    part per fetch that gathers; its part per rank per gathered parameter per such fetch): a least-squares line over
+    the world sizes >= 2, its intercept minus the 1-rank figure the fixed part (the probe's module: 1 fetch that
+    gathers 2 parameters per micro-step)."""
     if 1 not in per_module_s or sum(1 for n in per_module_s if n >= 2) < 2:
         raise ValueError("need the 1-rank figure and at least two world sizes >= 2")
     many = sorted((n, t) for n, t in per_module_s.items() if n >= 2)
@@ -460,8 +464,8 @@ def fit_rank_scaling(per_module_s: dict[int, float]) -> dict[str, float]:
     slope = sum((n - mean_n) * (t - mean_t) for n, t in many) / sum((n - mean_n) ** 2 for n, _ in many)
     intercept = mean_t - slope * mean_n
     return {"one_rank_per_module_s": per_module_s[1],
-            "per_fetch_s": (intercept - per_module_s[1]) / ZERO3_FETCHES_PER_MICRO_STEP,
-            "per_rank_per_param_fetch_s": slope / (ZERO3_FETCHES_PER_MICRO_STEP * ZERO3_GATHERED_PER_MODULE)}
+            "per_fetch_s": (intercept - per_module_s[1]) / ZERO3_GATHERING_FETCHES_PER_MICRO_STEP,
+            "per_rank_per_param_fetch_s": slope / (ZERO3_GATHERING_FETCHES_PER_MICRO_STEP * ZERO3_GATHERED_PER_MODULE)}
 
 
 def zero3_rank_probe(world: int, depths: tuple[int, int], steps: int) -> list[float]:

@@ -525,12 +525,37 @@ def _head_gathers(modules: Sequence[Sequence[int]], partitioned: Sequence[Sequen
     return sum(map(sum, modules[1:])) >= reuse, reuse <= 0
 
 
-def tied_head_gathers(modules: Sequence[Sequence[int]], **zero_settings: Any) -> int:
-    """How many times per micro-step a tied LM head's fetch gathers (`_head_gathers`: 0, 1 or 2)."""
+def _regathered(modules: Sequence[Sequence[int]], partitioned: Sequence[Sequence[int]], cfg: Any,
+                tied_head: bool) -> list[bool]:
+    """Per module, whether its backward (or, under activation checkpointing, its recomputed forward, which uses its
+    parameters first) gathers them again: released after its forward, its next use 2 x the parameters after it
+    (and a tied head's) away, at least stage3_max_reuse_distance; nothing is released where the whole model was
+    queued by the first prefetch (`_stage3_gathers` has the rule and its sources). A tied head's first module: where
+    the head's forward gathered it again (`_head_gathers`)."""
+    reuse = int(cfg.max_reuse_distance)
+    queued = _whole_model_queued(partitioned, cfg)
+    head = sum(modules[0]) if tied_head else 0
+    again = [bool(part) and 2 * (sum(map(sum, modules[k + 1:])) + head) >= reuse and not queued
+             for k, part in enumerate(partitioned)]
+    if tied_head:
+        again[0] = _head_gathers(modules, partitioned, cfg)[0]
+    return again
+
+
+def gathering_fetches(modules: Sequence[Sequence[int]], tied_head: bool = False,
+                      **zero_settings: Any) -> list[tuple[int, int]]:
+    """ZeRO-3's fetches that run the all-gather, per micro-step: (fetches, parameters each gathers) per module in
+    `module_layout`'s order, then a tied LM head's. A module with parameters to gather gathers them before its
+    forward, and again before its backward where they were released (`_regathered`); its other fetches find them
+    kept. The head: `_head_gathers`."""
     cfg = zero_config(3, zero_settings)
     flags = _persistent(modules, cfg)
     partitioned = [[n for n, p in zip(m, f, strict=True) if not p] for m, f in zip(modules, flags, strict=True)]
-    return sum(_head_gathers(modules, partitioned, cfg))
+    again = _regathered(modules, partitioned, cfg, tied_head)
+    out = [((1 + again[k]) if part else 0, len(part)) for k, part in enumerate(partitioned)]
+    if tied_head:
+        out.append((sum(_head_gathers(modules, partitioned, cfg)), len(partitioned[0])))
+    return out
 
 
 def _stage3_gathers(modules: Sequence[Sequence[int]] | None, n_params: int, persistent_params: int, world_size: int,
@@ -563,15 +588,12 @@ def _stage3_gathers(modules: Sequence[Sequence[int]] | None, n_params: int, pers
     flags = _persistent(modules, cfg)
     partitioned = [[n for n, p in zip(m, f, strict=True) if not p] for m, f in zip(modules, flags, strict=True)]
     persistent = [n for m, f in zip(modules, flags, strict=True) for n, p in zip(m, f, strict=True) if p]
-    whole_model_queued = _whole_model_queued(partitioned, cfg)
-    head = sum(modules[0]) if tied_head else 0
-    again = [part if part and 2 * (sum(map(sum, modules[k + 1:])) + head) >= reuse and not whole_model_queued
-             else [] for k, part in enumerate(partitioned)]
+    again = [part if regather else [] for part, regather in
+             zip(partitioned, _regathered(modules, partitioned, cfg, tied_head), strict=True)]
     forward = list(partitioned)
     backward = []
     if tied_head:
-        released, head_backward = _head_gathers(modules, partitioned, cfg)
-        again[0] = partitioned[0] if released else []
+        _, head_backward = _head_gathers(modules, partitioned, cfg)
         forward += [again[0]]  # the head's forward: gathered again where the embedding's was released
         # the head's backward comes next: kept unless the window is 0 (the coordinator then stops before it, :658)
         backward += [partitioned[0] if head_backward else []]

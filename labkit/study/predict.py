@@ -169,26 +169,15 @@ def _zero3_ranks(path: Path) -> tuple[float, float, str] | None:
         return None
 
 
-def gather_counts(workload: Workload, checkpointing: bool,
-                  zero: Mapping[str, Any] | None = None) -> tuple[float, float]:
-    """(fetches that gather, gathered parameters fetched) per micro-step at ZeRO-3: every module holding a parameter
-    over the persistence threshold (comms.gathered_params, with the `zero` settings) is fetched before its forward
-    and its backward; under activation checkpointing the modules inside the blocks once more, counted at half as
-    HostCosts counts their hooks (module_layout's order: the modules before the blocks, e.g. GPT-2's two
-    embeddings, the blocks' modules, then those after them)."""
+def gather_counts(workload: Workload, zero: Mapping[str, Any] | None = None) -> tuple[float, float]:
+    """(fetches that gather, gathered parameters fetched) per micro-step at ZeRO-3 (`comms.gathering_fetches`, with
+    the `zero` settings): every module holding a parameter over the persistence threshold gathers before its
+    forward, and again before its backward (or, under activation checkpointing, its recomputed forward: the same
+    count) where its parameters were released; a tied LM head where the embedding's were."""
     from labkit.study import comms
 
-    layout = workload.module_layout()
-    gathered = comms.gathered_params(layout, **(zero or {}))
-    weights = [2.0] * len(gathered)
-    if checkpointing:
-        start = workload.modules_before_blocks()
-        for i in range(start, start + workload.recomputed_modules()[0]):
-            weights[i] += 0.5
-    if workload.tied_head and gathered:  # a tied LM head gathers the first module's parameters again, if released
-        gathered, weights = [*gathered, gathered[0]], [*weights, float(comms.tied_head_gathers(layout, **(zero or {})))]
-    pairs = list(zip(weights, gathered, strict=True))
-    return sum(w for w, g in pairs if g), sum(w * g for w, g in pairs)
+    fetches = comms.gathering_fetches(workload.module_layout(), workload.tied_head, **(zero or {}))
+    return float(sum(n for n, _ in fetches)), float(sum(n * params for n, params in fetches))
 
 
 class Workload(Protocol):
@@ -573,7 +562,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     host_s = host_costs(gpu).micro_step_s(
         costs.ops, workload.param_modules, workload.paramless_modules, stage,
         workload.recomputed_modules() if activation_checkpointing else (0, 0), world_size=n,
-        gathers=gather_counts(workload, activation_checkpointing, zero) if stage == 3 and n > 1 else (0.0, 0.0))
+        gathers=gather_counts(workload, zero) if stage == 3 and n > 1 else (0.0, 0.0))
     on_gpu = {"forward": costs.forward_s, "backward": costs.backward_s}  # the device's own, before the host's bound
     host_bound_s = grad_accum * max(0.0, host_s - costs.forward_s - costs.backward_s)
     if host_s > costs.forward_s + costs.backward_s:

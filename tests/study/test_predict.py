@@ -313,18 +313,21 @@ def test_every_arch_is_counted_as_hugging_faces_model_of_that_config(spec):
         assert shape.persistent_params(threshold) == kept
 
 
-def test_zero3s_recomputed_fetches_land_on_the_blocks_whatever_comes_before_them():
+def test_zero3_gathers_once_per_module_where_its_parameters_are_kept_for_the_backward():
     from labkit.study import comms
 
     for spec in ("arch=qwen2,layers=3,hidden=256,heads=8,kv_heads=2,ffn=704,seq=64,vocab=1000,tied=1",
                  "layers=3,hidden=512,heads=8,seq=64,vocab=1000"):
         work = P.TransformerWorkload(flops.Transformer.parse(spec))
         gathered = comms.gathered_params(work.module_layout())
-        start, inside = work.modules_before_blocks(), work.recomputed_modules()[0]
-        blocks = gathered[start:start + inside]
-        plain, ckpt = P.gather_counts(work, False), P.gather_counts(work, True)
-        assert ckpt[0] - plain[0] == 0.5 * sum(1 for g in blocks if g) > 0
-        assert ckpt[1] - plain[1] == 0.5 * sum(blocks)
+        modules = sum(1 for g in gathered if g)
+        # small models: within the reuse distance (and one prefetch): the forward's fetch gathers, the others find
+        # the parameters kept; the tied head finds the embedding's kept too
+        assert P.gather_counts(work) == (modules, sum(gathered))
+        # a reuse distance of 0 and no prefetch: every module gathers again for its backward, a tied head both ways
+        again = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+        head = 2 if work.tied_head else 0
+        assert P.gather_counts(work, again) == (2 * modules + head, 2 * sum(gathered) + head * gathered[0])
     assert P.TransformerWorkload(flops.Transformer.parse(spec)).modules_before_blocks() == 2  # GPT-2's wte and wpe
 
 
@@ -750,7 +753,7 @@ def test_zero3_micro_steps_cannot_be_shorter_than_the_hosts_fetch_hooks(assumed_
     z3 = P.predict(P.TransformerWorkload(tiny), cluster, strategy="z3", micro_batch=1, precision="bf16")
     assert z0.host_overhead_s == 0
     # the hooks of every module, and at 8 ranks the gather path of the modules holding a gathered parameter
-    host, (fetches, params) = P.host_costs(cluster.gpu), P.gather_counts(P.TransformerWorkload(tiny), False)
+    host, (fetches, params) = P.host_costs(cluster.gpu), P.gather_counts(P.TransformerWorkload(tiny))
     assert z3.host_overhead_s == pytest.approx(2 * tiny.param_modules() * P.zero3_fetch_s() + fetches
                                                * host.zero3_gather_per_fetch_s + params * 8
                                                * host.zero3_gather_per_rank_param_s)
@@ -1292,16 +1295,23 @@ def test_a_file_that_is_not_a_published_grid_is_refused(tmp_path):
 
 
 def test_zero3s_gather_path_is_counted_per_fetch_and_per_rank_at_two_ranks_or_more():
+    from labkit.study import comms
+
     xl = P.TransformerWorkload(GPT2_XL)
     # per layer c_attn, c_proj, c_fc and the MLP's c_proj gather their weights (biases and LayerNorms persist:
-    # <= 1e5 elements); wte and wpe gather; ln_f persists. Two fetches each per micro-step. The tied LM head gathers
-    # wte's weight once, in its forward: the 1.5B parameters after wte are past the 1e9 reuse distance, so wte's
-    # were released; its backward, next in the trace, finds them kept.
-    assert P.gather_counts(xl, False) == (2 * (4 * 48 + 2) + 1, 2 * (4 * 48 + 2) + 1)
-    # checkpointing: the blocks' modules a third time, counted at half (not the head: outside the blocks)
-    assert P.gather_counts(xl, True) == (2 * (4 * 48 + 2) + 1 + 0.5 * 4 * 48,) * 2
-    assert P.gather_counts(xl, False, {"stage3_max_reuse_distance": 2e9}) == (2 * (4 * 48 + 2),) * 2  # kept: none
-    assert P.gather_counts(xl, False, {"stage3_max_reuse_distance": 0}) == (2 * (4 * 48 + 2) + 2,) * 2  # both ways
+    # <= 1e5 elements); wte and wpe gather; ln_f persists: 194 modules, one parameter each, gathered in the forward.
+    # Again for the backward where released: a module whose next use, 2 x the parameters after it and the tied
+    # head's, is past the 1e9 reuse distance (the first ~2/3 of XL's 1.56B). The head gathers wte's weight once, in
+    # its forward (wte's released: the 1.5B after it); its backward, next in the trace, finds it kept.
+    layout = xl.module_layout()
+    head = sum(layout[0])
+    released = [k for k in range(len(layout)) if 2 * (sum(map(sum, layout[k + 1:])) + head) >= 1e9]
+    assert released == list(range(len(released))) and 100 < len(released) < len(layout)  # a prefix of the model
+    gathered = comms.gathered_params(layout)
+    regathered = sum(1 for k in released if gathered[k])  # the LayerNorms among them persist
+    assert P.gather_counts(xl) == (194 + regathered + 1,) * 2
+    assert P.gather_counts(xl, {"stage3_max_reuse_distance": 1e10}) == (194, 194)  # all kept: the forward's only
+    assert P.gather_counts(xl, {"stage3_max_reuse_distance": 0}) == (2 * 194 + 2,) * 2  # everything, the head both
     host = P.HostCosts(1e-5, 1e-3, 0.0, 0.0, "test", zero3_gather_per_fetch_s=20e-6, zero3_gather_per_rank_param_s=4e-6)
     base = host.micro_step_s(100, 10, 5, 3)
     assert host.micro_step_s(100, 10, 5, 3, world_size=1, gathers=(20, 30)) == base  # 1 rank: nothing gathers

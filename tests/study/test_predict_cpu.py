@@ -78,14 +78,22 @@ def test_the_zero3_host_cost_is_read_from_the_measured_file():
 # -- ZeRO-3's host work as the ranks grow (calibrate.ZERO3_RANKS_PROBE, data/predict-ci/zero3_ranks.json) ----------
 def test_the_rank_scaling_fit_reads_the_fixed_and_per_rank_parts_back():
     one, per_fetch, per_rank_param = 0.5e-3, 20e-6, 4e-6
-    # the probe's module: 2 fetches per micro-step, 2 gathered parameters each
-    synthetic = {n: one + 2 * per_fetch + 4 * per_rank_param * n for n in (2, 4, 8)} | {1: one}
+    # the probe's module: 1 fetch that gathers per micro-step (its backward's finds them kept), 2 parameters
+    synthetic = {n: one + per_fetch + 2 * per_rank_param * n for n in (2, 4, 8)} | {1: one}
     fit = C.fit_rank_scaling(synthetic)
     assert fit["one_rank_per_module_s"] == one
     assert fit["per_fetch_s"] == pytest.approx(per_fetch)
     assert fit["per_rank_per_param_fetch_s"] == pytest.approx(per_rank_param)
     with pytest.raises(ValueError, match="at least two world sizes"):
         C.fit_rank_scaling({1: one, 2: synthetic[2]})
+
+
+def test_the_probes_module_gathers_once_per_micro_step_as_the_fit_assumes():
+    from labkit.study import comms
+
+    probe = [[64 * 64, 64]] * 72  # ZERO3_RANKS_PROBE's deeper stack of Linear(64, 64), persistence threshold 0
+    fetches = comms.gathering_fetches(probe, stage3_param_persistence_threshold=0)
+    assert fetches == [(C.ZERO3_GATHERING_FETCHES_PER_MICRO_STEP, C.ZERO3_GATHERED_PER_MODULE)] * 72
 
 
 def test_the_committed_rank_scaling_is_what_the_predictor_adds_at_several_ranks():
@@ -95,6 +103,7 @@ def test_the_committed_rank_scaling_is_what_the_predictor_adds_at_several_ranks(
     assert all(len(v) == int(n) for n, v in ranks["per_module_s_by_rank"].items())  # every rank's figure kept
     medians = {int(n): v for n, v in ranks["per_module_s"].items()}
     assert C.fit_rank_scaling(medians)["per_rank_per_param_fetch_s"] == ranks["per_rank_per_param_fetch_s"]
+    assert C.fit_rank_scaling(medians)["per_fetch_s"] == ranks["per_fetch_s"]
     host = P.host_costs(P.find_gpu("A100-80GB"))
     assert host.zero3_gather_per_rank_param_s == max(ranks["per_rank_per_param_fetch_s"], 0.0)
     assert "zero3_ranks.json" in host.source
