@@ -471,10 +471,15 @@ def _persistent(modules: Sequence[Sequence[int]], cfg: Any) -> list[list[bool]]:
     return flags
 
 
+def _partitioned(modules: Sequence[Sequence[int]], cfg: Any) -> list[list[int]]:
+    """Per module, the element counts of its parameters ZeRO-3 partitions and gathers (not `_persistent`)."""
+    flags = _persistent(modules, cfg)
+    return [[n for n, keep in zip(m, f, strict=True) if not keep] for m, f in zip(modules, flags, strict=True)]
+
+
 def gathered_params(modules: Sequence[Sequence[int]], **zero_settings: Any) -> list[int]:
     """Per module (`module_layout`'s shape), how many of its parameters ZeRO-3 gathers (the rest persist)."""
-    flags = _persistent(modules, zero_config(3, zero_settings))
-    return [sum(1 for keep in row if not keep) for row in flags]
+    return [len(part) for part in _partitioned(modules, zero_config(3, zero_settings))]
 
 
 def persistent_elements(modules: Sequence[Sequence[int]], **zero_settings: Any) -> int:
@@ -549,8 +554,7 @@ def gathering_fetches(modules: Sequence[Sequence[int]], tied_head: bool = False,
     forward, and again before its backward where they were released (`_regathered`); its other fetches find them
     kept. The head: `_head_gathers`."""
     cfg = zero_config(3, zero_settings)
-    flags = _persistent(modules, cfg)
-    partitioned = [[n for n, p in zip(m, f, strict=True) if not p] for m, f in zip(modules, flags, strict=True)]
+    partitioned = _partitioned(modules, cfg)
     again = _regathered(modules, partitioned, cfg, tied_head)
     out = [((1 + again[k]) if part else 0, len(part)) for k, part in enumerate(partitioned)]
     if tied_head:
@@ -586,7 +590,7 @@ def _stage3_gathers(modules: Sequence[Sequence[int]] | None, n_params: int, pers
                 _split(_gathered([regather], world_size), prefetch) if regather else [],
                 [persistent_params] if persistent_params else [])
     flags = _persistent(modules, cfg)
-    partitioned = [[n for n, p in zip(m, f, strict=True) if not p] for m, f in zip(modules, flags, strict=True)]
+    partitioned = _partitioned(modules, cfg)
     persistent = [n for m, f in zip(modules, flags, strict=True) for n, p in zip(m, f, strict=True) if p]
     again = [part if regather else [] for part, regather in
              zip(partitioned, _regathered(modules, partitioned, cfg, tied_head), strict=True)]
