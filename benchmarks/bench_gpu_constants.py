@@ -535,17 +535,14 @@ def measure(budget_s: float, quick: bool, cpu_adam_build_s: float, only: tuple[s
 
 def model_gemm_efficiency(result: dict[str, Any]) -> list[tuple[str, str]]:
     """What the predictor will take from this grid once committed (labkit.runtime.hardware.typical_gemm_efficiency:
-    the median rate per SM of its GEMMs with a tile per SM and >= 0.1 ms), for a GPU with a preset."""
+    the median rate per SM of the GEMMs `calibrates` keeps), for a GPU with a preset."""
     from labkit.runtime import hardware
 
     preset = hardware.preset_for(str(result["device"].get("name"))) if result["device"].get("cuda") else None
-    gemm = result.get("gemm") or {}
-    sections = {dtype: gemm[dtype] for dtype in ("bf16", "fp16", "fp32") if (gemm.get(dtype) or {}).get("shapes")}
-    if preset is None or not sections:
+    if preset is None:
         return []
-    shapes = {dtype: [row for row in section["shapes"] if "seconds" in row] for dtype, section in sections.items()}
-    best = {dtype: section["best_flops_per_s"] for dtype, section in sections.items() if section["best_flops_per_s"]}
-    shares = hardware.typical_gemm_efficiency(hardware.GPUS[preset], shapes, best)
+    measured = hardware.measured_from(result, "this run")
+    shares = hardware.typical_gemm_efficiency(hardware.GPUS[preset], measured.gemm_shapes, measured.gemm_flops_per_s)
     return [(f"GEMM {dtype}, the model's efficiency", f"{share:.3f} of {preset}'s peak (median rate per SM)")
             for dtype, share in shares.items()]
 

@@ -225,10 +225,12 @@ class Measured:
     gemm_efficiency: dict[str, float] = field(default_factory=dict, compare=False)
 
 
-def gemm_waves(kind: GPU, batch: int, m: int, n: int) -> int:
-    """How many rounds of GEMM_TILE x GEMM_TILE output tiles the GPU kind's SMs take for an m x n output (tile and
-    wave quantization: NVIDIA's Matrix Multiplication Background User's Guide, DU-09799-001, ch. 2-3)."""
-    return math.ceil(batch * math.ceil(m / GEMM_TILE) * math.ceil(n / GEMM_TILE) / kind.sms)
+def gemm_sm_flops(kind: GPU, batch: int, m: int, n: int, k: int) -> float:
+    """The FLOPs each SM runs for a (batch x) m x n x k GEMM in the roofline: its waves of GEMM_TILE x GEMM_TILE
+    output tiles over the GPU kind's SMs, 2 x TILE^2 x k each (tile and wave quantization: NVIDIA's Matrix
+    Multiplication Background User's Guide, DU-09799-001, ch. 2-3). The GEMM's time is this over a rate per SM."""
+    waves = math.ceil(batch * math.ceil(m / GEMM_TILE) * math.ceil(n / GEMM_TILE) / kind.sms)
+    return waves * 2.0 * GEMM_TILE ** 2 * k
 
 
 def on_tensor_cores(gemm: tuple[int, int, int, int], blas: tuple[int, ...] | None, align: int) -> bool:
@@ -270,14 +272,14 @@ def calibrates(kind: GPU, dtype: str, shape: dict[str, Any]) -> bool:
 def typical_gemm_efficiency(kind: GPU, shapes: dict[str, list[dict[str, Any]]],
                             best: dict[str, float]) -> dict[str, float]:
     """Per dtype, the median over the grid's GEMMs the roofline describes (`calibrates`) of the rate per SM each one
-    implies (`gemm_waves` x 2 x TILE^2 x K over its measured time, / the peak per SM); a dtype with none such: its
+    implies (`gemm_sm_flops` over its measured time, / the peak per SM); a dtype with none such: its
     best GEMM's share of the peak (`best`, FLOP/s). `shapes`: per dtype, the grid's GEMMs (m, n, k, seconds, and a
     published grid's a_t, b_t), as `Measured.gemm_shapes`. Pure."""
     out: dict[str, float] = {}
     for dtype, rows in shapes.items():
         if not kind.peak_flops.get(dtype):
             continue  # a dtype the GPU kind has no peak for (bf16 on a V100): nothing to share
-        implied = [gemm_waves(kind, 1, int(s["m"]), int(s["n"])) * 2.0 * GEMM_TILE ** 2 * int(s["k"]) / s["seconds"]
+        implied = [gemm_sm_flops(kind, 1, int(s["m"]), int(s["n"]), int(s["k"])) / s["seconds"]
                    for s in rows if calibrates(kind, dtype, s)]  # per SM
         rate = statistics.median(implied) * kind.sms if implied else best.get(dtype)
         if rate:
@@ -291,14 +293,18 @@ def _number(section: dict[str, Any], key: str) -> float | None:
 
 
 def load_measured(path: str | Path) -> Measured:
-    """The JSON bench_gpu_constants.py wrote, as `Measured`; a ValueError if it is not one, or was measured
-    without a GPU (its GPU sections skipped)."""
-    data = json.loads(Path(path).read_text())
+    """The JSON bench_gpu_constants.py wrote, as `Measured` (`measured_from`)."""
+    return measured_from(json.loads(Path(path).read_text()), str(path))
+
+
+def measured_from(data: dict[str, Any], where: str) -> Measured:
+    """bench_gpu_constants.py's result (`where` names it in errors) as `Measured`; a ValueError if it is not one, or
+    was measured without a GPU (its GPU sections skipped)."""
     if data.get("format") != MEASURED_FORMAT:
-        raise ValueError(f"{path}: not a {MEASURED_FORMAT} file (benchmarks/bench_gpu_constants.py writes one)")
+        raise ValueError(f"{where}: not a {MEASURED_FORMAT} file (benchmarks/bench_gpu_constants.py writes one)")
     device = data.get("device") or {}
     if not device.get("cuda"):
-        raise ValueError(f"{path}: measured without a CUDA GPU ({device.get('name')}): it has no GPU constants")
+        raise ValueError(f"{where}: measured without a CUDA GPU ({device.get('name')}): it has no GPU constants")
     gemm = data.get("gemm") or {}
     best = {dtype: float(gemm[dtype]["best_flops_per_s"]) for dtype in ("bf16", "fp16", "fp32")
             if isinstance(gemm.get(dtype), dict) and gemm[dtype].get("best_flops_per_s")}

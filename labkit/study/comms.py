@@ -144,13 +144,16 @@ def tied_head(model: Any) -> bool:
     not modelled): a tied head with a bias of its own, or one followed by another module (a value head)."""
     first: set[int] | None = None
     last: list[int] = []
+    seen: set[int] = set()
+    holders = 0  # modules holding a parameter of their own, as `module_params` counts them
     for _, module in model.named_modules():
         own = [id(p) for p in module.parameters(recurse=False)]
         if own:
             first = set(own) if first is None else first
             last = own
-    return first is not None and bool(last) and set(last) <= first and \
-        len(list(module_params(model))) > 1
+            holders += not seen.issuperset(own)
+            seen.update(own)
+    return first is not None and set(last) <= first and holders > 1
 
 
 def module_params(model: Any) -> Iterator[tuple[str, list[int]]]:

@@ -43,11 +43,10 @@ from labkit.runtime.hardware import (  # noqa: F401 -- the assumed values
     GPU,
     MEMORY_EFFICIENCY,
     calibrates,
-    gemm_waves,
+    gemm_sm_flops,
     grid_blas,
     on_tensor_cores,
 )
-from labkit.runtime.hardware import GEMM_TILE as TILE  # cuBLAS's typical 128 x 128 output tile
 
 _GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"}
 
@@ -351,11 +350,10 @@ def op_seconds(op: Op, gpu: GPU, precision: str) -> float:
     if op.gemm is None:
         return memory_s
     batch, m, n, k = op.gemm
-    waves = gemm_waves(gpu, batch, m, n)
     tensor_cores = precision == "fp32" or _tensor_cores(op, gpu.tensor_core_alignment)
     peak = gpu.peak(precision) if tensor_cores else gpu.cuda_core_peak(precision)
     per_sm = peak / gpu.sms * gpu.gemm_efficiency(precision if tensor_cores else "fp32")
-    return max(waves * 2.0 * TILE * TILE * k / per_sm, memory_s)
+    return max(gemm_sm_flops(gpu, batch, m, n, k) / per_sm, memory_s)
 
 
 def roofline_s(ops: list[Op], gpu: GPU, precision: str) -> float:
