@@ -33,11 +33,20 @@ MEMORY_EFFICIENCY = 0.8  # a streaming element-wise kernel's share of the datash
 # The GEMM roofline (flops.op_seconds) runs 128 x 128 output tiles in waves over the SMs at one rate per SM: a GPU
 # kind's GEMM efficiency is that rate's share of the peak. From a grid of measured GEMMs (this lab's or published) it
 # is the MEDIAN rate the grid's GEMMs imply, over those the roofline describes (`calibrates`): M and N of at least
-# one tile each, at least one tile per SM (else cuBLAS picks smaller tiles or splits K), at least
+# one tile each, at least one tile per SM (else narrower tiles or split K: gemm_tiles, gemm_split_k), at least
 # GEMM_CALIBRATION_MIN_S (shorter ones are launch-bound), on the tensor cores. Until 2026-11-28 it was the grid's best
 # GEMM, an extreme the model then reached on every shape: 95-97% of DeepBench's V100 GEMMs in that range ran slower
 # than predicted, by 9% (fp16) and 7% (fp32) at the median (docs/predict.md).
 GEMM_TILE = 128               # cuBLAS's typical 128 x 128 output tile (NVIDIA DU-09799-001, section 2.3)
+# ... and the narrowest of the guide's typical tiles (its section 2.3 lists 256 x 128 down to 64 x 64, as recalled
+# from its web edition: not re-read from here, 2026-11-28; cuBLASLt's cublasLtMatmulTile_t has tiles down to 8 x 8,
+# nvmath-python's binding docs): an output side of 64 or less runs a 64-wide tile, not a 128-wide one, so a GEMM
+# with few tokens or a narrow layer is not charged 128 (a 16-wide output is still charged 64: 2-4x slow, the check).
+GEMM_NARROW_TILE = 64
+# A GEMM whose output has fewer tiles than the GPU has SMs splits K over the idle ones (split-K: cuBLASLt's
+# CUBLASLT_ALGO_CONFIG_SPLITK_NUM, CUTLASS's GemmSplitKParallel), each split at least one tile of K deep, and adds its
+# fp32 partial outputs (written, then read by the reduction: SPLIT_K_PARTIAL_BYTES per element per split).
+SPLIT_K_PARTIAL_BYTES = 2 * 4
 GEMM_CALIBRATION_MIN_S = 1e-4
 ASSUMED = "assumed (no measurement of this GPU kind loaded): GEMM 0.8 of peak, memory 0.8 of datasheet bandwidth"
 # A fused attention kernel's (torch's scaled_dot_product_attention on a GPU) share of the dense fp16/bf16 peak, per
@@ -225,12 +234,29 @@ class Measured:
     gemm_efficiency: dict[str, float] = field(default_factory=dict, compare=False)
 
 
+def _tile_side(size: int) -> int:
+    return GEMM_NARROW_TILE if size <= GEMM_NARROW_TILE else GEMM_TILE
+
+
+def gemm_tiles(batch: int, m: int, n: int) -> int:
+    """The output tiles of a (batch x) m x n GEMM: GEMM_TILE a side, GEMM_NARROW_TILE on a side of that or less."""
+    return batch * math.ceil(m / _tile_side(m)) * math.ceil(n / _tile_side(n))
+
+
+def gemm_split_k(kind: GPU, batch: int, m: int, n: int, k: int) -> int:
+    """Into how many slices of K the roofline splits a GEMM: as many as its output tiles leave SMs idle (1 where
+    they fill the SMs), each at least GEMM_TILE deep."""
+    return max(1, min(kind.sms // gemm_tiles(batch, m, n), math.ceil(k / GEMM_TILE)))
+
+
 def gemm_sm_flops(kind: GPU, batch: int, m: int, n: int, k: int) -> float:
-    """The FLOPs each SM runs for a (batch x) m x n x k GEMM in the roofline: its waves of GEMM_TILE x GEMM_TILE
-    output tiles over the GPU kind's SMs, 2 x TILE^2 x k each (tile and wave quantization: NVIDIA's Matrix
-    Multiplication Background User's Guide, DU-09799-001, ch. 2-3). The GEMM's time is this over a rate per SM."""
-    waves = math.ceil(batch * math.ceil(m / GEMM_TILE) * math.ceil(n / GEMM_TILE) / kind.sms)
-    return waves * 2.0 * GEMM_TILE ** 2 * k
+    """The FLOPs each SM runs for a (batch x) m x n x k GEMM in the roofline: its waves of output tiles over the GPU
+    kind's SMs, 2 x tile x k each (tile and wave quantization: NVIDIA's Matrix Multiplication Background User's
+    Guide, DU-09799-001, ch. 2-3), with K split over SMs the tiles leave idle (`gemm_split_k`). The GEMM's time is
+    this over a rate per SM."""
+    split = gemm_split_k(kind, batch, m, n, k)
+    waves = math.ceil(gemm_tiles(batch, m, n) * split / kind.sms)
+    return waves * 2.0 * _tile_side(m) * _tile_side(n) * math.ceil(k / split)
 
 
 def on_tensor_cores(gemm: tuple[int, int, int, int], blas: tuple[int, ...] | None, align: int) -> bool:
@@ -264,7 +290,7 @@ def calibrates(kind: GPU, dtype: str, shape: dict[str, Any]) -> bool:
     (fewer, and cuBLAS splits K), at least GEMM_CALIBRATION_MIN_S (shorter, launch-bound), and on the tensor cores
     by `on_tensor_cores` (a 16-bit GEMM; fp32 runs on the CUDA cores). Pure."""
     m, n, k = int(shape["m"]), int(shape["n"]), int(shape["k"])
-    tiles = math.ceil(m / GEMM_TILE) * math.ceil(n / GEMM_TILE)
+    tiles = gemm_tiles(1, m, n)
     tensor = dtype == "fp32" or on_tensor_cores((1, m, n, k), grid_blas(shape), kind.tensor_core_alignment)
     return min(m, n) >= GEMM_TILE and tiles >= kind.sms and float(shape["seconds"]) >= GEMM_CALIBRATION_MIN_S and tensor
 

@@ -7,7 +7,8 @@ keeps for the backward (the activations). `roofline_s` turns the ops into second
 
 * a GEMM runs in waves of output tiles over the streaming multiprocessors: time = waves x one tile's
   FLOPs / (per-SM peak x the GPU kind's GEMM efficiency) (tile and wave quantization, NVIDIA's "Matrix Multiplication
-  Background User's Guide", DU-09799-001, ch. 3), and never less than its bytes / memory bandwidth;
+  Background User's Guide", DU-09799-001, ch. 3), with K split over the SMs a small output leaves idle
+  (`hardware.gemm_split_k`), and never less than its bytes / memory bandwidth;
 * a fused attention (torch's `scaled_dot_product_attention`, which a GPU runs as FlashAttention-2 or the
   memory-efficient kernel) is one op each way: the FLOPs it executes as FlashAttention's benchmarks count them (the
   backward recomputes the scores, 2.5x the forward; a causal mask halves both) at the GPU kind's fused-attention
@@ -42,8 +43,10 @@ from labkit.runtime.hardware import (  # noqa: F401 -- the assumed values
     GEMM_EFFICIENCY,
     GPU,
     MEMORY_EFFICIENCY,
+    SPLIT_K_PARTIAL_BYTES,
     calibrates,
     gemm_sm_flops,
+    gemm_split_k,
     grid_blas,
     on_tensor_cores,
 )
@@ -353,7 +356,10 @@ def op_seconds(op: Op, gpu: GPU, precision: str) -> float:
     tensor_cores = precision == "fp32" or _tensor_cores(op, gpu.tensor_core_alignment)
     peak = gpu.peak(precision) if tensor_cores else gpu.cuda_core_peak(precision)
     per_sm = peak / gpu.sms * gpu.gemm_efficiency(precision if tensor_cores else "fp32")
-    return max(gemm_sm_flops(gpu, batch, m, n, k) / per_sm, memory_s)
+    split = gemm_split_k(gpu, batch, m, n, k)
+    partials = split * batch * m * n * SPLIT_K_PARTIAL_BYTES if split > 1 else 0
+    partials_s = partials / (gpu.memory_bytes_per_s * gpu.memory_efficiency)
+    return max(gemm_sm_flops(gpu, batch, m, n, k) / per_sm, memory_s + partials_s)
 
 
 def roofline_s(ops: list[Op], gpu: GPU, precision: str) -> float:
