@@ -215,6 +215,7 @@ EPILOG = """examples:
       --nodes 4 --intra nvswitch --inter-gbps 800 --stage 1 --micro-batch 8 --global-batch 2048 --format json
   labkit predict --gpu A100-40GB --gpus-per-node 2 --stage 2 --micro-batch 4 --precision bf16 --offload-optimizer \
       --transformer arch=qwen2,layers=36,hidden=2048,heads=16,kv_heads=2,ffn=11008,seq=512,vocab=151936,tied=1
+  labkit predict --model my_pkg.train:build_model --data my_pkg.train:build_dataset --gpu H100-SXM --micro-batch 32
   labkit predict --from runs/<a 1-rank run> --world-size 2
 
 exit codes:
@@ -300,11 +301,13 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
                       "arch=llama|qwen2,...,ffn=N[,kv_heads=N][,tied=1]; attention=eager|sdpa (default: eager "
                       "for GPT-2, sdpa, a fused kernel, for the others)")
     what.add_argument("--model", help="a lab model: 'mlp', 'gpt' or 'package.module:build_model' (counted on the "
-                      "meta device; sized by --hidden/--depth/--input-size)")
+                      "meta device; sized by --hidden/--depth/--input-size; your own with --data and --loss)")
     what.add_argument("--from", dest="from_run", metavar="RUN_DIR",
                       help="calibrate on a finished run and predict it at another --world-size/--micro-batch/--stage")
     for name in ("hidden", "depth", "input_size"):
         predict.add_argument(flag(name), type=int, default=None, help=_flag_help(name))
+    for name in ("data", "loss"):  # a --model of your own: a sample to count on, and its loss
+        predict.add_argument(flag(name), default=None, help=_flag_help(name))
     predict.add_argument("--gpu", default=None,
                          help="GPU kind (labkit.study.predict.HARDWARE, or a device name as torch prints it, e.g. "
                               "'NVIDIA A100-SXM4-40GB'; default A100-80GB)")

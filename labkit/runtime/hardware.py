@@ -515,11 +515,16 @@ def links_for(gpu_kind: GPU, gpus_per_node: int = 1) -> list[str]:
     return [*names, *generations[:generations.index(gpu_kind.host_link) + 1]]
 
 
+def auto_intra(gpu_kind: GPU) -> str:
+    """The link `auto` names inside a node: NVSwitch where the GPU has NVLink, else its PCIe generation."""
+    return "nvswitch" if gpu_kind.nvlink else gpu_kind.host_link
+
+
 def intra_link(name: str, gpu_kind: GPU, gpus_per_node: int = 1) -> Link:
     """The link inside a node; `nvswitch` is the NVLink of the GPU's own generation; `auto` that where the GPU has
     NVLink, else its PCIe generation. A link the GPU cannot have (NVLink 4 on a V100, NVLink on a T4) is refused."""
     if name == "auto":
-        name = "nvswitch" if gpu_kind.nvlink else gpu_kind.host_link
+        name = auto_intra(gpu_kind)
     if name not in INTRA_LINKS:
         raise ValueError(f"unknown link {name!r}; known: {', '.join(INTRA_LINKS)}")
     allowed = links_for(gpu_kind, gpus_per_node)
@@ -527,6 +532,11 @@ def intra_link(name: str, gpu_kind: GPU, gpus_per_node: int = 1) -> Link:
         raise ValueError(f"{gpu_kind.name} cannot have {name} in a node of {gpus_per_node} GPU(s); its links: "
                          f"{', '.join(allowed)}")
     return LINKS[gpu_kind.nvlink if name == "nvswitch" and gpu_kind.nvlink else name]
+
+
+# The most GPUs one node of these presets holds: 16 (NVIDIA DGX-2 and HGX-2, 16 V100 over NVSwitch; HGX A100 16-GPU);
+# DGX A100 and H100 hold 8. More in one node is a typo (1000 "GPUs per node"), not a machine.
+MAX_GPUS_PER_NODE = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -543,6 +553,9 @@ class Cluster:
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nodes < 1:
             raise ValueError("gpus_per_node and nodes must be >= 1")
+        if self.gpus_per_node > MAX_GPUS_PER_NODE:
+            raise ValueError(f"{self.gpus_per_node} GPUs per node: the largest node is {MAX_GPUS_PER_NODE} GPUs "
+                             "(DGX-2, HGX A100 16-GPU); more GPUs are more --nodes")
         if not math.isfinite(self.inter_gbps) or self.inter_gbps < 0:
             raise ValueError(f"--inter-gbps must be a finite bandwidth >= 0 Gb/s, got {self.inter_gbps}")
         if self.nodes > 1 and self.inter_gbps <= 0:
@@ -609,4 +622,9 @@ class Cluster:
     def describe(self) -> str:
         net = (f", {self.nodes} nodes over {self.inter_gbps:g} Gb/s each ({self.node_cpu()} hosts)"
                if self.nodes > 1 else "")
-        return f"{self.gpus_per_node} x {self.gpu.name} per node ({self.intra}){net}"
+        link = self.intra if self.intra != "auto" else f"{self.intra_name()}, auto"
+        return f"{self.gpus_per_node} x {self.gpu.name} per node ({link}){net}"
+
+    def intra_name(self) -> str:
+        """The link inside a node by its INTRA_LINKS name, `auto` resolved as `intra_link` resolves it."""
+        return auto_intra(self.gpu) if self.intra == "auto" else self.intra

@@ -440,7 +440,10 @@ class Transformer:
         'arch=qwen2,layers=36,hidden=2048,heads=16,kv_heads=2,ffn=11008,seq=512,vocab=151936,tied=1'."""
         ints = ("layers", "hidden", "heads", "seq", "vocab", "kv_heads", "ffn")
         values: dict[str, Any] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
+        parts = [p.strip() for p in text.split(",")]
+        if any(not p for p in parts[:-1]):  # one trailing comma is harmless; an empty item is a slip
+            raise ValueError(f"--transformer has an empty item (two commas, or a leading one): {text!r}")
+        for part in filter(None, parts):
             key, sep, value = part.partition("=")
             if not sep or key not in (*ints, "dropout", "arch", "tied", "attention"):
                 raise ValueError(f"--transformer takes layers=,hidden=,heads=,seq=[,vocab=,dropout=,arch=,kv_heads=,"
@@ -459,6 +462,8 @@ class Transformer:
                 except ValueError:
                     kind = "an integer" if key in ints else "a number"
                     raise ValueError(f"--transformer {key} must be {kind}, got {value!r}") from None
+        if values.get("arch", "gpt2") not in ARCHS:  # before what it would require: an unknown arch requires nothing
+            raise ValueError(f"transformer arch must be one of {', '.join(ARCHS)}, got {values['arch']!r}")
         missing = {"layers", "hidden", "heads", "seq"} - set(values)
         if values.get("arch", "gpt2") != "gpt2" and "vocab" not in values:
             missing.add("vocab")  # GPT-2's default vocabulary is no llama's or qwen2's

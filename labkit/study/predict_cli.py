@@ -34,7 +34,7 @@ DEFAULT_GPU = "A100-80GB"
 FLAGS_FOR_SHAPES = ("gpu", "gpus_per_node", "nodes", "intra", "inter_gbps", "host_cpu", "plain_pytorch",
                     "offload_optimizer", "global_batch", "grad_accum", "precision", "activation_checkpointing",
                     "host_memory_gb_per_s", "zero", "b_crit", "results", "card")
-FLAGS_FOR_LAB_MODELS = ("hidden", "depth", "input_size")
+FLAGS_FOR_LAB_MODELS = ("hidden", "depth", "input_size", "data", "loss")
 FLAGS_FOR_RUNS = ("world_size", "threads_per_rank", "links")
 
 
@@ -45,15 +45,16 @@ def _refuse_unread(args: Any) -> None:
         return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) is not None
                 and getattr(args, n) is not False]
 
-    if args.from_run:
+    if args.from_run is not None:
         unread, why = given(FLAGS_FOR_SHAPES + FLAGS_FOR_LAB_MODELS), (
             "--from predicts its run on this machine at another --world-size, --micro-batch, --stage or "
             "--threads-per-rank (its model, precision and hardware are the run's)")
     else:
         unread, why = given(FLAGS_FOR_RUNS), "--world-size, --threads-per-rank and --links are --from's"
-        if args.transformer:
+        if args.transformer is not None:
             unread += given(FLAGS_FOR_LAB_MODELS)
-            why += "; --hidden, --depth and --input-size size a lab --model (a --transformer has its shape)"
+            why += ("; --hidden, --depth, --input-size, --data and --loss are a lab --model's (a --transformer has "
+                    "its shape)")
     if unread:
         raise _bad("predict", f"{', '.join(unread)} not read here: {why}")
 
@@ -101,7 +102,7 @@ def _zero(args: Any, strategy: str) -> dict[str, Any]:
 
 
 def _workload(args: Any) -> Workload:
-    if args.transformer:
+    if args.transformer is not None:
         try:
             return TransformerWorkload(flops.Transformer.parse(args.transformer))
         except ValueError as exc:
@@ -110,7 +111,7 @@ def _workload(args: Any) -> Workload:
     from labkit.models import builders
 
     values: dict[str, Any] = {"example": "deepspeed", "model": args.model}
-    for name in ("hidden", "depth", "input_size"):
+    for name in FLAGS_FOR_LAB_MODELS:
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     config = RunConfig.from_dict(values)
@@ -174,7 +175,7 @@ def _prediction(args: Any) -> dict[str, Any]:
         if value is not None and value < 1:
             raise _bad(name, f"--{name.replace('_', '-')} must be >= 1, got {value}")
     _refuse_unread(args)
-    if args.from_run:
+    if args.from_run is not None:
         out = _cli_from_run(args)
     else:
         cluster, strategy, b_crit = _cluster(args), _strategy(args), _b_crit(args)
@@ -186,7 +187,7 @@ def _prediction(args: Any) -> dict[str, Any]:
             raise _bad("precision", str(exc)) from None
         micro = args.micro_batch or 1
         accum = _accumulation(args, micro, cluster.world_size)
-        if args.model and args.activation_checkpointing:
+        if args.model is not None and args.activation_checkpointing:
             raise _bad("activation_checkpointing", "--activation-checkpointing is modelled for --transformer shapes "
                                                    "(the lab's models do not checkpoint)")
         workload = _workload(args)
@@ -213,7 +214,7 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
 
     from labkit.study.calibrate import calibrated, link_fits, read_run
 
-    if not Path(args.from_run).is_dir():
+    if not args.from_run or not Path(args.from_run).is_dir():
         raise _bad("from_run", f"no such run directory: {args.from_run}")
     try:
         run = read_run(args.from_run, "mean")

@@ -86,40 +86,58 @@ def load(path: str | Path | None = None) -> Any:
 
 
 def _check(row: Any) -> list[str]:
-    """What is wrong with one row, each problem naming its column(s). Every unreadable cell first; what combines
-    cells (the shape, the cluster, the batches, the strategy, the FLOP formula) once every cell reads."""
-    out = [f"{c} is empty" for c in REQUIRED if _blank(row[c])]
+    """What is wrong with one row, each problem naming its column(s): every cell that does not read, then what
+    combines cells (the shape, the cluster, the batches, the strategy, the FLOP formula) where the cells it combines
+    read, so one pass names every problem a row has."""
+    bad: dict[str, str] = {c: f"{c} is empty" for c in REQUIRED if _blank(row[c])}
     for c in POSITIVE_INTS:
         if not _blank(row[c]) and not (_integer(row[c]) and float(row[c]) >= 1):
-            out.append(f"{c} must be a whole number >= 1, got {row[c]!r}")
+            bad[c] = f"{c} must be a whole number >= 1, got {row[c]!r}"
     for c in NUMBERS:
         if not _blank(row[c]) and _number(row[c]) is None:
-            out.append(f"{c} must be a finite number, got {row[c]!r}")
+            bad[c] = f"{c} must be a finite number, got {row[c]!r}"
     value = _number(row["value"])
     if value is not None and value <= 0:
-        out.append(f"value must be > 0, got {row['value']!r}")
+        bad["value"] = f"value must be > 0, got {row['value']!r}"
     for c in ("offload_optimizer", "activation_checkpointing", "tied_embeddings"):
         if not _blank(row[c]) and str(row[c]).strip().lower() not in BOOLEANS:
-            out.append(f"{c} must be True or False, got {row[c]!r}")
+            bad[c] = f"{c} must be True or False, got {row[c]!r}"
     if not _blank(row["stage"]) and not (_integer(row["stage"]) and 0 <= float(row["stage"]) <= 3):
-        out.append(f"stage must be 0, 1, 2 or 3, got {row['stage']!r}")
+        bad["stage"] = f"stage must be 0, 1, 2 or 3, got {row['stage']!r}"
     if not _blank(row["precision"]) and row["precision"] not in P.PRECISIONS:
-        out.append(f"precision must be one of {', '.join(P.PRECISIONS)}, got {row['precision']!r}")
+        bad["precision"] = f"precision must be one of {', '.join(P.PRECISIONS)}, got {row['precision']!r}"
     if not _blank(row["metric"]) and row["metric"] not in METRICS:
-        out.append(f"metric must be one of {', '.join(METRICS)}, got {row['metric']!r}")
+        bad["metric"] = f"metric must be one of {', '.join(METRICS)}, got {row['metric']!r}"
     if row["metric"] == "tflops_per_gpu" and row["flops_formula"] not in FLOPS_FORMULAS:
-        out.append(f"tflops_per_gpu needs flops_formula, one of {', '.join(FLOPS_FORMULAS)}; "
-                   f"got {row['flops_formula']!r}")
+        bad["flops_formula"] = (f"tflops_per_gpu needs flops_formula, one of {', '.join(FLOPS_FORMULAS)}; "
+                                f"got {row['flops_formula']!r}")
     if not _blank(row["gpu"]):
         try:
             find_gpu(str(row["gpu"]))
         except ValueError as err:
-            out.append(f"gpu: {err}")
-    return out or _check_combined(_typed(row))
+            bad["gpu"] = f"gpu: {err}"
+    readable = row.astype(object)
+    for c in bad:
+        readable[c] = ""  # read as not given; a check that combines it is skipped below
+    return [*bad.values(), *_check_combined(_typed(readable), skip=frozenset(bad))]
 
 
-def _check_combined(row: Any) -> list[str]:
-    """The checks of a readable row that combine cells: each builds what `setup` builds, and says why it cannot."""
+# The cells each check that combines cells reads: skipped where one of them does not read (its problem is named).
+_COMBINED_READS = {
+    "shape": ("layers", "hidden", "heads", "seq", "vocab", "dropout", "arch", "kv_heads", "ffn", "tied_embeddings",
+              "attention", "code"),
+    "cluster": ("gpu", "gpus", "gpus_per_node", "nodes", "intra", "inter_gbps"),
+    "batches": ("gpus", "micro_batch", "global_batch"),
+    "strategy": ("stage", "offload_optimizer"),
+    "precision": ("gpu", "precision"),
+    "zero": ("zero", "stage", "offload_optimizer"),
+    "flops_formula": ("metric", "flops_formula", "activation_checkpointing"),
+}
+
+
+def _check_combined(row: Any, skip: frozenset[str] = frozenset()) -> list[str]:
+    """The checks of a row that combine cells, each where the cells it reads read (`skip`: those that do not):
+    each builds what `setup` builds, and says why it cannot."""
     checks = {"shape": lambda: _shape(row), "cluster": lambda: _cluster(row), "batches": lambda: batches(row),
               "strategy": lambda: _strategy(row), "precision": lambda: find_gpu(row["gpu"]).peak(row["precision"]),
               "zero": lambda: _check_zero(row)}
@@ -127,6 +145,8 @@ def _check_combined(row: Any) -> list[str]:
         checks["flops_formula"] = lambda: flops_passes(row)
     out = []
     for name, check in checks.items():
+        if skip & set(_COMBINED_READS[name]):
+            continue
         try:
             check()
         except ValueError as err:
@@ -141,10 +161,10 @@ def _typed(row: Any) -> Any:
         row[c] = None if _blank(row[c]) else int(float(row[c]))
     for c in NUMBERS:
         row[c] = None if _blank(row[c]) else float(row[c])
-    row["stage"] = int(float(row["stage"]))
+    row["stage"] = None if _blank(row["stage"]) else int(float(row["stage"]))
     for c in ("offload_optimizer", "activation_checkpointing", "tied_embeddings"):
         row[c] = _bool(row[c])
-    if row["nodes"] is None and row["gpus"] % row["gpus_per_node"] == 0:
+    if row["nodes"] is None and row["gpus"] and row["gpus_per_node"] and row["gpus"] % row["gpus_per_node"] == 0:
         row["nodes"] = row["gpus"] // row["gpus_per_node"]
     if row["inter_gbps"] is None:
         row["inter_gbps"] = 0.0  # one node; on more nodes, _cluster refuses the point
@@ -247,18 +267,24 @@ def _shape(row: Any) -> flops.Transformer:
 
 def _cluster(row: Any) -> Cluster:
     """GPU kind, GPUs per node, nodes and links; gpus must be all of them."""
-    if _blank(row["nodes"]):
-        raise ValueError(f"nodes is empty and gpus {row['gpus']} is not a multiple of gpus_per_node "
-                         f"{row['gpus_per_node']}")
-    if int(row["nodes"]) > 1 and (_number(row["inter_gbps"]) or 0) <= 0:
-        raise ValueError("a point on more than one node needs inter_gbps (the node's network, Gb/s)")
     intra = "auto" if _blank(row["intra"]) else str(row["intra"])
-    cluster = Cluster(gpu=find_gpu(str(row["gpu"])), gpus_per_node=int(row["gpus_per_node"]), nodes=int(row["nodes"]),
-                      intra=intra, inter_gbps=0.0 if _blank(row["inter_gbps"]) else float(row["inter_gbps"]))
-    cluster.link()  # a link the GPU kind cannot have is refused here
-    if int(row["gpus"]) != cluster.world_size:
-        raise ValueError(f"gpus {int(row['gpus'])} != gpus_per_node {cluster.gpus_per_node} x nodes {cluster.nodes}")
-    return cluster
+    problems = []
+    try:  # the link, whatever the node count
+        Cluster(gpu=find_gpu(str(row["gpu"])), gpus_per_node=int(row["gpus_per_node"]), intra=intra)
+    except ValueError as err:
+        problems.append(str(err))
+    if _blank(row["nodes"]):
+        problems.append(f"nodes is empty and gpus {row['gpus']} is not a multiple of gpus_per_node "
+                        f"{row['gpus_per_node']}")
+    elif int(row["gpus"]) != int(row["gpus_per_node"]) * int(row["nodes"]):
+        problems.append(f"gpus {int(row['gpus'])} != gpus_per_node {int(row['gpus_per_node'])} x nodes "
+                        f"{int(row['nodes'])}")
+    elif int(row["nodes"]) > 1 and (_number(row["inter_gbps"]) or 0) <= 0:
+        problems.append("a point on more than one node needs inter_gbps (the node's network, Gb/s)")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return Cluster(gpu=find_gpu(str(row["gpu"])), gpus_per_node=int(row["gpus_per_node"]), nodes=int(row["nodes"]),
+                   intra=intra, inter_gbps=0.0 if _blank(row["inter_gbps"]) else float(row["inter_gbps"]))
 
 
 def _zero(row: Any) -> dict[str, Any]:

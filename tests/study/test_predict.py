@@ -12,11 +12,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from labkit.cli import main
+from labkit.core.config import RunConfig
 from labkit.runtime import hardware as hw
 from labkit.study import calibrate as C
 from labkit.study import flops
 from labkit.study import predict as P
 from labkit.study.verdict import verdict
+from tests import own_model
 
 SMALL = flops.Transformer(layers=2, hidden=128, heads=4, seq=64, vocab=512)
 GPT2_XL = flops.Transformer(layers=48, hidden=1600, heads=25, seq=1024)
@@ -696,6 +698,7 @@ def test_the_issues_command_prints_every_key(capsys):
     (["--global-batch", "100", "--micro-batch", "8", "--gpus-per-node", "8"], "global-batch"),
     (["--gpu", "T4", "--precision", "bf16"], "bf16"),
     (["--gpus-per-node", "0"], "must be >= 1"),
+    (["--gpus-per-node", "1000"], "the largest node is 16 GPUs"),
     (["--host-cpu", "zen"], "known: intel, amd, other, auto"),
     (["--stage", "3", "--zero", "no_such_setting=1"], "no_such_setting"),
     (["--stage", "3", "--zero", "reduce_bucket_size"], "key=value"),
@@ -722,10 +725,34 @@ def test_the_nodes_cpu_vendor_reaches_the_ring_latency_and_the_description(capsy
 def test_a_bad_transformer_spec_and_a_missing_run_exit_2(capsys):
     assert main(["predict", "--transformer", "layers=2,hidden=64"]) == 2
     assert "missing" in capsys.readouterr().err
+    assert main(["predict", "--transformer", ""]) == 2  # empty: the --transformer's problem, not --model's
+    assert "error: transformer: --transformer is missing" in capsys.readouterr().err
+    assert main(["predict", "--transformer", "layers=2,,hidden=64,heads=4,seq=32"]) == 2
+    assert "empty item" in capsys.readouterr().err
+    assert main(["predict", "--transformer", "arch=foo,layers=2,hidden=64,heads=4,seq=32"]) == 2
+    assert "arch must be one of gpt2, llama, qwen2, got 'foo'" in capsys.readouterr().err  # not "missing vocab"
+    assert main(["predict", "--from", ""]) == 2
+    assert "no such run directory" in capsys.readouterr().err
     assert main(["predict", "--from", "/nonexistent/run"]) == 2
     assert "no such run directory" in capsys.readouterr().err
     assert main(["predict", "--model", "mlp", "--activation-checkpointing"]) == 2
     assert "--transformer shapes" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # check_importable imports the model in a child process
+def test_your_own_model_on_the_command_line_with_its_data_and_loss(capsys):
+    own = ["predict", "--model", "tests.own_model:build_model", "--gpu", "T4", "--micro-batch", "8",
+           "--format", "json"]
+    assert main(own) == 2  # a model of your own needs its dataset: a sample to count on
+    assert "error: data:" in capsys.readouterr().err
+    assert main([*own, "--data", "tests.own_model:build_dataset", "--loss", "tests.own_model:loss_fn"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["predicted"] and out["model"] == "tests.own_model:build_model" and out["step_time_s"] > 0
+    config = RunConfig(model="tests.own_model:build_model", data="tests.own_model:build_dataset")
+    assert out["n_params"] == sum(p.numel() for p in own_model.build_model(config).parameters())
+    assert out["hardware"] == "1 x T4 per node (pcie3, auto)"  # what `auto` resolved to
+    assert main(["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", "--data", "x:y"]) == 2
+    assert "--data not read here" in capsys.readouterr().err
 
 
 @pytest.mark.slow
