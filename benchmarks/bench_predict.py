@@ -203,6 +203,8 @@ def main() -> int:
     parser.add_argument("--points", default=None, help="a CSV of published points in data/published/points.csv's "
                         "columns (data/published/README.md), checked alone; default: that file, then every check")
     args = parser.parse_args()
+    if args.points is not None and (args.measure or args.measure_zero3_ranks):
+        parser.error("--points checks a file alone; --measure and --measure-zero3-ranks are for the whole check")
     try:
         points = published.load(args.points)  # every bad cell named before anything is predicted
     except (OSError, ValueError) as err:
@@ -227,7 +229,7 @@ def main() -> int:
     s = published.summary(table)
     print(f"median |error| {s['median_abs_error']:.1%} (goal <= 25%), max {s['max_abs_error']:.1%} (goal <= 40%); "
           f"{s['points']} points, {s['sources']} sources, {s['gpu_kinds']} GPU kinds")
-    if args.points:  # the other checks do not depend on the file
+    if args.points is not None:  # the other checks do not depend on the file
         return 0
     gemm_check()
     if (Path(args.out) / "runs.csv").exists():

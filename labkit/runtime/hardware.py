@@ -43,9 +43,10 @@ GEMM_TILE = 128               # cuBLAS's typical 128 x 128 output tile (NVIDIA D
 # nvmath-python's binding docs): an output side of 64 or less runs a 64-wide tile, not a 128-wide one, so a GEMM
 # with few tokens or a narrow layer is not charged 128 (a 16-wide output is still charged 64: 2-4x slow, the check).
 GEMM_NARROW_TILE = 64
-# A GEMM whose output has fewer tiles than the GPU has SMs splits K over the idle ones (split-K: cuBLASLt's
-# CUBLASLT_ALGO_CONFIG_SPLITK_NUM, CUTLASS's GemmSplitKParallel), each split at least one tile of K deep, and adds its
-# fp32 partial outputs (written, then read by the reduction: SPLIT_K_PARTIAL_BYTES per element per split).
+# A GEMM whose output has fewer tiles than the GPU has SMs may split K over the idle ones (split-K: cuBLASLt's
+# CUBLASLT_ALGO_CONFIG_SPLITK_NUM, CUTLASS's GemmSplitKParallel), each split at least one tile of K deep, adding its
+# fp32 partial outputs (written, then read by the reduction: SPLIT_K_PARTIAL_BYTES per element per split); the
+# roofline takes the split only where it is faster than none.
 SPLIT_K_PARTIAL_BYTES = 2 * 4
 GEMM_CALIBRATION_MIN_S = 1e-4
 ASSUMED = "assumed (no measurement of this GPU kind loaded): GEMM 0.8 of peak, memory 0.8 of datasheet bandwidth"
@@ -244,17 +245,18 @@ def gemm_tiles(batch: int, m: int, n: int) -> int:
 
 
 def gemm_split_k(kind: GPU, batch: int, m: int, n: int, k: int) -> int:
-    """Into how many slices of K the roofline splits a GEMM: as many as its output tiles leave SMs idle (1 where
-    they fill the SMs), each at least GEMM_TILE deep."""
-    return max(1, min(kind.sms // gemm_tiles(batch, m, n), math.ceil(k / GEMM_TILE)))
+    """Into how many slices of K a GEMM can split: as many as its output tiles leave SMs idle (1 where they fill
+    the SMs), each at least GEMM_TILE deep; 1 for an empty output. `flops.op_seconds` takes it only where it is
+    faster than no split, its fp32 partial outputs counted (cuBLAS's heuristics choose between such kernels)."""
+    tiles = gemm_tiles(batch, m, n)
+    return max(1, min(kind.sms // tiles, k // GEMM_TILE)) if tiles else 1
 
 
-def gemm_sm_flops(kind: GPU, batch: int, m: int, n: int, k: int) -> float:
+def gemm_sm_flops(kind: GPU, batch: int, m: int, n: int, k: int, split: int = 1) -> float:
     """The FLOPs each SM runs for a (batch x) m x n x k GEMM in the roofline: its waves of output tiles over the GPU
     kind's SMs, 2 x tile x k each (tile and wave quantization: NVIDIA's Matrix Multiplication Background User's
-    Guide, DU-09799-001, ch. 2-3), with K split over SMs the tiles leave idle (`gemm_split_k`). The GEMM's time is
+    Guide, DU-09799-001, ch. 2-3), with K in `split` slices over more SMs (`gemm_split_k`). The GEMM's time is
     this over a rate per SM."""
-    split = gemm_split_k(kind, batch, m, n, k)
     waves = math.ceil(gemm_tiles(batch, m, n) * split / kind.sms)
     return waves * 2.0 * _tile_side(m) * _tile_side(n) * math.ceil(k / split)
 

@@ -356,10 +356,12 @@ def op_seconds(op: Op, gpu: GPU, precision: str) -> float:
     tensor_cores = precision == "fp32" or _tensor_cores(op, gpu.tensor_core_alignment)
     peak = gpu.peak(precision) if tensor_cores else gpu.cuda_core_peak(precision)
     per_sm = peak / gpu.sms * gpu.gemm_efficiency(precision if tensor_cores else "fp32")
-    split = gemm_split_k(gpu, batch, m, n, k)
-    partials = split * batch * m * n * SPLIT_K_PARTIAL_BYTES if split > 1 else 0
-    partials_s = partials / (gpu.memory_bytes_per_s * gpu.memory_efficiency)
-    return max(gemm_sm_flops(gpu, batch, m, n, k) / per_sm, memory_s + partials_s)
+    def seconds(split: int) -> float:  # K in `split` slices; more than one writes and reads fp32 partials
+        partials = split * batch * m * n * SPLIT_K_PARTIAL_BYTES if split > 1 else 0
+        partials_s = partials / (gpu.memory_bytes_per_s * gpu.memory_efficiency)
+        return max(gemm_sm_flops(gpu, batch, m, n, k, split) / per_sm, memory_s + partials_s)
+
+    return min(seconds(1), seconds(gemm_split_k(gpu, batch, m, n, k)))
 
 
 def roofline_s(ops: list[Op], gpu: GPU, precision: str) -> float:

@@ -110,6 +110,9 @@ def _workload(args: Any) -> Workload:
     from labkit.core.config import RunConfig
     from labkit.models import builders
 
+    if args.model == "gpt" and (args.data is not None or args.loss is not None):
+        raise _bad("predict", "--data and --loss not read here: --model gpt is counted as its transformer shape "
+                              "(its data and loss are the lab's)")
     values: dict[str, Any] = {"example": "deepspeed", "model": args.model}
     for name in FLAGS_FOR_LAB_MODELS:
         if getattr(args, name) is not None:
@@ -190,13 +193,21 @@ def _prediction(args: Any) -> dict[str, Any]:
         if args.model is not None and args.activation_checkpointing:
             raise _bad("activation_checkpointing", "--activation-checkpointing is modelled for --transformer shapes "
                                                    "(the lab's models do not checkpoint)")
-        workload = _workload(args)
         try:
-            pred = predict(workload, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
-                           precision=precision, activation_checkpointing=args.activation_checkpointing,
-                           host_memory_gb_per_s=args.host_memory_gb_per_s, zero=zero)
-        except ValueError as exc:
-            raise _bad("predict", str(exc)) from None
+            workload = _workload(args)  # its own ConfigErrors name their flag
+            try:
+                pred = predict(workload, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
+                               precision=precision, activation_checkpointing=args.activation_checkpointing,
+                               host_memory_gb_per_s=args.host_memory_gb_per_s, zero=zero)
+            except ValueError as exc:
+                raise _bad("predict", str(exc)) from None
+        except (RuntimeError, TypeError, ImportError) as exc:  # a model of yours this process cannot import or run
+            if args.model is None or args.model in ("mlp", "gpt"):
+                raise
+            raise _bad("model", f"counting {args.model} on the meta device failed ({type(exc).__name__}: {exc}); "
+                                "check that this process can import it (run from its directory or set "
+                                "PYTHONPATH) and its --data and --loss (default: cross-entropy on integer "
+                                "labels)") from None
         out = pred.to_dict()
         out["model"], out["n_params"] = workload.name, workload.n_params
         if b_crit is not None:

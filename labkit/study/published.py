@@ -22,10 +22,10 @@ Where a source leaves a setting out, one rule fills it for every point (never a 
 * `zero` (the `zero_optimization` settings the source's config sets, `key=value,...`) empty: DeepSpeed 0.19.8's
   defaults, which is also what a row whose source does not print its config gets.
 
-`load` checks every row before anything is predicted and names each problem by point and column: every unreadable
-cell at once, then, in rows whose cells all read, what combines them (the shape, the cluster, the batches, the
-strategy, the FLOP formula, the zero settings). A table of other points (`benchmarks/bench_predict.py --points
-FILE`) is refused before any of it is predicted.
+`load` checks every row before anything is predicted and names each problem by point and column, all at once: every
+unreadable cell, and what combines cells (the shape, the cluster, the batches, the strategy, the FLOP formula, the
+zero settings), each such check where the cells it reads read (`_COMBINED_READS`). A table of other points
+(`benchmarks/bench_predict.py --points FILE`) is refused before any of it is predicted.
 """
 
 from __future__ import annotations
@@ -276,11 +276,12 @@ def _cluster(row: Any) -> Cluster:
     if _blank(row["nodes"]):
         problems.append(f"nodes is empty and gpus {row['gpus']} is not a multiple of gpus_per_node "
                         f"{row['gpus_per_node']}")
-    elif int(row["gpus"]) != int(row["gpus_per_node"]) * int(row["nodes"]):
-        problems.append(f"gpus {int(row['gpus'])} != gpus_per_node {int(row['gpus_per_node'])} x nodes "
-                        f"{int(row['nodes'])}")
-    elif int(row["nodes"]) > 1 and (_number(row["inter_gbps"]) or 0) <= 0:
-        problems.append("a point on more than one node needs inter_gbps (the node's network, Gb/s)")
+    else:
+        if int(row["gpus"]) != int(row["gpus_per_node"]) * int(row["nodes"]):
+            problems.append(f"gpus {int(row['gpus'])} != gpus_per_node {int(row['gpus_per_node'])} x nodes "
+                            f"{int(row['nodes'])}")
+        if int(row["nodes"]) > 1 and (_number(row["inter_gbps"]) or 0) <= 0:
+            problems.append("a point on more than one node needs inter_gbps (the node's network, Gb/s)")
     if problems:
         raise ValueError("; ".join(problems))
     return Cluster(gpu=find_gpu(str(row["gpu"])), gpus_per_node=int(row["gpus_per_node"]), nodes=int(row["nodes"]),

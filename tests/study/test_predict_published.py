@@ -178,7 +178,7 @@ def test_a_table_of_other_points_gets_every_bad_cell_named_at_once(tmp_path, poi
     assert "2 problem(s)" in text and "value must be a finite number" in text and "gpus must be a whole number" in text
 
 
-def test_what_combines_cells_is_checked_once_the_cells_read(tmp_path, points):
+def test_what_combines_cells_is_checked_where_the_cells_it_reads_read(tmp_path, points):
     edit = {"hidden": "1601", "stage": "0", "offload_optimizer": "True", "dropout": "1"}
     with pytest.raises(ValueError) as err:
         published.load(_write(tmp_path, points, edit))
