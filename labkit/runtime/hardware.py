@@ -622,9 +622,15 @@ class Cluster:
         return measured or link.bytes_per_s * link.efficiency
 
     def describe(self) -> str:
-        net = (f", {self.nodes} nodes over {self.inter_gbps:g} Gb/s each ({self.node_cpu()} hosts)"
-               if self.nodes > 1 else "")
-        link = self.intra if self.intra != "auto" else f"{self.intra_name()}, auto"
+        """What was predicted for, saying which links carry nothing (one GPU: no link; one node: no network)."""
+        if self.nodes > 1:
+            net = f", {self.nodes} nodes over {self.inter_gbps:g} Gb/s each ({self.node_cpu()} hosts)"
+        else:
+            net = f"; one node: its {self.inter_gbps:g} Gb/s network unused" if self.inter_gbps > 0 else ""
+        if self.gpus_per_node == 1:
+            link = "one GPU: no link inside the node" if self.intra == "auto" else f"{self.intra} unused: one GPU"
+        else:
+            link = self.intra if self.intra != "auto" else f"{self.intra_name()}, auto"
         return f"{self.gpus_per_node} x {self.gpu.name} per node ({link}){net}"
 
     def intra_name(self) -> str:

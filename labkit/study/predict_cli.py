@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from labkit.study import flops
-from labkit.study.predict import (
-    STRATEGIES,
-    Cluster,
-    TransformerWorkload,
-    Workload,
-    b_crit_from,
-    find_gpu,
-    lab_workload,
-    predict,
-    predicted_card,
-    steps_to_target,
-)
+# Only the hardware presets at import: the flags are checked before torch and DeepSpeed load (3-7 s), so a wrong
+# GPU, link, stage or batch is refused at once; the counting modules are imported where they are used.
+from labkit.runtime.hardware import Cluster
+from labkit.runtime.hardware import gpu as find_gpu
+
+if TYPE_CHECKING:
+    from labkit.study.predict import Workload
+    from labkit.study.shapes import Transformer
 
 
 def _bad(field_name: str, message: str) -> Exception:
@@ -89,6 +84,7 @@ def _zero(args: Any, strategy: str) -> dict[str, Any]:
     if not args.zero:
         return {}
     from labkit.study import comms
+    from labkit.study.predict import STRATEGIES
 
     if strategy == "torch":
         raise _bad("zero", "--zero sets DeepSpeed's zero_optimization; plain PyTorch has none")
@@ -101,12 +97,23 @@ def _zero(args: Any, strategy: str) -> dict[str, Any]:
     return settings
 
 
-def _workload(args: Any) -> Workload:
-    if args.transformer is not None:
-        try:
-            return TransformerWorkload(flops.Transformer.parse(args.transformer))
-        except ValueError as exc:
-            raise _bad("transformer", str(exc)) from None
+def _shape(args: Any) -> Transformer | None:
+    """--transformer's shape, read without torch (None: a lab --model)."""
+    if args.transformer is None:
+        return None
+    from labkit.study.shapes import Transformer
+
+    try:
+        return Transformer.parse(args.transformer)
+    except ValueError as exc:
+        raise _bad("transformer", str(exc)) from None
+
+
+def _workload(args: Any, shape: Transformer | None) -> Workload:
+    from labkit.study.predict import TransformerWorkload, lab_workload
+
+    if shape is not None:
+        return TransformerWorkload(shape)
     from labkit.core.config import RunConfig
     from labkit.models import builders
 
@@ -145,6 +152,8 @@ def _b_crit(args: Any) -> float | None:
         if not (Path(args.results) / "noise.csv").is_file():
             raise _bad("results", f"{args.results} has no noise.csv (the answer's gradient-noise probes): no "
                                   "critical batch to read; give --b-crit instead")
+        from labkit.study.predict import b_crit_from
+
         b_crit = b_crit_from(args.results)
         if b_crit is None:
             raise _bad("results", f"{args.results}/noise.csv gives no positive critical batch (its noise estimate is "
@@ -193,8 +202,11 @@ def _prediction(args: Any) -> dict[str, Any]:
         if args.model is not None and args.activation_checkpointing:
             raise _bad("activation_checkpointing", "--activation-checkpointing is modelled for --transformer shapes "
                                                    "(the lab's models do not checkpoint)")
+        shape = _shape(args)
+        from labkit.study.predict import predict, predicted_card, steps_to_target  # torch, DeepSpeed: after the flags
+
         try:
-            workload = _workload(args)  # its own ConfigErrors name their flag
+            workload = _workload(args, shape)  # its own ConfigErrors name their flag
             try:
                 pred = predict(workload, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
                                precision=precision, activation_checkpointing=args.activation_checkpointing,
@@ -272,5 +284,5 @@ def format_table(out: dict[str, Any]) -> str:
         for way, kinds in card["ways"].items():
             cells = [f"{kind} {e['verdict'] or '-'}" + (f" ({e['ratio']:.2f}x)" if e["ratio"] else "")
                      for kind, e in kinds.items()]
-            lines.append(f"    {way:12s} " + ", ".join(cells))
+            lines.append(f"    predicted {way:12s} " + ", ".join(cells))
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from labkit.cli import main
 from labkit.core.config import RunConfig
 from labkit.runtime import hardware as hw
 from labkit.study import calibrate as C
-from labkit.study import flops
+from labkit.study import flops, shapes
 from labkit.study import predict as P
 from labkit.study.verdict import verdict
 from tests import own_model
@@ -114,7 +114,7 @@ def test_a_ring_across_nodes_runs_at_the_slower_of_link_and_network():
 
 # -- the census on the meta device ---------------------------------------------------------------------------------
 def test_census_counts_what_torchs_flop_counter_counts_on_the_meta_device():
-    model = flops._build(SMALL, 2, torch.float32)
+    model = shapes.build(SMALL, 2, torch.float32)
     ids = torch.zeros(2, SMALL.seq, dtype=torch.long, device="meta")
     census = flops.count(lambda: model(input_ids=ids, labels=ids).loss, list(model.parameters()))
     counter = FlopCounterMode(display=False)
@@ -227,7 +227,7 @@ def test_checkpointing_recomputes_the_blocks_and_counts_as_megatrons_eq_3():
 def test_layer_extrapolation_is_exact_for_a_stack_of_identical_blocks():
     three = flops.Transformer(layers=3, hidden=128, heads=4, seq=64, vocab=512)
     costs = flops.transformer_costs(three, 2, "fp32")
-    model = flops._build(three, 3, torch.float32)
+    model = shapes.build(three, 3, torch.float32)
     ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
     direct = flops.count(lambda: model(input_ids=ids, labels=ids).loss, list(model.parameters()))
     assert costs.scaled(lambda c: c.flops(), 3) == pytest.approx(direct.flops(), rel=1e-9)
@@ -301,7 +301,7 @@ def test_every_arch_is_counted_as_hugging_faces_model_of_that_config(spec):
     from labkit.study import comms
 
     shape = flops.Transformer.parse(spec)
-    model = flops._build(shape, shape.layers, torch.float32)
+    model = shapes.build(shape, shape.layers, torch.float32)
     assert shape.n_params() == sum(p.numel() for p in model.parameters())
     assert shape.module_layout() == comms.module_layout(model)  # a tied LM head's weight counted once
     own = [bool(list(m.parameters(recurse=False))) for m in model.modules()]
@@ -709,6 +709,47 @@ def test_bad_input_exits_2_naming_the_problem(capsys, argv, says):
     assert says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [
+    ["--gpu", "X100"],
+    ["--intra", "nvlink9"],
+    ["--stage", "0", "--offload-optimizer"],
+    ["--micro-batch", "3", "--global-batch", "10"],
+    ["--transformer", "layers=48,hiden=1600,heads=16,seq=1024"],  # a typo in the shape
+    ["--transformer", "layers=48,hidden=1600,heads=15,seq=1024"],
+])
+@pytest.mark.slow  # a fresh Python process per case
+def test_bad_flags_are_refused_before_torch_loads(argv):
+    # A typo should cost a fraction of a second, not torch's and DeepSpeed's 3-7 s of imports: the flags and the shape
+    # are read before the counting modules load (a fresh process, where nothing imported torch yet).
+    import subprocess
+    import sys
+
+    argv = argv if argv[0] == "--transformer" else ["--transformer", "layers=2,hidden=64,heads=4,seq=32", *argv]
+    code = ("import sys; from labkit.cli import main; rc = main(['predict', *sys.argv[1:]]); "
+            "print('torch' in sys.modules, 'deepspeed' in sys.modules); sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: ")
+    assert done.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize(("cluster", "says"), [
+    (dict(gpu="T4", gpus_per_node=4), "4 x T4 per node (pcie3, auto)"),  # what `auto` resolved to
+    (dict(gpu="A100-80GB", gpus_per_node=8, intra="nvswitch"), "8 x A100-80GB per node (nvswitch)"),
+    (dict(gpu="T4"), "1 x T4 per node (one GPU: no link inside the node)"),
+    (dict(gpu="A100-40GB-PCIE", intra="pcie4"), "1 x A100-40GB-PCIE per node (pcie4 unused: one GPU)"),
+    (dict(gpu="A100-80GB", gpus_per_node=8, inter_gbps=1600),
+     "8 x A100-80GB per node (nvswitch, auto); one node: its 1600 Gb/s network unused"),
+    (dict(gpu="A100-80GB", gpus_per_node=8, nodes=2, inter_gbps=1600),
+     "8 x A100-80GB per node (nvswitch, auto), 2 nodes over 1600 Gb/s each (amd hosts)"),
+])
+def test_the_description_says_which_links_carry_nothing(cluster, says):
+    # A flag that a cluster of one GPU or one node leaves unused (--intra, --inter-gbps) is accepted (a sweep over
+    # --nodes 1 2 4 passes the same --inter-gbps) and the description says it carries nothing.
+    cluster["gpu"] = hw.gpu(cluster["gpu"])
+    assert hw.Cluster(**cluster).describe() == says
+
+
 def test_the_nodes_cpu_vendor_reaches_the_ring_latency_and_the_description(capsys):
     a100 = ["predict", "--transformer", "layers=4,hidden=2048,heads=16,seq=512", "--gpu", "A100-80GB",
             "--gpus-per-node", "8", "--nodes", "4", "--inter-gbps", "1600", "--stage", "3", "--micro-batch", "1",
@@ -750,7 +791,7 @@ def test_your_own_model_on_the_command_line_with_its_data_and_loss(capsys):
     assert out["predicted"] and out["model"] == "tests.own_model:build_model" and out["step_time_s"] > 0
     config = RunConfig(model="tests.own_model:build_model", data="tests.own_model:build_dataset")
     assert out["n_params"] == sum(p.numel() for p in own_model.build_model(config).parameters())
-    assert out["hardware"] == "1 x T4 per node (pcie3, auto)"  # what `auto` resolved to
+    assert out["hardware"] == "1 x T4 per node (one GPU: no link inside the node)"
     assert main(["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", "--data", "x:y"]) == 2
     assert "--data not read here" in capsys.readouterr().err
     assert main(["predict", "--model", "gpt", "--loss", "x:y"]) == 2  # the lab's GPT is counted as its shape
@@ -766,8 +807,9 @@ def test_the_lab_mlp_and_the_card_on_the_command_line(capsys):
                  "--card", "--results", "data/reference-ci"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("PREDICTED") and "predicted answer card" in text and "ranks" in text
-    assert all(line.lstrip().startswith(("predicted", "PREDICTED", "ranks", "micro_batch", "grad_accum"))
-               for line in text.strip().splitlines())
+    assert all(line.lstrip().startswith(("predicted", "PREDICTED")) for line in text.strip().splitlines())
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("    predicted")] == [
+        "ranks", "micro_batch", "grad_accum"]  # every row of the card says it is predicted, not only its header
 
 
 def test_the_report_section_labels_every_number_predicted():
@@ -911,7 +953,7 @@ def test_counting_a_transformer_warns_nothing_in_the_learners_notebook(capfd):
 
     hf_logging.get_logger("transformers.modeling_utils").warning_once.cache_clear()  # a once-per-process warning
     shape = flops.Transformer(layers=2, hidden=64, heads=4, seq=16, vocab=8)
-    flops._structure.cache_clear()
+    shapes._structure.cache_clear()
     assert shape.paramless_modules() > 0
     assert flops.transformer_costs(shape, 1, "fp32").ops1 is not None
     out, err = capfd.readouterr()
@@ -939,7 +981,7 @@ def test_fused_attention_counts_eagers_flops_in_one_kernel_each_way():
     ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
     census = {}
     for shape in (sdpa, eager):
-        model = flops._build(shape, 2, torch.float32)
+        model = shapes.build(shape, 2, torch.float32)
         census[shape.attention] = flops.count(lambda m=model: m(input_ids=ids, labels=ids).loss,
                                               list(model.parameters()))
     fused = census["sdpa"]
