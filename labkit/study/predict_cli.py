@@ -284,5 +284,7 @@ def format_table(out: dict[str, Any]) -> str:
         for way, kinds in card["ways"].items():
             cells = [f"{kind} {e['verdict'] or '-'}" + (f" ({e['ratio']:.2f}x)" if e["ratio"] else "")
                      for kind, e in kinds.items()]
+            if not any(e["verdict"] for e in kinds.values()):  # no verdict: say why (the same for the three)
+                cells = [next(iter(kinds.values()))["condition"].removeprefix("predicted: ")]
             lines.append(f"    predicted {way:12s} " + ", ".join(cells))
     return "\n".join(lines)

@@ -812,6 +812,13 @@ def test_the_lab_mlp_and_the_card_on_the_command_line(capsys):
         "ranks", "micro_batch", "grad_accum"]  # every row of the card says it is predicted, not only its header
 
 
+def test_a_card_row_without_a_verdict_says_why_in_the_table(capsys):
+    assert main(["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", "--card"]) == 0
+    rows = [line.split(None, 2) for line in capsys.readouterr().out.splitlines() if line.startswith("    predicted")]
+    assert rows[0][1:] == ["ranks", "1 device: ranks cannot grow"]  # not "per_step -, per_epoch -, to_target -"
+    assert rows[1][2].startswith("per_step ")
+
+
 def test_the_report_section_labels_every_number_predicted():
     html = P.report_section("data/reference-ci")
     assert "Predicted on other hardware" in html
