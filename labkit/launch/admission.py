@@ -28,26 +28,29 @@ could ever give it (`room_bytes`: its memory, or the limit, less this process tr
 before anything launches (`NotEnoughMemory`); one that only needs more than other programs leave free now
 waits, and says so: they may let go of it.
 
-Cores (CPU ranks): at most one rank process per core (`RANKS_PER_CORE`) and two rank threads per core
+Cores (CPU ranks): at most one rank process per core (`RANKS_PER_CORE`) and one rank thread per core
 (`THREADS_PER_CORE`; OpenMP threads per rank x ranks, `labkit.launch.launcher.threads_per_rank`) at once.
 A small run's time is mostly its processes starting (Python, torch, DeepSpeed: one busy thread each), so one
-rank process per core keeps every core busy without runs taking turns; once they train, a run's threads
-are its cores (cores / ranks each), so two 1-rank runs put 2x the cores' threads on them, and no more is
-allowed. Timed comparisons need stricter: `labkit.study.sweep.fair_parallel` (threads x ranks x launches <=
-cores), which the sweep applies. Measured on the lab's 2-core machine (docs/laptop.md): a second 2-rank
-run beside the first (4 rank threads and processes) finished notebook 03 no sooner and took it past 3.5 GB;
-one rank process per core ran 02's and 04's 1-rank runs two at a time. A run alone is never held back for
-cores. Devices (GPUs, emulated slots): the leases a run takes (`labkit.launch.device_lease`) must be free.
+rank process per core keeps every core busy without runs taking turns; once they train, OpenMP threads beyond
+the cores spin-wait on each other (measured below: 30x slower steps), so runs that overlap get their share of the
+cores (`share_cores`: two 1-rank runs on 2 cores, one thread each) and a run whose threads would go past the
+cores waits. Timed comparisons need stricter: `labkit.study.sweep.fair_parallel` (threads x ranks x launches <=
+cores: no neighbour even while it starts), which the sweep applies. Measured on the lab's 2-core machine
+(docs/laptop.md): a second 2-rank run beside the first (4 rank threads and processes) finished notebook 03 no
+sooner and took it past 3.5 GB; one rank process per core runs 02's and 04's 1-rank runs two at a time, one thread
+each. A run alone is never held back for cores. Devices (GPUs, emulated slots): the leases a run takes
+(`labkit.launch.device_lease`) must be free.
 The queue is first in, first out: a run that waits holds back the ones behind it, so none starves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,10 +66,14 @@ MEMORY_LIMIT_ENV = "LABKIT_MEMORY_LIMIT_BYTES"
 # 10% (a laptop swapping is the slowness this module exists to avoid), nor the last 256 MiB of a small limit.
 MARGIN_FRACTION = 0.10
 MIN_MARGIN_BYTES = 256 * MiB
-# CPU ranks at once per core (see the module doc): one busy process per core while they start, at most
-# two OpenMP threads per core once they train.
+# CPU ranks at once per core (see the module doc): one busy process per core while they start, and one OpenMP
+# thread per core once they train. Threads beyond the cores spin-wait on each other (libgomp, torch's OpenMP,
+# spins before it sleeps, while the thread it waits for is descheduled): measured 2026-11-29 on the lab's 2-core
+# machine, a 1-rank MLP of 2 threads took 3.2 ms a step alone and 120 ms beside another such run; notebook 02's
+# six 1-rank runs, two such at a time, 145-290 ms against 18-34 ms one at a time, its offload ratio 0.61x
+# instead of 1.09x (until then this allowed two threads per core).
 RANKS_PER_CORE = 1
-THREADS_PER_CORE = 2
+THREADS_PER_CORE = 1
 # Priors, until this machine has finished a run: measured 2026-11-24 on the lab's 2-core machine (torch
 # 2.13.0 CPU, DeepSpeed 0.19.8), ci-sized MLP runs (hidden 1024, depth 2), psutil every 0.5 s plus the
 # ranks' own peak RSS (ru_maxrss): a rank's peak RSS less its census (states) and saved activations was
@@ -179,6 +186,20 @@ def estimate(config: RunConfig, *, rank_base_bytes: int, launcher_bytes: int, mo
                     cpu_ranks=config.world_size if is_cpu else 0,
                     threads=threads_per_rank(config, cores) * config.world_size if is_cpu else 0,
                     devices=config.world_size if leases_devices else 0, states_known=known)
+
+
+def share_cores(configs: Mapping[str, RunConfig], cores: int) -> dict[str, RunConfig]:
+    """The configs of CPU runs that will overlap (`lessons.launch_all`), each run whose `threads_per_rank` is unset
+    given its share of the cores: as many runs as the cores hold at once (one rank process per core) split the
+    cores evenly, so that runs training together never put more threads than cores on them (THREADS_PER_CORE).
+    A run alone keeps the default (cores / ranks); a set `threads_per_rank` and a multi-node run are kept."""
+    here = [c for c in configs.values() if not c.hostfile]  # a multi-node run's ranks are the cluster's
+    if len(here) < 2:
+        return dict(configs)
+    at_once = max(1, min(len(here), (RANKS_PER_CORE * cores) // max(c.world_size for c in here)))
+    return {label: c if c.threads_per_rank is not None or c.hostfile else
+            dataclasses.replace(c, threads_per_rank=max(1, cores // (c.world_size * at_once)))
+            for label, c in configs.items()}
 
 
 # -- what the machine has ------------------------------------------------------------------------

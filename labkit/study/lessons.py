@@ -55,8 +55,10 @@ def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
     On CPU ranks they overlap as far as the machine holds them (`labkit.launch.admission`): a run
     starts, in order, once its estimated memory fits beside the runs already going (what
     `psutil` says is available, or `LABKIT_MEMORY_LIMIT_BYTES`, less a margin) and its ranks fit on
-    the cores (one rank process, two threads per core); the rest wait, and their bars say for what
-    ("waiting for memory: needs 1.73 GB, 0.94 GB available"). A run that needs more than the machine
+    the cores (one rank process and one OpenMP thread per core); the rest wait, and their bars say for what
+    ("waiting for memory: needs 1.73 GB, 0.94 GB available"). A run whose config leaves `threads_per_rank`
+    unset gets its share of the cores (`admission.share_cores`: two 1-rank runs on 2 cores, one thread each), so
+    runs that train together do not spin-wait on each other's cores. A run that needs more than the machine
     could ever give it is refused before anything launches (`NotEnoughMemory`, a ConfigError with
     `needed_bytes` and `available_bytes`). On GPUs they run one
     after the other (`concurrent=False`): every run's rank 0 would use the first GPU and take the
@@ -69,7 +71,7 @@ def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
     """
     import dataclasses
 
-    from labkit.launch.admission import SAMPLE_S, Admission, Estimate, occupies
+    from labkit.launch.admission import SAMPLE_S, Admission, Estimate, occupies, share_cores
     from labkit.launch.device_lease import DevicesBusy
     from labkit.launch.phase import RunProgress
     from labkit.runtime.devices import detect_devices
@@ -77,6 +79,8 @@ def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
     if concurrent is None:
         concurrent = detect_devices().is_cpu
     admission = Admission.here()
+    if concurrent and admission.is_cpu:  # runs that overlap train on their share of the cores, not all of them
+        configs = share_cores(configs, admission.cores)
     estimates = {label: admission.estimate(config) for label, config in configs.items()}
     for label, estimate in estimates.items():  # before anything launches
         admission.check_alone(estimate, f"run {label!r}")

@@ -144,20 +144,52 @@ def test_a_run_waits_for_memory_while_the_running_ones_may_still_grow():
 def test_a_run_waits_for_cores_only_beside_others_and_for_devices():
     capacity = Capacity(available_bytes=100 * GB, cores=2, devices=2)
     assert decide(est(1, ranks=4, threads=4), [], capacity).admit  # alone, a run is never held back for cores
-    # Two 1-rank runs (2 threads each: all the cores) share 2 cores; a 2-rank run beside a 1-rank one does not.
-    assert decide(est(1, ranks=1, threads=2), [(est(1, ranks=1, threads=2), 0)], capacity).admit
-    cores = decide(est(1, ranks=2, threads=2), [(est(1, ranks=1, threads=2), 0)], capacity)
+    # Two 1-rank runs of one thread each share 2 cores; of 2 threads each (all the cores) they would spin-wait on
+    # each other's cores (admission.THREADS_PER_CORE); a 2-rank run beside a 1-rank one does not fit either.
+    assert decide(est(1, ranks=1, threads=1), [(est(1, ranks=1, threads=1), 0)], capacity).admit
+    threads = decide(est(1, ranks=1, threads=2), [(est(1, ranks=1, threads=2), 0)], capacity)
+    assert (threads.admit, threads.waiting_for, threads.needed, threads.available) == (False, "threads", 4, 2)
+    assert "4 rank threads, at most 2" in threads.describe()
+    cores = decide(est(1, ranks=2, threads=2), [(est(1, ranks=1, threads=1), 0)], capacity)
     assert (cores.admit, cores.waiting_for, cores.needed, cores.available) == (False, "cores", 3, 2)
     assert cores.describe() == "waiting for cores: 3 rank processes, at most 2 at once"
-    threads = decide(est(1, ranks=1, threads=3), [(est(1, ranks=1, threads=2), 0)], capacity)
-    assert (threads.waiting_for, threads.needed, threads.available) == ("threads", 5, 4)
-    assert "5 rank threads, at most 4" in threads.describe()
     done = Estimate(ranks=2, rank_bytes=GB, launcher_bytes=0)  # its ranks all recorded done: no cores held
     assert decide(est(1, ranks=2, threads=2), [(done, 0)], capacity).admit
     assert decide(est(1, ranks=2), [(est(1, ranks=2), 0)], capacity, count_cores=False).admit
     gpu = Estimate(ranks=1, rank_bytes=GB, launcher_bytes=0, devices=1)  # GPU ranks take no cores here
     devices = decide(Estimate(ranks=2, rank_bytes=GB, launcher_bytes=0, devices=2), [(gpu, 0)], capacity)
     assert (devices.waiting_for, devices.needed, devices.available) == ("devices", 2, 1)
+
+
+@pytest.mark.parametrize(("cores", "ranks", "threads"), [
+    (2, [1, 1], [1, 1]),              # two 1-rank runs on 2 cores train together, one thread each
+    (2, [1, 1, 1, 1, 1, 1], [1] * 6),  # notebook 02's six: two at a time, one thread each
+    (8, [1, 1], [4, 4]),              # two runs on 8 cores: half the cores each
+    (2, [1, 2], [2, 1]),              # a 2-rank run takes both cores: one run at a time, the defaults
+    (2, [1], [None]),                 # alone: the default (cores / ranks) stays
+    (1, [1, 1], [1, 1]),
+])
+def test_runs_that_overlap_get_their_share_of_the_cores(cores, ranks, threads):
+    configs = {f"run {i}": RunConfig(example="deepspeed", world_size=w, max_world_size=max(ranks))
+               for i, w in enumerate(ranks)}
+    shared = admission.share_cores(configs, cores)
+    assert [c.threads_per_rank for c in shared.values()] == threads
+    assert all(c.threads_per_rank is None for c in configs.values())  # the caller's configs are not changed
+    # what the admission then lets train together never puts more threads than cores on them
+    at_once = min(len(ranks), cores // max(ranks))
+    busiest = sorted((c.threads_per_rank or cores // c.world_size) * c.world_size for c in shared.values())
+    assert sum(busiest[-at_once:]) <= cores or at_once == 1
+
+
+def test_a_set_thread_count_and_a_multi_node_run_are_kept(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    configs = {"set": RunConfig(example="deepspeed", threads_per_rank=2),
+               "nodes": RunConfig(example="deepspeed", world_size=2, hostfile=str(hostfile)),
+               "unset": RunConfig(example="deepspeed")}
+    shared = admission.share_cores(configs, 2)
+    assert shared["set"].threads_per_rank == 2 and shared["nodes"].threads_per_rank is None
+    assert shared["unset"].threads_per_rank == 1
 
 
 def test_the_queue_admits_in_order_and_nothing_overtakes_a_run_that_waits():
@@ -248,6 +280,24 @@ def test_a_run_that_cannot_fit_alone_is_refused_before_anything_launches(runs_ro
     with pytest.raises(NotEnoughMemory):
         Sweep([config], runs_root / "sweep", progress=False).run()
     assert not list(runs_root.glob("*/config.json")) and not list((runs_root / "sweep").glob("runs/*"))
+
+
+@pytest.mark.slow
+def test_two_one_rank_runs_train_together_on_a_thread_each(runs_root, capsys):
+    # Each would take every core alone (2 threads on 2 cores); together their 4 threads would spin-wait on each
+    # other's cores (admission.THREADS_PER_CORE): launch_all gives each its share, and they still overlap.
+    from labkit.launch.launch_spec import LaunchSpec
+    from labkit.study import lessons
+
+    if (os.cpu_count() or 1) != 2:
+        pytest.skip("the shares asserted are a 2-core machine's")
+    runs = lessons.launch_all({"a": RunConfig(**SMALL), "b": RunConfig(**SMALL)}, progress=False)
+    assert [run.status for run in runs.values()] == ["finished", "finished"]
+    assert "at most 2 at once" in capsys.readouterr().out
+    for run in runs.values():
+        assert run.config.threads_per_rank == 1
+        assert json.loads((run.run_dir / "config.json").read_text())["threads_per_rank"] == 1  # what ran, said
+        assert LaunchSpec.read(run.run_dir).env["OMP_NUM_THREADS"] == "1"
 
 
 @pytest.mark.slow
