@@ -1,17 +1,17 @@
 """Runs that overlap on CPU: notebook 02's six 1-rank runs through `lessons.launch_all`, three ways.
 
-    .venv/bin/python benchmarks/bench_overlap.py [--rounds 2] [--steps 6]
+    .venv/bin/python benchmarks/bench_overlap.py [--rounds 2] [--steps 20]
 
 - before: two at a time with 2 OpenMP threads each on 2 cores (the admission's rule until 2026-11-29: two rank
   threads per core, no share of the cores);
 - alone: one at a time (`concurrent=False`), 2 threads each: each run's unshared step time;
 - now: two at a time, each with its share of the cores (`admission.share_cores`: one thread each on 2 cores).
 Each round runs the three one after the other, the order rotating between rounds (pairs alternating). Goals, as
-ratios measured in one run (docs/laptop.md, "Why one thread per core"): `now`'s wall <= `alone`'s (overlapping
-runs still pays), and every run's median step `now` <= 2x `alone`'s (one thread instead of two, a neighbour on
-the other core), where `before`'s spinning threads made them 2-15x. It prints what the notebook prints too, the
-offload ratios (stage 1 and 2, whole step, offload / not), and how far each way's are from `alone`'s. Needs 2+
-cores and a quiet machine.
+ratios measured in one run (docs/laptop.md, "Why one thread per core"): `now`'s wall <= `alone`'s (overlapping runs
+still pays), and every run's median step `now` <= 2x `alone`'s (one thread instead of two, a neighbour on the other
+core), where `before`'s spinning threads made them up to 18x (docs/laptop.md). It prints what the notebook prints
+too, the offload ratios (stage 1 and 2, whole step, offload / not), and how far each way's are from `alone`'s. Needs
+2+ cores and a quiet machine.
 """
 
 from __future__ import annotations

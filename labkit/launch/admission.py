@@ -32,7 +32,7 @@ Cores (CPU ranks): at most one rank process per core (`RANKS_PER_CORE`) and one 
 (`THREADS_PER_CORE`; OpenMP threads per rank x ranks, `labkit.launch.launcher.threads_per_rank`) at once.
 A small run's time is mostly its processes starting (Python, torch, DeepSpeed: one busy thread each), so one
 rank process per core keeps every core busy without runs taking turns; once they train, OpenMP threads beyond
-the cores spin-wait on each other (measured below: 30x slower steps), so runs that overlap get their share of the
+the cores spin-wait on each other (measured below: 37x slower steps), so runs that overlap get their share of the
 cores (`share_cores`: two 1-rank runs on 2 cores, one thread each) and a run whose threads would go past the
 cores waits. Timed comparisons need stricter: `labkit.study.sweep.fair_parallel` (threads x ranks x launches <=
 cores: no neighbour even while it starts), which the sweep applies. Measured on the lab's 2-core machine
@@ -70,8 +70,8 @@ MIN_MARGIN_BYTES = 256 * MiB
 # thread per core once they train. Threads beyond the cores spin-wait on each other (libgomp, torch's OpenMP,
 # spins before it sleeps, while the thread it waits for is descheduled): measured 2026-11-29 on the lab's 2-core
 # machine, a 1-rank MLP of 2 threads took 3.2 ms a step alone and 120 ms beside another such run; notebook 02's
-# six 1-rank runs, two such at a time, 145-290 ms against 18-34 ms one at a time, its offload ratio 0.61x
-# instead of 1.09x (until then this allowed two threads per core).
+# six 1-rank runs, two such at a time, 50-290 ms against 18-34 ms one at a time, its stage-1 offload ratio (whole
+# step) 0.61x instead of 0.87x (docs/laptop.md; until then this allowed two threads per core).
 RANKS_PER_CORE = 1
 THREADS_PER_CORE = 1
 # Priors, until this machine has finished a run: measured 2026-11-24 on the lab's 2-core machine (torch
@@ -190,9 +190,11 @@ def estimate(config: RunConfig, *, rank_base_bytes: int, launcher_bytes: int, mo
 
 def share_cores(configs: Mapping[str, RunConfig], cores: int) -> dict[str, RunConfig]:
     """The configs of CPU runs that will overlap (`lessons.launch_all`), each run whose `threads_per_rank` is unset
-    given its share of the cores: as many runs as the cores hold at once (one rank process per core) split the
-    cores evenly, so that runs training together never put more threads than cores on them (THREADS_PER_CORE).
-    A run alone keeps the default (cores / ranks); a set `threads_per_rank` and a multi-node run are kept."""
+    given its share of the cores: the cores split evenly between as many runs as the widest run lets them hold at
+    once (one rank process per core), so that runs training together never put more threads than cores on them
+    (THREADS_PER_CORE). Where the widest run takes every core (notebook 03's 1- and 2-rank runs on 2 cores) the runs
+    keep the default (cores / ranks: the thread counts the notebook teaches) and run one at a time; so does a run
+    alone. A set `threads_per_rank` and a multi-node run (its ranks are the cluster's) are kept."""
     here = [c for c in configs.values() if not c.hostfile]  # a multi-node run's ranks are the cluster's
     if len(here) < 2:
         return dict(configs)
@@ -520,12 +522,14 @@ class Admission:
         """This machine, as `Run.start()` will use it: CPU ranks share the cores; GPU runs and, in CI,
         emulated slots (LABKIT_EMULATED_DEVICES) lease devices."""
         from labkit.launch import device_lease
+        from labkit.launch.launcher import usable_cores
         from labkit.runtime.devices import detect_devices
 
         found = detect_devices()
         emulated = device_lease.emulated_ids(dict(os.environ)) if found.is_cpu else []
         devices = len(emulated) if found.is_cpu else found.device_count
-        return cls(LearnedMemory.for_machine(root), is_cpu=found.is_cpu, cores=os.cpu_count() or 1,
+        # the cores the ranks may run on (a container's or a job's share), as their default thread count counts them
+        return cls(LearnedMemory.for_machine(root), is_cpu=found.is_cpu, cores=usable_cores(),
                    devices=devices if devices else None)
 
     def estimate(self, config: RunConfig) -> Estimate:

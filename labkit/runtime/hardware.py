@@ -626,7 +626,7 @@ class Cluster:
         if self.nodes > 1:
             net = f", {self.nodes} nodes over {self.inter_gbps:g} Gb/s each ({self.node_cpu()} hosts)"
         else:
-            net = f"; one node: its {self.inter_gbps:g} Gb/s network unused" if self.inter_gbps > 0 else ""
+            net = f", one node: its {self.inter_gbps:g} Gb/s network unused" if self.inter_gbps > 0 else ""
         if self.gpus_per_node == 1:
             link = "one GPU: no link inside the node" if self.intra == "auto" else f"{self.intra} unused: one GPU"
         else:

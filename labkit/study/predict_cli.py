@@ -13,6 +13,7 @@ from labkit.runtime.hardware import Cluster
 from labkit.runtime.hardware import gpu as find_gpu
 
 if TYPE_CHECKING:
+    from labkit.core.config import RunConfig
     from labkit.study.predict import Workload
     from labkit.study.shapes import Transformer
 
@@ -109,13 +110,9 @@ def _shape(args: Any) -> Transformer | None:
         raise _bad("transformer", str(exc)) from None
 
 
-def _workload(args: Any, shape: Transformer | None) -> Workload:
-    from labkit.study.predict import TransformerWorkload, lab_workload
-
-    if shape is not None:
-        return TransformerWorkload(shape)
+def _lab_model(args: Any) -> RunConfig:
+    """--model's RunConfig (the lab's MLP or GPT, or yours), its fields checked without torch."""
     from labkit.core.config import RunConfig
-    from labkit.models import builders
 
     if args.model == "gpt" and (args.data is not None or args.loss is not None):
         raise _bad("predict", "--data and --loss not read here: --model gpt is counted as its transformer shape "
@@ -124,9 +121,18 @@ def _workload(args: Any, shape: Transformer | None) -> Workload:
     for name in FLAGS_FOR_LAB_MODELS:
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
-    config = RunConfig.from_dict(values)
-    builders.check_importable(config)
-    return lab_workload(config)
+    return RunConfig.from_dict(values)
+
+
+def _workload(model: Transformer | RunConfig) -> Workload:
+    from labkit.models import builders
+    from labkit.study.predict import TransformerWorkload, lab_workload
+    from labkit.study.shapes import Transformer
+
+    if isinstance(model, Transformer):
+        return TransformerWorkload(model)
+    builders.check_importable(model)  # a model of yours: imported in a child process first
+    return lab_workload(model)
 
 
 def _accumulation(args: Any, micro: int, world_size: int) -> int:
@@ -190,8 +196,9 @@ def _prediction(args: Any) -> dict[str, Any]:
     if args.from_run is not None:
         out = _cli_from_run(args)
     else:
-        cluster, strategy, b_crit = _cluster(args), _strategy(args), _b_crit(args)
-        zero = _zero(args, strategy)
+        # What reads without torch first (the flags, the shape, a lab model's fields), then what needs it: the
+        # critical batch from a results folder, and --zero, which DeepSpeed's own config model checks.
+        cluster, strategy = _cluster(args), _strategy(args)
         precision = args.precision or "fp16"
         try:
             cluster.gpu.peak(precision)
@@ -202,11 +209,13 @@ def _prediction(args: Any) -> dict[str, Any]:
         if args.model is not None and args.activation_checkpointing:
             raise _bad("activation_checkpointing", "--activation-checkpointing is modelled for --transformer shapes "
                                                    "(the lab's models do not checkpoint)")
-        shape = _shape(args)
+        model = _shape(args) or _lab_model(args)
+        b_crit = _b_crit(args)
+        zero = _zero(args, strategy)
         from labkit.study.predict import predict, predicted_card, steps_to_target  # torch, DeepSpeed: after the flags
 
         try:
-            workload = _workload(args, shape)  # its own ConfigErrors name their flag
+            workload = _workload(model)  # its own ConfigErrors name their flag
             try:
                 pred = predict(workload, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
                                precision=precision, activation_checkpointing=args.activation_checkpointing,

@@ -716,6 +716,9 @@ def test_bad_input_exits_2_naming_the_problem(capsys, argv, says):
     ["--micro-batch", "3", "--global-batch", "10"],
     ["--transformer", "layers=48,hiden=1600,heads=16,seq=1024"],  # a typo in the shape
     ["--transformer", "layers=48,hidden=1600,heads=15,seq=1024"],
+    ["--transformer", "layers=2,hiden=64", "--results", "data/reference-ci"],  # before the results are read
+    ["--transformer", "layers=2,hiden=64", "--stage", "3", "--zero", "no_such_setting=1"],  # before DeepSpeed's check
+    ["--model", "mlp", "--hidden", "0"],
 ])
 @pytest.mark.slow  # a fresh Python process per case
 def test_bad_flags_are_refused_before_torch_loads(argv):
@@ -724,7 +727,8 @@ def test_bad_flags_are_refused_before_torch_loads(argv):
     import subprocess
     import sys
 
-    argv = argv if argv[0] == "--transformer" else ["--transformer", "layers=2,hidden=64,heads=4,seq=32", *argv]
+    if "--transformer" not in argv and "--model" not in argv:
+        argv = ["--transformer", "layers=2,hidden=64,heads=4,seq=32", *argv]
     code = ("import sys; from labkit.cli import main; rc = main(['predict', *sys.argv[1:]]); "
             "print('torch' in sys.modules, 'deepspeed' in sys.modules); sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
@@ -739,7 +743,7 @@ def test_bad_flags_are_refused_before_torch_loads(argv):
     (dict(gpu="T4"), "1 x T4 per node (one GPU: no link inside the node)"),
     (dict(gpu="A100-40GB-PCIE", intra="pcie4"), "1 x A100-40GB-PCIE per node (pcie4 unused: one GPU)"),
     (dict(gpu="A100-80GB", gpus_per_node=8, inter_gbps=1600),
-     "8 x A100-80GB per node (nvswitch, auto); one node: its 1600 Gb/s network unused"),
+     "8 x A100-80GB per node (nvswitch, auto), one node: its 1600 Gb/s network unused"),
     (dict(gpu="A100-80GB", gpus_per_node=8, nodes=2, inter_gbps=1600),
      "8 x A100-80GB per node (nvswitch, auto), 2 nodes over 1600 Gb/s each (amd hosts)"),
 ])
