@@ -48,7 +48,7 @@ from labkit.runtime.hardware import (  # noqa: F401 -- the assumed values
     grid_blas,
     on_tensor_cores,
 )
-from labkit.study.shapes import ARCHS, ATTENTIONS, Transformer, build  # noqa: F401 -- flops.Transformer
+from labkit.study.shapes import Transformer, build  # Transformer: also flops.Transformer, as callers name it
 
 _GEMMS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"}
 
