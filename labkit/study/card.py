@@ -304,7 +304,9 @@ def card_html(card: dict[str, Any], title: str | None = None) -> str:
             f"<b>faster</b> below, <b>slower</b> above. Time to the same loss = steps to the target x the median "
             f"step time.</p>"
             f"<p style='font-size:12px;margin:4px 0'><b>DeepSpeed's part:</b> {html.escape(card['deepspeed'])}</p>"
-            f"<p style='font-size:11px;color:#555;margin:4px 0'>Measured on: {html.escape(measured)}</p></div>")
+            + "".join(f"<p style='font-size:12px;margin:4px 0;color:#b42318'><b>Caveat:</b> {html.escape(text)}</p>"
+                      for text in card.get("caveats", []))
+            + f"<p style='font-size:11px;color:#555;margin:4px 0'>Measured on: {html.escape(measured)}</p></div>")
 
 
 def card_markdown(card: dict[str, Any]) -> str:

@@ -172,11 +172,28 @@ def module_params(model: Any) -> Iterator[tuple[str, list[int]]]:
 def zero_config(stage: int, zero_settings: Mapping[str, Any]) -> Any:
     """DeepSpeed's own model of the zero_optimization section: its defaults, aliases and checks."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
 
     settings = {k: v for k, v in zero_settings.items() if k != "stage"}
     try:
         return DeepSpeedZeroConfig(stage=stage, **settings)
-    except Exception as exc:  # pydantic's ValidationError names the setting
+    except ValidationError as exc:  # each problem with its setting; an unknown key with the keys there are
+        problems, unknown = [], False
+        for error in exc.errors():
+            key = ".".join(map(str, error["loc"]))
+            if error["type"] == "extra_forbidden":
+                problems.append(f"{key}: not a zero_optimization key")
+                unknown = True
+            elif key in ("offload_param", "offload_optimizer"):
+                problems.append(f"{key}: a section, not a value here; the strategy says whether the optimizer is "
+                                "offloaded (--offload-optimizer, points.csv's offload_optimizer), and ZeRO-3's "
+                                "parameter offload (offload_param) is not modelled")
+            else:
+                problems.append(f"{key}: {error['msg']}")
+        keys = sorted({f.alias or name for name, f in DeepSpeedZeroConfig.model_fields.items()} - {"stage"})
+        raise ValueError("zero settings refused by DeepSpeed: " + "; ".join(problems)
+                         + (f" (its keys: {', '.join(keys)})" if unknown else "")) from None
+    except Exception as exc:  # DeepSpeed's own checks beside pydantic's
         raise ValueError(f"zero settings refused by DeepSpeed: {exc}") from None
 
 
@@ -223,6 +240,17 @@ def check_zero_settings(stage: int, settings: Mapping[str, Any], offload_optimiz
                              "offload_optimizer)")
     _refuse_unmodelled(stage, cfg, offload_optimizer)
     return cfg
+
+
+def stage3_only(settings: Mapping[str, Any]) -> list[str]:
+    """The keys of `settings` that are ZeRO-3's alone (`stage3_*`, or the field name DeepSpeed reads one into): at
+    stages 0-2 they change nothing. A ds_config may carry them at any stage (DeepSpeed-Chat's does); `labkit
+    predict --zero` refuses them there, not to ignore what it was told."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    names = {key for name, f in DeepSpeedZeroConfig.model_fields.items()
+             for key in (name, f.alias or name) if (f.alias or name).startswith("stage3_")}
+    return [key for key in settings if key in names]
 
 
 def _refuse_unmodelled(stage: int, cfg: Any, offload_optimizer: bool) -> None:
@@ -548,6 +576,23 @@ def _regathered(modules: Sequence[Sequence[int]], partitioned: Sequence[Sequence
     if tied_head:
         again[0] = _head_gathers(modules, partitioned, cfg)[0]
     return again
+
+
+def gathered_at_turn(modules: Sequence[Sequence[int]], tied_head: bool = False, **zero_settings: Any) -> int:
+    """Elements of ZeRO-3's gathered (whole, not persistent) parameters resident on a rank at the turn from the
+    forward to the backward, the most a micro-step holds: every module kept since its forward (`_regathered`: its
+    backward is within stage3_max_reuse_distance) and what the backward's first prefetch gathers beside them, up to
+    stage3_prefetch_bucket_size within stage3_max_live_parameters (partitioned_param_coordinator.py:453), at least the
+    first module it must gather (one rank: none, its partition is the whole parameter)."""
+    cfg = zero_config(3, zero_settings)
+    partitioned = _partitioned(modules, cfg)
+    again = _regathered(modules, partitioned, cfg, tied_head)
+    kept = sum(sum(part) for part, regather in zip(partitioned, again, strict=True) if not regather)
+    regathered = [sum(part) for part, regather in zip(partitioned, again, strict=True) if regather and part]
+    if not regathered:
+        return kept
+    window = min(int(cfg.prefetch_bucket_size), max(0, int(cfg.max_live_parameters) - kept))
+    return kept + min(sum(regathered), max(window, regathered[-1]))  # the backward starts from the last module
 
 
 def gathering_fetches(modules: Sequence[Sequence[int]], tied_head: bool = False,

@@ -70,6 +70,9 @@ def _cluster(args: Any) -> Cluster:
 
 
 def _strategy(args: Any) -> str:
+    if args.host_memory_gb_per_s is not None and not args.offload_optimizer:
+        raise _bad("host_memory_gb_per_s", "--host-memory-gb-per-s is the host's, for ZeRO-Offload's optimizer: "
+                                           "give --offload-optimizer with it")
     if args.plain_pytorch:
         if args.stage is not None or args.offload_optimizer:
             raise _bad("plain_pytorch", "--plain-pytorch takes no --stage or --offload-optimizer")
@@ -95,6 +98,10 @@ def _zero(args: Any, strategy: str) -> dict[str, Any]:
         comms.check_zero_settings(int(stage or 0), settings, offload)
     except ValueError as exc:
         raise _bad("zero", str(exc)) from None
+    only3 = comms.stage3_only(settings) if stage != 3 else []
+    if only3:
+        raise _bad("zero", f"{', '.join(only3)}: ZeRO-3's only, {'it changes' if len(only3) == 1 else 'they change'} "
+                           f"nothing at stage {stage}")
     return settings
 
 
@@ -278,22 +285,30 @@ def format_table(out: dict[str, Any]) -> str:
     for key in ("strategy", "stage", "world_size", "micro_batch", "grad_accum", "global_batch", "step_time_s",
                 "samples_per_s",
                 "model_tflops_per_gpu", "hardware_tflops_per_gpu", "compute_s", "comm_s", "exposed_comm_s",
-                "offload_s", "device_bytes", "fits", "max_micro_batch", "measured_step_time_s",
-                "steps_to_target_over_s_min"):
-        if key in out:
+                "offload_s", "offload_transfer_s", "offload_host_s", "device_bytes", "fits", "max_micro_batch",
+                "measured_step_time_s", "steps_to_target_over_s_min"):
+        if key in out and not (key.startswith("offload_") and not out.get("offload_s")):
             value = out[key]
             text = f"{value:.4g}" if isinstance(value, float) else str(value)
             label = "measured " if key.startswith("measured_") else "predicted"  # the run it was calibrated on
             lines.append(f"  {label} {key:28s} {text}")
     if out.get("zero"):
         lines.append("  with zero_optimization " + ", ".join(f"{k}={v}" for k, v in out["zero"].items()))
+    if out.get("strategy") == "torch":
+        lines.append("  plain PyTorch: torch DDP under autocast (fp32 parameters, gradients and buckets)"
+                     if out.get("world_size", 1) > 1 else "  plain PyTorch: torch under autocast, one GPU")
     card = out.get("card")
     if card:
-        lines.append("  predicted answer card (time at the larger batch / at the smaller):")
+        lines.append("  predicted answer card (time at the larger global batch / at the smaller):")
         for way, kinds in card["ways"].items():
             cells = [f"{kind} {e['verdict'] or '-'}" + (f" ({e['ratio']:.2f}x)" if e["ratio"] else "")
                      for kind, e in kinds.items()]
             if not any(e["verdict"] for e in kinds.values()):  # no verdict: say why (the same for the three)
                 cells = [next(iter(kinds.values()))["condition"].removeprefix("predicted: ")]
-            lines.append(f"    predicted {way:12s} " + ", ".join(cells))
+            first = next(iter(kinds.values()))
+            batches = f"batch {first['from_batch']} -> {first['to_batch']}: " if first["from_batch"] else ""
+            lines.append(f"    predicted {way:12s} " + batches + ", ".join(cells))
+        lines.append(f"    {card['deepspeed']}")
+    for text in out.get("caveats", []):
+        lines.append(f"  caveat: {text}")
     return "\n".join(lines)

@@ -410,6 +410,55 @@ def test_plain_pytorch_is_ddp_all_reducing_fp32_gradients_in_its_buckets():
     assert bf16.comm_s == pytest.approx(fp32.comm_s)  # the same fp32 gradients on the wire
 
 
+def test_a_micro_step_holds_ddps_buckets_and_zero3s_gathered_parameters_beyond_the_states():
+    from labkit.core import memory
+    from labkit.study import comms
+
+    work, a100 = P.TransformerWorkload(GPT2_XL), hw.gpu("A100-80GB")
+    n = work.n_params
+
+    def states(strategy, gpus, **kw):
+        p = P.predict(work, hw.Cluster(gpu=a100, gpus_per_node=gpus), strategy=strategy, micro_batch=2,
+                      precision="bf16", **kw)
+        return p.device_bytes - p.activation_bytes
+
+    # torch DDP keeps its fp32 buckets beside the fp32 gradients (gradient_as_bucket_view=False); one GPU has no DDP
+    assert states("torch", 8) - states("torch", 1) == pytest.approx(P.DDP_BUCKET_BYTES_PER_PARAM * n)
+    # ZeRO-3: a module whose backward is within the reuse distance (1e9 elements, counted over the rest of the
+    # forward and the backward back to it: 2 x the parameters after it) stays gathered between forward and backward:
+    # GPT-2 XL's last ~5e8 parameters, plus the backward's first prefetch (5e7 elements), in bf16
+    layout = work.module_layout()
+    turn = comms.gathered_at_turn(layout, work.tied_head)
+    largest = max(sum(m) for m in layout)
+    assert 500_000_000 - largest <= turn <= 500_000_000 + 50_000_000 + largest
+    at_boundary = memory.model_state_bytes(n, 3, 8, "bf16", persistent_params=work.persistent_params)["device_bytes"]
+    assert states("z3", 8) == pytest.approx(at_boundary + memory.reduce_bucket_bytes(3, "bf16") + 2 * turn)
+    # released after every forward (reuse distance 0): the backward's first prefetch at most, one prefetch bucket
+    # (5e7 elements) or the one module it must gather
+    released = comms.gathered_at_turn(layout, work.tied_head, stage3_max_reuse_distance=0)
+    assert released <= max(50_000_000, max(sum(m) for m in layout))
+    assert comms.gathered_at_turn(layout, work.tied_head, stage3_max_reuse_distance=0,
+                                  stage3_prefetch_bucket_size=0) == 6400 * 1600  # the last MLP's weight alone
+    # one rank: its partition is the whole parameter, nothing gathered beside it
+    assert states("z3", 1) == pytest.approx(memory.model_state_bytes(n, 3, 1, "bf16")["device_bytes"]
+                                            + memory.reduce_bucket_bytes(3, "bf16"))
+
+
+def test_zero3_across_gpus_says_the_published_points_ran_slower():
+    assert _predict("z3").caveats == [P.ZERO3_CAVEAT] and "lower bound" in P.ZERO3_CAVEAT
+    assert _predict("z2").caveats == [] and P.predict(
+        P.TransformerWorkload(GPT2_XL), hw.Cluster(gpu=hw.gpu("A100-80GB")), strategy="z3", micro_batch=2,
+        precision="bf16").caveats == []  # one GPU: nothing to gather from another
+    assert _predict("z3").to_dict()["caveats"] == [P.ZERO3_CAVEAT]
+
+
+def test_offload_is_split_into_the_links_transfers_and_the_hosts_work():
+    p = _predict("z2-offload", nodes=2)
+    assert p.offload_transfer_s > 0 and p.offload_host_s > 0
+    assert p.offload_s == pytest.approx(p.offload_transfer_s + p.offload_host_s)
+    assert _predict("z2").offload_transfer_s == _predict("z2").offload_host_s == 0
+
+
 def test_a_collective_sent_once_per_step_hides_behind_one_micro_step_only():
     from labkit.study import comms
 
@@ -465,7 +514,7 @@ def test_a_card_gives_no_verdict_where_a_side_does_not_fit_and_its_default_range
     explicit = P.predicted_card(xl, node, strategy="z3", micro_batch=2, precision="bf16", micro_batch_range=(1, 64))
     assert explicit["ways"]["micro_batch"]["per_step"]["verdict"] is None  # as asked, and said not to fit
     # where only micro-batch 1 fits, the micro-batch cannot grow: no verdict comparing 1 with 1
-    small = hw.Cluster(gpu=hw.gpu("V100-16GB"), gpus_per_node=8)
+    small = hw.Cluster(gpu=hw.gpu("A10G"), gpus_per_node=8)
     assert P.predict(xl, small, strategy="z3", micro_batch=1, precision="fp16").max_micro_batch == 1
     one = P.predicted_card(xl, small, strategy="z3", micro_batch=1, precision="fp16")["ways"]["micro_batch"]
     assert one["per_step"]["verdict"] is None and "largest that fits" in one["per_step"]["condition"]
@@ -703,6 +752,12 @@ def test_the_issues_command_prints_every_key(capsys):
     (["--stage", "3", "--zero", "no_such_setting=1"], "no_such_setting"),
     (["--stage", "3", "--zero", "reduce_bucket_size"], "key=value"),
     (["--plain-pytorch", "--zero", "overlap_comm=true"], "plain PyTorch has none"),
+    (["--stage", "3", "--zero", "no_such_setting=1"], "its keys: allgather_bucket_size"),
+    (["--stage", "3", "--zero", "offload_param=cpu"], "parameter offload (offload_param) is not modelled"),
+    (["--stage", "1", "--zero", "stage3_prefetch_bucket_size=1e7"], "changes nothing at stage 1"),
+    (["--stage", "2", "--zero", "max_reuse_distance=0"], "changes nothing at stage 2"),  # the field's own name
+    (["--stage", "2", "--host-memory-gb-per-s", "50"], "give --offload-optimizer"),
+    (["--plain-pytorch", "--host-memory-gb-per-s", "50"], "give --offload-optimizer"),
 ])
 def test_bad_input_exits_2_naming_the_problem(capsys, argv, says):
     assert main(["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", *argv]) == 2
@@ -820,7 +875,7 @@ def test_a_card_row_without_a_verdict_says_why_in_the_table(capsys):
     assert main(["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", "--card"]) == 0
     rows = [line.split(None, 2) for line in capsys.readouterr().out.splitlines() if line.startswith("    predicted")]
     assert rows[0][1:] == ["ranks", "1 device: ranks cannot grow"]  # not "per_step -, per_epoch -, to_target -"
-    assert rows[1][2].startswith("per_step ")
+    assert rows[1][2].startswith("batch 1 -> 4: per_step ")  # the global batches it compares
 
 
 def test_the_report_section_labels_every_number_predicted():
