@@ -24,6 +24,7 @@ argument named `tensor`), so `measured_collectives` multiplies those by the worl
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -579,20 +580,61 @@ def _regathered(modules: Sequence[Sequence[int]], partitioned: Sequence[Sequence
 
 
 def gathered_at_turn(modules: Sequence[Sequence[int]], tied_head: bool = False, **zero_settings: Any) -> int:
-    """Elements of ZeRO-3's gathered (whole, not persistent) parameters resident on a rank at the turn from the
-    forward to the backward, the most a micro-step holds: every module kept since its forward (`_regathered`: its
-    backward is within stage3_max_reuse_distance) and what the backward's first prefetch gathers beside them, up to
-    stage3_prefetch_bucket_size within stage3_max_live_parameters (partitioned_param_coordinator.py:453), at least the
-    first module it must gather (one rank: none, its partition is the whole parameter)."""
+    """Elements of ZeRO-3's gathered (whole, not persistent) parameters resident on one of several ranks at the turn
+    from the forward to the backward, where the activations peak: DeepSpeed 0.19.8's coordinator replayed over the
+    module trace (the forward in `module_layout`'s order, a tied head after it, the backward in reverse) with a
+    complete trace, as from the second step on (partitioned_param_coordinator.py):
+    - a fetch gathers its module's parameters that are not resident (:381), pops their trace entries (:417-435), then
+      prefetches the next entries' parameters until it has queued min(stage3_max_live_parameters - resident,
+      stage3_prefetch_bucket_size) elements (:453-480): every fetch adds up to one more bucket, so the look-ahead
+      grows to the live-parameter limit;
+    - a module's release (:640-665) keeps the parameters whose trace entry a prefetch already popped for a later use
+      (:650) and those used again within stage3_max_reuse_distance elements of the trace (:657-663).
+    Parameter-free modules' hooks, which prefetch too, are left out. The communication model's gathers
+    (`_stage3_gathers`) are the closed-form rule, not this replay (docs/predict.md, "Memory"). Without gathered
+    parameters (one module, all persistent): 0."""
     cfg = zero_config(3, zero_settings)
     partitioned = _partitioned(modules, cfg)
-    again = _regathered(modules, partitioned, cfg, tied_head)
-    kept = sum(sum(part) for part, regather in zip(partitioned, again, strict=True) if not regather)
-    regathered = [sum(part) for part, regather in zip(partitioned, again, strict=True) if regather and part]
-    if not regathered:
-        return kept
-    window = min(int(cfg.prefetch_bucket_size), max(0, int(cfg.max_live_parameters) - kept))
-    return kept + min(sum(regathered), max(window, regathered[-1]))  # the backward starts from the last module
+    params = [n for part in partitioned for n in part]  # one id per gathered parameter
+    ids, start = [], 0
+    for part in partitioned:
+        ids.append(list(range(start, start + len(part))))
+        start += len(part)
+    forward = list(range(len(ids))) + ([0] if tied_head else [])
+    trace = [(m, True) for m in forward] + [(m, False) for m in reversed(forward)]
+    steps = [m for m, _ in trace]
+    # every module's every parameter, in trace order: (parameter, the step it is used at)
+    queue = collections.deque((p, s) for s, m in enumerate(steps) for p in ids[m])
+    resident: set[int] = set()
+    popped: dict[int, int] = collections.defaultdict(lambda: -1)  # parameter -> the latest step an entry was popped at
+    limit, bucket = int(cfg.max_live_parameters), int(cfg.prefetch_bucket_size)
+    reuse = int(cfg.max_reuse_distance)
+    for step, (m, forward_pass) in enumerate(trace):
+        resident.update(ids[m])
+        for _ in [p for p in ids[m] if popped[p] < step]:  # its own entries, unless a prefetch took them already
+            p, s = queue.popleft()
+            popped[p] = s
+        queued, numel = set(), 0
+        room = min(limit - sum(params[p] for p in resident), bucket)
+        while queue and numel < room:
+            p, s = queue.popleft()
+            popped[p] = max(popped[p], s)
+            if p not in resident and p not in queued:
+                queued.add(p)
+                numel += params[p]
+        resident |= queued
+        if not forward_pass:  # the backward's first fetch and prefetch: the turn
+            break
+        release = {p for p in ids[m] if popped[p] <= step + 1}
+        traversed = 0
+        for later in steps[step + 1:]:
+            if traversed >= reuse:
+                break
+            for p in ids[later]:
+                release.discard(p)
+                traversed += params[p]
+        resident -= release
+    return sum(params[p] for p in resident)
 
 
 def gathering_fetches(modules: Sequence[Sequence[int]], tied_head: bool = False,

@@ -541,8 +541,8 @@ class Prediction:
 # H100 BF16 example) ran slower than this model predicts it, on one node and on many (tests/study/
 # test_predict_published.py holds the claim): so a predicted ZeRO-3 step across GPUs says so where it is printed.
 ZERO3_CAVEAT = ("predicted ZeRO-3 across GPUs: every published ZeRO-3 point this model is checked against ran slower "
-                "than predicted, on one node and on many; read this step as a lower bound (docs/predict.md, "
-                "\"The worst points\")")
+                "than predicted (4 H100s in one node, 16 V100s, 384 V100s and up to 2,240 A100s; none offloaded); "
+                "read this step as a lower bound (docs/predict.md, \"At a glance\")")
 
 
 def caveats(stage: int | None, world_size: int) -> list[str]:
@@ -872,7 +872,7 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
         ways[way] = {kind: _way_entry(before, after, kind, b_crit, conditions[kind])
                      for kind in ("per_step", "per_epoch", "to_target")}
     return {"ways": ways, "deepspeed": _deepspeed_line(workload, cluster, micro_batch, precision,
-                                                       activation_checkpointing),
+                                                       activation_checkpointing, strategy, zero, host_memory_gb_per_s),
             "caveats": run(cluster, micro_batch).caveats,
             "predicted": True, "flat_band": FLAT_BAND,
             "predicted_for": {"hardware": cluster.describe(), "gpu": cluster.gpu.name, "world_size": cluster.world_size,
@@ -881,22 +881,31 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
                               "b_crit": b_crit}}
 
 
-def _deepspeed_line(workload: Workload, cluster: Cluster, micro_batch: int, precision: str, ckpt: bool) -> str:
-    """Each ZeRO stage's step against stage 0's at `micro_batch` (in seconds where stage 0 does not fit there)."""
-    base = predict(workload, cluster, strategy="z0", micro_batch=micro_batch, precision=precision,
-                   activation_checkpointing=ckpt)
+def _deepspeed_line(workload: Workload, cluster: Cluster, micro_batch: int, precision: str, ckpt: bool,
+                    strategy: str, zero: Mapping[str, Any] | None = None,
+                    host_memory_gb_per_s: float | None = None) -> str:
+    """Each ZeRO stage's step against stage 0's at `micro_batch` (in seconds where stage 0 does not fit there).
+    The `zero` settings apply to the card's own `strategy` (they were checked at its stage), the others run at
+    DeepSpeed's defaults; `host_memory_gb_per_s` to the offloaded one."""
+    def one(s: str) -> Prediction:
+        return predict(workload, cluster, strategy=s, micro_batch=micro_batch, precision=precision,
+                       activation_checkpointing=ckpt, zero=zero if s == strategy else None,
+                       host_memory_gb_per_s=host_memory_gb_per_s if STRATEGIES[s][1] else None)
+
+    base = one("z0")
     parts = []
-    for strategy in ("z1", "z2", "z3", "z2-offload"):
-        p = predict(workload, cluster, strategy=strategy, micro_batch=micro_batch, precision=precision,
-                    activation_checkpointing=ckpt)
+    for name in ("z1", "z2", "z3", "z2-offload"):
+        p = one(name)
         step = f"{p.step_time_s / base.step_time_s:.2f}x the step" if base.fits else f"{p.step_time_s:.3g} s per step"
-        parts.append(f"{strategy} {step}{' (a lower bound)' if p.caveats else ''}"
+        parts.append(f"{name} {step}{' (its step a lower bound)' if p.caveats else ''}"
                      f"{'' if p.fits else ' (does not fit)'}, largest micro-batch {p.max_micro_batch}")
     if base.fits:
         head = f"predicted against ZeRO stage 0 at micro-batch {micro_batch} (its largest: {base.max_micro_batch})"
     else:
         head = (f"predicted at micro-batch {micro_batch}, where ZeRO stage 0 does not fit (its largest: "
                 f"{base.max_micro_batch})")
+    if zero:
+        head += f" (the zero settings given apply to {strategy} only)"
     return head + ": " + "; ".join(parts)
 
 

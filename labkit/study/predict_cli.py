@@ -71,8 +71,8 @@ def _cluster(args: Any) -> Cluster:
 
 def _strategy(args: Any) -> str:
     if args.host_memory_gb_per_s is not None and not args.offload_optimizer:
-        raise _bad("host_memory_gb_per_s", "--host-memory-gb-per-s is the host's, for ZeRO-Offload's optimizer: "
-                                           "give --offload-optimizer with it")
+        raise _bad("host_memory_gb_per_s", "--host-memory-gb-per-s is the host's, for ZeRO-Offload's optimizer: it "
+                                           "needs --stage 1-3 --offload-optimizer")
     if args.plain_pytorch:
         if args.stage is not None or args.offload_optimizer:
             raise _bad("plain_pytorch", "--plain-pytorch takes no --stage or --offload-optimizer")
@@ -237,7 +237,7 @@ def _prediction(args: Any) -> dict[str, Any]:
                                 "PYTHONPATH) and its --data and --loss (default: cross-entropy on integer "
                                 "labels)") from None
         out = pred.to_dict()
-        out["model"], out["n_params"] = workload.name, workload.n_params
+        out["model"], out["n_params"], out["precision"] = workload.name, workload.n_params, precision
         if b_crit is not None:
             out["b_crit"] = b_crit
             out["steps_to_target_over_s_min"] = steps_to_target(pred.global_batch, b_crit)
@@ -294,9 +294,10 @@ def format_table(out: dict[str, Any]) -> str:
             lines.append(f"  {label} {key:28s} {text}")
     if out.get("zero"):
         lines.append("  with zero_optimization " + ", ".join(f"{k}={v}" for k, v in out["zero"].items()))
-    if out.get("strategy") == "torch":
-        lines.append("  plain PyTorch: torch DDP under autocast (fp32 parameters, gradients and buckets)"
-                     if out.get("world_size", 1) > 1 else "  plain PyTorch: torch under autocast, one GPU")
+    if out.get("strategy") == "torch":  # what plain PyTorch is predicted as
+        how = "in fp32" if out.get("precision") == "fp32" else "under autocast (fp32 parameters and gradients)"
+        lines.append(f"  plain PyTorch: torch DDP {how}, its gradient buckets beside the gradients"
+                     if out.get("world_size", 1) > 1 else f"  plain PyTorch: torch {how}, one GPU")
     card = out.get("card")
     if card:
         lines.append("  predicted answer card (time at the larger global batch / at the smaller):")

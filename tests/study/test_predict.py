@@ -424,21 +424,28 @@ def test_a_micro_step_holds_ddps_buckets_and_zero3s_gathered_parameters_beyond_t
 
     # torch DDP keeps its fp32 buckets beside the fp32 gradients (gradient_as_bucket_view=False); one GPU has no DDP
     assert states("torch", 8) - states("torch", 1) == pytest.approx(P.DDP_BUCKET_BYTES_PER_PARAM * n)
-    # ZeRO-3: a module whose backward is within the reuse distance (1e9 elements, counted over the rest of the
-    # forward and the backward back to it: 2 x the parameters after it) stays gathered between forward and backward:
-    # GPT-2 XL's last ~5e8 parameters, plus the backward's first prefetch (5e7 elements), in bf16
+    # ZeRO-3: DeepSpeed's coordinator replayed (comms.gathered_at_turn). Worked by hand on four modules of one
+    # 100-element parameter each (none persistent), a prefetch bucket of 150, at most 250 live, reuse distance 0:
+    # F0 gathers p0 and prefetches p1, p2 (room 150), releases p0; F1 prefetches p3 (room 50), releases p1; F2's
+    # prefetch (room 50) pops p3's and p2's backward entries (resident: skipped) and gathers p1 for its backward,
+    # and keeps p2 (its backward entry was popped); F3 has no room and releases p3 (used next at step 4, not after
+    # it); B3 gathers p3 again: p1, p2 and p3 resident at the turn
+    four = [[100]] * 4
+    hand = dict(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=150,
+                stage3_max_live_parameters=250, stage3_max_reuse_distance=0)
+    assert comms.gathered_at_turn(four, **hand) == 300
+    assert comms.gathered_at_turn(four, **{**hand, "stage3_prefetch_bucket_size": 0}) == 100  # B3's own p3 only
+    assert comms.gathered_at_turn(four, **{**hand, "stage3_max_live_parameters": 10**6}) == 400  # room to gather all
+    # GPT-2 XL at the defaults: every fetch prefetches up to another 5e7 elements, so the look-ahead grows to the
+    # 1e9 live-parameter limit (overshooting by less than one parameter), and that is resident at the turn, in bf16
     layout = work.module_layout()
     turn = comms.gathered_at_turn(layout, work.tied_head)
-    largest = max(sum(m) for m in layout)
-    assert 500_000_000 - largest <= turn <= 500_000_000 + 50_000_000 + largest
+    assert 1_000_000_000 <= turn < 1_000_000_000 + max(max(m) for m in layout)
     at_boundary = memory.model_state_bytes(n, 3, 8, "bf16", persistent_params=work.persistent_params)["device_bytes"]
     assert states("z3", 8) == pytest.approx(at_boundary + memory.reduce_bucket_bytes(3, "bf16") + 2 * turn)
-    # released after every forward (reuse distance 0): the backward's first prefetch at most, one prefetch bucket
-    # (5e7 elements) or the one module it must gather
-    released = comms.gathered_at_turn(layout, work.tied_head, stage3_max_reuse_distance=0)
-    assert released <= max(50_000_000, max(sum(m) for m in layout))
+    # without prefetching or reuse, the backward starts from the tied head, which gathers the embedding again
     assert comms.gathered_at_turn(layout, work.tied_head, stage3_max_reuse_distance=0,
-                                  stage3_prefetch_bucket_size=0) == 6400 * 1600  # the last MLP's weight alone
+                                  stage3_prefetch_bucket_size=0) == 50257 * 1600
     # one rank: its partition is the whole parameter, nothing gathered beside it
     assert states("z3", 1) == pytest.approx(memory.model_state_bytes(n, 3, 1, "bf16")["device_bytes"]
                                             + memory.reduce_bucket_bytes(3, "bf16"))
@@ -756,8 +763,8 @@ def test_the_issues_command_prints_every_key(capsys):
     (["--stage", "3", "--zero", "offload_param=cpu"], "parameter offload (offload_param) is not modelled"),
     (["--stage", "1", "--zero", "stage3_prefetch_bucket_size=1e7"], "changes nothing at stage 1"),
     (["--stage", "2", "--zero", "max_reuse_distance=0"], "changes nothing at stage 2"),  # the field's own name
-    (["--stage", "2", "--host-memory-gb-per-s", "50"], "give --offload-optimizer"),
-    (["--plain-pytorch", "--host-memory-gb-per-s", "50"], "give --offload-optimizer"),
+    (["--stage", "2", "--host-memory-gb-per-s", "50"], "needs --stage 1-3 --offload-optimizer"),
+    (["--plain-pytorch", "--host-memory-gb-per-s", "50"], "needs --stage 1-3 --offload-optimizer"),
 ])
 def test_bad_input_exits_2_naming_the_problem(capsys, argv, says):
     assert main(["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", *argv]) == 2
