@@ -287,7 +287,7 @@ def format_table(out: dict[str, Any]) -> str:
                 "model_tflops_per_gpu", "hardware_tflops_per_gpu", "compute_s", "comm_s", "exposed_comm_s",
                 "offload_s", "offload_transfer_s", "offload_host_s", "device_bytes", "fits", "max_micro_batch",
                 "measured_step_time_s", "steps_to_target_over_s_min"):
-        if key in out and not (key.startswith("offload_") and not out.get("offload_s")):
+        if key in out and not (key in ("offload_transfer_s", "offload_host_s") and not out.get("offload_s")):
             value = out[key]
             text = f"{value:.4g}" if isinstance(value, float) else str(value)
             label = "measured " if key.startswith("measured_") else "predicted"  # the run it was calibrated on
