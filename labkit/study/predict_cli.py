@@ -309,7 +309,6 @@ def format_table(out: dict[str, Any]) -> str:
             first = next(iter(kinds.values()))
             batches = f"batch {first['from_batch']} -> {first['to_batch']}: " if first["from_batch"] else ""
             lines.append(f"    predicted {way:12s} " + batches + ", ".join(cells))
-        lines.append(f"    {card['deepspeed']}")
-    for text in out.get("caveats", []):
-        lines.append(f"  caveat: {text}")
+        lines.append(f"  {card['deepspeed']}")  # "predicted against ZeRO stage 0 ...", under the ways' rows
+    lines += [f"  {text}" for text in out.get("caveats", [])]  # each says "predicted ..." first
     return "\n".join(lines)

@@ -457,6 +457,7 @@ def test_zero3_across_gpus_says_the_published_points_ran_slower():
         P.TransformerWorkload(GPT2_XL), hw.Cluster(gpu=hw.gpu("A100-80GB")), strategy="z3", micro_batch=2,
         precision="bf16").caveats == []  # one GPU: nothing to gather from another
     assert _predict("z3").to_dict()["caveats"] == [P.ZERO3_CAVEAT]
+    assert P.ZERO3_CAVEAT.startswith("predicted")  # printed as a line of its own under the table
 
 
 def test_offload_is_split_into_the_links_transfers_and_the_hosts_work():
@@ -876,6 +877,7 @@ def test_the_lab_mlp_and_the_card_on_the_command_line(capsys):
     assert all(line.lstrip().startswith(("predicted", "PREDICTED")) for line in text.strip().splitlines())
     assert [line.split()[1] for line in text.splitlines() if line.startswith("    predicted")] == [
         "ranks", "micro_batch", "grad_accum"]  # every row of the card says it is predicted, not only its header
+    assert "  predicted against ZeRO stage 0 at micro-batch 64" in text  # each stage against stage 0, said predicted
 
 
 def test_a_card_row_without_a_verdict_says_why_in_the_table(capsys):
