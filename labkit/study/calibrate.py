@@ -446,7 +446,7 @@ print(json.dumps({"rank": dist.get_rank(), "per_module_s": slope[1] - slope[0]})
 """
 ZERO3_GATHERED_PER_MODULE = 2  # the probe's Linear: weight and bias, both gathered (threshold 0)
 # Of its two fetches per micro-step only the forward's gathers: the probe's model (72 x 4,160 elements) is smaller than
-# one prefetch bucket and the reuse distance, so its backward finds the parameters kept (comms.gathering_fetches). Until
+# one prefetch bucket and the reuse distance, so its backward finds the parameters kept (zero3.replay). Until
 # 2026-11-28 this was 2, which halved both gather-path figures.
 ZERO3_GATHERING_FETCHES_PER_MICRO_STEP = 1
 

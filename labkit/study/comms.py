@@ -13,7 +13,8 @@ line (deepspeed 0.19.8, as installed) of the call it stands for, and the functio
 names as its caller, so a measured run checks it record by record (`predicted_vs_measured`,
 tests/study/test_comms.py). Message sizes follow DeepSpeed's padding and bucketing exactly when the
 parameter layout is given (`modules`); without it the sizes are exact in bytes and approximate in
-counts. Settings this module does not model are refused with the setting named.
+counts. ZeRO-3's all-gathers are DeepSpeed's parameter coordinator replayed over the model's module trace
+(`labkit.study.zero3`). Settings this module does not model are refused with the setting named.
 
 The message-size convention (`Collective.bytes`): the bytes one rank hands to torch.distributed for
 the whole collective: the tensor of an all-reduce or broadcast, the *gathered output* of an
@@ -24,7 +25,6 @@ argument named `tensor`), so `measured_collectives` multiplies those by the worl
 
 from __future__ import annotations
 
-import collections
 import json
 import math
 import os
@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pandas as pd
+
+from labkit.study import zero3
 
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -316,7 +318,7 @@ def collectives(stage: int | None, n_params: int, world_size: int, *, precision:
                 offload_optimizer: bool = False, persistent_params: int = 0, reuse_distance: int | None = None,
                 bucket_elems: int | None = None, modules: Sequence[Sequence[int]] | None = None,
                 gradient_clipping: float = GRADIENT_CLIPPING_DEFAULT, tied_head: bool = False,
-                **zero_settings: Any) -> list[Collective]:
+                trace: zero3.ModuleTrace | None = None, **zero_settings: Any) -> list[Collective]:
     """Every collective DeepSpeed 0.19.8 runs in a steady training step (step 3 onwards: ZeRO-3
     records its module trace in the first steps), with its defaults unless `zero_settings` (the
     `zero_optimization` keys, e.g. `overlap_comm=True`, `stage3_prefetch_bucket_size=0`) say otherwise.
@@ -331,6 +333,8 @@ def collectives(stage: int | None, n_params: int, world_size: int, *, precision:
     with one all-reduce of the norm.
     `tied_head`: the model ends with an LM head that is its first module's parameters (`tied_head(model)`): ZeRO-3
     fetches them again there, gathering them where they were released (`_stage3_gathers`).
+    `trace`: ZeRO-3's module trace (`zero3.record(model, ...)`): every hook, parameter-free modules' too, so the
+    gathers' calls come out as DeepSpeed makes them; without it, `modules` stands for the trace.
     One rank sends nothing: DeepSpeed still calls some collectives on a one-rank group, but they move no bytes.
     """
     numels = _check_inputs(stage, n_params, world_size, precision, grad_accum, persistent_params, modules)
@@ -349,7 +353,7 @@ def collectives(stage: int | None, n_params: int, world_size: int, *, precision:
         _stage12(out, stage, numels or [n_params], world_size, precision, grad_accum, offload_optimizer, cfg)
     else:
         _stage3(out, modules, n_params, persistent_params, world_size, precision, grad_accum, offload_optimizer, cfg,
-                tied_head)
+                tied_head, trace)
     return out
 
 
@@ -527,179 +531,49 @@ def _gathered(numels: Iterable[int], world_size: int) -> int:
     return world_size * sum(math.ceil(n / world_size) for n in numels)
 
 
-def _gather_calls(params: Sequence[Sequence[int]], world_size: int, prefetch: int) -> list[int]:
-    """Gathered elements per call, given the parameters each module fetches in trace order. Without
-    prefetching, one call per module (its parameters coalesced: partition_parameters.py:1601 -> :1362);
-    with a complete trace the prefetcher queues parameters until it has at least `prefetch` elements
-    (partitioned_param_coordinator.py:452-484) and gathers them in one call."""
-    if prefetch <= 0:
-        return [_gathered(m, world_size) for m in params if m]
-    calls, batch, numel = [], [], 0
-    for n in (n for m in params for n in m):
-        batch.append(n)
-        numel += n
-        if numel >= prefetch:
-            calls.append(_gathered(batch, world_size))
-            batch, numel = [], 0
-    return calls + ([_gathered(batch, world_size)] if batch else [])
-
-
-def _whole_model_queued(partitioned: Sequence[Sequence[int]], cfg: Any) -> bool:
-    """The partitioned model is smaller than one prefetch (within the live-parameter limit): the first prefetch scans
-    the whole trace and queues every module, so nothing is released (partitioned_param_coordinator.py:650)."""
-    return 0 < sum(map(sum, partitioned)) < min(int(cfg.prefetch_bucket_size), int(cfg.max_live_parameters))
-
-
-def _head_gathers(modules: Sequence[Sequence[int]], partitioned: Sequence[Sequence[int]],
-                  cfg: Any) -> tuple[bool, bool]:
-    """(forward, backward): whether a tied LM head's fetch gathers the first module's parameters again. In the
-    forward, where they were released after the first module's forward: the rest of the model, the head's next use
-    away in the trace, at least stage3_max_reuse_distance; in the backward (next in the trace), only with a reuse
-    distance of 0 (the coordinator then releases before it, :658)."""
-    if not partitioned[0] or _whole_model_queued(partitioned, cfg):
-        return False, False
-    reuse = int(cfg.max_reuse_distance)
-    return sum(map(sum, modules[1:])) >= reuse, reuse <= 0
-
-
-def _regathered(modules: Sequence[Sequence[int]], partitioned: Sequence[Sequence[int]], cfg: Any,
-                tied_head: bool) -> list[bool]:
-    """Per module, whether its backward (or, under activation checkpointing, its recomputed forward, which uses its
-    parameters first) gathers them again: released after its forward, its next use 2 x the parameters after it
-    (and a tied head's) away, at least stage3_max_reuse_distance; nothing is released where the whole model was
-    queued by the first prefetch (`_stage3_gathers` has the rule and its sources). A tied head's first module: where
-    the head's forward gathered it again (`_head_gathers`)."""
-    reuse = int(cfg.max_reuse_distance)
-    queued = _whole_model_queued(partitioned, cfg)
-    head = sum(modules[0]) if tied_head else 0
-    again = [bool(part) and 2 * (sum(map(sum, modules[k + 1:])) + head) >= reuse and not queued
-             for k, part in enumerate(partitioned)]
-    if tied_head:
-        again[0] = _head_gathers(modules, partitioned, cfg)[0]
-    return again
-
-
-def gathered_at_turn(modules: Sequence[Sequence[int]], tied_head: bool = False, **zero_settings: Any) -> int:
-    """Elements of ZeRO-3's gathered (whole, not persistent) parameters resident on one of several ranks at the turn
-    from the forward to the backward, where the activations peak: DeepSpeed 0.19.8's coordinator replayed over the
-    module trace (the forward in `module_layout`'s order, a tied head after it, the backward in reverse) with a
-    complete trace, as from the second step on (partitioned_param_coordinator.py):
-    - a fetch gathers its module's parameters that are not resident (:381), pops their trace entries (:417-435), then
-      prefetches the next entries' parameters until it has queued min(stage3_max_live_parameters - resident,
-      stage3_prefetch_bucket_size) elements (:453-480): every fetch adds up to one more bucket, so the look-ahead
-      grows to the live-parameter limit;
-    - a module's release (:640-665) keeps the parameters whose trace entry a prefetch already popped for a later use
-      (:650) and those used again within stage3_max_reuse_distance elements of the trace (:657-663).
-    Parameter-free modules' hooks, which prefetch too, are left out. The communication model's gathers
-    (`_stage3_gathers`) are the closed-form rule, not this replay (docs/predict.md, "Memory"). Without gathered
-    parameters (one module, all persistent): 0."""
-    cfg = zero_config(3, zero_settings)
-    partitioned = _partitioned(modules, cfg)
-    params = [n for part in partitioned for n in part]  # one id per gathered parameter
-    ids, start = [], 0
-    for part in partitioned:
-        ids.append(list(range(start, start + len(part))))
-        start += len(part)
-    forward = list(range(len(ids))) + ([0] if tied_head else [])
-    trace = [(m, True) for m in forward] + [(m, False) for m in reversed(forward)]
-    steps = [m for m, _ in trace]
-    # every module's every parameter, in trace order: (parameter, the step it is used at)
-    queue = collections.deque((p, s) for s, m in enumerate(steps) for p in ids[m])
-    resident: set[int] = set()
-    popped: dict[int, int] = collections.defaultdict(lambda: -1)  # parameter -> the latest step an entry was popped at
-    limit, bucket = int(cfg.max_live_parameters), int(cfg.prefetch_bucket_size)
-    reuse = int(cfg.max_reuse_distance)
-    for step, (m, forward_pass) in enumerate(trace):
-        resident.update(ids[m])
-        for _ in [p for p in ids[m] if popped[p] < step]:  # its own entries, unless a prefetch took them already
-            p, s = queue.popleft()
-            popped[p] = s
-        queued, numel = set(), 0
-        room = min(limit - sum(params[p] for p in resident), bucket)
-        while queue and numel < room:
-            p, s = queue.popleft()
-            popped[p] = max(popped[p], s)
-            if p not in resident and p not in queued:
-                queued.add(p)
-                numel += params[p]
-        resident |= queued
-        if not forward_pass:  # the backward's first fetch and prefetch: the turn
-            break
-        release = {p for p in ids[m] if popped[p] <= step + 1}
-        traversed = 0
-        for later in steps[step + 1:]:
-            if traversed >= reuse:
-                break
-            for p in ids[later]:
-                release.discard(p)
-                traversed += params[p]
-        resident -= release
-    return sum(params[p] for p in resident)
-
-
-def gathering_fetches(modules: Sequence[Sequence[int]], tied_head: bool = False,
-                      **zero_settings: Any) -> list[tuple[int, int]]:
-    """ZeRO-3's fetches that run the all-gather, per micro-step: (fetches, parameters each gathers) per module in
-    `module_layout`'s order, then a tied LM head's. A module with parameters to gather gathers them before its
-    forward, and again before its backward where they were released (`_regathered`); its other fetches find them
-    kept. The head: `_head_gathers`."""
-    cfg = zero_config(3, zero_settings)
-    partitioned = _partitioned(modules, cfg)
-    again = _regathered(modules, partitioned, cfg, tied_head)
-    out = [((1 + again[k]) if part else 0, len(part)) for k, part in enumerate(partitioned)]
-    if tied_head:
-        out.append((sum(_head_gathers(modules, partitioned, cfg)), len(partitioned[0])))
-    return out
-
-
 def _stage3_gathers(modules: Sequence[Sequence[int]] | None, n_params: int, persistent_params: int, world_size: int,
-                    cfg: Any, tied_head: bool = False) -> tuple[list[int], list[int], list[int]]:
+                    cfg: Any, tied_head: bool = False,
+                    trace: zero3.ModuleTrace | None = None) -> tuple[list[int], list[int], list[int]]:
     """(forward calls, backward calls, persistent parameters) of ZeRO-3, in gathered elements.
 
-    A module is gathered again in the backward unless it stayed gathered since its forward. The
-    coordinator keeps it if it is used again within max_reuse_distance parameters
-    (partitioned_param_coordinator.py:658), counted from the module on over every module's parameters
-    (persistent ones too): the rest of the forward plus the backward back to it, 2 x the parameters
-    after it. It also keeps what the prefetcher already queued for the backward (:650): with the
-    partitioned model smaller than one prefetch bucket, the first prefetch scans the whole trace and
-    nothing is released. Without `modules`, parameters are spread evenly: those with more than
-    max_reuse_distance / 2 parameters after them are gathered again.
-
-    A tied LM head (`tied_head`) uses the first module's parameters once more after the last module: every
-    module's distance to its backward grows by 2 x the head, and the first module's next use after its forward is
-    the head, the rest of the model away. Released there, it is gathered again at the head, kept through the head's
-    forward and backward (adjacent in the trace; released between them only with a reuse distance of 0), and
-    gathered again for its own backward after the same distance."""
+    With a module trace (`zero3.record`) or a layout (`modules`, taken as parameter-holding modules called one after
+    the other, a tied LM head's fetch of the first module's parameters after them: `zero3.ModuleTrace.from_layout`),
+    DeepSpeed's coordinator replayed over it (`zero3.replay`: each fetch gathers what of its module is not resident,
+    then prefetches up to a bucket; a release keeps what a prefetch already took for a later use and what is used
+    again within stage3_max_reuse_distance). Only a recorded trace has the parameter-free modules' hooks, which
+    prefetch too, so only it gives the calls' boundaries exactly; the bytes come out the same where the look-ahead
+    is not limited. Without either, parameters are spread evenly: those with more than max_reuse_distance / 2
+    parameters after them are gathered again, in prefetch-bucket calls."""
     prefetch = int(cfg.prefetch_bucket_size)
-    reuse = int(cfg.max_reuse_distance)
-    window = min(prefetch, int(cfg.max_live_parameters))
-    if modules is None:
+    if trace is None and modules is None:
+        reuse = int(cfg.max_reuse_distance)
+        window = min(prefetch, int(cfg.max_live_parameters))
         mass = n_params - persistent_params
         regather = 0 if 0 < mass < window else round(mass * max(0, n_params - reuse / 2) / n_params)
         return (_split(_gathered([mass], world_size), prefetch),
                 _split(_gathered([regather], world_size), prefetch) if regather else [],
                 [persistent_params] if persistent_params else [])
-    flags = _persistent(modules, cfg)
-    partitioned = _partitioned(modules, cfg)
-    persistent = [n for m, f in zip(modules, flags, strict=True) for n, p in zip(m, f, strict=True) if p]
-    again = [part if regather else [] for part, regather in
-             zip(partitioned, _regathered(modules, partitioned, cfg, tied_head), strict=True)]
-    forward = list(partitioned)
-    backward = []
-    if tied_head:
-        _, head_backward = _head_gathers(modules, partitioned, cfg)
-        forward += [again[0]]  # the head's forward: gathered again where the embedding's was released
-        # the head's backward comes next: kept unless the window is 0 (the coordinator then stops before it, :658)
-        backward += [partitioned[0] if head_backward else []]
-    backward += again[::-1]  # the backward walks the modules in reverse, each module's parameters in order
-    return _gather_calls(forward, world_size, prefetch), _gather_calls(backward, world_size, prefetch), persistent
+    if trace is None:
+        trace = zero3.ModuleTrace.from_layout(modules or [], tied_head)
+    r = zero3.replay(trace, **_zero3_settings(cfg))
+    return ([_gathered(c, world_size) for c in r.forward_calls], [_gathered(c, world_size) for c in r.backward_calls],
+            [trace.numels[p] for p in sorted(r.persistent)])
+
+
+def _zero3_settings(cfg: Any) -> dict[str, Any]:
+    """A checked stage-3 config's settings back as `zero_optimization` keys (what `zero3.replay` reads)."""
+    return {"stage3_max_live_parameters": cfg.max_live_parameters, "stage3_max_reuse_distance": cfg.max_reuse_distance,
+            "stage3_prefetch_bucket_size": cfg.prefetch_bucket_size,
+            "stage3_param_persistence_threshold": cfg.param_persistence_threshold,
+            "stage3_model_persistence_threshold": cfg.model_persistence_threshold}
 
 
 def _stage3(out: list[Collective], modules: Sequence[Sequence[int]] | None, n_params: int, persistent_params: int,
-            world_size: int, precision: str, grad_accum: int, offload: bool, cfg: Any, tied_head: bool) -> None:
+            world_size: int, precision: str, grad_accum: int, offload: bool, cfg: Any, tied_head: bool,
+            trace: zero3.ModuleTrace | None) -> None:
     size = DTYPE_BYTES[precision]
     forward, backward, persistent = _stage3_gathers(modules, n_params, persistent_params, world_size, cfg,
-                                                    tied_head)
+                                                    tied_head, trace)
     # Prefetched gathers run while earlier modules compute; the forward's first one has nothing before it.
     common: dict[str, Any] = {"op": "all_gather", "per": "micro_step", "grad_accum": grad_accum,
                               "dtype": precision, "what": "parameters", "caller": "allgather_fn"}
@@ -822,8 +696,9 @@ def run_collectives(config: Any) -> list[Collective]:
     offload = zero.pop("offload_optimizer", None)
     model = meta_model(config)
     modules = module_layout(model)
+    trace = zero3.record_lab_model(config) if stage == 3 else None
     return collectives(stage, sum(map(sum, modules)), config.world_size, precision=config.precision,
-                       grad_accum=config.grad_accum, tied_head=tied_head(model),
+                       grad_accum=config.grad_accum, tied_head=tied_head(model), trace=trace,
                        offload_optimizer=bool(offload) and offload.get("device", "none") != "none",
                        modules=modules, gradient_clipping=ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT),
                        **zero)

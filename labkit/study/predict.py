@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from labkit.core import memory
 from labkit.runtime.hardware import GB, GPU, GPUS, MEMORY_EFFICIENCY, Cluster
 from labkit.runtime.hardware import gpu as find_gpu
-from labkit.study import flops, optimizer_bytes
+from labkit.study import flops, optimizer_bytes, zero3
 from labkit.study.verdict import FLAT_BAND, verdict
 
 HARDWARE = GPUS   # the GPU presets (labkit.runtime.hardware), as the issue names them
@@ -176,14 +176,13 @@ def _zero3_ranks(path: Path) -> tuple[float, float, str] | None:
 
 
 def gather_counts(workload: Workload, zero: Mapping[str, Any] | None = None) -> tuple[float, float]:
-    """(fetches that gather, gathered parameters fetched) per micro-step at ZeRO-3 (`comms.gathering_fetches`, with
-    the `zero` settings): every module holding a parameter over the persistence threshold gathers before its
-    forward, and again before its backward (or, under activation checkpointing, its recomputed forward: the same
-    count) where its parameters were released; a tied LM head where the embedding's were."""
-    from labkit.study import comms
-
-    fetches = comms.gathering_fetches(workload.module_layout(), workload.tied_head, **(zero or {}))
-    return float(sum(n for n, _ in fetches)), float(sum(n * params for n, params in fetches))
+    """(fetches that gather, gathered parameters fetched) per micro-step at ZeRO-3, with the `zero` settings: the
+    module fetches whose parameters were gathered for that use, by the fetch or by an earlier prefetch (DeepSpeed's
+    coordinator replayed: `zero3.replay`), before the forward and, where they were released, before the backward (or,
+    under activation checkpointing, the recomputed forward: the same count); a tied LM head where the embedding's
+    were released."""
+    r = zero3.replay(workload.zero3_trace(), **(zero or {}))
+    return float(r.gathering_fetches), float(r.gathered_params_fetched)
 
 
 class Workload(Protocol):
@@ -206,6 +205,8 @@ class Workload(Protocol):
     def tied_head(self) -> bool: ...  # an LM head that is the first module's parameters (comms.tied_head)
 
     def module_layout(self) -> list[list[int]]: ...
+
+    def zero3_trace(self) -> Any: ...  # ZeRO-3's module trace, every hook (zero3.ModuleTrace)
 
     def recomputed_modules(self) -> tuple[int, int]: ...
 
@@ -251,6 +252,9 @@ class TransformerWorkload:
 
     def module_layout(self) -> list[list[int]]:
         return self.shape.module_layout()
+
+    def zero3_trace(self) -> Any:
+        return self.shape.zero3_trace()
 
     def recomputed_modules(self) -> tuple[int, int]:
         return self.shape.recomputed_modules()
@@ -310,6 +314,13 @@ class ModuleWorkload:
 
     def module_layout(self) -> list[list[int]]:
         return self.layout
+
+    def zero3_trace(self) -> Any:
+        if "zero3_trace" not in self._cache:
+            from labkit.study import zero3
+
+            self._cache["zero3_trace"] = zero3.record_lab_model(self.config)
+        return self._cache["zero3_trace"]
 
     def recomputed_modules(self) -> tuple[int, int]:
         return (0, 0)  # the lab's models do not checkpoint (costs() refuses it)
@@ -427,7 +438,8 @@ def collective_rows(stage: int | None, workload: Workload, world_size: int, *, p
         return comms.ddp_collectives(numels, world_size, grad_accum=grad_accum)
     return list(comms.collectives(stage, workload.n_params, world_size, precision=precision,
                                   grad_accum=grad_accum, offload_optimizer=offload_optimizer,
-                                  modules=workload.module_layout(), tied_head=workload.tied_head, **(zero or {})))
+                                  modules=workload.module_layout(), tied_head=workload.tied_head,
+                                  trace=workload.zero3_trace() if stage == 3 else None, **(zero or {})))
 
 
 @dataclass(frozen=True)
@@ -715,7 +727,7 @@ def _peak_extra_bytes(workload: Workload, stage: int | None, world_size: int, pr
                       settings: Mapping[str, Any] | None) -> float:
     """What a micro-step holds beyond the model states at the boundary (`memory.model_state_bytes`), across GPUs:
     torch DDP's all-reduce buckets beside the gradients (DDP_BUCKET_BYTES_PER_PARAM), and ZeRO-3's gathered
-    parameters at the turn from the forward to the backward, in the training dtype (`comms.gathered_at_turn`)."""
+    parameters at the turn from the forward to the backward, in the training dtype (`zero3.replay`)."""
     if world_size < 2:
         return 0.0
     if stage is None:
@@ -723,8 +735,7 @@ def _peak_extra_bytes(workload: Workload, stage: int | None, world_size: int, pr
     if stage == 3:
         from labkit.study import comms
 
-        size = 4 if precision == "fp32" else 2
-        return size * comms.gathered_at_turn(workload.module_layout(), workload.tied_head, **(settings or {}))
+        return comms.DTYPE_BYTES[precision] * zero3.replay(workload.zero3_trace(), **(settings or {})).resident_at_turn
     return 0.0
 
 

@@ -153,6 +153,13 @@ class Transformer:
         """Parameter-holding modules ahead of the first block in `module_layout` (gpt2: wte and wpe)."""
         return len(self._structure().before)
 
+    def zero3_trace(self) -> Any:
+        """ZeRO-3's module trace of this model (`zero3.ModuleTrace`): recorded on the one-layer model, its block's
+        hooks repeated `layers` times."""
+        from labkit.study import zero3
+
+        return zero3.repeat_blocks(_one_layer_trace(dataclasses.replace(self, layers=1)), self.layers, _BLOCK)
+
     def persistent_params(self, threshold: int = 100_000) -> int:
         """Elements of the tensors ZeRO-3 keeps whole (each <= param_persistence_threshold): biases and norms."""
         return sum(n for module in self.module_layout() for n in module if n <= threshold)
@@ -186,6 +193,19 @@ def _structure(shape: Transformer) -> _Structure:
     paramless = [name for name, module in model.named_modules() if not list(module.parameters(recurse=False))]
     inside = sum(1 for name in paramless if _BLOCK.search(name))
     return _Structure(before, block, after, len(paramless) - inside, inside)
+
+
+@functools.lru_cache(maxsize=64)
+def _one_layer_trace(shape: Transformer) -> Any:
+    """ZeRO-3's module trace of the one-layer model on the meta device, computing its loss on 8 tokens (the hooks
+    do not depend on the sequence)."""
+    import torch
+
+    from labkit.study import zero3
+
+    model = build(shape, 1, torch.float32)
+    ids = torch.zeros(1, min(8, shape.seq), dtype=torch.long, device="meta")
+    return zero3.record(model, lambda: model(input_ids=ids, labels=ids).loss)
 
 
 def build(shape: Transformer, layers: int, dtype: Any) -> Any:

@@ -15,7 +15,7 @@ from labkit.cli import main
 from labkit.core.config import RunConfig
 from labkit.runtime import hardware as hw
 from labkit.study import calibrate as C
-from labkit.study import flops, shapes
+from labkit.study import flops, shapes, zero3
 from labkit.study import predict as P
 from labkit.study.verdict import verdict
 from tests import own_model
@@ -412,7 +412,6 @@ def test_plain_pytorch_is_ddp_all_reducing_fp32_gradients_in_its_buckets():
 
 def test_a_micro_step_holds_ddps_buckets_and_zero3s_gathered_parameters_beyond_the_states():
     from labkit.core import memory
-    from labkit.study import comms
 
     work, a100 = P.TransformerWorkload(GPT2_XL), hw.gpu("A100-80GB")
     n = work.n_params
@@ -424,28 +423,31 @@ def test_a_micro_step_holds_ddps_buckets_and_zero3s_gathered_parameters_beyond_t
 
     # torch DDP keeps its fp32 buckets beside the fp32 gradients (gradient_as_bucket_view=False); one GPU has no DDP
     assert states("torch", 8) - states("torch", 1) == pytest.approx(P.DDP_BUCKET_BYTES_PER_PARAM * n)
-    # ZeRO-3: DeepSpeed's coordinator replayed (comms.gathered_at_turn). Worked by hand on four modules of one
+    # ZeRO-3: DeepSpeed's coordinator replayed (zero3.replay). Worked by hand on four modules of one
     # 100-element parameter each (none persistent), a prefetch bucket of 150, at most 250 live, reuse distance 0:
     # F0 gathers p0 and prefetches p1, p2 (room 150), releases p0; F1 prefetches p3 (room 50), releases p1; F2's
     # prefetch (room 50) pops p3's and p2's backward entries (resident: skipped) and gathers p1 for its backward,
     # and keeps p2 (its backward entry was popped); F3 has no room and releases p3 (used next at step 4, not after
     # it); B3 gathers p3 again: p1, p2 and p3 resident at the turn
-    four = [[100]] * 4
+    four = zero3.ModuleTrace.from_layout([[100]] * 4)
     hand = dict(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=150,
                 stage3_max_live_parameters=250, stage3_max_reuse_distance=0)
-    assert comms.gathered_at_turn(four, **hand) == 300
-    assert comms.gathered_at_turn(four, **{**hand, "stage3_prefetch_bucket_size": 0}) == 100  # B3's own p3 only
-    assert comms.gathered_at_turn(four, **{**hand, "stage3_max_live_parameters": 10**6}) == 400  # room to gather all
+
+    def at_turn(trace, **settings):
+        return zero3.replay(trace, **settings).resident_at_turn
+
+    assert at_turn(four, **hand) == 300
+    assert at_turn(four, **{**hand, "stage3_prefetch_bucket_size": 0}) == 100  # B3's own p3 only
+    assert at_turn(four, **{**hand, "stage3_max_live_parameters": 10**6}) == 400  # room to gather all
     # GPT-2 XL at the defaults: every fetch prefetches up to another 5e7 elements, so the look-ahead grows to the
     # 1e9 live-parameter limit (overshooting by less than one parameter), and that is resident at the turn, in bf16
     layout = work.module_layout()
-    turn = comms.gathered_at_turn(layout, work.tied_head)
+    turn = at_turn(work.zero3_trace())
     assert 1_000_000_000 <= turn < 1_000_000_000 + max(max(m) for m in layout)
     at_boundary = memory.model_state_bytes(n, 3, 8, "bf16", persistent_params=work.persistent_params)["device_bytes"]
     assert states("z3", 8) == pytest.approx(at_boundary + memory.reduce_bucket_bytes(3, "bf16") + 2 * turn)
     # without prefetching or reuse, the backward starts from the tied head, which gathers the embedding again
-    assert comms.gathered_at_turn(layout, work.tied_head, stage3_max_reuse_distance=0,
-                                  stage3_prefetch_bucket_size=0) == 50257 * 1600
+    assert at_turn(work.zero3_trace(), stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0) == 50257 * 1600
     # one rank: its partition is the whole parameter, nothing gathered beside it
     assert states("z3", 1) == pytest.approx(memory.model_state_bytes(n, 3, 1, "bf16")["device_bytes"]
                                             + memory.reduce_bucket_bytes(3, "bf16"))
@@ -1477,23 +1479,17 @@ def test_a_file_that_is_not_a_published_grid_is_refused(tmp_path):
 
 
 def test_zero3s_gather_path_is_counted_per_fetch_and_per_rank_at_two_ranks_or_more():
-    from labkit.study import comms
-
     xl = P.TransformerWorkload(GPT2_XL)
     # per layer c_attn, c_proj, c_fc and the MLP's c_proj gather their weights (biases and LayerNorms persist:
     # <= 1e5 elements); wte and wpe gather; ln_f persists: 194 modules, one parameter each, gathered in the forward.
-    # Again for the backward where released: a module whose next use, 2 x the parameters after it and the tied
-    # head's, is past the 1e9 reuse distance (the first ~2/3 of XL's 1.56B). The head gathers wte's weight once, in
-    # its forward (wte's released: the 1.5B after it); its backward, next in the trace, finds it kept.
-    layout = xl.module_layout()
-    head = sum(layout[0])
-    released = [k for k in range(len(layout)) if 2 * (sum(map(sum, layout[k + 1:])) + head) >= 1e9]
-    assert released == list(range(len(released))) and 100 < len(released) < len(layout)  # a prefix of the model
-    gathered = comms.gathered_params(layout)
-    regathered = sum(1 for k in released if gathered[k])  # the LayerNorms among them persist
-    assert P.gather_counts(xl) == (194 + regathered + 1,) * 2
     assert P.gather_counts(xl, {"stage3_max_reuse_distance": 1e10}) == (194, 194)  # all kept: the forward's only
-    assert P.gather_counts(xl, {"stage3_max_reuse_distance": 0}) == (2 * 194 + 2,) * 2  # everything, the head both
+    # no reuse and no prefetch: every module again for its backward, the tied head both ways (wte released between)
+    assert P.gather_counts(xl, {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}) == (2 * 194 + 2,) * 2
+    # the defaults: the prefetch's look-ahead grows to the 1e9 live-parameter limit, and what it takes is kept past
+    # the reuse distance (partitioned_param_coordinator.py:650): fewer of the backward's fetches gather than the
+    # ~2/3 of the model whose next use is past the 1e9 reuse distance (the rule without prefetching: 335)
+    fetches, params = P.gather_counts(xl)
+    assert fetches == params and 194 < fetches < 335
     host = P.HostCosts(1e-5, 1e-3, 0.0, 0.0, "test", zero3_gather_per_fetch_s=20e-6, zero3_gather_per_rank_param_s=4e-6)
     base = host.micro_step_s(100, 10, 5, 3)
     assert host.micro_step_s(100, 10, 5, 3, world_size=1, gathers=(20, 30)) == base  # 1 rank: nothing gathers

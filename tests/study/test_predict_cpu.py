@@ -89,11 +89,13 @@ def test_the_rank_scaling_fit_reads_the_fixed_and_per_rank_parts_back():
 
 
 def test_the_probes_module_gathers_once_per_micro_step_as_the_fit_assumes():
-    from labkit.study import comms
+    from labkit.study import zero3
 
     probe = [[64 * 64, 64]] * 72  # ZERO3_RANKS_PROBE's deeper stack of Linear(64, 64), persistence threshold 0
-    fetches = comms.gathering_fetches(probe, stage3_param_persistence_threshold=0)
-    assert fetches == [(C.ZERO3_GATHERING_FETCHES_PER_MICRO_STEP, C.ZERO3_GATHERED_PER_MODULE)] * 72
+    r = zero3.replay(zero3.ModuleTrace.from_layout(probe), stage3_param_persistence_threshold=0)
+    assert (r.gathering_fetches, r.gathered_params_fetched) == (
+        72 * C.ZERO3_GATHERING_FETCHES_PER_MICRO_STEP, 72 * C.ZERO3_GATHERING_FETCHES_PER_MICRO_STEP
+        * C.ZERO3_GATHERED_PER_MODULE)
 
 
 def test_the_committed_rank_scaling_is_what_the_predictor_adds_at_several_ranks():

@@ -1,0 +1,122 @@
+"""ZeRO-3's coordinator replayed (labkit.study.zero3). The traces here are the order DeepSpeed 0.19.8's own
+coordinator recorded on 2 CPU ranks (its `__submodule_order`, printed on 2026-11-29); the gathers it replays are
+checked against DeepSpeed's comms log on real 2-rank runs in tests/study/test_comms.py (the `slow` tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit.core.config import RunConfig
+from labkit.study import flops, zero3
+
+# DeepSpeed's trace of the lab MLP (SimpleModel: a Sequential of Linear, ReLU, Linear): every module's pre-forward
+# hook, then the pre-backward hooks in the reverse of the order the forwards ended
+MLP_ORDER = ["", "layers", "layers.0", "layers.1", "layers.2", "", "layers", "layers.2", "layers.1", "layers.0"]
+# ... and of the lab's tied GPT (hidden 64, 2 blocks): modules the forward does not call (the ModuleList, the
+# attention dropout SDPA skips) have no hooks; the LM head's backward comes before the transformer's
+GPT_BLOCK = ["ln_1", "attn", "attn.c_attn", "attn.c_proj", "attn.resid_dropout", "ln_2", "mlp", "mlp.c_fc", "mlp.act",
+             "mlp.c_proj", "mlp.dropout"]
+GPT_BLOCK_BACKWARD = ["mlp", "mlp.dropout", "mlp.c_proj", "mlp.act", "mlp.c_fc", "ln_2", "attn", "attn.resid_dropout",
+                      "attn.c_proj", "attn.c_attn", "ln_1"]
+
+
+def fetched(trace: zero3.ModuleTrace) -> list[str]:
+    return [trace.names[m] for fetch, m in trace.forward + trace.backward if fetch]
+
+
+def test_the_recorded_trace_is_deepspeeds():
+    assert fetched(zero3.record_lab_model(RunConfig(example="zero3"))) == MLP_ORDER
+    gpt = zero3.record_lab_model(RunConfig(example="zero3", model="gpt", hidden=64, depth=2, input_size=64))
+    blocks = [f"lm.transformer.h.{k}" for k in (0, 1)]
+    assert fetched(gpt) == [
+        "", "lm", "lm.transformer", "lm.transformer.wte", "lm.transformer.wpe", "lm.transformer.drop",
+        *[n for b in blocks for n in [b, *(f"{b}.{m}" for m in GPT_BLOCK)]], "lm.transformer.ln_f", "lm.lm_head",
+        "", "lm", "lm.lm_head", "lm.transformer", "lm.transformer.ln_f",
+        *[n for b in blocks[::-1] for n in [b, *(f"{b}.{m}" for m in GPT_BLOCK_BACKWARD)]],
+        "lm.transformer.drop", "lm.transformer.wpe", "lm.transformer.wte"]
+    head = gpt.names.index("lm.lm_head")
+    assert gpt.owns[head] == gpt.owns[gpt.names.index("lm.transformer.wte")]  # the tied head holds the embedding's
+
+
+def test_a_release_hook_only_where_the_modules_input_needs_a_gradient():
+    trace = zero3.record_lab_model(RunConfig(example="zero3"))
+    released_in_backward = [trace.names[m] for fetch, m in trace.backward if not fetch]
+    assert released_in_backward == ["layers.2", "layers.1"]  # the first Linear, the Sequential and the model see data
+
+
+@pytest.mark.parametrize("spec", ["layers=3,hidden=64,heads=4,seq=16,vocab=100",
+                                  "arch=llama,layers=3,hidden=64,heads=4,kv_heads=2,ffn=96,seq=16,vocab=100",
+                                  "arch=qwen2,layers=3,hidden=64,heads=4,kv_heads=2,ffn=96,seq=16,vocab=100,tied=1"])
+def test_a_transformers_trace_is_its_one_block_trace_repeated(spec):
+    import torch
+
+    from labkit.study import shapes
+
+    shape = flops.Transformer.parse(spec)
+    model = shapes.build(shape, 3, torch.float32)
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    recorded = zero3.record(model, lambda: model(input_ids=ids, labels=ids).loss)
+    repeated = shape.zero3_trace()
+
+    def hooks(trace: zero3.ModuleTrace) -> list[tuple[bool, str, tuple[int, ...]]]:
+        return [(fetch, trace.names[m], trace.owns[m]) for fetch, m in trace.forward + trace.backward]
+
+    assert repeated.numels == recorded.numels and hooks(repeated) == hooks(recorded)
+
+
+def test_prefetches_of_parameter_free_hooks_batch_the_gathers():
+    # The lab MLP with 100 -> 501 -> 9 and nothing persistent, a prefetch bucket of 30,000: the model's hook prefetches
+    # the 50,100-element weight (>= 30,000: the batch ends), the Sequential's the rest, before the first Linear's
+    # own fetch finds everything gathered: DeepSpeed's log on 2 ranks has the same two calls
+    trace = zero3.record_lab_model(RunConfig(example="zero3", hidden=501, output_size=9))
+    r = zero3.replay(trace, stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=30_000)
+    assert r.forward_calls == [[50_100], [501, 4_509, 9]] and r.backward_calls == []
+    assert (r.gathering_fetches, r.gathered_params_fetched) == (2, 4)  # each Linear's fetch, its two parameters
+    # without the parameter-free hooks (a layout alone) the first Linear's own fetch gathers its two parameters
+    flat = zero3.replay(zero3.ModuleTrace.from_layout([[50_100, 501], [4_509, 9]]),
+                        stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=30_000)
+    assert flat.forward_calls == [[50_100, 501], [4_509, 9]]
+
+
+def test_a_parameter_the_prefetch_took_for_a_later_use_is_kept_past_the_reuse_window():
+    # three modules of 100 called one after the other, nothing persistent, reuse distance 0, a bucket of 1,000:
+    # the first fetch gathers p0 and prefetches p1, p2, popping every later entry, their backward uses too, so a
+    # release keeps what is used after the next fetch (partitioned_param_coordinator.py:650: popped for a step past
+    # the current one). The last module is the exception: released after its forward at step 3, where its backward
+    # is the next fetch (step 3, not past it), so it is gathered again at once.
+    trace = zero3.ModuleTrace.from_layout([[100]] * 3)
+    r = zero3.replay(trace, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+                     stage3_prefetch_bucket_size=1_000)
+    assert r.forward_calls == [[100], [100, 100]] and r.backward_calls == [[100]]
+    # with a window of one module (100 elements) it stays
+    assert zero3.replay(trace, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=100,
+                        stage3_prefetch_bucket_size=1_000).backward_calls == []
+    # no prefetch: each released after its forward (window 0), each gathered again for its backward
+    r = zero3.replay(trace, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+                     stage3_prefetch_bucket_size=0)
+    assert r.forward_calls == [[100]] * 3 and r.backward_calls == [[100]] * 3
+    assert (r.gathering_fetches, r.gathered_params_fetched) == (6, 6)
+
+
+def test_persistent_parameters_are_never_gathered_and_count_against_the_model_threshold():
+    trace = zero3.ModuleTrace.from_layout([[10, 10], [10]])
+    cfg = {"stage3_param_persistence_threshold": 10, "stage3_model_persistence_threshold": 20}
+    r = zero3.replay(trace, **cfg)
+    assert r.persistent == {0, 1} and r.forward_calls == [[10]]  # the third would take the total past 20
+
+
+def test_a_block_whose_parameters_are_not_numbered_together_is_refused():
+    trace = zero3.ModuleTrace((1, 1, 1), ((0, 2), (1,)), ((True, 0), (False, 0), (True, 1), (False, 1)), (),
+                              ("h.0.a", "b"))
+    with pytest.raises(ValueError, match="not numbered together"):
+        zero3.repeat_blocks(trace, 2)
+
+
+def test_a_block_pattern_that_matches_nothing_is_refused_not_read_as_one_layer():
+    import re
+
+    recorded = zero3.record_lab_model(RunConfig(example="zero3"))
+    with pytest.raises(ValueError, match="matches the block pattern"):
+        zero3.repeat_blocks(recorded, 4, re.compile(r"blocks\.0"))
+    with pytest.raises(ValueError, match="needs a recorded trace"):
+        zero3.repeat_blocks(zero3.ModuleTrace.from_layout([[1]]), 2)
