@@ -268,6 +268,9 @@ def _refuse_unmodelled(stage: int, cfg: Any, offload_optimizer: bool) -> None:
         "stage3_use_all_reduce_for_fetch_params": stage == 3 and cfg.use_all_reduce_for_fetch_params,
         "stage3_allgather_sequential": stage == 3 and cfg.allgather_sequential,
         "offload_param": stage == 3 and cfg.offload_param is not None,
+        # ZeRO-3 leaf modules fetch their subtree's parameters at once: zero3.record does not model them
+        "stage3_module_granularity_threshold": stage == 3 and cfg.module_granularity_threshold > 0,
+        "leaf_module": stage == 3 and bool(cfg.leaf_module.names or cfg.leaf_module.name_suffixes),
         "zenflow": cfg.zenflow is not None,
     }
     bad = [name for name, on in unmodelled.items() if on]

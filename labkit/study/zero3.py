@@ -1,7 +1,7 @@
 """ZeRO-3's parameter coordinator replayed: the all-gathers DeepSpeed 0.19.8 runs in a steady micro-step.
 
     from labkit.study import zero3
-    trace = zero3.record(model, lambda: model(inputs))   # the module trace, as DeepSpeed's hooks see it
+    trace = zero3.record(model, lambda: loss(model(inputs)))   # the module trace, as DeepSpeed's hooks see it
     r = zero3.replay(trace, stage3_prefetch_bucket_size=30_000)
     r.forward_calls, r.backward_calls   # each all-gather call: the element counts of the parameters it gathers
     r.resident_at_turn                  # gathered elements held at the turn from the forward to the backward
@@ -9,14 +9,16 @@
 From the second step on the coordinator holds a complete trace of the modules its hooks fetched in the first
 (`partitioned_param_coordinator.py`, deepspeed 0.19.8, the lines below) and replays it: every module the forward
 calls, parameter-free containers included, fetches before its forward (pre-forward hook) and may release after it
-(post-forward hook); in the backward each module whose output needs a gradient fetches again (pre-backward hook:
-the reverse of the order the forwards ended in) and releases where its inputs need one (post-backward hook). What a
-fetch gathers, what it prefetches and what a release keeps follow the coordinator's rules line by line (`replay`),
+(post-forward hook); in the backward it fetches again as each of its outputs receives a gradient (pre-backward hook)
+and releases once its inputs have theirs (post-backward hook), in the order autograd runs them. What a fetch
+gathers, what it prefetches and what a release keeps follow the coordinator's rules line by line (`replay`),
 so the calls match DeepSpeed's comms log byte for byte (tests/study/test_comms.py, on real 2-rank runs).
 
-Not modelled (none of the lab's models or the transformer shapes has them): a module called twice in one forward,
-modules with several outputs that receive gradients, outputs the loss does not use, ZeRO-3 leaf modules
-(`set_z3_leaf_modules`, `stage3_module_granularity_threshold`), external parameters, and activation checkpointing's
+`record` runs the hooks' own mechanics, so a module called twice in one forward, a module whose several outputs
+receive gradients (one backward fetch each) and outputs the loss does not use (none) come out as DeepSpeed makes
+them (tests.own_model:build_odd_model, a real run in tests/study/test_comms.py). Not modelled: ZeRO-3 leaf modules
+(`set_z3_leaf_modules`, `stage3_module_granularity_threshold` and `leaf_module` refused by `comms`, the default leaf
+classes, Mixtral's and Qwen-MoE's sparse blocks, by `record`), external parameters, and activation checkpointing's
 recomputed forward (its fetches are counted as the backward's).
 """
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 import bisect
 import collections
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,14 +66,26 @@ def _mirror(forward: Sequence[Event]) -> tuple[Event, ...]:
     return tuple((not fetch, m) for fetch, m in reversed(forward))
 
 
-def record(model: Any, run_forward: Callable[[], Any]) -> ModuleTrace:
-    """The trace of `model` (on any device, the meta device too) from one forward: forward hooks on every module note
-    the order modules start and end and whether their outputs and positional inputs need gradients. DeepSpeed hooks
-    every module (parameter_offload.py:`_register_deepspeed_module`); its pre-backward hook rides on the outputs that
-    need a gradient (`_pre_backward_module_hook`, :410), its post-backward hook on the positional inputs that do (a
-    forward pre-hook, which sees no keyword arguments: `_post_backward_module_hook`, :437, registered at :528)."""
+def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
+    """The trace of `model` (on any device, the meta device too) from one `run_step()`, which returns the loss: its
+    forward and its backward run with DeepSpeed's hooks' mechanics on every module, logging where DeepSpeed would
+    fetch and release (parameter_offload.py, 0.19.8):
+    - a forward pre-hook fetches; a forward hook releases;
+    - each output tensor goes through an autograd function whose backward fetches (`_pre_backward_module_hook`, :410;
+      `PreBackwardFunctionForModule`, :456-483: once per output tensor that receives a gradient, counted per call);
+    - each positional input tensor that needs a gradient goes through one whose backward releases once the last of
+      them has its gradient (`_post_backward_module_hook`, :437, a forward pre-hook, so no keyword arguments;
+      `PostBackwardFunctionModule`, :498-526; a second call of the module resets the count, as :438 does).
+    So the backward's order is autograd's own, and outputs the loss does not use fetch nothing."""
     import torch
+    from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
+    from deepspeed.runtime.zero.utils import apply_to_tensors_only
 
+    leaves = set(DeepSpeedZeroLeafModuleConfig().classes)  # what ZeRO-3 makes a leaf by default (MoE blocks)
+    for module in model.modules():
+        kind = f"{type(module).__module__}.{type(module).__qualname__}"
+        if kind in leaves:
+            raise ValueError(f"{kind} is a ZeRO-3 leaf module by default: its fetches are not modelled")
     ids: dict[int, int] = {}
     numels: list[int] = []
     for p in model.parameters():  # shared parameters once, as DeepSpeed numbers them (ds_id)
@@ -81,49 +95,74 @@ def record(model: Any, run_forward: Callable[[], Any]) -> ModuleTrace:
     names = {id(m): n for n, m in model.named_modules()}
     traced: list[str] = []
     owns: list[tuple[int, ...]] = []
-    events: list[tuple[str, int]] = []  # ("pre" | "post", module), and the gradient flags beside
-    outputs_grad: dict[int, bool] = {}
-    inputs_grad: dict[int, bool] = {}
+    events: list[Event] = []
+    pending_fetches: dict[int, int] = collections.defaultdict(int)  # applied_pre_backward_ref_cnt
+    grads_remaining: dict[int, int] = collections.defaultdict(int)  # ds_grads_remaining
 
-    def needs_grad(value: Any) -> bool:
-        if isinstance(value, torch.Tensor):
-            return value.requires_grad
-        if isinstance(value, Mapping):
-            return any(needs_grad(v) for v in value.values())
-        if isinstance(value, (list, tuple)):
-            return any(needs_grad(v) for v in value)
-        return False
+    class PreBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, m: int, x: Any) -> Any:
+            ctx.m = m
+            pending_fetches[m] += 1
+            return x.detach()
 
-    def pre(module: Any, args: Any, _kwargs: Any) -> None:
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            if pending_fetches[ctx.m] > 0:
+                events.append((True, ctx.m))
+                pending_fetches[ctx.m] -= 1
+            return None, grad
+
+    class PostBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, m: int, x: Any) -> Any:
+            ctx.m = m
+            return x.detach()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            grads_remaining[ctx.m] -= 1
+            if grads_remaining[ctx.m] == 0:
+                events.append((False, ctx.m))
+            return None, grad
+
+    def pre(module: Any, args: Any) -> Any:
         key = id(module)
         if key not in index:
             index[key] = len(owns)
             traced.append(names.get(key, "?"))
-            own = sorted({ids[id(p)] for p in module.parameters(recurse=False)})
-            owns.append(tuple(own))
+            owns.append(tuple(sorted({ids[id(p)] for p in module.parameters(recurse=False)})))
         m = index[key]
-        events.append(("pre", m))
-        inputs_grad[m] = needs_grad(args)
+        events.append((True, m))
+        grads_remaining[m] = 0
 
-    def post(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        def wrap(x: Any) -> Any:
+            if not x.requires_grad:
+                return x
+            grads_remaining[m] += 1
+            return PostBackward.apply(m, x)
+
+        return apply_to_tensors_only(wrap, args)
+
+    def post(module: Any, args: Any, output: Any) -> Any:
         m = index[id(module)]
-        events.append(("post", m))
-        outputs_grad[m] = needs_grad(output)
+        events.append((False, m))
+        return apply_to_tensors_only(lambda x: PreBackward.apply(m, x), output)
 
     handles = []
     for module in model.modules():
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(module.register_forward_hook(post, with_kwargs=True))
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
     try:
         with torch.enable_grad():
-            run_forward()
+            loss = run_step()
+            turn = len(events)
+            if loss.requires_grad:
+                loss.backward()
     finally:
         for h in handles:
             h.remove()
-    forward = tuple((kind == "pre", m) for kind, m in events)
-    backward = tuple((fetch, m) for fetch, m in _mirror(forward)
-                     if (outputs_grad.get(m, False) if fetch else inputs_grad.get(m, False)))
-    return ModuleTrace(tuple(numels), tuple(owns), forward, backward, tuple(traced))
+    return ModuleTrace(tuple(numels), tuple(owns), tuple(events[:turn]), tuple(events[turn:]), tuple(traced))
 
 
 def repeat_blocks(trace: ModuleTrace, layers: int,

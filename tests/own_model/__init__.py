@@ -15,6 +15,40 @@ def build_model(config) -> nn.Module:
     return nn.Sequential(nn.Linear(config.input_size, config.hidden), nn.Tanh(), nn.Linear(config.hidden, 1))
 
 
+class _Split(nn.Module):
+    """One Linear, its output returned as two halves."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, 2 * width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.linear(x).chunk(2, dim=-1)
+
+
+class _OddHooks(nn.Module):
+    """What ZeRO-3's hooks meet in real models beyond a chain of layers: a module called twice in one forward, a
+    module with two outputs that both receive gradients, and one whose second output the loss never uses."""
+
+    def __init__(self, input_size: int, width: int):
+        super().__init__()
+        self.first = nn.Linear(input_size, width)
+        self.shared = nn.Linear(width, width)
+        self.split = _Split(width)
+        self.split_unused = _Split(width)
+        self.last = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shared(torch.tanh(self.first(x)))
+        u, v = self.split(self.shared(h))
+        w, _unused = self.split_unused(u * v)
+        return self.last(w)
+
+
+def build_odd_model(config) -> nn.Module:
+    return _OddHooks(config.input_size, config.hidden)
+
+
 def build_dataset(config) -> TensorDataset:
     generator = torch.Generator().manual_seed(config.seed)
     inputs = torch.randn(config.dataset_size, config.input_size, generator=generator)

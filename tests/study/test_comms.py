@@ -223,6 +223,8 @@ def test_a_tied_lm_head_is_found_on_the_model():
     ({"stage": 3, "modules": MLP, "n_params": 55_510, "persistent_params": 10}, "persistent_params"),
     ({"stage": 2, "use_multi_rank_bucket_allreduce": False}, "use_multi_rank_bucket_allreduce"),
     ({"stage": 3, "zero_quantized_weights": True}, "zero_quantized_weights"),
+    ({"stage": 3, "stage3_module_granularity_threshold": 10_000}, "stage3_module_granularity_threshold"),
+    ({"stage": 3, "leaf_module": {"names": ["layers.0"]}}, "leaf_module"),
     ({"stage": 0, "offload_optimizer": True}, "offload_optimizer"),
     ({"stage": 2, "no_such_setting": 1}, "no_such_setting"),
 ])
@@ -322,6 +324,13 @@ ZERO3_LOOKAHEAD = {"zero_optimization": {"stage3_param_persistence_threshold": 1
                                          "stage3_max_reuse_distance": 50_000, "stage3_prefetch_bucket_size": 20_000}}
 ZERO3_LIVE_LIMIT = {"zero_optimization": {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
                                           "stage3_prefetch_bucket_size": 5_000, "stage3_max_live_parameters": 30_000}}
+# A model of the learner's own whose hooks are not a chain (tests.own_model:build_odd_model): a Linear called twice,
+# a module whose two outputs both receive gradients (fetched twice in the backward), one whose second output the
+# loss does not use (fetched once); prefetch and reuse window small enough to re-gather.
+ODD_HOOKS = dict(model="tests.own_model:build_odd_model", data="tests.own_model:build_dataset",
+                 loss="tests.own_model:loss_fn", hidden=64, ds_overrides={"zero_optimization": {
+                     "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 5_000,
+                     "stage3_max_reuse_distance": 9_000}})
 REAL_RUNS = {
     "stage 0": dict(example="deepspeed", stage=0, grad_accum=2),
     "stage 1 bf16": dict(example="deepspeed", stage=1, grad_accum=2, precision="bf16"),
@@ -332,6 +341,7 @@ REAL_RUNS = {
     "stage 3 prefetch batches": dict(example="zero3", grad_accum=2, ds_overrides=ZERO3_PREFETCH),
     "stage 3 look-ahead, tied GPT": dict(example="zero3", **TIED_GPT, ds_overrides=ZERO3_LOOKAHEAD),
     "stage 3 live-parameter limit, tied GPT": dict(example="zero3", **TIED_GPT, ds_overrides=ZERO3_LIVE_LIMIT),
+    "stage 3, a model with odd hooks": dict(example="zero3", **ODD_HOOKS),
 }
 
 

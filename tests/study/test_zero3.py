@@ -120,3 +120,32 @@ def test_a_block_pattern_that_matches_nothing_is_refused_not_read_as_one_layer()
         zero3.repeat_blocks(recorded, 4, re.compile(r"blocks\.0"))
     with pytest.raises(ValueError, match="needs a recorded trace"):
         zero3.repeat_blocks(zero3.ModuleTrace.from_layout([[1]]), 2)
+
+
+def test_odd_hooks_come_out_as_deepspeeds_coordinator_recorded_them():
+    # tests.own_model:build_odd_model: `shared` called twice, `split`'s two outputs both used (its backward fetches
+    # twice), `split_unused`'s second output unused (once). The order DeepSpeed 0.19.8's coordinator recorded for the
+    # same structure on 2 CPU ranks (2026-11-29); the gathers are checked on a real run in test_comms.py
+    config = RunConfig(example="zero3", model="tests.own_model:build_odd_model", data="tests.own_model:build_dataset",
+                       loss="tests.own_model:loss_fn", hidden=64)
+    trace = zero3.record_lab_model(config)
+    assert fetched(trace) == [
+        "", "first", "shared", "shared", "split", "split.linear", "split_unused", "split_unused.linear", "last",
+        "", "last", "split_unused", "split_unused.linear", "split", "split", "split.linear", "shared", "shared",
+        "first"]
+    # the second call's release hook only: the first call's count was reset when the module was called again
+    shared = trace.names.index("shared")
+    assert sum(1 for fetch, m in trace.backward if m == shared and not fetch) == 1
+
+
+def test_a_default_zero3_leaf_module_is_refused_before_anything_runs():
+    import torch
+    import transformers
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = transformers.MixtralConfig(hidden_size=16, intermediate_size=32, num_local_experts=2,
+                                        num_experts_per_tok=1)
+    with torch.device("meta"):
+        block = MixtralSparseMoeBlock(config)
+    with pytest.raises(ValueError, match="MixtralSparseMoeBlock is a ZeRO-3 leaf module"):
+        zero3.record(block, lambda: pytest.fail("ran"))
