@@ -270,7 +270,8 @@ def _refuse_unmodelled(stage: int, cfg: Any, offload_optimizer: bool) -> None:
         "offload_param": stage == 3 and cfg.offload_param is not None,
         # ZeRO-3 leaf modules fetch their subtree's parameters at once: zero3.record does not model them
         "stage3_module_granularity_threshold": stage == 3 and cfg.module_granularity_threshold > 0,
-        "leaf_module": stage == 3 and bool(cfg.leaf_module.names or cfg.leaf_module.name_suffixes),
+        "leaf_module": stage == 3 and (bool(cfg.leaf_module.names or cfg.leaf_module.name_suffixes)
+                                       or cfg.leaf_module.classes != type(cfg.leaf_module)().classes),
         "zenflow": cfg.zenflow is not None,
     }
     bad = [name for name, on in unmodelled.items() if on]
@@ -596,6 +597,11 @@ def _stage3(out: list[Collective], modules: Sequence[Sequence[int]] | None, n_pa
     # linear the bias's first. Other modules may order theirs otherwise: bucket edges move, bytes do not.
     within = (lambda m: m) if cfg.memory_efficient_linear else (lambda m: m[::-1])
     numels = [n for m in modules[::-1] for n in within(list(m))] if modules is not None else [n_params]
+    if modules is not None and trace is not None and trace.ungraded:
+        # a parameter the backward gives no gradient (its output unused) fires no reduce hook: nothing sent for it
+        ids = iter(range(sum(map(len, modules))))
+        numbered = [[(next(ids), n) for n in m] for m in modules]
+        numels = [n for m in numbered[::-1] for p, n in within(m) if p not in trace.ungraded]
     bucket = int(cfg.reduce_bucket_size)
     calls: list[int] = []
     current: list[int] = []
@@ -697,14 +703,15 @@ def run_collectives(config: Any) -> list[Collective]:
     zero = dict(ds_config.get("zero_optimization", {}))
     stage = int(zero.pop("stage", 0))
     offload = zero.pop("offload_optimizer", None)
+    offloaded = bool(offload) and offload.get("device", "none") != "none"
     model = meta_model(config)
     modules = module_layout(model)
+    check_zero_settings(stage, zero, offloaded)  # refused before the model's trace is recorded
     trace = zero3.record_lab_model(config) if stage == 3 else None
     return collectives(stage, sum(map(sum, modules)), config.world_size, precision=config.precision,
                        grad_accum=config.grad_accum, tied_head=tied_head(model), trace=trace,
-                       offload_optimizer=bool(offload) and offload.get("device", "none") != "none",
-                       modules=modules, gradient_clipping=ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT),
-                       **zero)
+                       offload_optimizer=offloaded, modules=modules,
+                       gradient_clipping=ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT), **zero)
 
 
 def predicted_table(cs: Iterable[Collective], world_size: int) -> pd.DataFrame:

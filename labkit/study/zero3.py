@@ -15,8 +15,9 @@ gathers, what it prefetches and what a release keeps follow the coordinator's ru
 so the calls match DeepSpeed's comms log byte for byte (tests/study/test_comms.py, on real 2-rank runs).
 
 `record` runs the hooks' own mechanics, so a module called twice in one forward, a module whose several outputs
-receive gradients (one backward fetch each) and outputs the loss does not use (none) come out as DeepSpeed makes
-them (tests.own_model:build_odd_model, a real run in tests/study/test_comms.py). Not modelled: ZeRO-3 leaf modules
+receive gradients (one backward fetch each) and outputs the loss does not use (none; their parameters get no
+gradient, `ModuleTrace.ungraded`, so ZeRO-3 reduces none) come out as DeepSpeed makes them
+(tests.own_model:build_odd_model, a real run in tests/study/test_comms.py). Not modelled: ZeRO-3 leaf modules
 (`set_z3_leaf_modules`, `stage3_module_granularity_threshold` and `leaf_module` refused by `comms`, the default leaf
 classes, Mixtral's and Qwen-MoE's sparse blocks, by `record`), external parameters, and activation checkpointing's
 recomputed forward (its fetches are counted as the backward's).
@@ -44,6 +45,7 @@ class ModuleTrace:
     forward: tuple[Event, ...]               # pre-forward hooks fetch, post-forward hooks release
     backward: tuple[Event, ...]              # pre-backward hooks fetch, post-backward hooks release
     names: tuple[str, ...] = ()              # each module's name in the model, where recorded
+    ungraded: frozenset[int] = frozenset()   # parameters the recorded backward gave no gradient (an unused output)
 
     @classmethod
     def from_layout(cls, modules: Sequence[Sequence[int]], tied_head: bool = False) -> ModuleTrace:
@@ -72,11 +74,12 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
     fetch and release (parameter_offload.py, 0.19.8):
     - a forward pre-hook fetches; a forward hook releases;
     - each output tensor goes through an autograd function whose backward fetches (`_pre_backward_module_hook`, :410;
-      `PreBackwardFunctionForModule`, :456-483: once per output tensor that receives a gradient, counted per call);
+      `PreBackwardFunctionForModule`, :456-483: once per output tensor that receives a gradient, counted per module);
     - each positional input tensor that needs a gradient goes through one whose backward releases once the last of
       them has its gradient (`_post_backward_module_hook`, :437, a forward pre-hook, so no keyword arguments;
       `PostBackwardFunctionModule`, :498-526; a second call of the module resets the count, as :438 does).
-    So the backward's order is autograd's own, and outputs the loss does not use fetch nothing."""
+    So the backward's order is autograd's own, and outputs the loss does not use fetch nothing. The parameters'
+    `.grad` are left as they were."""
     import torch
     from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
     from deepspeed.runtime.zero.utils import apply_to_tensors_only
@@ -84,8 +87,8 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
     leaves = set(DeepSpeedZeroLeafModuleConfig().classes)  # what ZeRO-3 makes a leaf by default (MoE blocks)
     for module in model.modules():
         kind = f"{type(module).__module__}.{type(module).__qualname__}"
-        if kind in leaves:
-            raise ValueError(f"{kind} is a ZeRO-3 leaf module by default: its fetches are not modelled")
+        if kind in leaves or getattr(module, "_z3_leaf", False):  # the flag deepspeed.utils.set_z3_leaf_modules sets
+            raise ValueError(f"{kind} is a ZeRO-3 leaf module: its fetches are not modelled")
     ids: dict[int, int] = {}
     numels: list[int] = []
     for p in model.parameters():  # shared parameters once, as DeepSpeed numbers them (ds_id)
@@ -153,16 +156,24 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
     for module in model.modules():
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
+    grads = [(p, p.grad) for p in model.parameters()]
     try:
+        for p, _ in grads:
+            p.grad = None
         with torch.enable_grad():
             loss = run_step()
             turn = len(events)
-            if loss.requires_grad:
-                loss.backward()
+            if not getattr(loss, "requires_grad", False):
+                raise ValueError("the step's loss needs a gradient (parameters to train, not under inference_mode)")
+            loss.backward()
+        ungraded = frozenset(ids[id(p)] for p, _ in grads if p.grad is None)
     finally:
         for h in handles:
             h.remove()
-    return ModuleTrace(tuple(numels), tuple(owns), tuple(events[:turn]), tuple(events[turn:]), tuple(traced))
+        for p, grad in grads:
+            p.grad = grad
+    return ModuleTrace(tuple(numels), tuple(owns), tuple(events[:turn]), tuple(events[turn:]), tuple(traced),
+                       ungraded)
 
 
 def repeat_blocks(trace: ModuleTrace, layers: int,
@@ -215,7 +226,10 @@ def repeat_blocks(trace: ModuleTrace, layers: int,
             k = end
         return tuple(out)
 
-    return ModuleTrace(tuple(numels), tuple(owns), expand(trace.forward), expand(trace.backward), tuple(names))
+    ungraded = frozenset(renumber(p, layer) for p in trace.ungraded
+                         for layer in (range(layers) if first <= p < first + width else (0,)))
+    return ModuleTrace(tuple(numels), tuple(owns), expand(trace.forward), expand(trace.backward), tuple(names),
+                       ungraded)
 
 
 def _layer_name(layer: int) -> Callable[[re.Match[str]], str]:

@@ -28,7 +28,8 @@ class _Split(nn.Module):
 
 class _OddHooks(nn.Module):
     """What ZeRO-3's hooks meet in real models beyond a chain of layers: a module called twice in one forward, a
-    module with two outputs that both receive gradients, and one whose second output the loss never uses."""
+    module with two outputs that both receive gradients, one whose second output the loss never uses, and a layer
+    whose output it never uses at all (gathered for the forward, never for the backward)."""
 
     def __init__(self, input_size: int, width: int):
         super().__init__()
@@ -36,12 +37,14 @@ class _OddHooks(nn.Module):
         self.shared = nn.Linear(width, width)
         self.split = _Split(width)
         self.split_unused = _Split(width)
+        self.unused = nn.Linear(width, width)
         self.last = nn.Linear(width, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.shared(torch.tanh(self.first(x)))
         u, v = self.split(self.shared(h))
         w, _unused = self.split_unused(u * v)
+        self.unused(w)  # a side branch whose result is dropped
         return self.last(w)
 
 

@@ -124,18 +124,22 @@ def test_a_block_pattern_that_matches_nothing_is_refused_not_read_as_one_layer()
 
 def test_odd_hooks_come_out_as_deepspeeds_coordinator_recorded_them():
     # tests.own_model:build_odd_model: `shared` called twice, `split`'s two outputs both used (its backward fetches
-    # twice), `split_unused`'s second output unused (once). The order DeepSpeed 0.19.8's coordinator recorded for the
-    # same structure on 2 CPU ranks (2026-11-29); the gathers are checked on a real run in test_comms.py
+    # twice), `split_unused`'s second output unused (once), `unused`'s output dropped (never). The order DeepSpeed
+    # 0.19.8's coordinator recorded for this model on 2 CPU ranks (2026-11-29); its gathers are checked on a real run
+    # in test_comms.py
     config = RunConfig(example="zero3", model="tests.own_model:build_odd_model", data="tests.own_model:build_dataset",
                        loss="tests.own_model:loss_fn", hidden=64)
     trace = zero3.record_lab_model(config)
     assert fetched(trace) == [
-        "", "first", "shared", "shared", "split", "split.linear", "split_unused", "split_unused.linear", "last",
+        "", "first", "shared", "shared", "split", "split.linear", "split_unused", "split_unused.linear", "unused",
+        "last",
         "", "last", "split_unused", "split_unused.linear", "split", "split", "split.linear", "shared", "shared",
         "first"]
     # the second call's release hook only: the first call's count was reset when the module was called again
     shared = trace.names.index("shared")
     assert sum(1 for fetch, m in trace.backward if m == shared and not fetch) == 1
+    # the dropped Linear's parameters get no gradient, so no reduce hook fires for them (comms leaves them out)
+    assert trace.ungraded == set(trace.owns[trace.names.index("unused")])
 
 
 def test_a_default_zero3_leaf_module_is_refused_before_anything_runs():
@@ -149,3 +153,17 @@ def test_a_default_zero3_leaf_module_is_refused_before_anything_runs():
         block = MixtralSparseMoeBlock(config)
     with pytest.raises(ValueError, match="MixtralSparseMoeBlock is a ZeRO-3 leaf module"):
         zero3.record(block, lambda: pytest.fail("ran"))
+
+
+def test_record_needs_a_loss_to_differentiate_and_leaves_the_gradients_as_they_were():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    x = torch.randn(2, 4)
+    trace = zero3.record(model, lambda: model(x).sum())
+    assert trace.backward and all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="needs a gradient"), torch.inference_mode():
+        zero3.record(model, lambda: model(x).sum())
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="needs a gradient"):
+        zero3.record(model, lambda: model(x).sum())
