@@ -498,17 +498,10 @@ def _stage12(out: list[Collective], stage: int, numels: list[int], world_size: i
 
 
 def _persistent(modules: Sequence[Sequence[int]], cfg: Any) -> list[list[bool]]:
-    """ZeRO-3's persistent parameters: each of at most param_persistence_threshold elements, while the
-    total stays within model_persistence_threshold (parameter_offload.py:317-327, named_parameters order)."""
-    total, flags = 0, []
-    for module in modules:
-        row = []
-        for n in module:
-            keep = n + total <= cfg.model_persistence_threshold and n <= cfg.param_persistence_threshold
-            total += n if keep else 0
-            row.append(keep)
-        flags.append(row)
-    return flags
+    """ZeRO-3's persistent parameters, per module (`zero3.persistent_ids` over the layout's parameters in order)."""
+    keep = zero3.persistent_ids([n for module in modules for n in module], cfg)
+    ids = iter(range(sum(map(len, modules))))
+    return [[next(ids) in keep for _ in module] for module in modules]
 
 
 def _partitioned(modules: Sequence[Sequence[int]], cfg: Any) -> list[list[int]]:

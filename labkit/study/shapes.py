@@ -156,9 +156,7 @@ class Transformer:
     def zero3_trace(self) -> Any:
         """ZeRO-3's module trace of this model (`zero3.ModuleTrace`): recorded on the one-layer model, its block's
         hooks repeated `layers` times."""
-        from labkit.study import zero3
-
-        return zero3.repeat_blocks(_one_layer_trace(dataclasses.replace(self, layers=1)), self.layers, _BLOCK)
+        return _zero3_trace(self)
 
     def persistent_params(self, threshold: int = 100_000) -> int:
         """Elements of the tensors ZeRO-3 keeps whole (each <= param_persistence_threshold): biases and norms."""
@@ -193,6 +191,13 @@ def _structure(shape: Transformer) -> _Structure:
     paramless = [name for name, module in model.named_modules() if not list(module.parameters(recurse=False))]
     inside = sum(1 for name in paramless if _BLOCK.search(name))
     return _Structure(before, block, after, len(paramless) - inside, inside)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero3_trace(shape: Transformer) -> Any:
+    from labkit.study import zero3
+
+    return zero3.repeat_blocks(_one_layer_trace(dataclasses.replace(shape, layers=1)), shape.layers, _BLOCK)
 
 
 @functools.lru_cache(maxsize=64)
