@@ -84,6 +84,8 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
     from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
     from deepspeed.runtime.zero.utils import apply_to_tensors_only
 
+    if torch.is_inference_mode_enabled():  # no autograd at all: no backward to record
+        raise ValueError("the step's loss needs a gradient: record runs outside torch.inference_mode")
     leaves = set(DeepSpeedZeroLeafModuleConfig().classes)  # what ZeRO-3 makes a leaf by default (MoE blocks)
     for module in model.modules():
         kind = f"{type(module).__module__}.{type(module).__qualname__}"
