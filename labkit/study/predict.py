@@ -317,8 +317,6 @@ class ModuleWorkload:
 
     def zero3_trace(self) -> Any:
         if "zero3_trace" not in self._cache:
-            from labkit.study import zero3
-
             self._cache["zero3_trace"] = zero3.record_lab_model(self.config)
         return self._cache["zero3_trace"]
 
