@@ -178,6 +178,12 @@ def zero_config(stage: int, zero_settings: Mapping[str, Any]) -> Any:
     from pydantic import ValidationError
 
     settings = {k: v for k, v in zero_settings.items() if k != "stage"}
+    # "auto" is the Hugging Face Trainer's: it puts a number derived from the model there before DeepSpeed reads the
+    # config (DeepSpeed alone reads "auto" as its default), so the run used neither; the number is needed
+    auto = sorted(k for k, v in settings.items() if isinstance(v, str) and v.strip().lower() == "auto")
+    if auto:
+        raise ValueError(f"zero settings {', '.join(auto)} are 'auto': the Hugging Face Trainer fills those in from "
+                         "the model before DeepSpeed reads them; give the values it used")
     try:
         return DeepSpeedZeroConfig(stage=stage, **settings)
     except ValidationError as exc:  # each problem with its setting; an unknown key with the keys there are
@@ -342,6 +348,13 @@ def collectives(stage: int | None, n_params: int, world_size: int, *, precision:
     One rank sends nothing: DeepSpeed still calls some collectives on a one-rank group, but they move no bytes.
     """
     numels = _check_inputs(stage, n_params, world_size, precision, grad_accum, persistent_params, modules)
+    if trace is not None:
+        if sum(trace.numels) != n_params:
+            raise ValueError(f"the trace's model has {sum(trace.numels)} parameters, n_params says {n_params}: "
+                             "a trace of another model")
+        if persistent_params:
+            raise ValueError("persistent_params is for a model given without a trace: with one, ZeRO-3's "
+                             "stage3_param_persistence_threshold decides which parameters persist")
     if stage is None or world_size == 1:
         return []
     settings = dict(zero_settings)

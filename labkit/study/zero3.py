@@ -17,10 +17,14 @@ so the calls match DeepSpeed's comms log byte for byte (tests/study/test_comms.p
 `record` runs the hooks' own mechanics, so a module called twice in one forward, a module whose several outputs
 receive gradients (one backward fetch each) and outputs the loss does not use (none; their parameters get no
 gradient, `ModuleTrace.ungraded`, so ZeRO-3 reduces none) come out as DeepSpeed makes them
-(tests.own_model:build_odd_model, a real run in tests/study/test_comms.py). Not modelled: ZeRO-3 leaf modules
-(`set_z3_leaf_modules`, `stage3_module_granularity_threshold` and `leaf_module` refused by `comms`, the default leaf
-classes, Mixtral's and Qwen-MoE's sparse blocks, by `record`), external parameters, and activation checkpointing's
-recomputed forward (its fetches are counted as the backward's).
+(tests.own_model:build_odd_model, a real run in tests/study/test_comms.py), and so do a module registered under two
+parents (hooked twice), external parameters (another module's parameter read in a forward, or returned by a
+module: `ModuleTrace.owners`) and a recomputed forward under activation checkpointing where the recorded step
+checkpoints (its fetches counted in the backward, where they run; DeepSpeed's log tags them forward). Refused: ZeRO-3
+leaf modules (`set_z3_leaf_modules`, `stage3_module_granularity_threshold` and `leaf_module` by `comms`, the default
+leaf classes, Mixtral's and Qwen-MoE's sparse blocks, by `record`) and a forward that calls other modules from one
+step to the next (`record`). Left out: parameters a module returned stay gathered across the micro-steps of a step
+(`ModuleTrace.returned`); the replay starts each micro-step with everything released.
 """
 
 from __future__ import annotations
@@ -46,6 +50,33 @@ class ModuleTrace:
     backward: tuple[Event, ...]              # pre-backward hooks fetch, post-backward hooks release
     names: tuple[str, ...] = ()              # each module's name in the model, where recorded
     ungraded: frozenset[int] = frozenset()   # parameters the recorded backward gave no gradient (an unused output)
+    # DeepSpeed's external parameters, (module, parameter): another module's parameter a module reads or gets back
+    # from a child in its forward, which DeepSpeed then fetches with that module too; which ones depends on whether
+    # the parameter is partitioned or persistent (`record`), so both are kept and `replay` picks
+    external_if_partitioned: frozenset[tuple[int, int]] = frozenset()
+    external_if_persistent: frozenset[tuple[int, int]] = frozenset()
+    returned: frozenset[int] = frozenset()   # parameters a module returned: DeepSpeed flags them `is_external_param`
+                                             # and no release frees them until the optimizer step (:386, :528)
+
+    def hooked_modules(self) -> tuple[float, float]:
+        """(parameter-holding, parameter-free) modules per micro-step as ZeRO-3's host costs count them
+        (`predict.HostCosts`: one fetch before the forward, one before the backward): the fetches over two, so a
+        module called twice counts twice and one never called not at all."""
+        fetches = [m for fetch, m in (*self.forward, *self.backward) if fetch]
+        holding = sum(1 for m in fetches if self.owns[m])
+        return holding / 2, (len(fetches) - holding) / 2
+
+    def owners(self, persistent: set[int] | frozenset[int]) -> list[tuple[int, ...]]:
+        """Each module's parameters as DeepSpeed's coordinator iterates them (`iter_params`: its own and its
+        external ones), with `persistent` the persistent parameters."""
+        owns = [set(own) for own in self.owns]
+        for m, p in self.external_if_partitioned:
+            if p not in persistent:
+                owns[m].add(p)
+        for m, p in self.external_if_persistent:
+            if p in persistent:
+                owns[m].add(p)
+        return [tuple(sorted(own)) for own in owns]
 
     @classmethod
     def from_layout(cls, modules: Sequence[Sequence[int]], tied_head: bool = False) -> ModuleTrace:
@@ -69,17 +100,25 @@ def _mirror(forward: Sequence[Event]) -> tuple[Event, ...]:
 
 
 def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
-    """The trace of `model` (on any device, the meta device too) from one `run_step()`, which returns the loss: its
+    """The trace of `model` (on any device, the meta device too) from `run_step()`, which returns the loss: its
     forward and its backward run with DeepSpeed's hooks' mechanics on every module, logging where DeepSpeed would
     fetch and release (parameter_offload.py, 0.19.8):
+    - hooks go on every module as DeepSpeed walks them, each parent's children in turn (:353-356), so a module
+      registered under two parents is hooked, and fetched, twice per call;
     - a forward pre-hook fetches; a forward hook releases;
     - each output tensor goes through an autograd function whose backward fetches (`_pre_backward_module_hook`, :410;
       `PreBackwardFunctionForModule`, :456-483: once per output tensor that receives a gradient, counted per module);
     - each positional input tensor that needs a gradient goes through one whose backward releases once the last of
       them has its gradient (`_post_backward_module_hook`, :437, a forward pre-hook, so no keyword arguments;
-      `PostBackwardFunctionModule`, :498-526; a second call of the module resets the count, as :438 does).
-    So the backward's order is autograd's own, and outputs the loss does not use fetch nothing. The parameters'
-    `.grad` are left as they were."""
+      `PostBackwardFunctionModule`, :498-526; a second call of the module resets the count, as :438 does);
+    - external parameters, as the first (recording) step registers them: a parameter read in the forward while no
+      module on the forward stack holds it, where it is partitioned (so not available: the recording step releases
+      every module's parameters after its forward, :498-499), becomes the innermost module's (the getter, :80-93);
+      a parameter a module returns becomes its caller's, partitioned or persistent (:381-401).
+    So the backward's order is autograd's own, and outputs the loss does not use fetch nothing. The step runs twice:
+    a forward whose modules differ between steps (DeepSpeed then records its trace again, :195-219, and never
+    prefetches) is refused. The parameters' `.grad` are left as they were; anything else the step changes (running
+    statistics, the random state) is not restored."""
     import torch
     from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
     from deepspeed.runtime.zero.utils import apply_to_tensors_only
@@ -103,6 +142,15 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
     events: list[Event] = []
     pending_fetches: dict[int, int] = collections.defaultdict(int)  # applied_pre_backward_ref_cnt
     grads_remaining: dict[int, int] = collections.defaultdict(int)  # ds_grads_remaining
+    # External parameters by module key (id), registered by the user (register_external_parameter) or in the
+    # recording step: as they come out where the parameter is partitioned, and where it is persistent
+    external: dict[bool, dict[int, set[int]]] = {
+        persistent: {id(m): {ids[key_p] for key_p in getattr(m, "_external_params", {}) if key_p in ids}
+                     for m in model.modules()} for persistent in (False, True)}
+    own_ids = {id(m): {ids[id(p)] for p in m.parameters(recurse=False)} for m in model.modules()}
+    returned: set[int] = set()
+    stack = [id(model)]  # FWD_MODULE_STACK: the model at the bottom (:314-315)
+    recording = [True]   # the forward of the first step, where the getter registers (engine.py:2950-2969)
 
     class PreBackward(torch.autograd.Function):
         @staticmethod
@@ -131,13 +179,21 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
                 events.append((False, ctx.m))
             return None, grad
 
+    def read(param: Any) -> None:  # ZeROOrderedDict.__getitem__ (:58-93)
+        p = ids.get(id(param))
+        if p is None or not recording[0] or len(stack) < 2:
+            return
+        if not any(p in own_ids[k] or p in external[False][k] for k in stack):  # not gathered: registered
+            external[False][stack[-1]].add(p)
+
     def pre(module: Any, args: Any) -> Any:
         key = id(module)
         if key not in index:
             index[key] = len(owns)
             traced.append(names.get(key, "?"))
-            owns.append(tuple(sorted({ids[id(p)] for p in module.parameters(recurse=False)})))
+            owns.append(tuple(sorted(own_ids[key])))
         m = index[key]
+        stack.append(key)
         events.append((True, m))
         grads_remaining[m] = 0
 
@@ -150,32 +206,73 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
         return apply_to_tensors_only(wrap, args)
 
     def post(module: Any, args: Any, output: Any) -> Any:
-        m = index[id(module)]
+        key = id(module)
+        stack.pop()
+        items = output if isinstance(output, (list, tuple)) else [output]
+        for p in {ids[id(x)] for x in items if isinstance(x, torch.nn.Parameter) and id(x) in ids}:
+            for registry in external.values():  # a returned parameter (:381-401), partitioned or persistent
+                if not any(p in registry[k] for k in stack):
+                    registry[stack[-1]].add(p)
+                    registry[key].discard(p)
+                    returned.add(p)
+        m = index[key]
         events.append((False, m))
         return apply_to_tensors_only(lambda x: PreBackward.apply(m, x), output)
 
+    class Reads(dict):  # a module's parameters, noticing a read (DeepSpeed's ZeROOrderedDict)
+        def __getitem__(self, key: str) -> Any:
+            param = super().__getitem__(key)
+            read(param)
+            return param
+
     handles = []
-    for module in model.modules():
+    swapped = []
+
+    def hook(module: Any) -> None:  # _register_deepspeed_module (:340-356): every visit, children in turn
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
+        for child in module.children():
+            hook(child)
+
     grads = [(p, p.grad) for p in model.parameters()]
+    steps = []
     try:
-        for p, _ in grads:
-            p.grad = None
-        with torch.enable_grad():
-            loss = run_step()
-            turn = len(events)
-            if not getattr(loss, "requires_grad", False):
-                raise ValueError("the step's loss needs a gradient (parameters to train, not under inference_mode)")
-            loss.backward()
+        hook(model)
+        for module in model.modules():
+            swapped.append((module, module._parameters))
+            module._parameters = Reads(module._parameters)
+        for _ in range(2):
+            for p, _ in grads:
+                p.grad = None
+            events.clear()
+            with torch.enable_grad():
+                loss = run_step()
+                turn = len(events)
+                if not getattr(loss, "requires_grad", False):
+                    raise ValueError("the step's loss needs a gradient (parameters to train, not under "
+                                     "inference_mode)")
+                recording[0] = False
+                loss.backward()
+            steps.append((tuple(events[:turn]), tuple(events[turn:])))
         ungraded = frozenset(ids[id(p)] for p, _ in grads if p.grad is None)
     finally:
         for h in handles:
             h.remove()
+        for module, params in swapped:
+            module._parameters = params
         for p, grad in grads:
             p.grad = grad
-    return ModuleTrace(tuple(numels), tuple(owns), tuple(events[:turn]), tuple(events[turn:]), tuple(traced),
-                       ungraded)
+    if steps[0] != steps[1]:
+        raise ValueError("the model's forward calls other modules, or in another order, from one step to the next: "
+                         "DeepSpeed then records its trace again every step and never prefetches, which is not "
+                         "modelled")
+
+    def registered(persistent: bool) -> frozenset[tuple[int, int]]:
+        return frozenset((index[key], p) for key, ps in external[persistent].items() if key in index for p in ps
+                         if p not in own_ids[key])
+
+    return ModuleTrace(tuple(numels), tuple(owns), steps[0][0], steps[0][1], tuple(traced), ungraded,
+                       registered(False), registered(True), frozenset(returned))
 
 
 def repeat_blocks(trace: ModuleTrace, layers: int,
@@ -230,8 +327,17 @@ def repeat_blocks(trace: ModuleTrace, layers: int,
 
     ungraded = frozenset(renumber(p, layer) for p in trace.ungraded
                          for layer in (range(layers) if first <= p < first + width else (0,)))
+
+    def external(pairs: frozenset[tuple[int, int]]) -> frozenset[tuple[int, int]]:
+        if any(not inside[m] and first <= p < first + width for m, p in pairs):
+            raise ValueError("a module outside the block reads a block's parameter: cannot repeat the block")
+        return frozenset((copies[m, layer], renumber(p, layer)) for m, p in pairs
+                         for layer in (range(layers) if inside[m] else (0,)))
+
     return ModuleTrace(tuple(numels), tuple(owns), expand(trace.forward), expand(trace.backward), tuple(names),
-                       ungraded)
+                       ungraded, external(trace.external_if_partitioned), external(trace.external_if_persistent),
+                       frozenset(renumber(p, layer) for p in trace.returned
+                                 for layer in (range(layers) if first <= p < first + width else (0,))))
 
 
 def _layer_name(layer: int) -> Callable[[re.Match[str]], str]:
@@ -269,21 +375,28 @@ def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
     Line numbers: deepspeed/runtime/zero/partitioned_param_coordinator.py (0.19.8)."""
     from labkit.study import comms
 
+    if "stage" in zero_settings:
+        raise ValueError("replay is ZeRO-3's: the zero settings do not set the stage")
     cfg = comms.zero_config(3, zero_settings)
+    # what changes the gathers and is not replayed (ZeRO++'s, parameter offload, leaf modules) is refused by name;
+    # the optimizer's offload changes none of them
+    comms.check_zero_settings(3, zero_settings, cfg.offload_optimizer is not None
+                              and str(cfg.offload_optimizer.device) != "none")
     numels = trace.numels
     persistent = persistent_ids(numels, cfg)
+    owns = trace.owners(persistent)
     limit, bucket, reuse = int(cfg.max_live_parameters), int(cfg.prefetch_bucket_size), int(cfg.max_reuse_distance)
     events = [(fetch, m, True) for fetch, m in trace.forward] + [(fetch, m, False) for fetch, m in trace.backward]
     order = [m for fetch, m, _ in events if fetch]  # __submodule_order: the module of each fetch (step)
     # The parameter trace (:243-249): each step's module's parameters, sorted by id, tagged with the step.
-    queue = collections.deque((p, step) for step, m in enumerate(order) for p in sorted(set(trace.owns[m])))
+    queue = collections.deque((p, step) for step, m in enumerate(order) for p in owns[m])
     # Where each parameter is used, and the elements the steps before each step hold, for the reuse window (:656-663)
     uses: dict[int, list[int]] = collections.defaultdict(list)
     before = [0]
     for step, m in enumerate(order):
-        for p in trace.owns[m]:
+        for p in owns[m]:
             uses[p].append(step)
-        before.append(before[-1] + sum(numels[p] for p in trace.owns[m]))
+        before.append(before[-1] + sum(numels[p] for p in owns[m]))
 
     gathered: set[int] = set()  # not NOT_AVAILABLE: gathered or in flight
     inflight: set[int] = set()  # prefetched, not yet waited on by a fetch of their module (INFLIGHT, not AVAILABLE)
@@ -312,7 +425,7 @@ def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
         return todo
 
     for fetch, m, forward in events:
-        own = sorted(set(trace.owns[m]))
+        own = owns[m]
         if fetch:  # _fetch_sub_module_impl (:349-487)
             if turn is None and not forward and any(p not in persistent for p in own):
                 turn = step
@@ -344,7 +457,7 @@ def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
             if turn == step - 1:
                 turn_resident = available
         else:  # release_sub_module (:494-532) with __params_to_release (:634-665) at the current step
-            release = [p for p in own if p not in persistent and fetched_for[p] <= step]
+            release = [p for p in own if p not in persistent and p not in trace.returned and fetched_for[p] <= step]
             end = bisect.bisect_left(before, before[step] + reuse, lo=step)  # the window scans [step, end) (:656-663)
             for p in own:
                 active[p].discard(m)

@@ -52,6 +52,53 @@ def build_odd_model(config) -> nn.Module:
     return _OddHooks(config.input_size, config.hidden)
 
 
+class _Wrap(nn.Module):
+    """A wrapper around a layer that another wrapper holds too."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+class _Offset(nn.Module):
+    """A module whose forward returns its own parameter."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.offset = nn.Parameter(torch.zeros(width))
+
+    def forward(self) -> nn.Parameter:
+        return self.offset
+
+
+class _ExternalParams(nn.Module):
+    """What ZeRO-3 handles beyond each module's own parameters: one layer registered under two parents (DeepSpeed
+    hooks it twice), a parameter a module returns (it becomes its caller's), and a weight read again outside its
+    module's forward (it becomes the reading module's external parameter)."""
+
+    def __init__(self, input_size: int, width: int):
+        super().__init__()
+        self.first = nn.Linear(input_size, width)
+        layer = nn.Linear(width, width)
+        self.a = _Wrap(layer)
+        self.b = _Wrap(layer)
+        self.offset = _Offset(width)
+        self.mix = nn.Linear(width, width)
+        self.last = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x)) + self.offset()
+        h = self.mix(self.b(torch.tanh(self.a(h))))
+        return self.last(h + torch.tanh(h) @ self.mix.weight)  # mix's weight once more, by hand
+
+
+def build_external_model(config) -> nn.Module:
+    return _ExternalParams(config.input_size, config.hidden)
+
+
 def build_dataset(config) -> TensorDataset:
     generator = torch.Generator().manual_seed(config.seed)
     inputs = torch.randn(config.dataset_size, config.input_size, generator=generator)

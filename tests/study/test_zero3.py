@@ -167,3 +167,66 @@ def test_record_needs_a_loss_to_differentiate_and_leaves_the_gradients_as_they_w
     model.requires_grad_(False)
     with pytest.raises(ValueError, match="needs a gradient"):
         zero3.record(model, lambda: model(x).sum())
+
+
+def _external_trace() -> zero3.ModuleTrace:
+    config = RunConfig(example="zero3", model="tests.own_model:build_external_model",
+                       data="tests.own_model:build_dataset", loss="tests.own_model:loss_fn", hidden=64)
+    return zero3.record_lab_model(config)
+
+
+def test_a_layer_under_two_parents_is_hooked_twice_as_deepspeed_walks_its_children():
+    # DeepSpeed registers its hooks at every visit of a parent's children (parameter_offload.py:353-356), so the
+    # Linear that `a` and `b` both hold fetches twice per call (DeepSpeed's recorded order has each such module's id
+    # twice in a row; the whole run's gathers are checked in test_comms.py, "stage 3, external parameters")
+    trace = _external_trace()
+    assert fetched(trace)[:9] == ["", "first", "offset", "a", "a.layer", "a.layer", "b", "a.layer", "a.layer"]
+    # the host's per-module costs count each fetch: first, offset, the shared Linear 4 times, mix and last hold
+    # parameters; the model, a and b do not
+    assert trace.hooked_modules() == (8.0, 3.0)
+
+
+def test_external_parameters_are_the_reading_or_receiving_modules_where_deepspeed_makes_them_so():
+    trace = _external_trace()
+    root, (offset,), mix = 0, trace.owns[trace.names.index("offset")], trace.owns[trace.names.index("mix")][0]
+    assert trace.names[root] == "" and trace.numels[offset] == 64 and trace.numels[mix] == 64 * 64
+    # read outside its module's forward: the reader's, only where it is partitioned (a persistent one is resident)
+    assert trace.external_if_partitioned == {(root, offset), (root, mix)}
+    # returned by `offset`: its caller's either way, and DeepSpeed never releases it within a step (:386, :528)
+    assert trace.external_if_persistent == {(root, offset)} and trace.returned == {offset}
+    assert trace.owners(set())[root] == (offset, mix)
+    assert trace.owners({offset, mix})[root] == (offset,)
+    assert trace.owners({offset})[root] == (offset, mix)  # mix partitioned: read outside its module, so gathered there
+
+
+def test_a_forward_that_calls_other_modules_from_one_step_to_the_next_is_refused():
+    import torch
+
+    class Alternating(torch.nn.Module):  # DeepSpeed records its trace again every step and never prefetches
+        def __init__(self):
+            super().__init__()
+            self.one, self.two = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return (self.one if self.calls % 2 else self.two)(x)
+
+    model = Alternating()
+    with pytest.raises(ValueError, match="from one step to the next"):
+        zero3.record(model, lambda: model(torch.randn(2, 4)).sum())
+
+
+def test_replay_refuses_what_it_does_not_replay_and_comms_a_trace_of_another_model():
+    from labkit.study import comms
+
+    trace = zero3.ModuleTrace.from_layout([[10, 20], [30]])
+    with pytest.raises(ValueError, match="zero_quantized_weights"):
+        zero3.replay(trace, zero_quantized_weights=True)
+    with pytest.raises(ValueError, match="do not set the stage"):
+        zero3.replay(trace, stage=1)
+    zero3.replay(trace, offload_optimizer={"device": "cpu"})  # the optimizer's offload changes no gather
+    with pytest.raises(ValueError, match="a trace of another model"):
+        comms.collectives(3, 61, 2, precision="fp32", trace=trace)
+    with pytest.raises(ValueError, match="persistent_params is for a model given without a trace"):
+        comms.collectives(3, 60, 2, precision="fp32", trace=trace, persistent_params=10)
