@@ -355,6 +355,10 @@ def collectives(stage: int | None, n_params: int, world_size: int, *, precision:
         if persistent_params:
             raise ValueError("persistent_params is for a model given without a trace: with one, ZeRO-3's "
                              "stage3_param_persistence_threshold decides which parameters persist")
+        if trace.returned and grad_accum > 1 and stage == 3:
+            raise ValueError("a module of this model returns a parameter, which DeepSpeed keeps gathered until the "
+                             "optimizer step, across the micro-steps of an accumulation: not modelled (grad_accum 1 "
+                             "is)")
     if stage is None or world_size == 1:
         return []
     settings = dict(zero_settings)

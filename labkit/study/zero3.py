@@ -23,8 +23,9 @@ module: `ModuleTrace.owners`) and a recomputed forward under activation checkpoi
 checkpoints (its fetches counted in the backward, where they run; DeepSpeed's log tags them forward). Refused: ZeRO-3
 leaf modules (`set_z3_leaf_modules`, `stage3_module_granularity_threshold` and `leaf_module` by `comms`, the default
 leaf classes, Mixtral's and Qwen-MoE's sparse blocks, by `record`) and a forward that calls other modules from one
-step to the next (`record`). Left out: parameters a module returned stay gathered across the micro-steps of a step
-(`ModuleTrace.returned`); the replay starts each micro-step with everything released.
+step to the next (`record`), and by `comms` gradient accumulation where a module returns a parameter (it stays gathered
+across the micro-steps of a step, `ModuleTrace.returned`, while the replay starts each micro-step with everything
+released).
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
 
     def read(param: Any) -> None:  # ZeROOrderedDict.__getitem__ (:58-93)
         p = ids.get(id(param))
-        if p is None or not recording[0] or len(stack) < 2:
+        if p is None or not recording[0] or len(stack) < 2 or p in returned:  # a returned one stays gathered
             return
         if not any(p in own_ids[k] or p in external[False][k] for k in stack):  # not gathered: registered
             external[False][stack[-1]].add(p)
@@ -208,8 +209,7 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
     def post(module: Any, args: Any, output: Any) -> Any:
         key = id(module)
         stack.pop()
-        items = output if isinstance(output, (list, tuple)) else [output]
-        for p in {ids[id(x)] for x in items if isinstance(x, torch.nn.Parameter) and id(x) in ids}:
+        for p in {ids[id(x)] for x in _outputs(output) if isinstance(x, torch.nn.Parameter) and id(x) in ids}:
             for registry in external.values():  # a returned parameter (:381-401), partitioned or persistent
                 if not any(p in registry[k] for k in stack):
                     registry[stack[-1]].add(p)
@@ -258,14 +258,18 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
     finally:
         for h in handles:
             h.remove()
-        for module, params in swapped:
+        for module, params in swapped:  # the module's own dict back, with what the step changed in it
+            params.clear()
+            params.update(module._parameters)
             module._parameters = params
         for p, grad in grads:
             p.grad = grad
+    if len(ids) != len({id(p) for p in model.parameters()}):
+        raise ValueError("the model made parameters in its forward (a lazy module): run a step before recording")
     if steps[0] != steps[1]:
-        raise ValueError("the model's forward calls other modules, or in another order, from one step to the next: "
-                         "DeepSpeed then records its trace again every step and never prefetches, which is not "
-                         "modelled")
+        raise ValueError("the model's forward calls other modules, or in another order, from one step to the next "
+                         "(or on its first call only: run a step before recording): DeepSpeed then records its "
+                         "trace again, and never prefetches while it differs, which is not modelled")
 
     def registered(persistent: bool) -> frozenset[tuple[int, int]]:
         return frozenset((index[key], p) for key, ps in external[persistent].items() if key in index for p in ps
@@ -273,6 +277,21 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
 
     return ModuleTrace(tuple(numels), tuple(owns), steps[0][0], steps[0][1], tuple(traced), ungraded,
                        registered(False), registered(True), frozenset(returned))
+
+
+def _outputs(output: Any) -> list[Any]:
+    """A module's outputs as DeepSpeed's post-forward hook reads them for returned parameters (parameter_offload.py:
+    367-376): a list or tuple's items, a tensor, else a dict's (or an object's attributes') tensors."""
+    import torch
+
+    if output is None:
+        return []
+    if isinstance(output, (list, tuple)):
+        return list(output)
+    if torch.is_tensor(output):
+        return [output]
+    items = output if isinstance(output, dict) else getattr(output, "__dict__", {})
+    return [v for k, v in items.items() if not str(k).startswith("__") and torch.is_tensor(v)]
 
 
 def repeat_blocks(trace: ModuleTrace, layers: int,

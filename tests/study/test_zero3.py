@@ -230,3 +230,100 @@ def test_replay_refuses_what_it_does_not_replay_and_comms_a_trace_of_another_mod
         comms.collectives(3, 61, 2, precision="fp32", trace=trace)
     with pytest.raises(ValueError, match="persistent_params is for a model given without a trace"):
         comms.collectives(3, 60, 2, precision="fp32", trace=trace, persistent_params=10)
+
+
+def _replayed(model, **settings) -> tuple[list[list[int]], list[list[int]]]:
+    import torch
+
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    r = zero3.replay(zero3.record(model, lambda: (model(x) ** 2).mean()), **settings)
+    return [sorted(c) for c in r.forward_calls], [sorted(c) for c in r.backward_calls]
+
+
+WINDOW_0 = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}
+
+
+def test_a_returned_parameter_read_again_later_is_no_readers_and_a_dict_output_counts():
+    # A stranger's review (2026-11-29) found both cases wrong; the calls are DeepSpeed 0.19.8's on 2 CPU ranks
+    # (gloo, step 3 = step 4), the weight's registration as DeepSpeed made it.
+    import torch
+    from torch import nn
+
+    class Returns(nn.Module):
+        def __init__(self, as_dict: bool = False):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 8) / 8)
+            self.as_dict = as_dict
+
+        def forward(self):
+            return {"w": self.weight} if self.as_dict else self.weight
+
+    class Holder(nn.Module):  # returns `ret`'s weight to its caller, so it becomes `a`'s, flagged, never released
+        def __init__(self):
+            super().__init__()
+            self.ret, self.lin = Returns(), nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):
+            return self.lin(x) @ self.ret()
+
+    class Reader(nn.Module):  # reads that weight again later: still gathered, so DeepSpeed registers nothing
+        def __init__(self, weight):
+            super().__init__()
+            self.lin = nn.Linear(8, 8, bias=False)
+            object.__setattr__(self, "weight_of", weight)
+
+        def forward(self, x):
+            return self.lin(x) @ self.weight_of()
+
+    class RetRead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.big = Holder(), nn.Linear(8, 8, bias=False)
+            self.user = Reader(lambda: self.a.ret.weight)
+
+        def forward(self, x):
+            return self.big(torch.tanh(self.user(torch.tanh(self.big(torch.tanh(self.a(x)))))))
+
+    class DictRet(nn.Module):  # DeepSpeed's post-forward hook reads a dict output's tensors too (:367-376)
+        def __init__(self):
+            super().__init__()
+            self.d, self.lin = Returns(as_dict=True), nn.Linear(8, 8, bias=False)
+            self.last = nn.Linear(8, 2, bias=False)
+
+        def forward(self, x):
+            return self.last(torch.tanh(self.lin(x) @ self.d()["w"]))
+
+    torch.manual_seed(0)
+    assert _replayed(RetRead(), **{**WINDOW_0, "stage3_max_reuse_distance": 100}) == (
+        [[64], [64], [64], [64]], [[64], [64]])
+    assert _replayed(DictRet(), **WINDOW_0) == ([[64], [64], [16]], [[16], [64]])
+
+
+def test_record_keeps_what_the_step_did_to_the_model_and_refuses_a_lazy_one():
+    import torch
+    from torch import nn
+
+    class Lazy(nn.Module):  # makes its parameter on the first call
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            if not hasattr(self, "scale"):
+                self.scale = nn.Parameter(torch.ones(8))
+            return self.lin(x) * self.scale
+
+    model = Lazy()
+    with pytest.raises(ValueError, match="made parameters in its forward"):
+        zero3.record(model, lambda: model(torch.randn(2, 8)).sum())
+    assert isinstance(model.scale, nn.Parameter) and "scale" in dict(model.named_parameters())
+    zero3.record(model, lambda: model(torch.randn(2, 8)).sum())  # after a first step it records
+
+
+def test_a_returned_parameter_with_accumulation_is_refused():
+    from labkit.study import comms
+
+    trace = _external_trace()
+    comms.collectives(3, sum(trace.numels), 2, precision="fp32", trace=trace)
+    with pytest.raises(ValueError, match="keeps gathered until the optimizer step"):
+        comms.collectives(3, sum(trace.numels), 2, precision="fp32", trace=trace, grad_accum=2)
