@@ -234,20 +234,23 @@ def _setting(value: str) -> Any:
     return int(number) if number.is_integer() and abs(number) < 2**63 else number
 
 
-def check_zero_settings(stage: int, settings: Mapping[str, Any], offload_optimizer: bool = False) -> Any:
+def check_zero_settings(stage: int, settings: Mapping[str, Any], offload_optimizer: bool | None = False) -> Any:
     """DeepSpeed's config model of `settings` at `stage`; a ValueError naming the setting where that model refuses
     them, this module does not model its communication, or they say otherwise than the stage and strategy do
-    (`stage`; an optimizer offload turned on or off, under any of DeepSpeed's names for it)."""
+    (`stage`; an optimizer offload turned on or off, under any of DeepSpeed's names for it, unless
+    `offload_optimizer` is None: whichever the settings say)."""
     if "stage" in settings:
         raise ValueError("the zero settings do not set the stage: the strategy does (--stage, points.csv's stage)")
     cfg = zero_config(stage, settings)
     if cfg.offload_optimizer is not None:  # said, under one of its names
         offloaded = str(cfg.offload_optimizer.device) != "none"
+        if offload_optimizer is None:
+            offload_optimizer = offloaded
         if offloaded != offload_optimizer:
             raise ValueError(f"the zero settings turn the optimizer's offload {'on' if offloaded else 'off'}: the "
                              "strategy says whether it is offloaded (--offload-optimizer, points.csv's "
                              "offload_optimizer)")
-    _refuse_unmodelled(stage, cfg, offload_optimizer)
+    _refuse_unmodelled(stage, cfg, bool(offload_optimizer))
     return cfg
 
 

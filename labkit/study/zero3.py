@@ -394,13 +394,9 @@ def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
     Line numbers: deepspeed/runtime/zero/partitioned_param_coordinator.py (0.19.8)."""
     from labkit.study import comms
 
-    if "stage" in zero_settings:
-        raise ValueError("replay is ZeRO-3's: the zero settings do not set the stage")
-    cfg = comms.zero_config(3, zero_settings)
-    # what changes the gathers and is not replayed (ZeRO++'s, parameter offload, leaf modules) is refused by name;
-    # the optimizer's offload changes none of them
-    comms.check_zero_settings(3, zero_settings, cfg.offload_optimizer is not None
-                              and str(cfg.offload_optimizer.device) != "none")
+    # what changes the gathers and is not replayed (ZeRO++'s, parameter offload, leaf modules, a stage) is refused by
+    # name; the optimizer's offload, either way, changes none of them
+    cfg = comms.check_zero_settings(3, zero_settings, offload_optimizer=None)
     numels = trace.numels
     persistent = persistent_ids(numels, cfg)
     owns = trace.owners(persistent)
