@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 GB = 1e9
+GiB = 2**30
 REPO = Path(__file__).resolve().parents[2]
 
 # A kernel's share of the datasheet peak where no measurement of that GPU kind is loaded. ASSUMPTIONS, global:
@@ -70,7 +71,7 @@ FUSED_ATTENTION_EFFICIENCY = {"ampere": 0.50, "hopper": 0.35, "ada": 0.50, "volt
 class GPU:
     name: str
     peak_flops: dict[str, float]        # dense FLOP/s by precision: "fp16", "bf16", "fp32"
-    memory_bytes: float                 # device memory
+    memory_bytes: float                 # device memory as CUDA reports it (torch's total_memory): MEMORY_TOTALS
     memory_bytes_per_s: float           # HBM/GDDR bandwidth
     sms: int                            # streaming multiprocessors (GEMM wave quantization, flops.py)
     nvlink: str | None                  # its NVLink generation (the `nvswitch` link of its generation)
@@ -93,6 +94,11 @@ class GPU:
         dtype = "fp16" if precision == "mixed" else precision
         measured = self.measured.gemm_efficiency.get(dtype) if self.measured else None
         return measured if measured else GEMM_EFFICIENCY
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        """What a training process can allocate: CUDA's total less the CUDA context (CUDA_CONTEXT_BYTES)."""
+        return self.memory_bytes - CUDA_CONTEXT_BYTES
 
     @property
     def memory_efficiency(self) -> float:
@@ -149,50 +155,102 @@ _A10G = "AWS G5 (A10G, 24 GB, 600 GB/s, 80 SMs, PCIe 4): AWS publishes no dense 
         "dense and 31.2 FP32 as labkit.runtime.devices has used (NVIDIA's A10 datasheet: 125 dense, 31.2 FP32; " \
         "the A10G is a lower-clocked cloud variant): the least certain preset here"
 
+# Device memory as CUDA reports it (cudaDeviceProp.totalGlobalMem: torch's `get_device_properties().total_memory`,
+# the "total capacity" of its out-of-memory message, deviceQuery's "Total amount of global memory"), not the
+# datasheet's "80GB": the driver reserves a few hundred MiB of the card (nvidia-smi -q's "Reserved"; 454-763 MiB on
+# the cards below), so "80GB" of HBM is 79.1-79.3 GiB to CUDA, and a T4's "16 GB" of GDDR6 14.6-14.8 GiB. The figure
+# moves by up to ~1% with the driver (quoted where sources differ); each is the card's own where a source names the
+# card, else borrowed as said. Found 2026-11-29 (docs/predict.md, "Memory").
+MEMORY_TOTALS = {
+    # "Tesla V100-SXM2-32GB", CUDA driver 11.2: "32510 MBytes (34089730048 bytes)", deviceQuery in
+    # infn-esc/esc21@51fbdebd658086a5e7ce833196cb954b81d37deb parallelism/alpaka.md (31.72-31.75 GiB on other drivers)
+    "V100-32GB": 34089730048,
+    # a 16 GB V100: "(GPU 0; 15.78 GiB total capacity; ...)", github.com/kchengiva/Shift-GCN/issues/34
+    "V100-16GB": 15.78 * GiB,
+    # "NVIDIA A100-SXM4-40GB", driver 12.2: "40339 MBytes (42298834944 bytes)", deviceQuery in
+    # github.com/bottlerocket-os/bottlerocket/pull/3873
+    "A100-40GB": 42298834944,
+    # "NVIDIA A100-SXM4-80GB", driver 555.42.02: "81158 MBytes (85100068864 bytes)", nvidia-smi "81920MiB",
+    # "Reserved : 763 MiB": thamada/nvidia-smi@b09ef139265ffc7e3c78006346981de8e4d70499 gls/A100SXMx4_deviceQuery.py
+    # and gls/A100SXMx4_smi.py (84987740160 bytes under driver 12.2)
+    "A100-80GB": 85100068864,
+    # "NVIDIA A100 80GB PCIe", driver 12.3: "Total global mem: 81049 MB", github.com/ekondis/mixbench/issues/47
+    "A100-80GB-PCIE": 81049 * 2**20,
+    # "NVIDIA H100 80GB HBM3": 85017493504 bytes measured in this lab (data/reference-h100-80gb/gpu_constants.json,
+    # torch 2.11, driver 580); 79.11-79.20 GiB on drivers 535-565 (vllm-project/vllm#27508; thamada/nvidia-smi)
+    "H100-SXM": 85017493504,
+    # "NVIDIA L4", driver 550.90.07: "22478 MBytes (23570219008 bytes)", nvidia-smi "23034MiB", "Reserved : 556 MiB":
+    # thamada/nvidia-smi@b09ef139265ffc7e3c78006346981de8e4d70499 gls/L4_deviceQuery.py and gls/L4_smi.py
+    "L4": 23570219008,
+    # "on Google Colab with T4 GPU ... GPU 0 has a total capacity of 14.75 GiB", github.com/hpcaitech/Open-Sora/
+    # issues/697 (14.57 GiB under driver 12.5)
+    "T4": 14.75 * GiB,
+    # "I'm using an A10G with 24 GB VRAM ... (GPU 0; 22.49 GiB total capacity ...)", github.com/AUTOMATIC1111/
+    # stable-diffusion-webui/issues/1259 (2022; newer drivers reserve ~0.5 GiB of it, as the A10's 21.99-22.07)
+    "A10G": 22.49 * GiB,
+    # "GPU 5 has a total capacity of 139.80 GiB" on 8 x H200 (a public benchmark log found by text search, its
+    # repository not resolved; nvidia-smi "143771MiB"): the least certain figure here
+    "H200-SXM": 139.80 * GiB,
+}
+# No source naming the card was found for these; each borrows its twin's (the same memory, another board):
+MEMORY_TOTALS.update({"V100-16GB-PCIE": MEMORY_TOTALS["V100-16GB"], "V100-32GB-PCIE": MEMORY_TOTALS["V100-32GB"],
+                      "A100-40GB-PCIE": MEMORY_TOTALS["A100-40GB"], "H100-PCIE": MEMORY_TOTALS["H100-SXM"],
+                      "A10": MEMORY_TOTALS["A10G"]})
+# What a CUDA process holds outside PyTorch's allocator (the CUDA context: kernels' code, driver state), which a
+# prediction's tensors cannot use: 0.58 GiB, measured in this lab on the H100 (torch 2.11, CUDA 13) at a 1-rank
+# run's out-of-memory error, "this process has 40.76 GiB memory in use ... 40.17 GiB is allocated by PyTorch, and
+# 10.66 MiB is reserved by PyTorch but unallocated" (data/reference-h100-80gb/check.log). One GPU kind's, borrowed
+# by every kind; NCCL's buffers and the allocator's fragmentation are not in it (docs/predict.md, "Memory").
+CUDA_CONTEXT_BYTES = 0.58 * GiB
+
 GPUS: dict[str, GPU] = {g.name: g for g in (
-    GPU(name="V100-16GB", peak_flops={"fp16": 125e12, "bf16": 0.0, "fp32": 15.7e12}, memory_bytes=16 * GB,
-        memory_bytes_per_s=900 * GB, sms=80, nvlink="nvlink2", host_link="pcie3",
-        source=_V100_SXM2, tensor_core_alignment=8, attention_share=FUSED_ATTENTION_EFFICIENCY["volta"]),
-    GPU(name="V100-32GB", peak_flops={"fp16": 125e12, "bf16": 0.0, "fp32": 15.7e12}, memory_bytes=32 * GB,
-        memory_bytes_per_s=900 * GB, sms=80, nvlink="nvlink2", host_link="pcie3",
-        source=_V100_SXM2, tensor_core_alignment=8, attention_share=FUSED_ATTENTION_EFFICIENCY["volta"]),
-    GPU(name="V100-16GB-PCIE", peak_flops={"fp16": 112e12, "bf16": 0.0, "fp32": 14e12}, memory_bytes=16 * GB,
-        memory_bytes_per_s=900 * GB, sms=80, nvlink=None, host_link="pcie3",
-        source=_V100_PCIE, tensor_core_alignment=8, attention_share=FUSED_ATTENTION_EFFICIENCY["volta"]),
-    GPU(name="V100-32GB-PCIE", peak_flops={"fp16": 112e12, "bf16": 0.0, "fp32": 14e12}, memory_bytes=32 * GB,
-        memory_bytes_per_s=900 * GB, sms=80, nvlink=None, host_link="pcie3",
-        source=_V100_PCIE, tensor_core_alignment=8, attention_share=FUSED_ATTENTION_EFFICIENCY["volta"]),
-    GPU(name="A100-40GB", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=40 * GB,
-        memory_bytes_per_s=1555 * GB, sms=108, nvlink="nvlink3", host_link="pcie4", source=_A100,
-        attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
-    GPU(name="A100-80GB", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=80 * GB,
-        memory_bytes_per_s=2039 * GB, sms=108, nvlink="nvlink3", host_link="pcie4", source=_A100,
-        attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
-    GPU(name="A100-40GB-PCIE", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=40 * GB,
-        memory_bytes_per_s=1555 * GB, sms=108, nvlink=None, host_link="pcie4", source=_A100,
-        attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
-    GPU(name="A100-80GB-PCIE", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12}, memory_bytes=80 * GB,
-        memory_bytes_per_s=1935 * GB, sms=108, nvlink=None, host_link="pcie4", source=_A100,
-        attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
-    GPU(name="H100-SXM", peak_flops={"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, memory_bytes=80 * GB,
-        memory_bytes_per_s=3350 * GB, sms=132, nvlink="nvlink4", host_link="pcie5", source=_H100,
-        attention_share=FUSED_ATTENTION_EFFICIENCY["hopper"]),
-    GPU(name="H100-PCIE", peak_flops={"fp16": 756e12, "bf16": 756e12, "fp32": 51e12}, memory_bytes=80 * GB,
-        memory_bytes_per_s=2000 * GB, sms=114, nvlink=None, host_link="pcie5", source=_H100,
-        attention_share=FUSED_ATTENTION_EFFICIENCY["hopper"]),
-    GPU(name="H200-SXM", peak_flops={"fp16": 989e12, "bf16": 989e12, "fp32": 67e12}, memory_bytes=141 * GB,
-        memory_bytes_per_s=4800 * GB, sms=132, nvlink="nvlink4", host_link="pcie5", source=_H200,
-        attention_share=FUSED_ATTENTION_EFFICIENCY["hopper"]),
-    GPU(name="L4", peak_flops={"fp16": 121e12, "bf16": 121e12, "fp32": 30.3e12}, memory_bytes=24 * GB,
+    GPU(name="V100-16GB", peak_flops={"fp16": 125e12, "bf16": 0.0, "fp32": 15.7e12},
+        memory_bytes=MEMORY_TOTALS["V100-16GB"], memory_bytes_per_s=900 * GB, sms=80, nvlink="nvlink2",
+        host_link="pcie3", source=_V100_SXM2, tensor_core_alignment=8,
+        attention_share=FUSED_ATTENTION_EFFICIENCY["volta"]),
+    GPU(name="V100-32GB", peak_flops={"fp16": 125e12, "bf16": 0.0, "fp32": 15.7e12},
+        memory_bytes=MEMORY_TOTALS["V100-32GB"], memory_bytes_per_s=900 * GB, sms=80, nvlink="nvlink2",
+        host_link="pcie3", source=_V100_SXM2, tensor_core_alignment=8,
+        attention_share=FUSED_ATTENTION_EFFICIENCY["volta"]),
+    GPU(name="V100-16GB-PCIE", peak_flops={"fp16": 112e12, "bf16": 0.0, "fp32": 14e12},
+        memory_bytes=MEMORY_TOTALS["V100-16GB-PCIE"], memory_bytes_per_s=900 * GB, sms=80, nvlink=None,
+        host_link="pcie3", source=_V100_PCIE, tensor_core_alignment=8,
+        attention_share=FUSED_ATTENTION_EFFICIENCY["volta"]),
+    GPU(name="V100-32GB-PCIE", peak_flops={"fp16": 112e12, "bf16": 0.0, "fp32": 14e12},
+        memory_bytes=MEMORY_TOTALS["V100-32GB-PCIE"], memory_bytes_per_s=900 * GB, sms=80, nvlink=None,
+        host_link="pcie3", source=_V100_PCIE, tensor_core_alignment=8,
+        attention_share=FUSED_ATTENTION_EFFICIENCY["volta"]),
+    GPU(name="A100-40GB", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12},
+        memory_bytes=MEMORY_TOTALS["A100-40GB"], memory_bytes_per_s=1555 * GB, sms=108, nvlink="nvlink3",
+        host_link="pcie4", source=_A100, attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
+    GPU(name="A100-80GB", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12},
+        memory_bytes=MEMORY_TOTALS["A100-80GB"], memory_bytes_per_s=2039 * GB, sms=108, nvlink="nvlink3",
+        host_link="pcie4", source=_A100, attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
+    GPU(name="A100-40GB-PCIE", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12},
+        memory_bytes=MEMORY_TOTALS["A100-40GB-PCIE"], memory_bytes_per_s=1555 * GB, sms=108, nvlink=None,
+        host_link="pcie4", source=_A100, attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
+    GPU(name="A100-80GB-PCIE", peak_flops={"fp16": 312e12, "bf16": 312e12, "fp32": 19.5e12},
+        memory_bytes=MEMORY_TOTALS["A100-80GB-PCIE"], memory_bytes_per_s=1935 * GB, sms=108, nvlink=None,
+        host_link="pcie4", source=_A100, attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
+    GPU(name="H100-SXM", peak_flops={"fp16": 989e12, "bf16": 989e12, "fp32": 67e12},
+        memory_bytes=MEMORY_TOTALS["H100-SXM"], memory_bytes_per_s=3350 * GB, sms=132, nvlink="nvlink4",
+        host_link="pcie5", source=_H100, attention_share=FUSED_ATTENTION_EFFICIENCY["hopper"]),
+    GPU(name="H100-PCIE", peak_flops={"fp16": 756e12, "bf16": 756e12, "fp32": 51e12},
+        memory_bytes=MEMORY_TOTALS["H100-PCIE"], memory_bytes_per_s=2000 * GB, sms=114, nvlink=None, host_link="pcie5",
+        source=_H100, attention_share=FUSED_ATTENTION_EFFICIENCY["hopper"]),
+    GPU(name="H200-SXM", peak_flops={"fp16": 989e12, "bf16": 989e12, "fp32": 67e12},
+        memory_bytes=MEMORY_TOTALS["H200-SXM"], memory_bytes_per_s=4800 * GB, sms=132, nvlink="nvlink4",
+        host_link="pcie5", source=_H200, attention_share=FUSED_ATTENTION_EFFICIENCY["hopper"]),
+    GPU(name="L4", peak_flops={"fp16": 121e12, "bf16": 121e12, "fp32": 30.3e12}, memory_bytes=MEMORY_TOTALS["L4"],
         memory_bytes_per_s=300 * GB, sms=58, nvlink=None, host_link="pcie4", source=_L4,
         attention_share=FUSED_ATTENTION_EFFICIENCY["ada"]),
-    GPU(name="T4", peak_flops={"fp16": 65e12, "bf16": 0.0, "fp32": 8.1e12}, memory_bytes=16 * GB,
+    GPU(name="T4", peak_flops={"fp16": 65e12, "bf16": 0.0, "fp32": 8.1e12}, memory_bytes=MEMORY_TOTALS["T4"],
         memory_bytes_per_s=320 * GB, sms=40, nvlink=None, host_link="pcie3", source=_T4, tensor_core_alignment=8,
         attention_share=FUSED_ATTENTION_EFFICIENCY["turing"]),
-    GPU(name="A10G", peak_flops={"fp16": 70e12, "bf16": 70e12, "fp32": 31.2e12}, memory_bytes=24 * GB,
+    GPU(name="A10G", peak_flops={"fp16": 70e12, "bf16": 70e12, "fp32": 31.2e12}, memory_bytes=MEMORY_TOTALS["A10G"],
         memory_bytes_per_s=600 * GB, sms=80, nvlink=None, host_link="pcie4", source=_A10G,
         attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
-    GPU(name="A10", peak_flops={"fp16": 125e12, "bf16": 125e12, "fp32": 31.2e12}, memory_bytes=24 * GB,
+    GPU(name="A10", peak_flops={"fp16": 125e12, "bf16": 125e12, "fp32": 31.2e12}, memory_bytes=MEMORY_TOTALS["A10"],
         memory_bytes_per_s=600 * GB, sms=72, nvlink=None, host_link="pcie4", source=_A10,
         attention_share=FUSED_ATTENTION_EFFICIENCY["ampere"]),
 )}

@@ -13,8 +13,8 @@ learner can see (docs/predict.md states the model, its sources and what it leave
   is exposed;
 * offload: gradients down in fp32 and parameters up in the training dtype over the GPU's PCIe link, and CPU
   Adam's pass over the rank's fp32 states in host memory;
-* memory: `labkit.core.memory` for the model states plus the activations counted on the meta device: fits,
-  and the largest micro-batch that fits;
+* memory: `labkit.core.memory` for the model states plus the activations counted on the meta device: fits
+  (within the memory CUDA reports less its context, `GPU.usable_memory_bytes`), and the largest micro-batch that fits;
 * time to the same loss: steps from S(B) = S_min (1 + B_crit / B).
 
 Every number this module returns is a PREDICTION; `Prediction.to_dict()` says so (`"predicted": true`).
@@ -601,7 +601,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     step = compute_s + comm.exposed_s + offload_s
     global_batch = micro_batch * grad_accum * n
     states, max_micro = _memory(workload, cluster, stage, offload, precision, activation_checkpointing, zero)
-    fits = states + costs.activation_bytes <= gpu.memory_bytes
+    fits = states + costs.activation_bytes <= gpu.usable_memory_bytes
     return Prediction(
         strategy=strategy, world_size=n, micro_batch=micro_batch, grad_accum=grad_accum, global_batch=global_batch,
         step_time_s=step, samples_per_s=global_batch / step,
@@ -704,7 +704,7 @@ def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bo
                                                                                     settings)
     return device, largest_micro_batch(
         lambda m: workload.costs(m, cluster.gpu, precision, checkpointing).activation_bytes,
-        cluster.gpu.memory_bytes - device)
+        cluster.gpu.usable_memory_bytes - device)
 
 
 def _peak_extra_bytes(workload: Workload, stage: int | None, world_size: int, precision: str,
@@ -857,8 +857,8 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
         too_big = next((p for p in pair if not p.fits), None)
         if too_big is not None:
             why = (f"predicted: does not fit: micro-batch {too_big.micro_batch} on {too_big.hardware} needs "
-                   f"{too_big.device_bytes / 1e9:.1f} GB of {cluster.gpu.memory_bytes / 1e9:.0f} GB per GPU (the "
-                   f"largest that fits: {too_big.max_micro_batch})")
+                   f"{too_big.device_bytes / 1e9:.1f} GB of the {cluster.gpu.usable_memory_bytes / 1e9:.1f} GB a "
+                   f"process can use per GPU (the largest that fits: {too_big.max_micro_batch})")
             ways[way] = {kind: {"verdict": None, "ratio": None, "from_batch": before.global_batch,
                                 "to_batch": after.global_batch, "condition": why}
                          for kind in ("per_step", "per_epoch", "to_target")}

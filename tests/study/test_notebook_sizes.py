@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from labkit.runtime import devices as devices_module
+from labkit.runtime import hardware
 from labkit.runtime.devices import Devices
 from labkit.runtime.profiles import PROFILE_NAMES as PROFILES
 from labkit.runtime.profiles import default_profile
@@ -24,10 +25,16 @@ REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
 
 
+# Each size's memory as CUDA reports it for the smallest card of that size people get (hardware.MEMORY_TOTALS: a
+# T4's "16 GB" is 14.75 GiB, an L4's "24 GB" 21.95 GiB, an H100's "80GB" 79.18 GiB), not the datasheet's figure.
+CARD_OF_SIZE = {16: "T4", 24: "L4", 80: "H100-SXM"}
+
+
 def gpu(memory_gib: float, count: int, bf16: bool) -> Devices:
     name = {16: "Tesla T4" if not bf16 else "NVIDIA A16", 24: "NVIDIA L4" if bf16 else "Quadro RTX 6000",
             80: "NVIDIA H100 80GB HBM3" if bf16 else "Tesla V100 80GB (stand-in)"}[memory_gib]
-    return Devices("cuda", count, count, "nccl", bf16, True, name, int(memory_gib * GiB) - 600 * 2**20)
+    total = int(hardware.MEMORY_TOTALS[CARD_OF_SIZE[int(memory_gib)]])
+    return Devices("cuda", count, count, "nccl", bf16, True, name, total)
 
 
 STAND_INS = [gpu(m, n, b) for m in (16, 24, 80) for n in (1, 4, 8) for b in (True, False)]

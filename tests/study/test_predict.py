@@ -983,7 +983,7 @@ def test_the_largest_micro_batch_fits_and_one_more_does_not(shape, checkpointing
                         activation_checkpointing=checkpointing).max_micro_batch
     at, over = (P.predict(work, cluster, strategy="z1", micro_batch=m, precision="bf16",
                           activation_checkpointing=checkpointing) for m in (largest, largest + 1))
-    assert at.fits and at.device_bytes <= cluster.gpu.memory_bytes < over.device_bytes and not over.fits
+    assert at.fits and at.device_bytes <= cluster.gpu.usable_memory_bytes < over.device_bytes and not over.fits
     assert at.max_micro_batch == over.max_micro_batch == largest
 
 
@@ -1222,6 +1222,17 @@ def test_the_committed_h100_measurement_is_loaded_onto_its_preset():
     assert hw.gpu("A100-80GB").measured is None  # nothing measured there: datasheet and assumptions
     # another GPU kind borrows the measured node host's costs, and says whose they are
     assert "its node's host; A100-80GB's not measured" in P.host_costs(hw.gpu("A100-80GB")).source
+
+
+def test_a_gpus_memory_is_what_cuda_reports_less_the_context_a_process_holds():
+    # where this lab measured the card, the preset is its measurement, not the datasheet's "80GB" as 80e9
+    measured = json.loads((hw.REPO / "data" / "reference-h100-80gb" / "gpu_constants.json").read_text())
+    assert hw.gpu("H100-SXM").memory_bytes == measured["device"]["memory_bytes"] > 80 * hw.GB
+    for kind in hw.GPUS.values():  # the driver keeps a share of the card: CUDA's total is below the binary size
+        nominal = int(kind.name.split("-")[1].removesuffix("GB")) if "GB" in kind.name else None
+        assert nominal is None or 0.95 * nominal * hw.GiB < kind.memory_bytes < nominal * hw.GiB, kind.name
+        assert kind.usable_memory_bytes == kind.memory_bytes - hw.CUDA_CONTEXT_BYTES
+    assert hw.gpu("T4").memory_bytes < 16 * hw.GB  # "16 GB" of GDDR6 with ECC: 14.75 GiB to CUDA
 
 
 @pytest.fixture
