@@ -188,11 +188,13 @@ MEMORY_TOTALS = {
     # "I'm using an A10G with 24 GB VRAM ... (GPU 0; 22.49 GiB total capacity ...)", github.com/AUTOMATIC1111/
     # stable-diffusion-webui/issues/1259 (2022; newer drivers reserve ~0.5 GiB of it, as the A10's 21.99-22.07)
     "A10G": 22.49 * GiB,
-    # "GPU 5 has a total capacity of 139.80 GiB" on 8 x H200 (a public benchmark log found by text search, its
-    # repository not resolved; nvidia-smi "143771MiB"): the least certain figure here
+    # "GPU 5 has a total capacity of 139.80 GiB" on 8 x H200, and the same figure in other public H200 logs (found
+    # by text search, their repositories not resolved; nvidia-smi "143771MiB"): the least certain citation here
     "H200-SXM": 139.80 * GiB,
 }
-# No source naming the card was found for these; each borrows its twin's (the same memory, another board):
+# No source naming the card was resolved for these; each borrows its twin's (the same memory, another board). The
+# A10's own deviceQuery logs (found by text search, unresolved) print 21.99-22.07 GiB under drivers 12.2-12.8: the
+# A10G's 22.49, from a 2022 driver, is ~0.5 GiB high for a current one (docs/predict.md, "Memory").
 MEMORY_TOTALS.update({"V100-16GB-PCIE": MEMORY_TOTALS["V100-16GB"], "V100-32GB-PCIE": MEMORY_TOTALS["V100-32GB"],
                       "A100-40GB-PCIE": MEMORY_TOTALS["A100-40GB"], "H100-PCIE": MEMORY_TOTALS["H100-SXM"],
                       "A10": MEMORY_TOTALS["A10G"]})

@@ -25,8 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
 
 
-# Each size's memory as CUDA reports it for the smallest card of that size people get (hardware.MEMORY_TOTALS: a
-# T4's "16 GB" is 14.75 GiB, an L4's "24 GB" 21.95 GiB, an H100's "80GB" 79.18 GiB), not the datasheet's figure.
+# Each size's memory as CUDA reports it for a card of that size the workshops get (hardware.MEMORY_TOTALS: a T4's
+# "16 GB" is 14.75 GiB, an L4's "24 GB" 21.95 GiB, an H100's "80GB" 79.18 GiB), not the datasheet's figure. Other
+# drivers and boards differ by up to ~1% (a T4 under driver 12.5: 14.57), inside device_need's 2 GiB overhead.
 CARD_OF_SIZE = {16: "T4", 24: "L4", 80: "H100-SXM"}
 
 
