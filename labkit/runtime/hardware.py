@@ -101,6 +101,11 @@ class GPU:
         return self.memory_bytes - CUDA_CONTEXT_BYTES
 
     @property
+    def memory_source(self) -> str:
+        return (f"{self.usable_memory_bytes / GiB:.2f} GiB usable: {self.memory_bytes / GiB:.2f} GiB as CUDA reports "
+                f"the card (hardware.MEMORY_TOTALS) less {CUDA_CONTEXT_BYTES / GiB:.2f} GiB of CUDA context")
+
+    @property
     def memory_efficiency(self) -> float:
         copy = self.measured.memory_bytes_per_s if self.measured else None
         return copy / self.memory_bytes_per_s if copy else MEMORY_EFFICIENCY

@@ -614,7 +614,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         device_bytes=states + costs.activation_bytes, activation_bytes=costs.activation_bytes, fits=fits,
         max_micro_batch=max_micro, hardware=cluster.describe(),
         constants=f"device: {gpu.constants_source}; host: {host_costs(gpu).source}"
-                  + (f"; {offload_host(gpu, precision, host_memory_gb_per_s)[1]}" if offload else ""),
+                  + (f"; {offload_host(gpu, precision, host_memory_gb_per_s)[1]}" if offload else "")
+                  + f"; memory: {gpu.memory_source}",
         zero=dict(zero or {}), collectives=comm.rows, caveats=caveats(stage, n))
 
 

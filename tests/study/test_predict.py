@@ -1242,6 +1242,9 @@ def test_a_gpus_memory_is_what_cuda_reports_less_the_context_a_process_holds():
     for kind in hw.GPUS.values():
         size = nominal.get(kind.name) or int(kind.name.split("-")[1].removesuffix("GB"))
         assert 0.9 * size * hw.GiB < kind.memory_bytes < size * hw.GiB, kind.name
+    t4 = P.predict(P.TransformerWorkload(GPT2_XL), hw.Cluster(gpu=hw.gpu("T4"), gpus_per_node=1), strategy="z0",
+                   micro_batch=1, precision="fp16")
+    assert "memory: 14.17 GiB usable: 14.75 GiB as CUDA reports the card" in t4.constants  # where the figure is from
     assert hw.gpu("T4").memory_bytes < 16 * hw.GB < hw.gpu("V100-16GB").memory_bytes  # ECC on the T4's GDDR6
 
 
