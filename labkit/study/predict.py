@@ -517,6 +517,7 @@ class Prediction:
     host_bound_s: float       # of compute_s: the time the device waits on the host (its hooks, launches)
     device_bytes: float
     activation_bytes: float
+    usable_memory_bytes: float  # what device_bytes must fit in: the GPU's memory less the CUDA context
     fits: bool
     max_micro_batch: int
     hardware: str
@@ -611,7 +612,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         comm_s=comm.total_s, exposed_comm_s=comm.exposed_s, offload_s=offload_s,
         offload_transfer_s=offload_transfer_s, offload_host_s=offload_host_s,
         host_overhead_s=grad_accum * host_s, host_bound_s=host_bound_s,
-        device_bytes=states + costs.activation_bytes, activation_bytes=costs.activation_bytes, fits=fits,
+        device_bytes=states + costs.activation_bytes, activation_bytes=costs.activation_bytes,
+        usable_memory_bytes=gpu.usable_memory_bytes, fits=fits,
         max_micro_batch=max_micro, hardware=cluster.describe(),
         constants=f"device: {gpu.constants_source}; host: {host_costs(gpu).source}"
                   + (f"; {offload_host(gpu, precision, host_memory_gb_per_s)[1]}" if offload else "")

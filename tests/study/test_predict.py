@@ -376,6 +376,7 @@ def test_a_prediction_is_a_sum_of_parts_and_says_it_is_predicted():
                 "comm_s", "exposed_comm_s", "offload_s", "device_bytes", "fits", "max_micro_batch"):
         assert key in out
     assert out["predicted"] is True
+    assert out["fits"] == (out["device_bytes"] <= out["usable_memory_bytes"] < hw.gpu("A100-80GB").memory_bytes)
     assert p.step_time_s == pytest.approx(p.compute_s + p.exposed_comm_s + p.offload_s)
     assert 0 <= p.exposed_comm_s <= p.comm_s
     assert p.samples_per_s == pytest.approx(p.global_batch / p.step_time_s)
