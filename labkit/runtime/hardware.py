@@ -1,7 +1,8 @@
 """Hardware presets for predicting a step on GPUs this machine does not have: GPU kinds, links inside a
 node, node networks, and a cluster made of them.
 
-Every figure comes from the vendor's datasheet (cited beside it). Peaks are DENSE tensor-core figures
+Every figure comes from the vendor's datasheet (cited beside it), but a card's memory, which is what CUDA reports
+for it (MEMORY_TOTALS, cited beside each). Peaks are DENSE tensor-core figures
 (no 2:4 sparsity); `fp32` is the plain (non-TF32) FP32 peak, what an fp32 run gets without TF32. Link
 bandwidths are per GPU and per direction (what a ring sends through), not the "bidirectional" totals
 datasheets headline. The share of a peak that real kernels reach is, per GPU kind and per link kind, either a
