@@ -602,7 +602,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     step = compute_s + comm.exposed_s + offload_s
     global_batch = micro_batch * grad_accum * n
     states, max_micro = _memory(workload, cluster, stage, offload, precision, activation_checkpointing, zero)
-    fits = states + costs.activation_bytes <= gpu.usable_memory_bytes
+    device_bytes = states + costs.activation_bytes
     return Prediction(
         strategy=strategy, world_size=n, micro_batch=micro_batch, grad_accum=grad_accum, global_batch=global_batch,
         step_time_s=step, samples_per_s=global_batch / step,
@@ -612,8 +612,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         comm_s=comm.total_s, exposed_comm_s=comm.exposed_s, offload_s=offload_s,
         offload_transfer_s=offload_transfer_s, offload_host_s=offload_host_s,
         host_overhead_s=grad_accum * host_s, host_bound_s=host_bound_s,
-        device_bytes=states + costs.activation_bytes, activation_bytes=costs.activation_bytes,
-        usable_memory_bytes=gpu.usable_memory_bytes, fits=fits,
+        device_bytes=device_bytes, activation_bytes=costs.activation_bytes,
+        usable_memory_bytes=gpu.usable_memory_bytes, fits=device_bytes <= gpu.usable_memory_bytes,
         max_micro_batch=max_micro, hardware=cluster.describe(),
         constants=f"device: {gpu.constants_source}; host: {host_costs(gpu).source}"
                   + (f"; {offload_host(gpu, precision, host_memory_gb_per_s)[1]}" if offload else "")
