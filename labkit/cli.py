@@ -299,7 +299,8 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
     what.add_argument("--transformer", metavar="SPEC", help="a decoder by its shape, GPT-2-style by default: "
                       "layers=48,hidden=1600,heads=16,seq=1024[,vocab=50257][,dropout=0.1]; LLaMA or Qwen2-style: "
                       "arch=llama|qwen2,...,ffn=N[,kv_heads=N][,tied=1]; attention=eager|sdpa (default: eager "
-                      "for GPT-2, sdpa, a fused kernel, for the others)")
+                      "for GPT-2, sdpa, a fused kernel, for the others); or your Hugging Face model's config.json "
+                      "(gpt2, llama, qwen2, mistral) and the sequence you train at: hf=path/to/config.json,seq=2048")
     what.add_argument("--model", help="a lab model: 'mlp', 'gpt' or 'package.module:build_model' (counted on the "
                       "meta device; sized by --hidden/--depth/--input-size; your own with --data and --loss)")
     what.add_argument("--from", dest="from_run", metavar="RUN_DIR",

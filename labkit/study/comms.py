@@ -172,6 +172,17 @@ def module_params(model: Any) -> Iterator[tuple[str, list[int]]]:
             yield name, own
 
 
+def _auto_keys(settings: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The keys of `settings` whose value is "auto", nested sections' as dotted keys."""
+    keys = []
+    for key, value in settings.items():
+        if isinstance(value, Mapping):
+            keys += _auto_keys(value, f"{prefix}{key}.")
+        elif isinstance(value, str) and value.strip().lower() == "auto":
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
 def zero_config(stage: int, zero_settings: Mapping[str, Any]) -> Any:
     """DeepSpeed's own model of the zero_optimization section: its defaults, aliases and checks."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -179,8 +190,9 @@ def zero_config(stage: int, zero_settings: Mapping[str, Any]) -> Any:
 
     settings = {k: v for k, v in zero_settings.items() if k != "stage"}
     # "auto" is the Hugging Face Trainer's: it puts a number derived from the model there before DeepSpeed reads the
-    # config (DeepSpeed alone reads "auto" as its default), so the run used neither; the number is needed
-    auto = sorted(k for k, v in settings.items() if isinstance(v, str) and v.strip().lower() == "auto")
+    # config (DeepSpeed alone reads "auto" as its default), so the run used neither; the number is needed. Inside a
+    # section too (offload_optimizer.device), named by its dotted key.
+    auto = sorted(_auto_keys(settings))
     if auto:
         raise ValueError(f"zero settings {', '.join(auto)} are 'auto': the Hugging Face Trainer fills those in from "
                          "the model before DeepSpeed reads them; give the values it used")

@@ -1,7 +1,8 @@
 """A decoder-only transformer given by its shape (`labkit predict --transformer`, `data/published/` rows): parsed
 and checked without torch, so a wrong shape is refused at once; its modules and parameters are read off Hugging
 Face's class for its family built on the meta device (torch and transformers, imported when first needed).
-labkit.study.flops counts what it costs."""
+labkit.study.flops counts what it costs. A shape can also come from a Hugging Face model's config.json
+(`from_hf_config`), which transformers reads (torch with it: ~4 s here)."""
 
 from __future__ import annotations
 
@@ -85,7 +86,9 @@ class Transformer:
     def parse(cls, text: str) -> Transformer:
         """'layers=48,hidden=1600,heads=16,seq=1024[,vocab=50257][,dropout=0.1][,ffn=6400][,attention=sdpa]' (GPT-2),
         or a llama or qwen2 decoder (vocab and ffn required):
-        'arch=qwen2,layers=36,hidden=2048,heads=16,kv_heads=2,ffn=11008,seq=512,vocab=151936,tied=1'."""
+        'arch=qwen2,layers=36,hidden=2048,heads=16,kv_heads=2,ffn=11008,seq=512,vocab=151936,tied=1';
+        or a Hugging Face model's config.json, with the training sequence: 'hf=path/to/config.json,seq=2048'
+        (`from_hf_config`; dropout= and attention= may follow it)."""
         ints = ("layers", "hidden", "heads", "seq", "vocab", "kv_heads", "ffn")
         values: dict[str, Any] = {}
         parts = [p.strip() for p in text.split(",")]
@@ -93,12 +96,12 @@ class Transformer:
             raise ValueError(f"--transformer has an empty item (two commas, or a leading one): {text!r}")
         for part in filter(None, parts):
             key, sep, value = part.partition("=")
-            if not sep or key not in (*ints, "dropout", "arch", "tied", "attention"):
+            if not sep or key not in (*ints, "dropout", "arch", "tied", "attention", "hf"):
                 raise ValueError(f"--transformer takes layers=,hidden=,heads=,seq=[,vocab=,dropout=,arch=,kv_heads=,"
-                                 f"ffn=,tied=,attention=], got {part!r}")
+                                 f"ffn=,tied=,attention=], or hf=CONFIG,seq=, got {part!r}")
             if key in values:
                 raise ValueError(f"--transformer {key} given twice")
-            if key in ("arch", "attention"):
+            if key in ("arch", "attention", "hf"):
                 values[key] = value
             elif key == "tied":
                 if value.lower() not in ("1", "0", "true", "false"):
@@ -110,6 +113,13 @@ class Transformer:
                 except ValueError:
                     kind = "an integer" if key in ints else "a number"
                     raise ValueError(f"--transformer {key} must be {kind}, got {value!r}") from None
+        if "hf" in values:
+            path = values.pop("hf")
+            extra = sorted(set(values) - {"seq", "dropout", "attention"})
+            if extra:
+                raise ValueError(f"--transformer hf= reads {', '.join(extra)} from the config; give only seq=, "
+                                 "dropout= and attention= beside it")
+            return from_hf_config(path, **values)
         if values.get("arch", "gpt2") not in ARCHS:  # before what it would require: an unknown arch requires nothing
             raise ValueError(f"transformer arch must be one of {', '.join(ARCHS)}, got {values['arch']!r}")
         missing = {"layers", "hidden", "heads", "seq"} - set(values)
@@ -161,6 +171,71 @@ class Transformer:
     def persistent_params(self, threshold: int = 100_000) -> int:
         """Elements of the tensors ZeRO-3 keeps whole (each <= param_persistence_threshold): biases and norms."""
         return sum(n for module in self.module_layout() for n in module if n <= threshold)
+
+
+# -- a Hugging Face model's config.json -------------------------------------------------------------------------------
+# model_type -> the arch whose class is built for it. Mistral's modules and parameters are Llama's (MistralForCausalLM:
+# the same attention, MLP and RMSNorm shapes); its sliding window changes what the attention computes only past the
+# window, which from_hf_config refuses.
+HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "qwen2": "qwen2", "mistral": "llama"}
+
+
+def from_hf_config(path: str, *, seq: int | None = None, dropout: float | None = None,
+                   attention: str | None = None) -> Transformer:
+    """The shape of the Hugging Face model whose config.json is at `path` (the file, or the model's directory), read
+    offline by transformers' AutoConfig, which fills in what the file leaves to its class's defaults; `seq` is the
+    training sequence (a config only says the longest). Refused, naming the field: a model_type not in
+    HF_MODEL_TYPES, and what the class built for the shape would not have (a head dimension other than hidden /
+    heads, Llama's optional biases, a sliding window shorter than `seq`, a GPT-2 sequence past its positions). A
+    GPT-2 shape's position table is built `seq` long: (n_positions - seq) x hidden parameters fewer than the file's
+    model (0.05% of GPT-2 XL's at 512 tokens). `dropout` (default: the config's) and `attention` as the shape takes
+    them."""
+    import os
+
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):  # a local file only: AutoConfig would take anything else for a hub repository's name
+        raise ValueError(f"--transformer hf={path}: no such file (a config.json, or the model's directory with one)")
+    if seq is None:
+        raise ValueError(f"--transformer hf={path} needs seq=, the sequence you train at (the config only gives the "
+                         "longest the model takes)")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(file)
+    except (OSError, ValueError, KeyError) as exc:  # not JSON, no model_type, a model_type transformers lacks
+        raise ValueError(f"--transformer hf={path}: not a Hugging Face config transformers reads ({exc})") from None
+    kind = getattr(config, "model_type", None)
+    if kind not in HF_MODEL_TYPES:
+        raise ValueError(f"--transformer hf={path}: model_type {kind!r} is not modelled; known: "
+                         f"{', '.join(HF_MODEL_TYPES)} (or give its shape: layers=,hidden=,heads=,...)")
+    if kind == "gpt2":
+        drops = {config.resid_pdrop, config.embd_pdrop, config.attn_pdrop}
+        if dropout is None and len(drops) > 1:
+            raise ValueError(f"--transformer hf={path}: resid_pdrop, embd_pdrop and attn_pdrop differ "
+                             f"({config.resid_pdrop}, {config.embd_pdrop}, {config.attn_pdrop}); the shape has one "
+                             "dropout: give dropout=")
+        if seq > config.n_positions:
+            raise ValueError(f"--transformer hf={path}: seq={seq} is past the model's {config.n_positions} positions")
+        return Transformer(layers=config.n_layer, hidden=config.n_embd, heads=config.n_head, seq=seq,
+                           vocab=config.vocab_size, ffn=config.n_inner, tied=bool(config.tie_word_embeddings),
+                           dropout=config.resid_pdrop if dropout is None else dropout, attention=attention)
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    head_dim = getattr(config, "head_dim", None)
+    refusals = [(head_dim not in (None, hidden // heads), f"head_dim {head_dim} is not hidden_size / "
+                                                          f"num_attention_heads = {hidden // heads}"),
+                (kind != "qwen2" and bool(getattr(config, "attention_bias", False)), "attention_bias is true"),
+                (bool(getattr(config, "mlp_bias", False)), "mlp_bias is true")]
+    window = getattr(config, "sliding_window", None)
+    if kind == "mistral" or getattr(config, "use_sliding_window", False):
+        refusals.append((window is not None and seq > window, f"its sliding window ({window}) is shorter than seq"))
+    why = [text for refused, text in refusals if refused]
+    if why:
+        raise ValueError(f"--transformer hf={path}: {'; '.join(why)}: not modelled")
+    return Transformer(arch=HF_MODEL_TYPES[kind], layers=config.num_hidden_layers, hidden=hidden, heads=heads,
+                       kv_heads=getattr(config, "num_key_value_heads", None) or heads, ffn=config.intermediate_size,
+                       seq=seq, vocab=config.vocab_size, tied=bool(config.tie_word_embeddings),
+                       dropout=float(getattr(config, "attention_dropout", 0.0)) if dropout is None else dropout,
+                       attention=attention)
 
 
 @dataclass(frozen=True)

@@ -252,6 +252,9 @@ def test_zero_settings_read_as_a_ds_config_writes_them():
     # an HF Trainer config's placeholder: DeepSpeed alone would read its default, which the run did not use
     with pytest.raises(ValueError, match="reduce_bucket_size, stage3_prefetch_bucket_size are 'auto'"):
         comms.check_zero_settings(3, comms.zero_settings("stage3_prefetch_bucket_size=auto,reduce_bucket_size=auto"))
+    # ... inside a section too (the Python API takes sections; DeepSpeed alone reads device "auto" as no offload)
+    with pytest.raises(ValueError, match=r"offload_optimizer\.device are 'auto'"):
+        comms.check_zero_settings(2, {"offload_optimizer": {"device": "auto"}}, offload_optimizer=None)
 
 
 def test_persistent_elements_follow_the_threshold():

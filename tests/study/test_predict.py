@@ -7,6 +7,7 @@ import json
 import math
 import re
 import statistics
+from typing import Any
 
 import pytest
 import torch
@@ -360,6 +361,93 @@ def test_a_llama_style_shape_says_what_gpt2_does_not_have():
                       (f"arch=qwen2,{base},ffn=64,vocab=64,tied=maybe", "tied must be 1 or 0")):
         with pytest.raises(ValueError, match=says):
             flops.Transformer.parse(bad)
+
+
+# What a model's config.json on the hub says (the fields a Hugging Face model's file has; not fetched: copied here)
+HUB_CONFIGS = {
+    "gpt2-xl": {"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
+                "embd_pdrop": 0.1, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 1600, "n_head": 25, "n_layer": 48,
+                "n_positions": 1024, "resid_pdrop": 0.1, "vocab_size": 50257},
+    "Llama-2-7b": {"architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
+                   "intermediate_size": 11008, "max_position_embeddings": 4096, "model_type": "llama",
+                   "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+                   "rms_norm_eps": 1e-05, "rope_scaling": None, "tie_word_embeddings": False, "vocab_size": 32000},
+    "Qwen2.5-1.5B": {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "hidden_act": "silu",
+                     "hidden_size": 1536, "intermediate_size": 8960, "max_position_embeddings": 131072,
+                     "model_type": "qwen2", "num_attention_heads": 12, "num_hidden_layers": 28,
+                     "num_key_value_heads": 2, "sliding_window": 131072, "tie_word_embeddings": True,
+                     "use_sliding_window": False, "vocab_size": 151936},
+    "Mistral-7B-v0.1": {"architectures": ["MistralForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
+                        "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+                        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                        "sliding_window": 4096, "tie_word_embeddings": False, "vocab_size": 32000},
+}
+
+
+@pytest.mark.parametrize("name, seq, spec", [
+    ("gpt2-xl", 1024, "layers=48,hidden=1600,heads=25,seq=1024"),
+    ("Llama-2-7b", 4096, "arch=llama,layers=32,hidden=4096,heads=32,ffn=11008,seq=4096,vocab=32000"),
+    ("Qwen2.5-1.5B", 512, "arch=qwen2,layers=28,hidden=1536,heads=12,kv_heads=2,ffn=8960,seq=512,vocab=151936,tied=1"),
+    ("Mistral-7B-v0.1", 2048, "arch=llama,layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,seq=2048,vocab=32000"),
+])
+def test_a_hugging_face_config_is_read_as_the_shape_it_gives(tmp_path, name, seq, spec):
+    import transformers
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(HUB_CONFIGS[name]))
+    shape = flops.Transformer.parse(f"hf={path},seq={seq}")
+    assert shape == flops.Transformer.parse(spec)
+    assert flops.Transformer.parse(f"hf={tmp_path},seq={seq}") == shape  # the model's directory
+    # as many parameters as transformers' own class of that config (Mistral's too, counted as Llama's modules)
+    config = transformers.AutoConfig.from_pretrained(path)
+    config.n_positions = config.max_position_embeddings = seq  # the shape's positions are the sequence's
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert shape.n_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_a_hugging_face_config_says_what_the_shape_cannot_be(tmp_path):
+    def spec(name: str, rest: str = ",seq=1024", **changes: Any) -> str:
+        path = tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps({**HUB_CONFIGS[name], **changes}))
+        return f"hf={path}{rest}"
+
+    for bad, says in ((spec("gpt2-xl", ""), "needs seq="),
+                      (spec("gpt2-xl", ",seq=1024,layers=2"), "reads layers from the config"),
+                      (spec("gpt2-xl", ",seq=2048"), "past the model's 1024 positions"),
+                      (spec("gpt2-xl", attn_pdrop=0.0), "differ"),
+                      (spec("gpt2-xl", model_type="bert"), "model_type 'bert' is not modelled; known: gpt2, llama"),
+                      (spec("Llama-2-7b", head_dim=64), "head_dim 64 is not hidden_size / num_attention_heads"),
+                      (spec("Llama-2-7b", attention_bias=True), "attention_bias is true"),
+                      (spec("Llama-2-7b", mlp_bias=True), "mlp_bias is true"),
+                      (spec("Mistral-7B-v0.1", ",seq=8192"), "sliding window \\(4096\\) is shorter than seq"),
+                      (spec("Qwen2.5-1.5B", ",seq=1024", use_sliding_window=True, sliding_window=512), "sliding"),
+                      (f"hf={tmp_path / 'none.json'},seq=8", "no such file"),
+                      (f"hf={tmp_path},seq=8", "no such file")):  # a directory without a config.json
+        with pytest.raises(ValueError, match=says):
+            flops.Transformer.parse(bad)
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a Hugging Face config"):
+        flops.Transformer.parse(f"hf={tmp_path / 'broken.json'},seq=8")
+    # what may be given beside the file: the attention kernels and the dropout
+    shape = flops.Transformer.parse(spec("gpt2-xl", ",seq=512,attention=sdpa,dropout=0", attn_pdrop=0.0))
+    assert (shape.attention, shape.dropout, shape.seq) == ("sdpa", 0.0, 512)
+    # a Qwen2 model's biases on its query, key and value projections are its class's own: not refused
+    assert flops.Transformer.parse(spec("Qwen2.5-1.5B", ",seq=64", attention_bias=True)).arch == "qwen2"
+
+
+def test_labkit_predict_reads_your_models_config(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(HUB_CONFIGS["Qwen2.5-1.5B"]))
+    cluster = ["--gpu", "A100-40GB", "--gpus-per-node", "2", "--stage", "2", "--micro-batch", "4", "--precision",
+               "bf16", "--format", "json"]
+    assert main(["predict", "--transformer", f"hf={path},seq=512", *cluster]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    spec = "arch=qwen2,layers=28,hidden=1536,heads=12,kv_heads=2,ffn=8960,seq=512,vocab=151936,tied=1"
+    assert main(["predict", "--transformer", spec, *cluster]) == 0
+    assert from_file == json.loads(capsys.readouterr().out)
+    assert main(["predict", "--transformer", f"hf={path}", *cluster]) == 2  # no sequence: refused, named
+    assert "needs seq=" in capsys.readouterr().err
 
 
 # -- the step model --------------------------------------------------------------------------------------------------
