@@ -34,9 +34,13 @@ STRATEGY_LABELS = {"torch": "plain PyTorch DDP", "z0": "ZeRO-0", "z1": "ZeRO-1",
 
 
 def workload(name: str) -> P.Workload:
-    """A transformer shape from SHAPES, or one of the lab's models (built on the meta device)."""
+    """A transformer shape from SHAPES, one of the lab's models (built on the meta device), or the learner's own
+    transformer as `labkit predict --transformer` takes it: its shape, or its Hugging Face config.json with the
+    sequence (`hf=path/to/config.json,seq=2048`)."""
     if name in SHAPES:
         return P.TransformerWorkload(SHAPES[name], name=name)
+    if "=" in name:
+        return P.TransformerWorkload(flops.Transformer.parse(name), name=name)
     from labkit.core.config import RunConfig
 
     if name == "lab GPT (ci size)":
@@ -45,7 +49,8 @@ def workload(name: str) -> P.Workload:
         return P.lab_workload(RunConfig.from_dict({"example": "deepspeed", **SIZES["ci"]}))
     if name == "lab MLP (ci answer)":
         return P.ModuleWorkload(RunConfig.from_dict({"example": "deepspeed", "hidden": 512, "depth": 2}))
-    raise ValueError(f"unknown model {name!r}; known: {', '.join((*SHAPES, *LAB_MODELS))}")
+    raise ValueError(f"unknown model {name!r}; known: {', '.join((*SHAPES, *LAB_MODELS))}, or yours as "
+                     "layers=,hidden=,heads=,seq=... or hf=path/to/config.json,seq=N")
 
 
 def card_table(card: dict[str, Any]) -> pd.DataFrame:

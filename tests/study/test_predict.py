@@ -450,6 +450,24 @@ def test_labkit_predict_reads_your_models_config(tmp_path, capsys):
     assert "needs seq=" in capsys.readouterr().err
 
 
+def test_the_notebooks_widgets_take_your_model_by_its_config_or_its_shape(tmp_path):
+    from labkit.study import predict_views as V
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(HUB_CONFIGS["Qwen2.5-1.5B"]))
+    widgets = dict(gpu="A100-80GB", gpus_per_node=8, nodes=1, intra="auto", inter_gbps=0, strategy="z2",
+                   micro_batch=4)
+    preset = V.explore(model="Qwen2.5-1.5B (seq 512)", **widgets)
+    yours = V.explore(model=f"hf={path},seq=512", **widgets)
+    assert yours[0].equals(preset[0]) and yours[1].equals(preset[1])  # the same model, read from its file
+    assert f"hf={path},seq=512, ZeRO-2" in yours[2]
+    by_shape = V.explore(model="layers=4,hidden=256,heads=4,seq=128", **widgets)
+    assert "layers=4,hidden=256,heads=4,seq=128" in by_shape[2]
+    for bad, says in ((f"hf={path}", "needs seq="), ("GPT-5", "or yours as")):
+        with pytest.raises(ValueError, match=says):  # the widget prints it as "not possible: ..."
+            V.explore(model=bad, **widgets)
+
+
 # -- the step model --------------------------------------------------------------------------------------------------
 def _predict(strategy="z0", nodes=1, micro=4, precision="bf16", **kw):
     cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=nodes, inter_gbps=200 if nodes > 1 else 0)
