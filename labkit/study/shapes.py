@@ -96,6 +96,9 @@ class Transformer:
             raise ValueError(f"--transformer has an empty item (two commas, or a leading one): {text!r}")
         for part in filter(None, parts):
             key, sep, value = part.partition("=")
+            if not sep and "hf" in values:
+                raise ValueError(f"--transformer hf= takes a path without commas (the items are split at them), got "
+                                 f"{values['hf']!r} then {part!r}")
             if not sep or key not in (*ints, "dropout", "arch", "tied", "attention", "hf"):
                 raise ValueError(f"--transformer takes layers=,hidden=,heads=,seq=[,vocab=,dropout=,arch=,kv_heads=,"
                                  f"ffn=,tied=,attention=], or hf=CONFIG,seq=, got {part!r}")
@@ -182,60 +185,77 @@ HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "qwen2": "qwen2", "mistral":
 
 def from_hf_config(path: str, *, seq: int | None = None, dropout: float | None = None,
                    attention: str | None = None) -> Transformer:
-    """The shape of the Hugging Face model whose config.json is at `path` (the file, or the model's directory), read
-    offline by transformers' AutoConfig, which fills in what the file leaves to its class's defaults; `seq` is the
-    training sequence (a config only says the longest). Refused, naming the field: a model_type not in
-    HF_MODEL_TYPES, and what the class built for the shape would not have (a head dimension other than hidden /
-    heads, Llama's optional biases, a sliding window shorter than `seq`, a GPT-2 sequence past its positions). A
+    """The shape of the Hugging Face model whose config.json is at `path` (the file, or the model's directory; `~`
+    expanded), read offline by transformers' AutoConfig, which fills in what the file leaves to its class's defaults;
+    `seq` is the training sequence (a config only says the longest). Refused with a ValueError naming the file and the
+    field: a config transformers does not read, a model_type not in HF_MODEL_TYPES, a `seq` past the model's positions,
+    and what the class built for the shape would not have (a head dimension other than hidden / heads, Llama's
+    optional biases, layers with a sliding window shorter than `seq`, GPT-2's cross-attention or an untied head). A
     GPT-2 shape's position table is built `seq` long: (n_positions - seq) x hidden parameters fewer than the file's
     model (0.05% of GPT-2 XL's at 512 tokens). `dropout` (default: the config's) and `attention` as the shape takes
     them."""
     import os
 
+    where = f"--transformer hf={path}"
+    path = os.path.expanduser(path)
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):  # a local file only: AutoConfig would take anything else for a hub repository's name
-        raise ValueError(f"--transformer hf={path}: no such file (a config.json, or the model's directory with one)")
+        raise ValueError(f"{where}: no such file (a config.json, or the model's directory with one)")
     if seq is None:
-        raise ValueError(f"--transformer hf={path} needs seq=, the sequence you train at (the config only gives the "
-                         "longest the model takes)")
+        raise ValueError(f"{where} needs seq=, the sequence you train at (the config only gives the longest the model "
+                         "takes)")
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(file)
-    except (OSError, ValueError, KeyError) as exc:  # not JSON, no model_type, a model_type transformers lacks
-        raise ValueError(f"--transformer hf={path}: not a Hugging Face config transformers reads ({exc})") from None
+    except Exception as exc:  # not JSON, no model_type, a field its class's checks refuse (not all ValueErrors)
+        raise ValueError(f"{where}: not a Hugging Face config transformers reads ({type(exc).__name__}: {exc})") \
+            from None
     kind = getattr(config, "model_type", None)
     if kind not in HF_MODEL_TYPES:
-        raise ValueError(f"--transformer hf={path}: model_type {kind!r} is not modelled; known: "
-                         f"{', '.join(HF_MODEL_TYPES)} (or give its shape: layers=,hidden=,heads=,...)")
-    if kind == "gpt2":
-        drops = {config.resid_pdrop, config.embd_pdrop, config.attn_pdrop}
-        if dropout is None and len(drops) > 1:
-            raise ValueError(f"--transformer hf={path}: resid_pdrop, embd_pdrop and attn_pdrop differ "
-                             f"({config.resid_pdrop}, {config.embd_pdrop}, {config.attn_pdrop}); the shape has one "
-                             "dropout: give dropout=")
-        if seq > config.n_positions:
-            raise ValueError(f"--transformer hf={path}: seq={seq} is past the model's {config.n_positions} positions")
-        return Transformer(layers=config.n_layer, hidden=config.n_embd, heads=config.n_head, seq=seq,
-                           vocab=config.vocab_size, ffn=config.n_inner, tied=bool(config.tie_word_embeddings),
-                           dropout=config.resid_pdrop if dropout is None else dropout, attention=attention)
-    heads, hidden = config.num_attention_heads, config.hidden_size
-    head_dim = getattr(config, "head_dim", None)
-    refusals = [(head_dim not in (None, hidden // heads), f"head_dim {head_dim} is not hidden_size / "
-                                                          f"num_attention_heads = {hidden // heads}"),
-                (kind != "qwen2" and bool(getattr(config, "attention_bias", False)), "attention_bias is true"),
-                (bool(getattr(config, "mlp_bias", False)), "mlp_bias is true")]
-    window = getattr(config, "sliding_window", None)
-    if kind == "mistral" or getattr(config, "use_sliding_window", False):
-        refusals.append((window is not None and seq > window, f"its sliding window ({window}) is shorter than seq"))
+        raise ValueError(f"{where}: model_type {kind!r} is not modelled; known: {', '.join(HF_MODEL_TYPES)} (or give "
+                         "its shape: layers=,hidden=,heads=,...)")
+    gpt2 = kind == "gpt2"
+    positions = config.n_positions if gpt2 else config.max_position_embeddings
+    refusals = [(seq > positions, f"seq={seq} is past the model's {positions} positions "
+                                  f"({'n_positions' if gpt2 else 'max_position_embeddings'})")]
+    if gpt2:
+        refusals += [(bool(config.add_cross_attention), "add_cross_attention is true (an encoder-decoder's blocks)"),
+                     (not config.tie_word_embeddings, "tie_word_embeddings is false (GPT-2's head is its embedding)"),
+                     (dropout is None and len({config.resid_pdrop, config.embd_pdrop, config.attn_pdrop}) > 1,
+                      f"resid_pdrop, embd_pdrop and attn_pdrop differ ({config.resid_pdrop}, {config.embd_pdrop}, "
+                      f"{config.attn_pdrop}) where the shape has one dropout: give dropout=")]
+    else:
+        heads, hidden = config.num_attention_heads, config.hidden_size
+        head_dim = getattr(config, "head_dim", None)
+        # which layers slide: transformers' own list where the class has one (Qwen2's max_window_layers), else all
+        types = getattr(config, "layer_types", None)
+        sliding = ("sliding_attention" in types if types is not None else
+                   kind == "mistral" or bool(getattr(config, "use_sliding_window", False)))
+        window = getattr(config, "sliding_window", None)
+        refusals += [(head_dim is not None and head_dim * heads != hidden,
+                      f"head_dim {head_dim} is not hidden_size / num_attention_heads = {hidden / heads:g}"),
+                     (kind == "llama" and bool(getattr(config, "attention_bias", False)), "attention_bias is true"),
+                     (kind == "llama" and bool(getattr(config, "mlp_bias", False)), "mlp_bias is true"),
+                     (sliding and window is not None and seq > window,
+                      f"its sliding window ({window}) is shorter than seq")]
     why = [text for refused, text in refusals if refused]
     if why:
-        raise ValueError(f"--transformer hf={path}: {'; '.join(why)}: not modelled")
-    return Transformer(arch=HF_MODEL_TYPES[kind], layers=config.num_hidden_layers, hidden=hidden, heads=heads,
-                       kv_heads=getattr(config, "num_key_value_heads", None) or heads, ffn=config.intermediate_size,
-                       seq=seq, vocab=config.vocab_size, tied=bool(config.tie_word_embeddings),
-                       dropout=float(getattr(config, "attention_dropout", 0.0)) if dropout is None else dropout,
-                       attention=attention)
+        raise ValueError(f"{where}: {'; '.join(why)}: not modelled")
+    try:
+        if gpt2:
+            return Transformer(layers=config.n_layer, hidden=config.n_embd, heads=config.n_head, seq=seq,
+                               vocab=config.vocab_size, ffn=config.n_inner, tied=True,
+                               dropout=config.resid_pdrop if dropout is None else dropout, attention=attention)
+        return Transformer(arch=HF_MODEL_TYPES[kind], layers=config.num_hidden_layers, hidden=hidden, heads=heads,
+                           kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                           ffn=config.intermediate_size, seq=seq, vocab=config.vocab_size,
+                           tied=bool(config.tie_word_embeddings),
+                           dropout=float(getattr(config, "attention_dropout", 0.0)) if dropout is None else dropout,
+                           attention=attention)
+    except ValueError as exc:  # the shape's own checks, in its names
+        raise ValueError(f"{where}: {exc} (the shape's kv_heads is the config's num_key_value_heads, ffn its "
+                         "intermediate_size or n_inner, dropout its attention_dropout or resid_pdrop)") from None
 
 
 @dataclass(frozen=True)

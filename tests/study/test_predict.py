@@ -381,6 +381,13 @@ HUB_CONFIGS = {
                         "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
                         "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
                         "sliding_window": 4096, "tie_word_embeddings": False, "vocab_size": 32000},
+    "Llama-3.2-1B": {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                     "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 8192,
+                     "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+                     "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+                     "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                     "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256},
 }
 
 
@@ -389,6 +396,8 @@ HUB_CONFIGS = {
     ("Llama-2-7b", 4096, "arch=llama,layers=32,hidden=4096,heads=32,ffn=11008,seq=4096,vocab=32000"),
     ("Qwen2.5-1.5B", 512, "arch=qwen2,layers=28,hidden=1536,heads=12,kv_heads=2,ffn=8960,seq=512,vocab=151936,tied=1"),
     ("Mistral-7B-v0.1", 2048, "arch=llama,layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,seq=2048,vocab=32000"),
+    ("Llama-3.2-1B", 8192,
+     "arch=llama,layers=16,hidden=2048,heads=32,kv_heads=8,ffn=8192,seq=8192,vocab=128256,tied=1"),
 ])
 def test_a_hugging_face_config_is_read_as_the_shape_it_gives(tmp_path, name, seq, spec):
     import transformers
@@ -421,7 +430,17 @@ def test_a_hugging_face_config_says_what_the_shape_cannot_be(tmp_path):
                       (spec("Llama-2-7b", attention_bias=True), "attention_bias is true"),
                       (spec("Llama-2-7b", mlp_bias=True), "mlp_bias is true"),
                       (spec("Mistral-7B-v0.1", ",seq=8192"), "sliding window \\(4096\\) is shorter than seq"),
-                      (spec("Qwen2.5-1.5B", ",seq=1024", use_sliding_window=True, sliding_window=512), "sliding"),
+                      (spec("Qwen2.5-1.5B", ",seq=1024", use_sliding_window=True, sliding_window=512,
+                            max_window_layers=14), "sliding window \\(512\\)"),  # layers 14-27 slide
+                      (spec("Llama-2-7b", ",seq=8192"), "past the model's 4096 positions"),
+                      (spec("gpt2-xl", add_cross_attention=True), "add_cross_attention is true"),
+                      (spec("gpt2-xl", tie_word_embeddings=False), "tie_word_embeddings is false"),
+                      # the shape's own checks, said in the file's terms
+                      (spec("Qwen2.5-1.5B", num_key_value_heads=5), "multiple of kv_heads.*num_key_value_heads"),
+                      # what transformers' classes refuse is no traceback either (not all of it is a ValueError)
+                      (spec("Llama-2-7b", hidden_size="4096"), "not a Hugging Face config"),
+                      (spec("Llama-2-7b", num_attention_heads=0), "not a Hugging Face config"),
+                      (f"hf={tmp_path / 'a,b.json'},seq=8", "a path without commas"),
                       (f"hf={tmp_path / 'none.json'},seq=8", "no such file"),
                       (f"hf={tmp_path},seq=8", "no such file")):  # a directory without a config.json
         with pytest.raises(ValueError, match=says):
@@ -429,6 +448,9 @@ def test_a_hugging_face_config_says_what_the_shape_cannot_be(tmp_path):
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a Hugging Face config"):
         flops.Transformer.parse(f"hf={tmp_path / 'broken.json'},seq=8")
+    # no layer slides where transformers' own layer list says so (Qwen2's max_window_layers: all 28 full)
+    full = spec("Qwen2.5-1.5B", ",seq=1024", use_sliding_window=True, sliding_window=512, max_window_layers=28)
+    assert flops.Transformer.parse(full).seq == 1024
     # what may be given beside the file: the attention kernels and the dropout
     shape = flops.Transformer.parse(spec("gpt2-xl", ",seq=512,attention=sdpa,dropout=0", attn_pdrop=0.0))
     assert (shape.attention, shape.dropout, shape.seq) == ("sdpa", 0.0, 512)
@@ -436,7 +458,7 @@ def test_a_hugging_face_config_says_what_the_shape_cannot_be(tmp_path):
     assert flops.Transformer.parse(spec("Qwen2.5-1.5B", ",seq=64", attention_bias=True)).arch == "qwen2"
 
 
-def test_labkit_predict_reads_your_models_config(tmp_path, capsys):
+def test_labkit_predict_reads_your_models_config(tmp_path, capsys, monkeypatch):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(HUB_CONFIGS["Qwen2.5-1.5B"]))
     cluster = ["--gpu", "A100-40GB", "--gpus-per-node", "2", "--stage", "2", "--micro-batch", "4", "--precision",
@@ -445,6 +467,9 @@ def test_labkit_predict_reads_your_models_config(tmp_path, capsys):
     from_file = json.loads(capsys.readouterr().out)
     spec = "arch=qwen2,layers=28,hidden=1536,heads=12,kv_heads=2,ffn=8960,seq=512,vocab=151936,tied=1"
     assert main(["predict", "--transformer", spec, *cluster]) == 0
+    assert from_file == json.loads(capsys.readouterr().out)
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ as a shell would expand it (the notebook's box has no shell)
+    assert main(["predict", "--transformer", "hf=~/config.json,seq=512", *cluster]) == 0
     assert from_file == json.loads(capsys.readouterr().out)
     assert main(["predict", "--transformer", f"hf={path}", *cluster]) == 2  # no sequence: refused, named
     assert "needs seq=" in capsys.readouterr().err
