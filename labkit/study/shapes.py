@@ -96,7 +96,7 @@ class Transformer:
             raise ValueError(f"--transformer has an empty item (two commas, or a leading one): {text!r}")
         for part in filter(None, parts):
             key, sep, value = part.partition("=")
-            if not sep and "hf" in values:
+            if "hf" in values and (not sep or key not in (*ints, "dropout", "arch", "tied", "attention", "hf")):
                 raise ValueError(f"--transformer hf= takes a path without commas (the items are split at them), got "
                                  f"{values['hf']!r} then {part!r}")
             if not sep or key not in (*ints, "dropout", "arch", "tied", "attention", "hf"):
@@ -178,9 +178,10 @@ class Transformer:
 
 # -- a Hugging Face model's config.json -------------------------------------------------------------------------------
 # model_type -> the arch whose class is built for it. Mistral's modules and parameters are Llama's (MistralForCausalLM:
-# the same attention, MLP and RMSNorm shapes); its sliding window changes what the attention computes only past the
-# window, which from_hf_config refuses.
-HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "qwen2": "qwen2", "mistral": "llama"}
+# the same attention, MLP and RMSNorm shapes; transformers reads a mistral config that lists layer_types as ministral,
+# the same again); its sliding window changes what the attention computes only past the window, which
+# from_hf_config refuses.
+HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "qwen2": "qwen2", "mistral": "llama", "ministral": "llama"}
 
 
 def from_hf_config(path: str, *, seq: int | None = None, dropout: float | None = None,
@@ -208,6 +209,8 @@ def from_hf_config(path: str, *, seq: int | None = None, dropout: float | None =
 
     try:
         config = AutoConfig.from_pretrained(file)
+    except ImportError:  # transformers' own install, not the file
+        raise
     except Exception as exc:  # not JSON, no model_type, a field its class's checks refuse (not all ValueErrors)
         raise ValueError(f"{where}: not a Hugging Face config transformers reads ({type(exc).__name__}: {exc})") \
             from None
@@ -216,46 +219,55 @@ def from_hf_config(path: str, *, seq: int | None = None, dropout: float | None =
         raise ValueError(f"{where}: model_type {kind!r} is not modelled; known: {', '.join(HF_MODEL_TYPES)} (or give "
                          "its shape: layers=,hidden=,heads=,...)")
     gpt2 = kind == "gpt2"
-    positions = config.n_positions if gpt2 else config.max_position_embeddings
-    refusals = [(seq > positions, f"seq={seq} is past the model's {positions} positions "
-                                  f"({'n_positions' if gpt2 else 'max_position_embeddings'})")]
     if gpt2:
-        refusals += [(bool(config.add_cross_attention), "add_cross_attention is true (an encoder-decoder's blocks)"),
-                     (not config.tie_word_embeddings, "tie_word_embeddings is false (GPT-2's head is its embedding)"),
-                     (dropout is None and len({config.resid_pdrop, config.embd_pdrop, config.attn_pdrop}) > 1,
-                      f"resid_pdrop, embd_pdrop and attn_pdrop differ ({config.resid_pdrop}, {config.embd_pdrop}, "
-                      f"{config.attn_pdrop}) where the shape has one dropout: give dropout=")]
+        # GPT-2's positions are a table of parameters; rotary ones (the others) are none, and a longer sequence than
+        # max_position_embeddings (context extension, rope_scaling) changes no shape
+        refusals = [(seq > config.n_positions, f"seq={seq} is past the model's {config.n_positions} positions "
+                                               "(n_positions)"),
+                    (bool(config.add_cross_attention), "add_cross_attention is true (an encoder-decoder's blocks: "
+                                                       "not modelled)"),
+                    (not config.tie_word_embeddings, "tie_word_embeddings is false (GPT-2's head is its embedding: "
+                                                     "not modelled)"),
+                    (dropout is None and len({config.resid_pdrop, config.embd_pdrop, config.attn_pdrop}) > 1,
+                     f"resid_pdrop, embd_pdrop and attn_pdrop differ ({config.resid_pdrop}, {config.embd_pdrop}, "
+                     f"{config.attn_pdrop}) and the shape has one dropout: give dropout=")]
     else:
         heads, hidden = config.num_attention_heads, config.hidden_size
         head_dim = getattr(config, "head_dim", None)
-        # which layers slide: transformers' own list where the class has one (Qwen2's max_window_layers), else all
+        # which layers slide, where the class slides any (Llama's does not): transformers' own list where the config
+        # has one (Qwen2's max_window_layers), else every layer
         types = getattr(config, "layer_types", None)
-        sliding = ("sliding_attention" in types if types is not None else
-                   kind == "mistral" or bool(getattr(config, "use_sliding_window", False)))
+        sliding = kind != "llama" and ("sliding_attention" in types if types is not None else
+                                       kind != "qwen2" or bool(getattr(config, "use_sliding_window", False)))
         window = getattr(config, "sliding_window", None)
-        refusals += [(head_dim is not None and head_dim * heads != hidden,
-                      f"head_dim {head_dim} is not hidden_size / num_attention_heads = {hidden / heads:g}"),
-                     (kind == "llama" and bool(getattr(config, "attention_bias", False)), "attention_bias is true"),
-                     (kind == "llama" and bool(getattr(config, "mlp_bias", False)), "mlp_bias is true"),
-                     (sliding and window is not None and seq > window,
-                      f"its sliding window ({window}) is shorter than seq")]
+        refusals = [(head_dim is not None and head_dim * heads != hidden,
+                     f"head_dim {head_dim} is not hidden_size / num_attention_heads = {hidden / heads:g} (not "
+                     "modelled)"),
+                    (kind == "llama" and bool(getattr(config, "attention_bias", False)),
+                     "attention_bias is true (not modelled)"),
+                    (kind == "llama" and bool(getattr(config, "mlp_bias", False)), "mlp_bias is true (not modelled)"),
+                    (sliding and window is not None and seq > window,
+                     f"its sliding window ({window}) is shorter than seq (not modelled)")]
     why = [text for refused, text in refusals if refused]
     if why:
-        raise ValueError(f"{where}: {'; '.join(why)}: not modelled")
+        raise ValueError(f"{where}: {'; '.join(why)}")
     try:
         if gpt2:
             return Transformer(layers=config.n_layer, hidden=config.n_embd, heads=config.n_head, seq=seq,
                                vocab=config.vocab_size, ffn=config.n_inner, tied=True,
                                dropout=config.resid_pdrop if dropout is None else dropout, attention=attention)
+        kv_heads = getattr(config, "num_key_value_heads", None)
         return Transformer(arch=HF_MODEL_TYPES[kind], layers=config.num_hidden_layers, hidden=hidden, heads=heads,
-                           kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                           kv_heads=heads if kv_heads is None else kv_heads,
                            ffn=config.intermediate_size, seq=seq, vocab=config.vocab_size,
                            tied=bool(config.tie_word_embeddings),
                            dropout=float(getattr(config, "attention_dropout", 0.0)) if dropout is None else dropout,
                            attention=attention)
-    except ValueError as exc:  # the shape's own checks, in its names
-        raise ValueError(f"{where}: {exc} (the shape's kv_heads is the config's num_key_value_heads, ffn its "
-                         "intermediate_size or n_inner, dropout its attention_dropout or resid_pdrop)") from None
+    except ValueError as exc:  # the shape's own checks, in its names: say the file's
+        names = ("layers n_layer, hidden n_embd, heads n_head, ffn n_inner, dropout resid_pdrop" if gpt2 else
+                 "layers num_hidden_layers, hidden hidden_size, heads num_attention_heads, kv_heads "
+                 "num_key_value_heads, ffn intermediate_size, dropout attention_dropout")
+        raise ValueError(f"{where}: {exc} (the shape's {names}; dropout= when given)") from None
 
 
 @dataclass(frozen=True)

@@ -398,12 +398,20 @@ HUB_CONFIGS = {
     ("Mistral-7B-v0.1", 2048, "arch=llama,layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,seq=2048,vocab=32000"),
     ("Llama-3.2-1B", 8192,
      "arch=llama,layers=16,hidden=2048,heads=32,kv_heads=8,ffn=8192,seq=8192,vocab=128256,tied=1"),
+    # past max_position_embeddings: rotary positions are no parameters, a longer context changes no shape
+    ("Llama-2-7b", 8192, "arch=llama,layers=32,hidden=4096,heads=32,ffn=11008,seq=8192,vocab=32000"),
+    # a mistral config listing its layers' attention: transformers reads it as ministral, the same modules
+    ("Mistral-7B-v0.1+layer_types", 4096,
+     "arch=llama,layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,seq=4096,vocab=32000"),
 ])
 def test_a_hugging_face_config_is_read_as_the_shape_it_gives(tmp_path, name, seq, spec):
     import transformers
 
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(HUB_CONFIGS[name]))
+    name, _, extra = name.partition("+")
+    # (with its head_dim: transformers' ministral class cannot build without one)
+    config = {**HUB_CONFIGS[name], **({"layer_types": ["sliding_attention"] * 32, "head_dim": 128} if extra else {})}
+    path.write_text(json.dumps(config))
     shape = flops.Transformer.parse(f"hf={path},seq={seq}")
     assert shape == flops.Transformer.parse(spec)
     assert flops.Transformer.parse(f"hf={tmp_path},seq={seq}") == shape  # the model's directory
@@ -432,7 +440,7 @@ def test_a_hugging_face_config_says_what_the_shape_cannot_be(tmp_path):
                       (spec("Mistral-7B-v0.1", ",seq=8192"), "sliding window \\(4096\\) is shorter than seq"),
                       (spec("Qwen2.5-1.5B", ",seq=1024", use_sliding_window=True, sliding_window=512,
                             max_window_layers=14), "sliding window \\(512\\)"),  # layers 14-27 slide
-                      (spec("Llama-2-7b", ",seq=8192"), "past the model's 4096 positions"),
+                      (spec("Llama-2-7b", num_key_value_heads=0), "kv_heads must be >= 1.*num_key_value_heads"),
                       (spec("gpt2-xl", add_cross_attention=True), "add_cross_attention is true"),
                       (spec("gpt2-xl", tie_word_embeddings=False), "tie_word_embeddings is false"),
                       # the shape's own checks, said in the file's terms
@@ -441,10 +449,13 @@ def test_a_hugging_face_config_says_what_the_shape_cannot_be(tmp_path):
                       (spec("Llama-2-7b", hidden_size="4096"), "not a Hugging Face config"),
                       (spec("Llama-2-7b", num_attention_heads=0), "not a Hugging Face config"),
                       (f"hf={tmp_path / 'a,b.json'},seq=8", "a path without commas"),
+                      (f"hf={tmp_path / 'a,lr=3.json'},seq=8", "a path without commas"),
                       (f"hf={tmp_path / 'none.json'},seq=8", "no such file"),
                       (f"hf={tmp_path},seq=8", "no such file")):  # a directory without a config.json
         with pytest.raises(ValueError, match=says):
             flops.Transformer.parse(bad)
+    with pytest.raises(ValueError, match=f"^--transformer hf={re.escape(str(tmp_path))}/gpt2-xl"):  # names the file
+        flops.Transformer.parse(spec("gpt2-xl", n_head=7))
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a Hugging Face config"):
         flops.Transformer.parse(f"hf={tmp_path / 'broken.json'},seq=8")
