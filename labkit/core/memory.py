@@ -38,9 +38,9 @@ backward at an accumulation boundary, before ``step``) differs in places:
   pass their count as ``persistent_params`` (see :func:`mlp_persistent_params`).
 * Partitions are padded to a multiple of 2*N elements at stages 1/2 (negligible).
 * :func:`accountings` puts the paper's figures and these side by side, with the reduce bucket's bytes.
-* Not model states, so not modelled here: the stage-3 reduce bucket
+* Not model states, so not modelled by :func:`model_state_bytes`: the stage-3 reduce bucket
   (``reduce_bucket_size`` elements, 2 GB fp32 by default, kept between steps),
-  offload staging buffers, the fp32 grad partition built during ``step``.
+  offload staging buffers, and what ``step`` builds for itself: :func:`optimizer_step_bytes` has that.
 """
 from __future__ import annotations
 
@@ -113,6 +113,51 @@ def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str
         "host_bytes": round(host),
         "host_grad_bytes": round(host_grads),
     }
+
+
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeedZeroConfig.sub_group_size (0.19.8)
+NORM_BYTES = 8  # the gradient norm reads each gradient as fp64 (zero/utils.py get_norm_dtype: fp64 where supported)
+
+
+def optimizer_step_bytes(stage: int, param_numels: Sequence[int], world_size: int, precision: str = "mixed",
+                         offload_optimizer: bool = False, sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> int:
+    """Device bytes DeepSpeed 0.19.8's ``step`` allocates for itself at its peak, beyond the model states, on one
+    rank at stages 1-3 without offload (the activations are gone by then; 0 where not counted: stage 0, offload).
+    Measured on the real step (``labkit.study.optimizer_bytes --peak``, tests/study/test_step_memory.py: 1 and 2
+    CPU ranks, to the byte but for a few scalars). ``param_numels``: every parameter's elements in
+    ``model.parameters()`` order.
+
+    * Stages 1-2 turn the rank's gradient partition into fp32 at once: ``flatten`` copies it (16-bit), ``.to``
+      converts it (stage_1_and_2.py:3113-3118): (2 + 4) B per partition element, 4 B in fp32 training (the copy;
+      ``.to`` of an fp32 tensor is itself).
+    * Stage 3 does the same one sub-group at a time (``_prepare_fp32_grad_for_sub_group``, stage3.py:2686-2687, in
+      ``step``'s loop over ``fp16_groups``, each freed by ``_release_sub_group``): a sub-group collects parameters in
+      order until it holds ``sub_group_size`` partition elements or more (``_create_fp16_sub_groups``,
+      stage3.py:1210-1233), and one of a single parameter is a view, not a copy. So ``sub_group_size`` (default
+      1e9 elements: ~6 GB in bf16) bounds this peak, as DeepSpeed's docs advise for an OOM in the step.
+    * Before either, the gradient norm reads each gradient piece as fp64, one at a time (:data:`NORM_BYTES`;
+      ``get_grad_norm_direct``, stage3.py:2457, stage_1_and_2.py:2684)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0..3, got {stage}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if world_size < 1 or sub_group_size < 1 or not param_numels:
+        raise ValueError("world_size and sub_group_size must be >= 1, and param_numels not empty")
+    if stage == 0 or offload_optimizer:
+        return 0
+    low = 4 if precision == "fp32" else 2  # the gradients' dtype
+    to_fp32 = 0 if low == 4 else 4
+    if stage in (1, 2):
+        partition = math.ceil(sum(param_numels) / world_size)
+        return max((low + to_fp32) * partition, NORM_BYTES * min(max(param_numels), partition))
+    parts = [math.ceil(n / world_size) for n in param_numels]  # partition_numel() of each parameter
+    largest, group, count = 0, 0, 0
+    for i, part in enumerate(parts):
+        group, count = group + part, count + 1
+        if group >= sub_group_size or i == len(parts) - 1:
+            largest = max(largest, ((low if count > 1 else 0) + to_fp32) * group)
+            group, count = 0, 0
+    return max(largest, NORM_BYTES * max(parts))
 
 
 def _paper_state_bytes(psi: int, stage: int, n: int) -> dict[str, int]:

@@ -14,7 +14,10 @@ torch.optim.Adam's default step on a GPU (foreach, fp32 parameters), counted the
 
     python -m labkit.study.optimizer_bytes --out data/predict-ci/optimizer_bytes.json   # ~1 min on 2 cores
 
-`labkit.study.predict` reads the file (`step_bytes`). Each count runs in its own process (`python -m
+`labkit.study.predict` reads the file (`step_bytes`). `--peak STAGE PRECISION SUB_GROUP_SIZE [--world-size N]`
+measures what else the step does on the device: the bytes it allocates for itself at its peak (every aten op's new
+tensors, each counted until it is freed), per rank, which `labkit.core.memory.optimizer_step_bytes` predicts (with
+`--world-size 2` each rank is its own process: `peak_in_subprocesses`). Each count runs in its own process (`python -m
 labkit.study.optimizer_bytes --one STAGE PRECISION`), so that no caller inherits a process group, on DeepSpeed's CPU
 accelerator even where a GPU is (the count is of aten ops, not a timing). It runs the same aten ops as CUDA's here
 (the norm's fp64 too: both support it; its other accelerator branches pick streams); at 2 ranks the bytes per owned
@@ -105,8 +108,10 @@ def _summary(by_op: dict[str, int], params: int, kernel: int) -> dict[str, Any]:
                       if v / params >= 1e-3}}
 
 
-def count_deepspeed_step(stage: int, precision: str) -> dict[str, Any]:
-    """One engine.step() of a real 1-rank DeepSpeed engine, in this process (it initialises a gloo group)."""
+def _engine(stage: int, precision: str, zero: dict[str, Any] | None = None, *, rank: int = 0, world_size: int = 1,
+            port: int | None = None) -> tuple[Any, Any, Any]:
+    """A real DeepSpeed engine of the 4-layer model on the CPU accelerator (gloo), rank `rank` of `world_size` (the
+    others started alike with the same `port`), in this process: (engine, model, one micro-batch)."""
     import logging
 
     import torch
@@ -115,8 +120,9 @@ def count_deepspeed_step(stage: int, precision: str) -> dict[str, Any]:
     from labkit.runtime.ops import DEFAULT_EXTENSIONS_DIR, interpreter_path
 
     # DeepSpeed's fused Adam from the ops `make ops` built (a JIT build here would take a minute)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", DS_ACCELERATOR="cpu", PATH=interpreter_path(os.environ.get("PATH")),
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or free_port()), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu",
+                      PATH=interpreter_path(os.environ.get("PATH")),
                       TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR") or str(DEFAULT_EXTENSIONS_DIR))
     from labkit.runtime.ds_import import import_deepspeed
 
@@ -135,14 +141,20 @@ def count_deepspeed_step(stage: int, precision: str) -> dict[str, Any]:
     logger.setLevel(logging.WARNING)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
-    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2,
+                              "zero_optimization": {"stage": stage, **(zero or {})},
                               "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}
     if precision != "fp32":
         # a small initial loss scale: no step of the count may overflow (a skipped step runs no optimizer)
         config[precision] = {"enabled": True, **({"initial_scale_power": 4} if precision == "fp16" else {})}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
-    x = torch.randn(2, WIDTH, dtype=dtype)
+    return engine, model, torch.randn(2, WIDTH, dtype=dtype)
+
+
+def count_deepspeed_step(stage: int, precision: str) -> dict[str, Any]:
+    """One engine.step() of a real 1-rank DeepSpeed engine, in this process (it initialises a gloo group)."""
+    engine, model, x = _engine(stage, precision)
     traffic = _recorder()
     for step in range(3):
         engine.backward(engine(x).float().pow(2).mean())
@@ -156,6 +168,91 @@ def count_deepspeed_step(stage: int, precision: str) -> dict[str, Any]:
     params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
     return {"stage": stage, "precision": precision, "optimizer": type(engine.optimizer).__name__,
             **_summary(traffic.by_op, params, FUSED_ADAM_BYTES_PER_PARAM)}
+
+
+def _live_bytes() -> Any:
+    """A TorchDispatchMode that keeps the bytes of the tensors the ops under it allocate, each until it is freed, and
+    their peak (`peak`): what a caching allocator's max_memory_allocated adds over the span (views and in-place
+    ops allocate nothing; a storage is counted once)."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Live(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live = self.peak = 0
+            self.storages: dict[int, int] = {}
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func._schema.returns and all(r.alias_info is not None for r in func._schema.returns):
+                return out  # a view, or the argument written in place
+            for tensor in _tensors(out):
+                key = tensor.untyped_storage().data_ptr()
+                if key in self.storages:
+                    continue
+                self.storages[key] = tensor.untyped_storage().nbytes()
+                self.live += self.storages[key]
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(tensor, self._free, key)
+            return out
+
+        def _free(self, key: int) -> None:
+            self.live -= self.storages.pop(key, 0)
+
+    return Live()
+
+
+def peak_deepspeed_step(stage: int, precision: str, sub_group_size: int, rank: int = 0, world_size: int = 1,
+                        port: int | None = None) -> dict[str, Any]:
+    """The bytes the third engine.step() of a real DeepSpeed engine allocates at its peak on rank `rank` of
+    `world_size` (each rank a process started alike with the same `port`), with `sub_group_size`."""
+    engine, model, x = _engine(stage, precision, {"sub_group_size": sub_group_size}, rank=rank,
+                               world_size=world_size, port=port)
+    live = _live_bytes()
+    for step in range(3):
+        engine.backward(engine(x).float().pow(2).mean())
+        if step < 2:
+            engine.step()
+            continue
+        with live:
+            engine.step()
+    if engine.skipped_steps:
+        raise RuntimeError(f"{engine.skipped_steps} of the 3 steps overflowed and were skipped: nothing measured")
+    return {"stage": stage, "precision": precision, "sub_group_size": sub_group_size, "rank": rank,
+            "world_size": world_size, "param_numels": [p.numel() if not hasattr(p, "ds_numel") else int(p.ds_numel)
+                                                       for p in model.parameters()],
+            "peak_bytes": live.peak}
+
+
+def peak_in_subprocesses(stage: int, precision: str, sub_group_size: int, world_size: int = 1,
+                         timeout_s: float = 300) -> list[dict[str, Any]]:
+    """`peak_deepspeed_step` on every rank, each its own process (`--peak`), one gloo group: each rank's figure."""
+    from labkit.launch.launcher import free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "labkit.study.optimizer_bytes", "--peak", str(stage), precision,
+                               str(sub_group_size), "--world-size", str(world_size), "--rank", str(rank),
+                               "--port", port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for rank in range(world_size)]
+    results = []
+    for rank, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"measuring the step's peak on rank {rank} took over {timeout_s:.0f} s") from None
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"measuring the step's peak on rank {rank} failed (exit {proc.returncode}): "
+                               f"{(err or out).strip()[-1500:]}")
+        results.append(dict(json.loads(lines[-1])))
+    return results
 
 
 def count_torch_adam() -> dict[str, Any]:
@@ -229,7 +326,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one", nargs=2, metavar=("STAGE", "PRECISION"),
                         help=f"count one step in this process and print it (STAGE of {STAGES}, PRECISION of "
                              f"{PRECISIONS})")
+    parser.add_argument("--peak", nargs=3, metavar=("STAGE", "PRECISION", "SUB_GROUP_SIZE"),
+                        help="the bytes one step allocates at its peak, in this process (STAGE 1-3): as JSON")
+    parser.add_argument("--world-size", type=int, default=1, help="with --peak: ranks (each started alike)")
+    parser.add_argument("--rank", type=int, default=0, help="with --peak: this process's rank")
+    parser.add_argument("--port", type=int, help="with --peak: the rendezvous port every rank shares")
     args = parser.parse_args(argv)
+    if args.peak:
+        stage, precision, size = args.peak
+        if stage not in ("1", "2", "3") or precision not in PRECISIONS or not size.isdigit() or int(size) < 1:
+            parser.error(f"--peak STAGE (1-3) PRECISION ({PRECISIONS}) SUB_GROUP_SIZE (elements, >= 1)")
+        if args.world_size > 1 and args.port is None:
+            parser.error("--world-size > 1 needs --port, the same on every rank")
+        print(json.dumps(peak_deepspeed_step(int(stage), precision, int(size), args.rank, args.world_size,
+                                             args.port)))
+        return 0
     if args.one:
         stage, precision = args.one
         if stage not in STAGES or precision not in PRECISIONS or (stage == "torch" and precision != "fp32"):

@@ -517,7 +517,9 @@ class Prediction:
     host_bound_s: float       # of compute_s: the time the device waits on the host (its hooks, launches)
     device_bytes: float
     activation_bytes: float
-    usable_memory_bytes: float  # what device_bytes must fit in: the GPU's memory less the CUDA context
+    step_peak_bytes: float    # at the optimizer step's peak: the states + what DeepSpeed's step allocates for itself
+    usable_memory_bytes: float  # what device_bytes and step_peak_bytes must fit in: the GPU's memory less the CUDA
+                                # context
     fits: bool
     max_micro_batch: int
     hardware: str
@@ -601,7 +603,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     offload_s = offload_transfer_s + offload_host_s
     step = compute_s + comm.exposed_s + offload_s
     global_batch = micro_batch * grad_accum * n
-    states, max_micro = _memory(workload, cluster, stage, offload, precision, activation_checkpointing, zero)
+    states, max_micro, step_peak = _memory(workload, cluster, stage, offload, precision, activation_checkpointing,
+                                           zero)
     device_bytes = states + costs.activation_bytes
     return Prediction(
         strategy=strategy, world_size=n, micro_batch=micro_batch, grad_accum=grad_accum, global_batch=global_batch,
@@ -612,8 +615,9 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         comm_s=comm.total_s, exposed_comm_s=comm.exposed_s, offload_s=offload_s,
         offload_transfer_s=offload_transfer_s, offload_host_s=offload_host_s,
         host_overhead_s=grad_accum * host_s, host_bound_s=host_bound_s,
-        device_bytes=device_bytes, activation_bytes=costs.activation_bytes,
-        usable_memory_bytes=gpu.usable_memory_bytes, fits=device_bytes <= gpu.usable_memory_bytes,
+        device_bytes=device_bytes, activation_bytes=costs.activation_bytes, step_peak_bytes=step_peak,
+        usable_memory_bytes=gpu.usable_memory_bytes,
+        fits=max(device_bytes, step_peak) <= gpu.usable_memory_bytes,
         max_micro_batch=max_micro, hardware=cluster.describe(),
         constants=f"device: {gpu.constants_source}; host: {host_costs(gpu).source}"
                   + (f"; {offload_host(gpu, precision, host_memory_gb_per_s)[1]}" if offload else "")
@@ -687,27 +691,36 @@ def offload_host(gpu: GPU, precision: str, host_memory_gb_per_s: float | None = 
 
 
 def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bool, precision: str,
-            checkpointing: bool, settings: Mapping[str, Any] | None = None) -> tuple[float, int]:
-    """(device bytes of the model states + bucket, the largest micro-batch that fits): states from
-    labkit.core.memory (DeepSpeed 0.19.8's accounting; the bucket and ZeRO-3's persistent parameters as the
-    `settings` make them) and the activations counted on the meta device (`largest_micro_batch`)."""
+            checkpointing: bool, settings: Mapping[str, Any] | None = None) -> tuple[float, int, float]:
+    """(device bytes of the model states + bucket at the micro-step, the largest micro-batch that fits, device bytes
+    at the optimizer step's peak): states from labkit.core.memory (DeepSpeed 0.19.8's accounting; the bucket and
+    ZeRO-3's persistent parameters as the `settings` make them), the activations counted on the meta device
+    (`largest_micro_batch`), and what DeepSpeed's step allocates for itself (`memory.optimizer_step_bytes`, its
+    sub_group_size as the `settings` say; plain PyTorch's optimizer: not counted). Where the step does not fit, no
+    micro-batch does."""
     n = cluster.world_size
     mem_precision = "fp32" if precision == "fp32" else precision
     zero = 0 if stage is None else stage
     persistent, bucket = workload.persistent_params, memory.reduce_bucket_bytes(zero, mem_precision)
+    sub_group_size = memory.DEFAULT_SUB_GROUP_SIZE
     if settings and stage is not None:
         from labkit.study import comms
 
         persistent = comms.persistent_elements(workload.module_layout(), **settings)
         cfg = comms.zero_config(zero, settings)
         bucket = memory.reduce_bucket_bytes(zero, mem_precision, int(cfg.reduce_bucket_size), bool(cfg.overlap_comm))
+        sub_group_size = int(cfg.sub_group_size)
     states = memory.model_state_bytes(workload.n_params, zero, n, mem_precision, offload,
                                       persistent_params=persistent if zero == 3 else 0)
-    device = states["device_bytes"] + (bucket if stage else 0) + _peak_extra_bytes(workload, stage, n, precision,
-                                                                                    settings)
-    return device, largest_micro_batch(
-        lambda m: workload.costs(m, cluster.gpu, precision, checkpointing).activation_bytes,
-        cluster.gpu.usable_memory_bytes - device)
+    kept = states["device_bytes"] + (bucket if stage else 0)
+    device = kept + _peak_extra_bytes(workload, stage, n, precision, settings)
+    step = kept + (0 if stage is None else memory.optimizer_step_bytes(
+        zero, [size for module in workload.module_layout() for size in module], n, mem_precision, offload,
+        sub_group_size=sub_group_size))
+    usable = cluster.gpu.usable_memory_bytes
+    largest = 0 if step > usable else largest_micro_batch(
+        lambda m: workload.costs(m, cluster.gpu, precision, checkpointing).activation_bytes, usable - device)
+    return device, largest, step
 
 
 def _peak_extra_bytes(workload: Workload, stage: int | None, world_size: int, precision: str,
@@ -859,9 +872,12 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
         before, after = pair
         too_big = next((p for p in pair if not p.fits), None)
         if too_big is not None:
+            step = too_big.step_peak_bytes > too_big.device_bytes  # the optimizer step's peak is the larger
+            needs = max(too_big.device_bytes, too_big.step_peak_bytes)
             why = (f"predicted: does not fit: micro-batch {too_big.micro_batch} on {too_big.hardware} needs "
-                   f"{too_big.device_bytes / 1e9:.1f} GB of the {cluster.gpu.usable_memory_bytes / 1e9:.1f} GB a "
-                   f"process can use per GPU (the largest that fits: {too_big.max_micro_batch})")
+                   f"{needs / 1e9:.1f} GB{' at the optimizer step' if step else ''} of the "
+                   f"{cluster.gpu.usable_memory_bytes / 1e9:.1f} GB a process can use per GPU (the largest that "
+                   f"fits: {too_big.max_micro_batch})")
             ways[way] = {kind: {"verdict": None, "ratio": None, "from_batch": before.global_batch,
                                 "to_batch": after.global_batch, "condition": why}
                          for kind in ("per_step", "per_epoch", "to_target")}

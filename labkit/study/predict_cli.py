@@ -285,7 +285,8 @@ def format_table(out: dict[str, Any]) -> str:
     for key in ("strategy", "stage", "world_size", "micro_batch", "grad_accum", "global_batch", "step_time_s",
                 "samples_per_s",
                 "model_tflops_per_gpu", "hardware_tflops_per_gpu", "compute_s", "comm_s", "exposed_comm_s",
-                "offload_s", "offload_transfer_s", "offload_host_s", "device_bytes", "usable_memory_bytes", "fits",
+                "offload_s", "offload_transfer_s", "offload_host_s", "device_bytes", "step_peak_bytes",
+                "usable_memory_bytes", "fits",
                 "max_micro_batch",
                 "measured_step_time_s", "steps_to_target_over_s_min"):
         if key in out and not (key in ("offload_transfer_s", "offload_host_s") and not out.get("offload_s")):

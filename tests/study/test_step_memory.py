@@ -1,0 +1,67 @@
+"""What DeepSpeed 0.19.8's optimizer step allocates for itself, predicted (`memory.optimizer_step_bytes`) against
+the real step on 1 and 2 CPU ranks (`optimizer_bytes.peak_in_subprocesses`), and what the predictor makes of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit.core import memory
+from labkit.runtime import hardware as hw
+from labkit.study import flops
+from labkit.study import optimizer_bytes as ob
+from labkit.study import predict as P
+
+LAYERS = [ob.WIDTH * ob.WIDTH] * ob.LAYERS  # the measured model: 4 x Linear(1024, 1024, bias=False)
+SCALARS = 256  # the step's few scalar tensors (the norm, flags): bytes the formula leaves out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, precision, sub_group_size, world_size", [
+    (3, "bf16", 1_500_000, 2),    # sub-groups of 3 parameter partitions: flattened (2 B) and made fp32 (4 B)
+    (3, "bf16", 500_000, 1),      # one parameter per sub-group, a view: the fp64 norm of one gradient is the peak
+    (3, "fp32", 1_000_000_000, 1),  # fp32 training: the flattened copy only
+    (2, "bf16", 1_000_000_000, 2),  # the whole partition at once
+    (1, "fp32", 1_000_000_000, 1),
+])
+def test_the_optimizer_steps_own_peak_is_predicted_to_the_byte(stage, precision, sub_group_size, world_size):
+    predicted = memory.optimizer_step_bytes(stage, LAYERS, world_size, precision, sub_group_size=sub_group_size)
+    for rank in ob.peak_in_subprocesses(stage, precision, sub_group_size, world_size):
+        assert rank["param_numels"] == LAYERS
+        assert predicted <= rank["peak_bytes"] <= predicted + SCALARS, (rank, predicted)
+
+
+def test_the_steps_peak_follows_its_sources_rules():
+    # stage 3 groups parameters until a group reaches sub_group_size (stage3.py:1210-1233)
+    assert memory.optimizer_step_bytes(3, [10, 10, 10, 10], 1, "bf16", sub_group_size=15) == 6 * 20
+    assert memory.optimizer_step_bytes(3, [10, 10, 10, 10], 1, "bf16", sub_group_size=30) == 6 * 30
+    assert memory.optimizer_step_bytes(3, [100, 1, 1], 1, "bf16", sub_group_size=10) == 8 * 100  # a view; the norm
+    assert memory.optimizer_step_bytes(3, [10, 10], 2, "fp16") == 6 * 10  # each parameter's partition: 5
+    # stages 1-2: the rank's whole partition; offload and stage 0: not counted
+    assert memory.optimizer_step_bytes(2, [10, 10, 10, 10], 2, "bf16") == 6 * 20
+    assert memory.optimizer_step_bytes(2, [10, 10], 2, "bf16") == 8 * 10  # one gradient's fp64 copy is the larger
+    assert memory.optimizer_step_bytes(1, [10, 10], 1, "fp32") == 4 * 20
+    assert memory.optimizer_step_bytes(2, [10, 10], 2, "bf16", offload_optimizer=True) == 0
+    assert memory.optimizer_step_bytes(0, [10, 10], 1, "bf16") == 0
+    for bad in (dict(stage=4), dict(precision="int8"), dict(world_size=0), dict(sub_group_size=0)):
+        with pytest.raises(ValueError):
+            memory.optimizer_step_bytes(**{**dict(stage=3, param_numels=[1], world_size=1, precision="bf16"), **bad})
+
+
+def test_a_prediction_fits_only_if_its_optimizer_step_fits_too():
+    # a 1.3B GPT-2 shape on one A10G at ZeRO-3: its states and a micro-batch fit, the step's flattened and fp32
+    # copies of a 1e9-element sub-group on top do not; a smaller sub_group_size makes it fit, as DeepSpeed's docs
+    # advise for an OOM in the step
+    work = P.TransformerWorkload(flops.Transformer(layers=24, hidden=2048, heads=16, seq=512))
+    a10g = hw.Cluster(gpu=hw.gpu("A10G"), gpus_per_node=1)
+    one = P.predict(work, a10g, strategy="z3", micro_batch=1, precision="bf16", activation_checkpointing=True)
+    assert one.step_peak_bytes > one.usable_memory_bytes > one.device_bytes
+    assert not one.fits and one.max_micro_batch == 0
+    small = P.predict(work, a10g, strategy="z3", micro_batch=1, precision="bf16", activation_checkpointing=True,
+                      zero={"sub_group_size": 10_000_000})
+    assert small.fits and small.max_micro_batch >= 1 and small.device_bytes == one.device_bytes
+    numels = [n for module in work.module_layout() for n in module]
+    assert one.step_peak_bytes - small.step_peak_bytes == pytest.approx(
+        memory.optimizer_step_bytes(3, numels, 1, "bf16")
+        - memory.optimizer_step_bytes(3, numels, 1, "bf16", sub_group_size=10_000_000))
+    card = P.predicted_card(work, a10g, strategy="z3", micro_batch=1, precision="bf16", activation_checkpointing=True)
+    assert "at the optimizer step" in card["ways"]["grad_accum"]["per_step"]["condition"]
