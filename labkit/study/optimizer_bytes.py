@@ -171,9 +171,14 @@ def count_deepspeed_step(stage: int, precision: str) -> dict[str, Any]:
 
 
 def _live_bytes() -> Any:
-    """A TorchDispatchMode that keeps the bytes of the tensors the ops under it allocate, each until it is freed, and
-    their peak (`peak`): what a caching allocator's max_memory_allocated adds over the span (views and in-place
-    ops allocate nothing; a storage is counted once)."""
+    """A TorchDispatchMode that keeps the bytes of the tensors the ops under it allocate, each until that tensor is
+    freed, and their peak (`peak`): views and in-place ops allocate nothing; a storage is counted once. Not a
+    caching allocator's max_memory_allocated in general: a storage that outlives its first tensor through a view
+    (`_unsafe_view` after a matmul, a view kept under inference_mode) is taken as freed with that tensor; `resize_`,
+    kernels' own workspaces, the allocator's block rounding and other threads are not seen; and what was allocated
+    before the span and freed inside it is not subtracted. None of those is on the path of DeepSpeed 0.19.8's ZeRO
+    step (no resize_, inference_mode or matmul there; a reviewer's measurements of 7 more configurations agreed
+    to 40 bytes)."""
     import weakref
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -334,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.peak:
         stage, precision, size = args.peak
-        if stage not in ("1", "2", "3") or precision not in PRECISIONS or not size.isdigit() or int(size) < 1:
-            parser.error(f"--peak STAGE (1-3) PRECISION ({PRECISIONS}) SUB_GROUP_SIZE (elements, >= 1)")
+        if stage not in ("1", "2", "3") or precision not in PRECISIONS or not size.isdigit():
+            parser.error(f"--peak STAGE (1-3) PRECISION ({PRECISIONS}) SUB_GROUP_SIZE (elements, >= 0)")
         if args.world_size > 1 and args.port is None:
             parser.error("--world-size > 1 needs --port, the same on every rank")
         print(json.dumps(peak_deepspeed_step(int(stage), precision, int(size), args.rank, args.world_size,

@@ -712,11 +712,14 @@ def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bo
         sub_group_size = int(cfg.sub_group_size)
     states = memory.model_state_bytes(workload.n_params, zero, n, mem_precision, offload,
                                       persistent_params=persistent if zero == 3 else 0)
-    kept = states["device_bytes"] + (bucket if stage else 0)
-    device = kept + _peak_extra_bytes(workload, stage, n, precision, settings)
-    step = kept + (0 if stage is None else memory.optimizer_step_bytes(
+    device = states["device_bytes"] + (bucket if stage else 0) + _peak_extra_bytes(workload, stage, n, precision,
+                                                                                    settings)
+    # at the step: the states, stage 3's bucket (stages 1-2 free theirs at the end of the backward,
+    # `_release_ipg_buffers`, stage_1_and_2.py:924-932), and what the step allocates
+    own = 0 if stage is None else memory.optimizer_step_bytes(
         zero, [size for module in workload.module_layout() for size in module], n, mem_precision, offload,
-        sub_group_size=sub_group_size))
+        sub_group_size=sub_group_size)
+    step = float(states["device_bytes"] + (bucket if stage == 3 else 0) + own)
     usable = cluster.gpu.usable_memory_bytes
     largest = 0 if step > usable else largest_micro_batch(
         lambda m: workload.costs(m, cluster.gpu, precision, checkpointing).activation_bytes, usable - device)

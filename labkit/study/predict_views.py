@@ -149,7 +149,11 @@ def explore(*, gpu: str, gpus_per_node: int, nodes: int, intra: str, inter_gbps:
     summary = (f"Predicted for {cluster.describe()}, {work.name}, {STRATEGY_LABELS[strategy]}, {precision}: "
                f"{one.step_time_s:.3g} s per step, {one.samples_per_s:.4g} samples/s, "
                f"{one.hardware_tflops_per_gpu:.3g} TFLOP/s per GPU; fits: {one.fits} (largest micro-batch "
-               f"{one.max_micro_batch})" + "".join(f". Caveat: {text}" for text in one.caveats))
+               f"{one.max_micro_batch})"
+               + (f": the optimizer step alone needs {one.step_peak_bytes / 1e9:.1f} GB of the "
+                  f"{one.usable_memory_bytes / 1e9:.1f} GB a process can use"
+                  if one.step_peak_bytes > one.usable_memory_bytes else "")
+               + "".join(f". Caveat: {text}" for text in one.caveats))
     return card_table(card), parts, summary
 
 

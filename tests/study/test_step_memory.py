@@ -36,13 +36,14 @@ def test_the_steps_peak_follows_its_sources_rules():
     assert memory.optimizer_step_bytes(3, [10, 10, 10, 10], 1, "bf16", sub_group_size=30) == 6 * 30
     assert memory.optimizer_step_bytes(3, [100, 1, 1], 1, "bf16", sub_group_size=10) == 8 * 100  # a view; the norm
     assert memory.optimizer_step_bytes(3, [10, 10], 2, "fp16") == 6 * 10  # each parameter's partition: 5
+    assert memory.optimizer_step_bytes(3, [10, 10, 10], 1, "bf16", sub_group_size=0) == 8 * 10  # one each (legal)
     # stages 1-2: the rank's whole partition; offload and stage 0: not counted
     assert memory.optimizer_step_bytes(2, [10, 10, 10, 10], 2, "bf16") == 6 * 20
     assert memory.optimizer_step_bytes(2, [10, 10], 2, "bf16") == 8 * 10  # one gradient's fp64 copy is the larger
     assert memory.optimizer_step_bytes(1, [10, 10], 1, "fp32") == 4 * 20
     assert memory.optimizer_step_bytes(2, [10, 10], 2, "bf16", offload_optimizer=True) == 0
     assert memory.optimizer_step_bytes(0, [10, 10], 1, "bf16") == 0
-    for bad in (dict(stage=4), dict(precision="int8"), dict(world_size=0), dict(sub_group_size=0)):
+    for bad in (dict(stage=4), dict(precision="int8"), dict(world_size=0), dict(sub_group_size=-1)):
         with pytest.raises(ValueError):
             memory.optimizer_step_bytes(**{**dict(stage=3, param_numels=[1], world_size=1, precision="bf16"), **bad})
 
@@ -65,3 +66,18 @@ def test_a_prediction_fits_only_if_its_optimizer_step_fits_too():
         - memory.optimizer_step_bytes(3, numels, 1, "bf16", sub_group_size=10_000_000))
     card = P.predicted_card(work, a10g, strategy="z3", micro_batch=1, precision="bf16", activation_checkpointing=True)
     assert "at the optimizer step" in card["ways"]["grad_accum"]["per_step"]["condition"]
+
+
+def test_the_step_holds_stage_3s_reduce_bucket_and_not_the_one_stages_1_2_freed():
+    """Stages 1-2 free their reduce buckets at the end of the backward (`_release_ipg_buffers`,
+    stage_1_and_2.py:924-932); stage 3 keeps its own between steps."""
+    work = P.TransformerWorkload(flops.Transformer(layers=4, hidden=512, heads=8, seq=128))
+    node = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
+    numels = [n for module in work.module_layout() for n in module]
+    for stage in (1, 2, 3):
+        pred = P.predict(work, node, strategy=f"z{stage}", micro_batch=1, precision="bf16")
+        states = memory.model_state_bytes(work.n_params, stage, 8, "bf16",
+                                          persistent_params=work.persistent_params if stage == 3 else 0)
+        bucket = memory.reduce_bucket_bytes(stage, "bf16") if stage == 3 else 0
+        assert pred.step_peak_bytes == states["device_bytes"] + bucket + memory.optimizer_step_bytes(
+            stage, numels, 8, "bf16")
