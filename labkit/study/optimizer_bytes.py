@@ -152,19 +152,25 @@ def _engine(stage: int, precision: str, zero: dict[str, Any] | None = None, *, r
     return engine, model, torch.randn(2, WIDTH, dtype=dtype)
 
 
-def count_deepspeed_step(stage: int, precision: str) -> dict[str, Any]:
-    """One engine.step() of a real 1-rank DeepSpeed engine, in this process (it initialises a gloo group)."""
-    engine, model, x = _engine(stage, precision)
-    traffic = _recorder()
+def _third_step_under(engine: Any, x: Any, mode: Any) -> Any:
+    """Three steps of `engine` on the micro-batch `x`, the third `engine.step()` under the dispatch `mode`, returned:
+    the first two set the optimizer up (its states, the loss scale)."""
     for step in range(3):
         engine.backward(engine(x).float().pow(2).mean())
         if step < 2:
             engine.step()
             continue
-        with traffic:
+        with mode:
             engine.step()
     if engine.skipped_steps:  # a skipped step runs no optimizer; a skipped first one would move its set-up here
         raise RuntimeError(f"{engine.skipped_steps} of the 3 steps overflowed and were skipped: nothing to count")
+    return mode
+
+
+def count_deepspeed_step(stage: int, precision: str) -> dict[str, Any]:
+    """One engine.step() of a real 1-rank DeepSpeed engine, in this process (it initialises a gloo group)."""
+    engine, model, x = _engine(stage, precision)
+    traffic = _third_step_under(engine, x, _recorder())
     params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
     return {"stage": stage, "precision": precision, "optimizer": type(engine.optimizer).__name__,
             **_summary(traffic.by_op, params, FUSED_ADAM_BYTES_PER_PARAM)}
@@ -215,16 +221,7 @@ def peak_deepspeed_step(stage: int, precision: str, sub_group_size: int, rank: i
     `world_size` (each rank a process started alike with the same `port`), with `sub_group_size`."""
     engine, model, x = _engine(stage, precision, {"sub_group_size": sub_group_size}, rank=rank,
                                world_size=world_size, port=port)
-    live = _live_bytes()
-    for step in range(3):
-        engine.backward(engine(x).float().pow(2).mean())
-        if step < 2:
-            engine.step()
-            continue
-        with live:
-            engine.step()
-    if engine.skipped_steps:
-        raise RuntimeError(f"{engine.skipped_steps} of the 3 steps overflowed and were skipped: nothing measured")
+    live = _third_step_under(engine, x, _live_bytes())
     return {"stage": stage, "precision": precision, "sub_group_size": sub_group_size, "rank": rank,
             "world_size": world_size, "param_numels": [p.numel() if not hasattr(p, "ds_numel") else int(p.ds_numel)
                                                        for p in model.parameters()],
