@@ -122,7 +122,7 @@ NORM_BYTES = 8  # the gradient norm reads each gradient as fp64 (zero/utils.py g
 def optimizer_step_bytes(stage: int, param_numels: Sequence[int], world_size: int, precision: str = "mixed",
                          offload_optimizer: bool = False, sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> int:
     """Device bytes DeepSpeed 0.19.8's ``step`` allocates for itself at its peak, beyond the model states, on one
-    rank at stages 1-3 without offload (the activations are gone by then; 0 where not counted: stage 0, offload).
+    rank without offload (the activations are gone by then; 0 with offload, whose step runs on the host).
     Measured on the real step (``labkit.study.optimizer_bytes --peak``, tests/study/test_step_memory.py: 1 and 2
     CPU ranks, to the byte but for a few scalars). ``param_numels``: every parameter's elements in
     ``model.parameters()`` order, as one optimizer parameter group (DeepSpeed partitions and groups each group
@@ -139,17 +139,22 @@ def optimizer_step_bytes(stage: int, param_numels: Sequence[int], world_size: in
       stage3.py:1210-1233), and one of a single parameter is a view, not a copy. So ``sub_group_size`` (default
       1e9 elements: ~6 GB in bf16) bounds this peak, as DeepSpeed's docs advise for an OOM in the step.
     * Before either, the gradient norm reads each gradient piece as fp64, one at a time (:data:`NORM_BYTES`;
-      ``get_grad_norm_direct``, stage3.py:2457, stage_1_and_2.py:2684)."""
+      ``get_grad_norm_direct``, stage3.py:2457, stage_1_and_2.py:2684).
+    * Stage 0 in 16 bits (FP16_Optimizer, for fp16 and bf16 alike) makes every gradient fp32 in a list and flattens
+      the list (fp16/fused_optimizer.py:284-289): (4 + 4) B per parameter, 4 where the model has one tensor (a
+      view). Stage 0 in fp32 steps the basic optimizer on the gradients as they are: nothing."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0..3, got {stage}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if world_size < 1 or sub_group_size < 0 or not param_numels:
         raise ValueError("world_size must be >= 1, sub_group_size >= 0 (DeepSpeed's), and param_numels not empty")
-    if stage == 0 or offload_optimizer:
+    if offload_optimizer or (stage == 0 and precision == "fp32"):
         return 0
     low = 4 if precision == "fp32" else 2  # the gradients' dtype
     to_fp32 = 0 if low == 4 else 4
+    if stage == 0:
+        return (to_fp32 + (4 if len(param_numels) > 1 else 0)) * sum(param_numels)
     if stage in (1, 2):
         partition = math.ceil(sum(param_numels) / world_size)
         return max((low + to_fp32) * partition, NORM_BYTES * min(max(param_numels), partition))

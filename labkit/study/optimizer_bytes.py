@@ -329,15 +329,15 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"count one step in this process and print it (STAGE of {STAGES}, PRECISION of "
                              f"{PRECISIONS})")
     parser.add_argument("--peak", nargs=3, metavar=("STAGE", "PRECISION", "SUB_GROUP_SIZE"),
-                        help="the bytes one step allocates at its peak, in this process (STAGE 1-3): as JSON")
+                        help="the bytes one step allocates at its peak, in this process (STAGE 0-3): as JSON")
     parser.add_argument("--world-size", type=int, default=1, help="with --peak: ranks (each started alike)")
     parser.add_argument("--rank", type=int, default=0, help="with --peak: this process's rank")
     parser.add_argument("--port", type=int, help="with --peak: the rendezvous port every rank shares")
     args = parser.parse_args(argv)
     if args.peak:
         stage, precision, size = args.peak
-        if stage not in ("1", "2", "3") or precision not in PRECISIONS or not size.isdigit():
-            parser.error(f"--peak STAGE (1-3) PRECISION ({PRECISIONS}) SUB_GROUP_SIZE (elements, >= 0)")
+        if stage not in ("0", "1", "2", "3") or precision not in PRECISIONS or not size.isdigit():
+            parser.error(f"--peak STAGE (0-3) PRECISION ({PRECISIONS}) SUB_GROUP_SIZE (elements, >= 0)")
         if args.world_size > 1 and args.port is None:
             parser.error("--world-size > 1 needs --port, the same on every rank")
         print(json.dumps(peak_deepspeed_step(int(stage), precision, int(size), args.rank, args.world_size,

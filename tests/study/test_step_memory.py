@@ -22,6 +22,7 @@ SCALARS = 256  # the step's few scalar tensors (the norm, flags): bytes the form
     (3, "fp32", 1_000_000_000, 1),  # fp32 training: the flattened copy only
     (2, "bf16", 1_000_000_000, 2),  # the whole partition at once
     (1, "fp32", 1_000_000_000, 1),
+    (0, "bf16", 1_000_000_000, 2),  # FP16_Optimizer: every gradient made fp32 in a list, then flattened
 ])
 def test_the_optimizer_steps_own_peak_is_predicted_to_the_byte(stage, precision, sub_group_size, world_size):
     predicted = memory.optimizer_step_bytes(stage, LAYERS, world_size, precision, sub_group_size=sub_group_size)
@@ -42,7 +43,10 @@ def test_the_steps_peak_follows_its_sources_rules():
     assert memory.optimizer_step_bytes(2, [10, 10], 2, "bf16") == 8 * 10  # one gradient's fp64 copy is the larger
     assert memory.optimizer_step_bytes(1, [10, 10], 1, "fp32") == 4 * 20
     assert memory.optimizer_step_bytes(2, [10, 10], 2, "bf16", offload_optimizer=True) == 0
-    assert memory.optimizer_step_bytes(0, [10, 10], 1, "bf16") == 0
+    # stage 0: the whole model's gradients, not partitioned (FP16_Optimizer); in fp32 the basic optimizer: nothing
+    assert memory.optimizer_step_bytes(0, [10, 10], 2, "bf16") == 8 * 20
+    assert memory.optimizer_step_bytes(0, [10], 1, "fp16") == 4 * 10  # one tensor: the flatten is a view
+    assert memory.optimizer_step_bytes(0, [10, 10], 1, "fp32") == 0
     for bad in (dict(stage=4), dict(precision="int8"), dict(world_size=0), dict(sub_group_size=-1)):
         with pytest.raises(ValueError):
             memory.optimizer_step_bytes(**{**dict(stage=3, param_numels=[1], world_size=1, precision="bf16"), **bad})
@@ -74,7 +78,7 @@ def test_the_step_holds_stage_3s_reduce_bucket_and_not_the_one_stages_1_2_freed(
     work = P.TransformerWorkload(flops.Transformer(layers=4, hidden=512, heads=8, seq=128))
     node = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
     numels = [n for module in work.module_layout() for n in module]
-    for stage in (1, 2, 3):
+    for stage in (0, 1, 2, 3):
         pred = P.predict(work, node, strategy=f"z{stage}", micro_batch=1, precision="bf16")
         states = memory.model_state_bytes(work.n_params, stage, 8, "bf16",
                                           persistent_params=work.persistent_params if stage == 3 else 0)
