@@ -223,7 +223,7 @@ def peak_deepspeed_step(stage: int, precision: str, sub_group_size: int, rank: i
                                world_size=world_size, port=port)
     live = _third_step_under(engine, x, _live_bytes())
     return {"stage": stage, "precision": precision, "sub_group_size": sub_group_size, "rank": rank,
-            "world_size": world_size, "param_numels": [p.numel() if not hasattr(p, "ds_numel") else int(p.ds_numel)
+            "world_size": world_size, "param_numels": [int(getattr(p, "ds_numel", p.numel()))
                                                        for p in model.parameters()],
             "peak_bytes": live.peak}
 

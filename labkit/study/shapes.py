@@ -90,16 +90,17 @@ class Transformer:
         or a Hugging Face model's config.json, with the training sequence: 'hf=path/to/config.json,seq=2048'
         (`from_hf_config`; dropout= and attention= may follow it)."""
         ints = ("layers", "hidden", "heads", "seq", "vocab", "kv_heads", "ffn")
+        keys = (*ints, "dropout", "arch", "tied", "attention", "hf")
         values: dict[str, Any] = {}
         parts = [p.strip() for p in text.split(",")]
         if any(not p for p in parts[:-1]):  # one trailing comma is harmless; an empty item is a slip
             raise ValueError(f"--transformer has an empty item (two commas, or a leading one): {text!r}")
         for part in filter(None, parts):
             key, sep, value = part.partition("=")
-            if "hf" in values and (not sep or key not in (*ints, "dropout", "arch", "tied", "attention", "hf")):
+            if "hf" in values and (not sep or key not in keys):
                 raise ValueError(f"--transformer hf= takes a path without commas (the items are split at them), got "
                                  f"{values['hf']!r} then {part!r}")
-            if not sep or key not in (*ints, "dropout", "arch", "tied", "attention", "hf"):
+            if not sep or key not in keys:
                 raise ValueError(f"--transformer takes layers=,hidden=,heads=,seq=[,vocab=,dropout=,arch=,kv_heads=,"
                                  f"ffn=,tied=,attention=], or hf=CONFIG,seq=, got {part!r}")
             if key in values:
