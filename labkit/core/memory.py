@@ -168,6 +168,23 @@ def optimizer_step_bytes(stage: int, param_numels: Sequence[int], world_size: in
     return max(largest, NORM_BYTES * max(parts))
 
 
+# torch.optim.Adam's default step on a GPU (foreach; fused is off by default: torch/optim/adam.py:937-947, torch
+# 2.13) makes sqrt(exp_avg_sq) for every parameter at once, one fp32 list (`exp_avg_sq_sqrt =
+# torch._foreach_sqrt(device_exp_avg_sqs)`, adam.py:790), freed after the update: 4 B per fp32 parameter. With an
+# L2 weight_decay (Adam's, not AdamW's) it also copies the gradients (adam.py:697): 4 B more, not counted here
+# (the lab's plain loop and the predictor's plain PyTorch use Adam's default, no weight decay).
+PLAIN_ADAM_STEP_BYTES_PER_PARAM = 4
+
+
+def plain_adam_step_bytes(n_params: int) -> int:
+    """Device bytes torch.optim.Adam's default step (foreach) allocates for itself at its peak beyond the model
+    states, for `n_params` fp32 parameters on one device: PLAIN_ADAM_STEP_BYTES_PER_PARAM each. Measured on the real
+    step (``python -m labkit.study.optimizer_bytes --peak torch fp32 0``; tests/study/test_step_memory.py)."""
+    if n_params < 1:
+        raise ValueError(f"n_params must be >= 1, got {n_params}")
+    return PLAIN_ADAM_STEP_BYTES_PER_PARAM * n_params
+
+
 def _paper_state_bytes(psi: int, stage: int, n: int) -> dict[str, int]:
     """Figure 1 of the ZeRO paper: 2*Psi fp16 params, 2*Psi fp16 grads, K*Psi = 12*Psi optimizer states."""
     params = 2 * psi / n if stage >= 3 else 2 * psi

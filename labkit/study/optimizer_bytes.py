@@ -16,7 +16,8 @@ torch.optim.Adam's default step on a GPU (foreach, fp32 parameters), counted the
 
 `labkit.study.predict` reads the file (`step_bytes`). `--peak STAGE PRECISION SUB_GROUP_SIZE [--world-size N]`
 measures what else the step does on the device: the bytes it allocates for itself at its peak (every aten op's new
-tensors, each counted until it is freed), per rank, which `labkit.core.memory.optimizer_step_bytes` predicts (with
+tensors, each counted until it is freed), per rank, which `labkit.core.memory.optimizer_step_bytes` predicts (STAGE
+`torch`: torch.optim.Adam's, which `memory.plain_adam_step_bytes` predicts; with
 `--world-size 2` each rank is its own process: `peak_in_subprocesses`). Each count runs in its own process (`python -m
 labkit.study.optimizer_bytes --one STAGE PRECISION`), so that no caller inherits a process group, on DeepSpeed's CPU
 accelerator even where a GPU is (the count is of aten ops, not a timing). It runs the same aten ops as CUDA's here
@@ -257,25 +258,41 @@ def peak_in_subprocesses(stage: int, precision: str, sub_group_size: int, world_
     return results
 
 
-def count_torch_adam() -> dict[str, Any]:
-    """torch.optim.Adam's default step on a GPU (foreach) over fp32 parameters: the plain PyTorch loop's."""
+def _torch_adam_third_step_under(mode: Any) -> list[Any]:
+    """torch.optim.Adam's default step on a GPU (foreach) over fp32 parameters, the plain PyTorch loop's: three
+    steps of fresh gradients, the third under `mode`; the parameters."""
     import torch
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(WIDTH, WIDTH)) for _ in range(LAYERS)]
     optimizer = torch.optim.Adam(params, lr=1e-4, foreach=True)
-    traffic = _recorder()
     for step in range(3):
         for p in params:
             p.grad = torch.randn_like(p)
         if step < 2:
             optimizer.step()
             continue
-        with traffic:
+        with mode:
             optimizer.step()
+    return params
+
+
+def count_torch_adam() -> dict[str, Any]:
+    """The traffic of torch.optim.Adam's default step on a GPU (foreach) over fp32 parameters."""
+    traffic = _recorder()
+    params = _torch_adam_third_step_under(traffic)
     # foreach: every pass is an aten op, the update included (no kernel of its own to add)
     return {"stage": "torch", "precision": "fp32", "optimizer": "torch.optim.Adam(foreach=True)",
             **_summary(traffic.by_op, sum(p.numel() for p in params), 0)}
+
+
+def peak_torch_adam() -> dict[str, Any]:
+    """The bytes torch.optim.Adam's default step (foreach) allocates at its peak, which
+    `labkit.core.memory.plain_adam_step_bytes` predicts."""
+    live = _live_bytes()
+    params = _torch_adam_third_step_under(live)
+    return {"stage": "torch", "precision": "fp32", "optimizer": "torch.optim.Adam(foreach=True)",
+            "param_numels": [p.numel() for p in params], "peak_bytes": live.peak}
 
 
 def count_in_subprocess(stage: str, precision: str, timeout_s: float = 300) -> dict[str, Any]:
@@ -329,15 +346,21 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"count one step in this process and print it (STAGE of {STAGES}, PRECISION of "
                              f"{PRECISIONS})")
     parser.add_argument("--peak", nargs=3, metavar=("STAGE", "PRECISION", "SUB_GROUP_SIZE"),
-                        help="the bytes one step allocates at its peak, in this process (STAGE 0-3): as JSON")
+                        help="the bytes one step allocates at its peak, in this process (STAGE 0-3, or torch: "
+                             "torch.optim.Adam's): as JSON")
     parser.add_argument("--world-size", type=int, default=1, help="with --peak: ranks (each started alike)")
     parser.add_argument("--rank", type=int, default=0, help="with --peak: this process's rank")
     parser.add_argument("--port", type=int, help="with --peak: the rendezvous port every rank shares")
     args = parser.parse_args(argv)
     if args.peak:
         stage, precision, size = args.peak
-        if stage not in ("0", "1", "2", "3") or precision not in PRECISIONS or not size.isdigit():
-            parser.error(f"--peak STAGE (0-3) PRECISION ({PRECISIONS}) SUB_GROUP_SIZE (elements, >= 0)")
+        if stage not in STAGES or precision not in PRECISIONS or not size.isdigit() or (
+                stage == "torch" and (precision != "fp32" or args.world_size != 1)):
+            parser.error(f"--peak STAGE ({', '.join(STAGES)}) PRECISION ({PRECISIONS}) SUB_GROUP_SIZE (elements, "
+                         f">= 0; torch: fp32 at one rank, its sub-group size ignored)")
+        if stage == "torch":
+            print(json.dumps(peak_torch_adam()))
+            return 0
         if args.world_size > 1 and args.port is None:
             parser.error("--world-size > 1 needs --port, the same on every rank")
         print(json.dumps(peak_deepspeed_step(int(stage), precision, int(size), args.rank, args.world_size,

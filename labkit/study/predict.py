@@ -517,7 +517,7 @@ class Prediction:
     host_bound_s: float       # of compute_s: the time the device waits on the host (its hooks, launches)
     device_bytes: float
     activation_bytes: float
-    step_peak_bytes: float    # at the optimizer step's peak: the states + what DeepSpeed's step allocates for itself
+    step_peak_bytes: float    # at the optimizer step's peak: the states + what the optimizer step allocates itself
     usable_memory_bytes: float  # what device_bytes and step_peak_bytes must fit in: the GPU's memory less the CUDA
                                 # context
     fits: bool
@@ -695,9 +695,9 @@ def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bo
     """(device bytes of the model states + bucket at the micro-step, the largest micro-batch that fits, device bytes
     at the optimizer step's peak): states from labkit.core.memory (DeepSpeed 0.19.8's accounting; the bucket and
     ZeRO-3's persistent parameters as the `settings` make them), the activations counted on the meta device
-    (`largest_micro_batch`), and what DeepSpeed's step allocates for itself (`memory.optimizer_step_bytes`, its
-    sub_group_size as the `settings` say; plain PyTorch's optimizer: not counted). Where the step does not fit, no
-    micro-batch does."""
+    (`largest_micro_batch`), and what the optimizer's step allocates for itself (DeepSpeed's:
+    `memory.optimizer_step_bytes`, its sub_group_size as the `settings` say; plain PyTorch's Adam:
+    `memory.plain_adam_step_bytes`). Where the step does not fit, no micro-batch does."""
     n = cluster.world_size
     mem_precision = "fp32" if precision == "fp32" else precision
     zero = 0 if stage is None else stage
@@ -715,11 +715,16 @@ def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bo
     device = states["device_bytes"] + (bucket if stage else 0) + _peak_extra_bytes(workload, stage, n, precision,
                                                                                     settings)
     # at the step: the states, stage 3's bucket (stages 1-2 free theirs at the end of the backward,
-    # `_release_ipg_buffers`, stage_1_and_2.py:924-932), and what the step allocates
-    own = 0 if stage is None else memory.optimizer_step_bytes(
-        zero, [size for module in workload.module_layout() for size in module], n, mem_precision, offload,
-        sub_group_size=sub_group_size)
-    step = float(states["device_bytes"] + (bucket if stage == 3 else 0) + own)
+    # `_release_ipg_buffers`, stage_1_and_2.py:924-932) or DDP's (kept for the next backward), and what the step
+    # allocates
+    if stage is None:
+        held = _peak_extra_bytes(workload, stage, n, precision, settings)
+        own = memory.plain_adam_step_bytes(workload.n_params)
+    else:
+        held = bucket if stage == 3 else 0
+        own = memory.optimizer_step_bytes(zero, [size for module in workload.module_layout() for size in module], n,
+                                          mem_precision, offload, sub_group_size=sub_group_size)
+    step = float(states["device_bytes"] + held + own)
     usable = cluster.gpu.usable_memory_bytes
     largest = 0 if step > usable else largest_micro_batch(
         lambda m: workload.costs(m, cluster.gpu, precision, checkpointing).activation_bytes, usable - device)

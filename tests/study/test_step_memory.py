@@ -85,3 +85,29 @@ def test_the_step_holds_stage_3s_reduce_bucket_and_not_the_one_stages_1_2_freed(
         bucket = memory.reduce_bucket_bytes(stage, "bf16") if stage == 3 else 0
         assert pred.step_peak_bytes == states["device_bytes"] + bucket + memory.optimizer_step_bytes(
             stage, numels, 8, "bf16")
+
+
+def test_plain_pytorchs_adam_step_peak_is_predicted_to_the_byte():
+    # torch.optim.Adam's default step on a GPU (foreach): sqrt(exp_avg_sq) of every parameter at once, fp32
+    measured = ob.peak_torch_adam()
+    predicted = memory.plain_adam_step_bytes(sum(measured["param_numels"]))
+    assert predicted == 4 * sum(LAYERS)
+    assert predicted <= measured["peak_bytes"] <= predicted + SCALARS, (measured, predicted)
+    with pytest.raises(ValueError):
+        memory.plain_adam_step_bytes(0)
+
+
+def test_plain_pytorch_fits_only_if_its_adam_step_fits_too():
+    # the same 1.3B GPT-2 shape in plain PyTorch on one A10G: 16 B per parameter and a micro-batch's activations fit,
+    # Adam's sqrt(exp_avg_sq) of every parameter on top (4 B each) does not; across 2 GPUs DDP's buckets stay too
+    work = P.TransformerWorkload(flops.Transformer(layers=24, hidden=2048, heads=16, seq=512))
+    one = P.predict(work, hw.Cluster(gpu=hw.gpu("A10G"), gpus_per_node=1), strategy="torch", micro_batch=1,
+                    precision="bf16")
+    states = memory.model_state_bytes(work.n_params, 0, 1, "bf16")["device_bytes"]
+    assert one.step_peak_bytes == states + 4 * work.n_params
+    assert one.step_peak_bytes > one.usable_memory_bytes > one.device_bytes
+    assert not one.fits and one.max_micro_batch == 0
+    two = P.predict(work, hw.Cluster(gpu=hw.gpu("A100-40GB"), gpus_per_node=2), strategy="torch", micro_batch=1,
+                    precision="bf16")
+    assert two.step_peak_bytes == states + P.DDP_BUCKET_BYTES_PER_PARAM * work.n_params + 4 * work.n_params
+    assert two.fits and two.max_micro_batch >= 1
