@@ -15,24 +15,60 @@ DEVICE_OVERHEAD_BYTES = 2 * 2**30
 
 def predicted_device_bytes(config: RunConfig) -> int:
     """What one rank of `config` (labkit's MLP, or an example script's, through its twin: examples.script_twin)
-    holds on its device at its peak, predicted before any launch: model states (labkit.core.memory; plain
-    PyTorch keeps fp32 states whatever its autocast), DeepSpeed's reduce bucket, the activations of a
-    micro-batch, and DEVICE_OVERHEAD_BYTES."""
+    holds on its device at its peak, predicted before any launch: the larger of the micro-step's peak
+    (`micro_step_bytes`) and the optimizer step's (`optimizer_step_peak_bytes`)."""
+    return max(micro_step_bytes(config), optimizer_step_peak_bytes(config))
+
+
+def micro_step_bytes(config: RunConfig) -> int:
+    """A micro-step's peak on one rank: model states (labkit.core.memory; plain PyTorch keeps fp32 states whatever
+    its autocast), DeepSpeed's reduce bucket, the activations of a micro-batch, and DEVICE_OVERHEAD_BYTES. Linear in
+    the micro-batch (the max-batch search's start solves it for the capacity)."""
     from labkit.core import memory
+
+    config, numels, precision, stage = _run(config)
+    bucket = 0 if config.example == "pytorch" else memory.reduce_bucket_bytes(stage, precision)
+    element = 4 if precision == "fp32" else 2
+    activations = config.micro_batch * memory.mlp_activation_bytes_per_sample(
+        config.input_size, config.hidden, config.depth, config.output_size, element)
+    return _state_bytes(config, numels, precision, stage) + bucket + activations + DEVICE_OVERHEAD_BYTES
+
+
+def optimizer_step_peak_bytes(config: RunConfig) -> int:
+    """The optimizer step's peak on one rank, the activations gone: the states, stage 3's reduce bucket (stages 1-2
+    free theirs after the backward), what the step allocates for itself (DeepSpeed's:
+    `memory.optimizer_step_bytes`; plain PyTorch's Adam: `memory.plain_adam_step_bytes`), and
+    DEVICE_OVERHEAD_BYTES."""
+    from labkit.core import memory
+
+    config, numels, precision, stage = _run(config)
+    if config.example == "pytorch":
+        held, own = 0, memory.plain_adam_step_bytes(sum(numels))
+    else:
+        held = memory.reduce_bucket_bytes(stage, precision) if stage == 3 else 0
+        own = memory.optimizer_step_bytes(stage, numels, config.world_size, precision,
+                                          bool(config.offload_optimizer))
+    return _state_bytes(config, numels, precision, stage) + held + own + DEVICE_OVERHEAD_BYTES
+
+
+def _run(config: RunConfig) -> tuple[RunConfig, list[int], str, int]:
+    """(the run labkit predicts: a script's twin, its parameters' element counts, the states' precision, the
+    stage: 0 for plain PyTorch)."""
     from labkit.models import builders
     from labkit.study import examples
 
     if config.script is not None:
         config = examples.script_twin(config)
-    numels = builders.param_numels(config)
     plain = config.example == "pytorch"
-    precision = "fp32" if plain else config.precision
-    stage = 0 if plain else int(config.stage or 0)
+    return (config, builders.param_numels(config), "fp32" if plain else config.precision,
+            0 if plain else int(config.stage or 0))
+
+
+def _state_bytes(config: RunConfig, numels: list[int], precision: str, stage: int) -> int:
+    from labkit.core import memory
+    from labkit.models import builders
+
     persistent = builders.persistent_params(numels, config.zero_settings().param_persistence_threshold)
-    states = memory.model_state_bytes(sum(numels), stage, config.world_size, precision,
-                                      bool(config.offload_optimizer), persistent_params=persistent if stage == 3 else 0)
-    bucket = 0 if plain else memory.reduce_bucket_bytes(stage, precision)
-    element = 4 if precision == "fp32" else 2
-    activations = config.micro_batch * memory.mlp_activation_bytes_per_sample(
-        config.input_size, config.hidden, config.depth, config.output_size, element)
-    return states["device_bytes"] + bucket + activations + DEVICE_OVERHEAD_BYTES
+    return int(memory.model_state_bytes(sum(numels), stage, config.world_size, precision,
+                                        bool(config.offload_optimizer),
+                                        persistent_params=persistent if stage == 3 else 0)["device_bytes"])

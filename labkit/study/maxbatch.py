@@ -230,10 +230,11 @@ def search_limit(template: RunConfig) -> tuple[int, str]:
 
 def predicted_start(template: RunConfig, limit: int) -> int:
     """A start for the doubling near the boundary (`search(start=0)`): the power of two at or below half the
-    micro-batch labkit's memory model predicts for the capacity (labkit.study.device_need.predicted_device_bytes:
-    states, bucket, activations of labkit's MLP, overhead). Doubling from 1 to a GPU's boundary took ~20 probes;
-    from here it takes 1-3 (a failing start bisects down)."""
-    from labkit.study.device_need import DEVICE_OVERHEAD_BYTES, predicted_device_bytes
+    micro-batch labkit's memory model predicts for the capacity (labkit.study.device_need.micro_step_bytes:
+    states, bucket, activations of labkit's MLP, overhead; on a GPU, 1 where the optimizer step's peak does not
+    fit, which the emulated check does not count).
+    Doubling from 1 to a GPU's boundary took ~20 probes; from here it takes 1-3 (a failing start bisects down)."""
+    from labkit.study.device_need import DEVICE_OVERHEAD_BYTES, micro_step_bytes, optimizer_step_peak_bytes
 
     capacity = template.device_memory_budget_bytes
     emulated = capacity is not None  # the emulated check counts states and activations only: no overhead
@@ -244,9 +245,12 @@ def predicted_start(template: RunConfig, limit: int) -> int:
         capacity = None if devices.is_cpu else devices.total_memory_bytes
     if capacity is None or template.model != "mlp":
         return 1
-    one, two = (predicted_device_bytes(dataclasses.replace(template, micro_batch=m, sample_with_replacement=True))
+    if not emulated and optimizer_step_peak_bytes(template) > capacity:
+        return 1  # no micro-batch fits: the search finds that out from 1
+    overhead = DEVICE_OVERHEAD_BYTES if emulated else 0
+    one, two = (micro_step_bytes(dataclasses.replace(template, micro_batch=m, sample_with_replacement=True))
                 for m in (1, 2))
-    per_sample, fixed = two - one, one - (two - one) - (DEVICE_OVERHEAD_BYTES if emulated else 0)
+    per_sample, fixed = two - one, one - (two - one) - overhead
     predicted = max(1, (capacity - fixed) // max(1, per_sample))
     return int(min(limit, 2 ** max(0, math.floor(math.log2(max(1, predicted // 2))))))
 

@@ -10,7 +10,8 @@ are resolved for its devices there:
 
 `notebook_configs` builds the runs a notebook launches from its sizes (the same fields its cells pass to
 `RunConfig`), and `labkit.study.device_need.predicted_device_bytes` what one rank of such a run holds
-(labkit.core.memory's model states, DeepSpeed's reduce bucket, the MLP's activations and a working margin):
+(labkit.core.memory's model states, DeepSpeed's reduce bucket, the MLP's activations and a working margin, or the
+optimizer step's peak where that is larger):
 tests/study/test_notebook_sizes.py
 checks every notebook's runs for every profile against stand-in GPUs of 16, 24 and 80 GB, with and without
 bf16, on 1, 4 and 8 GPUs.

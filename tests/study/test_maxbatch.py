@@ -153,3 +153,34 @@ def test_each_gpu_profile_reaches_a_real_boundary_in_a_few_probes(monkeypatch, p
 
         at_start = dataclasses.replace(template, micro_batch=start, sample_with_replacement=True)
         assert predicted_device_bytes(at_start) <= gpus.total_memory_bytes  # the start itself should fit
+
+
+def test_a_gpu_whose_optimizer_step_does_not_fit_starts_the_search_at_one(monkeypatch) -> None:
+    """A 67M-parameter MLP at stage 0 in bf16: 16 B per parameter of states and a micro-batch's activations fit a
+    GPU the step's fp32 copies of every gradient (8 B per parameter, FP16_Optimizer) do not; so the search starts at
+    1, where the model says nothing fits, instead of near the micro-step's boundary."""
+    import dataclasses
+
+    from labkit.core import memory
+    from labkit.core.config import RunConfig
+    from labkit.models.builders import param_numels
+    from labkit.runtime import devices as devices_module
+    from labkit.runtime.devices import Devices
+    from labkit.study import device_need
+    from labkit.study.maxbatch import predicted_start
+
+    run = RunConfig(example="deepspeed", stage=0, precision="bf16", hidden=4096, depth=4, micro_batch=1,
+                    world_size=1, dataset_size=1 << 20)
+    psi = sum(param_numels(run))
+    micro, step = device_need.micro_step_bytes(run), device_need.optimizer_step_peak_bytes(run)
+    states = memory.model_state_bytes(psi, 0, 1, "bf16")["device_bytes"]
+    assert step == states + 8 * psi + device_need.DEVICE_OVERHEAD_BYTES
+    assert micro < step and device_need.predicted_device_bytes(run) == step
+    capacity = (micro + step) // 2  # a micro-step of one sample fits, the step does not
+    gpus = Devices("cuda", 1, 1, "nccl", True, True, "stand-in GPU", capacity)
+    monkeypatch.setattr(devices_module, "detect_devices", lambda: gpus)
+    assert predicted_start(run, 1 << 20) == 1
+    roomy = Devices("cuda", 1, 1, "nccl", True, True, "stand-in GPU", 4 * step)
+    monkeypatch.setattr(devices_module, "detect_devices", lambda: roomy)
+    start = predicted_start(run, 1 << 20)
+    assert start > 1 and device_need.predicted_device_bytes(dataclasses.replace(run, micro_batch=start)) <= 4 * step
