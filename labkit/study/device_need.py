@@ -42,8 +42,8 @@ def optimizer_step_peak_bytes(config: RunConfig) -> int:
     from labkit.core import memory
 
     config, numels, precision, stage = _run(config)
-    if config.example == "pytorch":
-        held, own = 0, memory.plain_adam_step_bytes(sum(numels))
+    if config.example == "pytorch":  # torch.optim.SGD without momentum updates in place: nothing of its own
+        held, own = 0, memory.plain_adam_step_bytes(sum(numels)) if config.optimizer == "adam" else 0
     else:
         held = memory.reduce_bucket_bytes(stage, precision) if stage == 3 else 0
         own = memory.optimizer_step_bytes(stage, numels, config.world_size, precision,

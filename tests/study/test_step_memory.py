@@ -111,3 +111,26 @@ def test_plain_pytorch_fits_only_if_its_adam_step_fits_too():
                     precision="bf16")
     assert two.step_peak_bytes == states + P.DDP_BUCKET_BYTES_PER_PARAM * work.n_params + 4 * work.n_params
     assert two.fits and two.max_micro_batch >= 1
+
+
+def test_a_lab_runs_predicted_peak_counts_its_plain_optimizers_step():
+    # the lab's plain loop (Example 1): torch.optim.Adam's sqrt list; its SGD (no momentum) updates in place
+    import torch
+
+    from labkit.core.config import RunConfig
+    from labkit.models.builders import param_numels
+    from labkit.study import device_need
+
+    for optimizer, own in (("adam", 4), ("sgd", 0)):
+        run = RunConfig(example="pytorch", hidden=1024, depth=2, micro_batch=1, optimizer=optimizer)
+        psi = sum(param_numels(run))
+        states = memory.model_state_bytes(psi, 0, 1, "fp32")["device_bytes"]
+        assert device_need.optimizer_step_peak_bytes(run) == states + own * psi + device_need.DEVICE_OVERHEAD_BYTES
+    params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(2)]
+    sgd = torch.optim.SGD(params, lr=1e-3, foreach=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    live = ob._live_bytes()
+    with live:
+        sgd.step()
+    assert live.peak == 0
