@@ -119,8 +119,16 @@ DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeedZeroConfig.sub_group_size (0.
 NORM_BYTES = 8  # the gradient norm reads each gradient as fp64 (zero/utils.py get_norm_dtype: fp64 where supported)
 
 
+# torch.optim.Adam's default step on a GPU (foreach; fused is off by default: torch/optim/adam.py:937-947, torch
+# 2.13) makes sqrt(exp_avg_sq) for every parameter at once, one fp32 list (`exp_avg_sq_sqrt =
+# torch._foreach_sqrt(device_exp_avg_sqs)`, adam.py:790), freed after the update: 4 B per fp32 parameter. (Adam's L2
+# weight_decay copies the gradients first, adam.py:696-698, and frees the copy, :726, before that list is made.)
+PLAIN_ADAM_STEP_BYTES_PER_PARAM = 4
+
+
 def optimizer_step_bytes(stage: int, param_numels: Sequence[int], world_size: int, precision: str = "mixed",
-                         offload_optimizer: bool = False, sub_group_size: int = DEFAULT_SUB_GROUP_SIZE) -> int:
+                         offload_optimizer: bool = False, sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
+                         torch_adam: bool = False) -> int:
     """Device bytes DeepSpeed 0.19.8's ``step`` allocates for itself at its peak, beyond the model states, on one
     rank without offload (the activations are gone by then; 0 with offload, whose step runs on the host).
     Measured on the real step (``labkit.study.optimizer_bytes --peak``, tests/study/test_step_memory.py: 1 and 2
@@ -142,38 +150,43 @@ def optimizer_step_bytes(stage: int, param_numels: Sequence[int], world_size: in
       ``get_grad_norm_direct``, stage3.py:2457, stage_1_and_2.py:2684).
     * Stage 0 in 16 bits (FP16_Optimizer, for fp16 and bf16 alike) makes every gradient fp32 in a list and flattens
       the list (fp16/fused_optimizer.py:284-289): (4 + 4) B per parameter, 4 where the model has one tensor (a
-      view). Stage 0 in fp32 steps the basic optimizer on the gradients as they are: nothing."""
+      view). Stage 0 in fp32 steps the basic optimizer on the gradients as they are: nothing.
+    * With ``torch_adam`` (torch's Adam in place of FusedAdam, DeepSpeed's ``"torch_adam": true``: labkit's choice on
+      a GPU without nvcc, labkit.runtime.ops), the update makes sqrt(exp_avg_sq) of what it steps on, as torch's
+      foreach default on a GPU does (PLAIN_ADAM_STEP_BYTES_PER_PARAM), while the fp32 gradients it steps with are
+      held: stages 1-3 (4 + 4) B per element of the partition or sub-group (4 where a single fp32 parameter's
+      gradient is a view), if that is more than the copies above; stage 0: 4 B per parameter in fp32 (the basic
+      optimizer), 8 in 16 bits (FP16_UnfusedOptimizer's fp32 gradients and the list). Measured at 1 rank, foreach
+      as on a GPU (``--peak ... --torch-adam``)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0..3, got {stage}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if world_size < 1 or sub_group_size < 0 or not param_numels:
         raise ValueError("world_size must be >= 1, sub_group_size >= 0 (DeepSpeed's), and param_numels not empty")
-    if offload_optimizer or (stage == 0 and precision == "fp32"):
+    if offload_optimizer:
         return 0
     low = 4 if precision == "fp32" else 2  # the gradients' dtype
     to_fp32 = 0 if low == 4 else 4
+    sqrt = PLAIN_ADAM_STEP_BYTES_PER_PARAM if torch_adam else 0  # torch's Adam: sqrt(exp_avg_sq), fp32
     if stage == 0:
-        return (to_fp32 + (4 if len(param_numels) > 1 else 0)) * sum(param_numels)
+        if torch_adam:
+            return (to_fp32 + sqrt) * sum(param_numels)
+        return 0 if low == 4 else (to_fp32 + (4 if len(param_numels) > 1 else 0)) * sum(param_numels)
     if stage in (1, 2):
         partition = math.ceil(sum(param_numels) / world_size)
-        return max((low + to_fp32) * partition, NORM_BYTES * min(max(param_numels), partition))
+        update = (4 + sqrt) * partition if torch_adam else 0
+        return max((low + to_fp32) * partition, update, NORM_BYTES * min(max(param_numels), partition))
     parts = [math.ceil(n / world_size) for n in param_numels]  # partition_numel() of each parameter
     largest, group, count = 0, 0, 0
     for i, part in enumerate(parts):
         group, count = group + part, count + 1
         if group >= sub_group_size or i == len(parts) - 1:
             largest = max(largest, ((low if count > 1 else 0) + to_fp32) * group)
+            if torch_adam:  # the group's fp32 gradients (a view for one fp32 parameter) and the sqrt list
+                largest = max(largest, ((4 if count > 1 or low == 2 else 0) + sqrt) * group)
             group, count = 0, 0
     return max(largest, NORM_BYTES * max(parts))
-
-
-# torch.optim.Adam's default step on a GPU (foreach; fused is off by default: torch/optim/adam.py:937-947, torch
-# 2.13) makes sqrt(exp_avg_sq) for every parameter at once, one fp32 list (`exp_avg_sq_sqrt =
-# torch._foreach_sqrt(device_exp_avg_sqs)`, adam.py:790), freed after the update: 4 B per fp32 parameter. With an
-# L2 weight_decay (Adam's, not AdamW's) it also copies the gradients (adam.py:697): 4 B more, not counted here
-# (the lab's plain loop and the predictor's plain PyTorch use Adam's default, no weight decay).
-PLAIN_ADAM_STEP_BYTES_PER_PARAM = 4
 
 
 def plain_adam_step_bytes(n_params: int) -> int:

@@ -27,7 +27,7 @@ def micro_step_bytes(config: RunConfig) -> int:
     from labkit.core import memory
 
     config, numels, precision, stage = _run(config)
-    bucket = 0 if config.example == "pytorch" else memory.reduce_bucket_bytes(stage, precision)
+    bucket = 0 if config.example == "pytorch" else _bucket_bytes(config, stage, precision)
     element = 4 if precision == "fp32" else 2
     activations = config.micro_batch * memory.mlp_activation_bytes_per_sample(
         config.input_size, config.hidden, config.depth, config.output_size, element)
@@ -37,17 +37,21 @@ def micro_step_bytes(config: RunConfig) -> int:
 def optimizer_step_peak_bytes(config: RunConfig) -> int:
     """The optimizer step's peak on one rank, the activations gone: the states, stage 3's reduce bucket (stages 1-2
     free theirs after the backward), what the step allocates for itself (DeepSpeed's:
-    `memory.optimizer_step_bytes`; plain PyTorch's Adam: `memory.plain_adam_step_bytes`), and
-    DEVICE_OVERHEAD_BYTES."""
+    `memory.optimizer_step_bytes`, with the run's `sub_group_size`; plain PyTorch's Adam:
+    `memory.plain_adam_step_bytes`), and DEVICE_OVERHEAD_BYTES. DeepSpeed's "Adam" is FusedAdam or, on a GPU without
+    nvcc, torch's (labkit.runtime.ops.choose_optimizer_impl, decided in the ranks): the larger of the two."""
     from labkit.core import memory
 
     config, numels, precision, stage = _run(config)
     if config.example == "pytorch":  # torch.optim.SGD without momentum updates in place: nothing of its own
         held, own = 0, memory.plain_adam_step_bytes(sum(numels)) if config.optimizer == "adam" else 0
     else:
-        held = memory.reduce_bucket_bytes(stage, precision) if stage == 3 else 0
-        own = memory.optimizer_step_bytes(stage, numels, config.world_size, precision,
-                                          bool(config.offload_optimizer))
+        held = _bucket_bytes(config, stage, precision) if stage == 3 else 0
+        own = max(memory.optimizer_step_bytes(stage, numels, config.world_size, precision,
+                                              bool(config.offload_optimizer),
+                                              sub_group_size=int(config.zero_settings().sub_group_size),
+                                              torch_adam=torch_adam)
+                  for torch_adam in ((False, True) if config.optimizer == "adam" else (False,)))
     return _state_bytes(config, numels, precision, stage) + held + own + DEVICE_OVERHEAD_BYTES
 
 
@@ -62,6 +66,14 @@ def _run(config: RunConfig) -> tuple[RunConfig, list[int], str, int]:
     plain = config.example == "pytorch"
     return (config, builders.param_numels(config), "fp32" if plain else config.precision,
             0 if plain else int(config.stage or 0))
+
+
+def _bucket_bytes(config: RunConfig, stage: int, precision: str) -> int:
+    """DeepSpeed's reduce bucket, as the run's `zero_optimization` overrides size it."""
+    from labkit.core import memory
+
+    zero = config.zero_settings()
+    return memory.reduce_bucket_bytes(stage, precision, int(zero.reduce_bucket_size), bool(zero.overlap_comm))
 
 
 def _state_bytes(config: RunConfig, numels: list[int], precision: str, stage: int) -> int:

@@ -16,11 +16,12 @@ torch.optim.Adam's default step on a GPU (foreach, fp32 parameters), counted the
 
 `labkit.study.predict` reads the file (`step_bytes`). `--peak STAGE PRECISION SUB_GROUP_SIZE [--world-size N]`
 measures what else the step does on the device: the bytes it allocates for itself at its peak (every aten op's new
-tensors, each counted until it is freed), per rank, which `labkit.core.memory.optimizer_step_bytes` predicts (STAGE
-`torch`: torch.optim.Adam's, which `memory.plain_adam_step_bytes` predicts; with
-`--world-size 2` each rank is its own process: `peak_in_subprocesses`). Each count runs in its own process (`python -m
-labkit.study.optimizer_bytes --one STAGE PRECISION`), so that no caller inherits a process group, on DeepSpeed's CPU
-accelerator even where a GPU is (the count is of aten ops, not a timing). It runs the same aten ops as CUDA's here
+tensors, each counted until it is freed), per rank, which `labkit.core.memory.optimizer_step_bytes` predicts. With
+`--world-size 2` each rank is its own process (`peak_in_subprocesses`); `--torch-adam` runs torch's Adam in place of
+FusedAdam; STAGE `torch` measures torch.optim.Adam's own step, which `memory.plain_adam_step_bytes` predicts.
+Each count runs in its own process (`python -m labkit.study.optimizer_bytes --one STAGE PRECISION`), so that no
+caller inherits a process group, on DeepSpeed's CPU accelerator even where a GPU is (the count is of aten ops, not
+a timing). It runs the same aten ops as CUDA's here
 (the norm's fp64 too: both support it; its other accelerator branches pick streams); at 2 ranks the bytes per owned
 parameter are the same, plus the updated parameters' all-gather, which the model counts as communication.
 ZeRO-Offload's step is the host's, timed apart (`predict._offload_s`).
@@ -110,9 +111,11 @@ def _summary(by_op: dict[str, int], params: int, kernel: int) -> dict[str, Any]:
 
 
 def _engine(stage: int, precision: str, zero: dict[str, Any] | None = None, *, rank: int = 0, world_size: int = 1,
-            port: int | None = None) -> tuple[Any, Any, Any]:
+            port: int | None = None, torch_adam: bool = False) -> tuple[Any, Any, Any]:
     """A real DeepSpeed engine of the 4-layer model on the CPU accelerator (gloo), rank `rank` of `world_size` (the
-    others started alike with the same `port`), in this process: (engine, model, one micro-batch)."""
+    others started alike with the same `port`), in this process: (engine, model, one micro-batch). `torch_adam`:
+    torch's Adam in place of the fused one, foreach as on a GPU (DeepSpeed passes `foreach` on to it; on CPU tensors
+    torch would pick its per-tensor loop, whose temporaries differ)."""
     import logging
 
     import torch
@@ -144,7 +147,8 @@ def _engine(stage: int, precision: str, zero: dict[str, Any] | None = None, *, r
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2,
                               "zero_optimization": {"stage": stage, **(zero or {})},
-                              "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}
+                              "optimizer": {"type": "Adam", "params": {"lr": 1e-4, **(
+                                  {"torch_adam": True, "foreach": True} if torch_adam else {})}}}
     if precision != "fp32":
         # a small initial loss scale: no step of the count may overflow (a skipped step runs no optimizer)
         config[precision] = {"enabled": True, **({"initial_scale_power": 4} if precision == "fp16" else {})}
@@ -217,27 +221,30 @@ def _live_bytes() -> Any:
 
 
 def peak_deepspeed_step(stage: int, precision: str, sub_group_size: int, rank: int = 0, world_size: int = 1,
-                        port: int | None = None) -> dict[str, Any]:
+                        port: int | None = None, torch_adam: bool = False) -> dict[str, Any]:
     """The bytes the third engine.step() of a real DeepSpeed engine allocates at its peak on rank `rank` of
-    `world_size` (each rank a process started alike with the same `port`), with `sub_group_size`."""
+    `world_size` (each rank a process started alike with the same `port`), with `sub_group_size` (`torch_adam`:
+    torch's Adam, `_engine`)."""
     engine, model, x = _engine(stage, precision, {"sub_group_size": sub_group_size}, rank=rank,
-                               world_size=world_size, port=port)
+                               world_size=world_size, port=port, torch_adam=torch_adam)
     live = _third_step_under(engine, x, _live_bytes())
-    return {"stage": stage, "precision": precision, "sub_group_size": sub_group_size, "rank": rank,
+    return {"stage": stage, "precision": precision, "sub_group_size": sub_group_size, "torch_adam": torch_adam,
+            "rank": rank,
             "world_size": world_size, "param_numels": [int(getattr(p, "ds_numel", p.numel()))
                                                        for p in model.parameters()],
             "peak_bytes": live.peak}
 
 
 def peak_in_subprocesses(stage: int, precision: str, sub_group_size: int, world_size: int = 1,
-                         timeout_s: float = 300) -> list[dict[str, Any]]:
+                         timeout_s: float = 300, torch_adam: bool = False) -> list[dict[str, Any]]:
     """`peak_deepspeed_step` on every rank, each its own process (`--peak`), one gloo group: each rank's figure."""
     from labkit.launch.launcher import free_port
 
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "labkit.study.optimizer_bytes", "--peak", str(stage), precision,
                                str(sub_group_size), "--world-size", str(world_size), "--rank", str(rank),
-                               "--port", port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               "--port", port, *(["--torch-adam"] if torch_adam else [])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
              for rank in range(world_size)]
     results = []
@@ -351,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=1, help="with --peak: ranks (each started alike)")
     parser.add_argument("--rank", type=int, default=0, help="with --peak: this process's rank")
     parser.add_argument("--port", type=int, help="with --peak: the rendezvous port every rank shares")
+    parser.add_argument("--torch-adam", action="store_true",
+                        help="with --peak STAGE 0-3: torch's Adam (foreach, as on a GPU) in place of FusedAdam")
     args = parser.parse_args(argv)
     if args.peak:
         stage, precision, size = args.peak
@@ -364,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.world_size > 1 and args.port is None:
             parser.error("--world-size > 1 needs --port, the same on every rank")
         print(json.dumps(peak_deepspeed_step(int(stage), precision, int(size), args.rank, args.world_size,
-                                             args.port)))
+                                             args.port, torch_adam=args.torch_adam)))
         return 0
     if args.one:
         stage, precision = args.one
