@@ -47,9 +47,9 @@ def optimizer_step_peak_bytes(config: RunConfig) -> int:
         held, own = 0, memory.plain_adam_step_bytes(sum(numels)) if config.optimizer == "adam" else 0
     else:
         held = _bucket_bytes(config, stage, precision) if stage == 3 else 0
+        sub_group_size = int(config.zero_settings().sub_group_size)
         own = max(memory.optimizer_step_bytes(stage, numels, config.world_size, precision,
-                                              bool(config.offload_optimizer),
-                                              sub_group_size=int(config.zero_settings().sub_group_size),
+                                              bool(config.offload_optimizer), sub_group_size=sub_group_size,
                                               torch_adam=torch_adam)
                   for torch_adam in ((False, True) if config.optimizer == "adam" else (False,)))
     return _state_bytes(config, numels, precision, stage) + held + own + DEVICE_OVERHEAD_BYTES
