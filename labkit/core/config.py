@@ -336,13 +336,15 @@ class RunConfig:
         """LR for optimizer step `step` (1-based): linear warmup, then constant."""
         return schedule.lr_at(step, peak_lr=self.peak_lr, warmup_steps=self.warmup_steps_effective)
 
-    def zero_settings(self) -> Any:
+    def zero_settings(self, stage: int | None = None) -> Any:
         """DeepSpeed's own model (`DeepSpeedZeroConfig`) of the ZeRO settings this run overrides in
         `ds_overrides`, DeepSpeed's defaults elsewhere: e.g. `.param_persistence_threshold`,
-        `.max_reuse_distance` (not the stage: a template for many stages has none)."""
+        `.max_reuse_distance`. Without `stage` (a template for many stages has none) DeepSpeed takes stage 0, whose
+        defaults and checks differ from other stages' (`overlap_comm`; settings it allows at some stages only)."""
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-        return DeepSpeedZeroConfig(**self.ds_overrides.get("zero_optimization", {}))
+        given = self.ds_overrides.get("zero_optimization", {})
+        return DeepSpeedZeroConfig(**({"stage": stage, **given} if stage is not None else given))
 
     def ds_config(self) -> dict[str, Any]:
         """The DeepSpeed config the ranks pass to `deepspeed.initialize` (`labkit.core.ds_config`)."""

@@ -124,11 +124,13 @@ NORM_BYTES = 8  # the gradient norm reads each gradient as fp64 (zero/utils.py g
 # torch._foreach_sqrt(device_exp_avg_sqs)`, adam.py:790), freed after the update: 4 B per fp32 parameter. (Adam's L2
 # weight_decay copies the gradients first, adam.py:696-698, and frees the copy, :726, before that list is made.)
 PLAIN_ADAM_STEP_BYTES_PER_PARAM = 4
+# What DeepSpeed's basic optimizer is (labkit.runtime.ops.OPTIMIZER_IMPLS less CPU Adam, which steps on the host)
+STEP_OPTIMIZERS = ("fused_adam", "torch_adam", "torch_sgd")
 
 
 def optimizer_step_bytes(stage: int, param_numels: Sequence[int], world_size: int, precision: str = "mixed",
                          offload_optimizer: bool = False, sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
-                         torch_adam: bool = False) -> int:
+                         optimizer: str = "fused_adam") -> int:
     """Device bytes DeepSpeed 0.19.8's ``step`` allocates for itself at its peak, beyond the model states, on one
     rank without offload (the activations are gone by then; 0 with offload, whose step runs on the host).
     Measured on the real step (``labkit.study.optimizer_bytes --peak``, tests/study/test_step_memory.py: 1 and 2
@@ -151,26 +153,31 @@ def optimizer_step_bytes(stage: int, param_numels: Sequence[int], world_size: in
     * Stage 0 in 16 bits (FP16_Optimizer, for fp16 and bf16 alike) makes every gradient fp32 in a list and flattens
       the list (fp16/fused_optimizer.py:284-289): (4 + 4) B per parameter, 4 where the model has one tensor (a
       view). Stage 0 in fp32 steps the basic optimizer on the gradients as they are: nothing.
-    * With ``torch_adam`` (torch's Adam in place of FusedAdam, DeepSpeed's ``"torch_adam": true``: labkit's choice on
-      a GPU without nvcc, labkit.runtime.ops), the update makes sqrt(exp_avg_sq) of what it steps on, as torch's
-      foreach default on a GPU does (PLAIN_ADAM_STEP_BYTES_PER_PARAM), while the fp32 gradients it steps with are
-      held: stages 1-3 (4 + 4) B per element of the partition or sub-group (4 where a single fp32 parameter's
-      gradient is a view), if that is more than the copies above; stage 0: 4 B per parameter in fp32 (the basic
-      optimizer), 8 in 16 bits (FP16_UnfusedOptimizer's fp32 gradients and the list). Measured at 1 rank, foreach
-      as on a GPU (``--peak ... --torch-adam``)."""
+    * ``optimizer``: the basic optimizer, FusedAdam above. ``torch_adam`` (torch's Adam, DeepSpeed's
+      ``"torch_adam": true``: labkit's choice on a GPU without nvcc, labkit.runtime.ops) makes sqrt(exp_avg_sq) of
+      what it steps on in its update, as torch's foreach default on a GPU does (PLAIN_ADAM_STEP_BYTES_PER_PARAM),
+      while the fp32 gradients it steps with are held: at stages 1-3 (4 + 4) B per element of the partition or
+      sub-group (4 where a single fp32 parameter's gradient is a view), where that is more than the copies above.
+      ``torch_sgd`` (no momentum) updates in place. At stage 0 in 16 bits an optimizer other than FusedAdam runs
+      under FP16_UnfusedOptimizer (engine.py's `_configure_fp16_optimizer`), which makes every gradient fp32 and
+      flattens nothing: 4 B per parameter, 8 with torch's Adam's list; in fp32, torch's Adam's list, 4 B.
+      Measured at 1 and 2 ranks, foreach as on a GPU (``--peak ... --optimizer NAME``)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0..3, got {stage}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if world_size < 1 or sub_group_size < 0 or not param_numels:
         raise ValueError("world_size must be >= 1, sub_group_size >= 0 (DeepSpeed's), and param_numels not empty")
+    if optimizer not in STEP_OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {STEP_OPTIMIZERS}, got {optimizer!r}")
     if offload_optimizer:
         return 0
     low = 4 if precision == "fp32" else 2  # the gradients' dtype
     to_fp32 = 0 if low == 4 else 4
+    torch_adam = optimizer == "torch_adam"
     sqrt = PLAIN_ADAM_STEP_BYTES_PER_PARAM if torch_adam else 0  # torch's Adam: sqrt(exp_avg_sq), fp32
     if stage == 0:
-        if torch_adam:
+        if optimizer != "fused_adam":  # FP16_UnfusedOptimizer in 16 bits: fp32 gradients, no flattened list
             return (to_fp32 + sqrt) * sum(param_numels)
         return 0 if low == 4 else (to_fp32 + (4 if len(param_numels) > 1 else 0)) * sum(param_numels)
     if stage in (1, 2):

@@ -47,11 +47,11 @@ def optimizer_step_peak_bytes(config: RunConfig) -> int:
         held, own = 0, memory.plain_adam_step_bytes(sum(numels)) if config.optimizer == "adam" else 0
     else:
         held = _bucket_bytes(config, stage, precision) if stage == 3 else 0
-        sub_group_size = int(config.zero_settings().sub_group_size)
+        sub_group_size = int(config.zero_settings(stage).sub_group_size)
         own = max(memory.optimizer_step_bytes(stage, numels, config.world_size, precision,
                                               bool(config.offload_optimizer), sub_group_size=sub_group_size,
-                                              torch_adam=torch_adam)
-                  for torch_adam in ((False, True) if config.optimizer == "adam" else (False,)))
+                                              optimizer=optimizer)
+                  for optimizer in (("fused_adam", "torch_adam") if config.optimizer == "adam" else ("torch_sgd",)))
     return _state_bytes(config, numels, precision, stage) + held + own + DEVICE_OVERHEAD_BYTES
 
 
@@ -72,7 +72,7 @@ def _bucket_bytes(config: RunConfig, stage: int, precision: str) -> int:
     """DeepSpeed's reduce bucket, as the run's `zero_optimization` overrides size it."""
     from labkit.core import memory
 
-    zero = config.zero_settings()
+    zero = config.zero_settings(stage)
     return memory.reduce_bucket_bytes(stage, precision, int(zero.reduce_bucket_size), bool(zero.overlap_comm))
 
 
@@ -80,7 +80,7 @@ def _state_bytes(config: RunConfig, numels: list[int], precision: str, stage: in
     from labkit.core import memory
     from labkit.models import builders
 
-    persistent = builders.persistent_params(numels, config.zero_settings().param_persistence_threshold)
+    persistent = builders.persistent_params(numels, config.zero_settings(stage).param_persistence_threshold)
     return int(memory.model_state_bytes(sum(numels), stage, config.world_size, precision,
                                         bool(config.offload_optimizer),
                                         persistent_params=persistent if stage == 3 else 0)["device_bytes"])

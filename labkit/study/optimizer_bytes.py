@@ -17,8 +17,9 @@ torch.optim.Adam's default step on a GPU (foreach, fp32 parameters), counted the
 `labkit.study.predict` reads the file (`step_bytes`). `--peak STAGE PRECISION SUB_GROUP_SIZE [--world-size N]`
 measures what else the step does on the device: the bytes it allocates for itself at its peak (every aten op's new
 tensors, each counted until it is freed), per rank, which `labkit.core.memory.optimizer_step_bytes` predicts. With
-`--world-size 2` each rank is its own process (`peak_in_subprocesses`); `--torch-adam` runs torch's Adam in place of
-FusedAdam; STAGE `torch` measures torch.optim.Adam's own step, which `memory.plain_adam_step_bytes` predicts.
+`--world-size 2` each rank is its own process (`peak_in_subprocesses`); `--optimizer torch_adam|torch_sgd` runs
+torch's Adam or SGD in place of FusedAdam; STAGE `torch` measures torch.optim.Adam's own step, which
+`memory.plain_adam_step_bytes` predicts.
 Each count runs in its own process (`python -m labkit.study.optimizer_bytes --one STAGE PRECISION`), so that no
 caller inherits a process group, on DeepSpeed's CPU accelerator even where a GPU is (the count is of aten ops, not
 a timing). It runs the same aten ops as CUDA's here
@@ -111,11 +112,12 @@ def _summary(by_op: dict[str, int], params: int, kernel: int) -> dict[str, Any]:
 
 
 def _engine(stage: int, precision: str, zero: dict[str, Any] | None = None, *, rank: int = 0, world_size: int = 1,
-            port: int | None = None, torch_adam: bool = False) -> tuple[Any, Any, Any]:
+            port: int | None = None, optimizer: str = "fused_adam") -> tuple[Any, Any, Any]:
     """A real DeepSpeed engine of the 4-layer model on the CPU accelerator (gloo), rank `rank` of `world_size` (the
-    others started alike with the same `port`), in this process: (engine, model, one micro-batch). `torch_adam`:
-    torch's Adam in place of the fused one, foreach as on a GPU (DeepSpeed passes `foreach` on to it; on CPU tensors
-    torch would pick its per-tensor loop, whose temporaries differ)."""
+    others started alike with the same `port`), in this process: (engine, model, one micro-batch). `optimizer`
+    (memory.STEP_OPTIMIZERS): DeepSpeed's fused Adam, torch's Adam with foreach as on a GPU (DeepSpeed passes
+    `foreach` on to it; on CPU tensors torch would pick its per-tensor loop, whose temporaries differ), or torch's
+    SGD."""
     import logging
 
     import torch
@@ -145,10 +147,12 @@ def _engine(stage: int, precision: str, zero: dict[str, Any] | None = None, *, r
     logger.setLevel(logging.WARNING)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+    basic = {"fused_adam": {"type": "Adam", "params": {"lr": 1e-4}},
+             "torch_adam": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True, "foreach": True}},
+             "torch_sgd": {"type": "SGD", "params": {"lr": 1e-4}}}[optimizer]
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2,
-                              "zero_optimization": {"stage": stage, **(zero or {})},
-                              "optimizer": {"type": "Adam", "params": {"lr": 1e-4, **(
-                                  {"torch_adam": True, "foreach": True} if torch_adam else {})}}}
+                              "zero_optimization": {"stage": stage, **(zero or {})}, "optimizer": basic,
+                              "zero_allow_untested_optimizer": optimizer == "torch_sgd"}
     if precision != "fp32":
         # a small initial loss scale: no step of the count may overflow (a skipped step runs no optimizer)
         config[precision] = {"enabled": True, **({"initial_scale_power": 4} if precision == "fp16" else {})}
@@ -221,14 +225,14 @@ def _live_bytes() -> Any:
 
 
 def peak_deepspeed_step(stage: int, precision: str, sub_group_size: int, rank: int = 0, world_size: int = 1,
-                        port: int | None = None, torch_adam: bool = False) -> dict[str, Any]:
+                        port: int | None = None, optimizer: str = "fused_adam") -> dict[str, Any]:
     """The bytes the third engine.step() of a real DeepSpeed engine allocates at its peak on rank `rank` of
-    `world_size` (each rank a process started alike with the same `port`), with `sub_group_size` (`torch_adam`:
-    torch's Adam, `_engine`)."""
+    `world_size` (each rank a process started alike with the same `port`), with `sub_group_size` and the basic
+    `optimizer` (`_engine`)."""
     engine, model, x = _engine(stage, precision, {"sub_group_size": sub_group_size}, rank=rank,
-                               world_size=world_size, port=port, torch_adam=torch_adam)
+                               world_size=world_size, port=port, optimizer=optimizer)
     live = _third_step_under(engine, x, _live_bytes())
-    return {"stage": stage, "precision": precision, "sub_group_size": sub_group_size, "torch_adam": torch_adam,
+    return {"stage": stage, "precision": precision, "sub_group_size": sub_group_size, "optimizer": optimizer,
             "rank": rank,
             "world_size": world_size, "param_numels": [int(getattr(p, "ds_numel", p.numel()))
                                                        for p in model.parameters()],
@@ -236,14 +240,14 @@ def peak_deepspeed_step(stage: int, precision: str, sub_group_size: int, rank: i
 
 
 def peak_in_subprocesses(stage: int, precision: str, sub_group_size: int, world_size: int = 1,
-                         timeout_s: float = 300, torch_adam: bool = False) -> list[dict[str, Any]]:
+                         timeout_s: float = 300, optimizer: str = "fused_adam") -> list[dict[str, Any]]:
     """`peak_deepspeed_step` on every rank, each its own process (`--peak`), one gloo group: each rank's figure."""
     from labkit.launch.launcher import free_port
 
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "labkit.study.optimizer_bytes", "--peak", str(stage), precision,
                                str(sub_group_size), "--world-size", str(world_size), "--rank", str(rank),
-                               "--port", port, *(["--torch-adam"] if torch_adam else [])],
+                               "--port", port, "--optimizer", optimizer],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
              for rank in range(world_size)]
@@ -347,6 +351,8 @@ def step_bytes(stage: int | None, precision: str, path: str | os.PathLike | None
 
 
 def main(argv: list[str] | None = None) -> int:
+    from labkit.core import memory
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="write every count here as JSON")
     parser.add_argument("--one", nargs=2, metavar=("STAGE", "PRECISION"),
@@ -358,22 +364,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=1, help="with --peak: ranks (each started alike)")
     parser.add_argument("--rank", type=int, default=0, help="with --peak: this process's rank")
     parser.add_argument("--port", type=int, help="with --peak: the rendezvous port every rank shares")
-    parser.add_argument("--torch-adam", action="store_true",
-                        help="with --peak STAGE 0-3: torch's Adam (foreach, as on a GPU) in place of FusedAdam")
+    parser.add_argument("--optimizer", default="fused_adam", choices=memory.STEP_OPTIMIZERS,
+                        help="with --peak STAGE 0-3: DeepSpeed's basic optimizer (torch_adam: foreach, as on a GPU)")
     args = parser.parse_args(argv)
     if args.peak:
         stage, precision, size = args.peak
         if stage not in STAGES or precision not in PRECISIONS or not size.isdigit() or (
-                stage == "torch" and (precision != "fp32" or args.world_size != 1)):
+                stage == "torch" and (precision != "fp32" or args.world_size != 1 or args.optimizer != "fused_adam")):
             parser.error(f"--peak STAGE ({', '.join(STAGES)}) PRECISION ({PRECISIONS}) SUB_GROUP_SIZE (elements, "
-                         f">= 0; torch: fp32 at one rank, its sub-group size ignored)")
+                         f">= 0; torch: fp32 at one rank, its sub-group size ignored, no --optimizer)")
         if stage == "torch":
             print(json.dumps(peak_torch_adam()))
             return 0
         if args.world_size > 1 and args.port is None:
             parser.error("--world-size > 1 needs --port, the same on every rank")
         print(json.dumps(peak_deepspeed_step(int(stage), precision, int(size), args.rank, args.world_size,
-                                             args.port, torch_adam=args.torch_adam)))
+                                             args.port, optimizer=args.optimizer)))
         return 0
     if args.one:
         stage, precision = args.one

@@ -28,12 +28,25 @@ def test_the_step_holds_the_states_stage_3s_bucket_and_the_larger_of_fused_and_t
     run = RunConfig(example="deepspeed", stage=stage, **RUN)
     numels = param_numels(run)
     fused = memory.optimizer_step_bytes(stage, numels, 2, "bf16")
-    torch_adam = memory.optimizer_step_bytes(stage, numels, 2, "bf16", torch_adam=True)
+    torch_adam = memory.optimizer_step_bytes(stage, numels, 2, "bf16", optimizer="torch_adam")
     assert torch_adam > fused  # which runs depends on the GPU machine's nvcc, decided in the ranks
     bucket = memory.reduce_bucket_bytes(stage, "bf16") if stage == 3 else 0  # stages 1-2 free theirs
     assert need.optimizer_step_peak_bytes(run) == _states(run, stage) + bucket + torch_adam + OVERHEAD
     sgd = dataclasses.replace(run, optimizer="sgd")  # torch's SGD: only DeepSpeed's own copies
     assert need.optimizer_step_peak_bytes(sgd) == _states(run, stage) + bucket + fused + OVERHEAD
+
+
+def test_stage_0_sgd_in_16_bits_runs_under_the_unfused_wrapper():
+    run = RunConfig(example="deepspeed", stage=0, optimizer="sgd", **RUN)
+    psi = sum(param_numels(run))
+    assert need.optimizer_step_peak_bytes(run) == _states(run, 0) + 4 * psi + OVERHEAD  # FusedAdam's would be 8
+
+
+def test_settings_deepspeed_allows_at_the_runs_stage_only_are_read_at_that_stage():
+    # DeepSpeed refuses compute_grad_norm=false at stage 0, which a stageless read of the settings would be
+    run = RunConfig(example="deepspeed", stage=2, ds_overrides={"zero_optimization": {"compute_grad_norm": False}},
+                    **RUN)
+    assert need.predicted_device_bytes(run) >= need.optimizer_step_peak_bytes(run) > OVERHEAD
     assert need.predicted_device_bytes(run) == max(need.micro_step_bytes(run), need.optimizer_step_peak_bytes(run))
 
 
@@ -47,7 +60,7 @@ def test_the_runs_own_zero_settings_size_the_bucket_and_the_sub_groups():
     small = dataclasses.replace(base, ds_overrides={"zero_optimization": {"sub_group_size": 1_000_000,
                                                                           "reduce_bucket_size": 1000}})
     numels = param_numels(base)
-    own = [memory.optimizer_step_bytes(3, numels, 2, "bf16", sub_group_size=size, torch_adam=True)
+    own = [memory.optimizer_step_bytes(3, numels, 2, "bf16", sub_group_size=size, optimizer="torch_adam")
            for size in (memory.DEFAULT_SUB_GROUP_SIZE, 1_000_000)]
     bucket = [memory.reduce_bucket_bytes(3, "bf16", size) for size in (500_000_000, 1000)]
     assert own[1] < own[0] and bucket[1] < bucket[0]

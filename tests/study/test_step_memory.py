@@ -32,20 +32,22 @@ def test_the_optimizer_steps_own_peak_is_predicted_to_the_byte(stage, precision,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage, precision, sub_group_size, world_size", [
-    (2, "bf16", 1_000_000_000, 2),  # the fp32 partition and torch's sqrt(exp_avg_sq) of it: 8 B, above the copies' 6
-    (3, "fp32", 1_500_000, 1),      # per sub-group of 2 parameters: their flattened fp32 gradients and the sqrt list
-    (0, "bf16", 1_000_000_000, 1),  # FP16_UnfusedOptimizer: fp32 gradients of every parameter, and the list
-    (0, "fp32", 1_000_000_000, 1),  # the basic optimizer alone: the sqrt list
+@pytest.mark.parametrize("optimizer, stage, precision, sub_group_size, world_size", [
+    # torch's Adam ("torch_adam": labkit's choice on a GPU without nvcc), foreach as on a GPU
+    ("torch_adam", 2, "bf16", 1_000_000_000, 2),  # the fp32 partition and sqrt(exp_avg_sq) of it: 8 B, not 6
+    ("torch_adam", 3, "fp32", 1_500_000, 1),  # per sub-group of 2 parameters: their fp32 gradients and the list
+    ("torch_adam", 0, "bf16", 1_000_000_000, 1),  # FP16_UnfusedOptimizer: every gradient in fp32, and the list
+    ("torch_adam", 0, "fp32", 1_000_000_000, 1),  # the basic optimizer alone: the list
+    ("torch_sgd", 0, "bf16", 1_000_000_000, 1),   # FP16_UnfusedOptimizer: every gradient in fp32, no flattened copy
 ])
-def test_with_torchs_adam_the_steps_peak_is_predicted_to_the_byte(stage, precision, sub_group_size, world_size):
-    # DeepSpeed with "torch_adam" (labkit's choice on a GPU without nvcc), foreach as on a GPU
+def test_with_torchs_optimizers_the_steps_peak_is_predicted_to_the_byte(optimizer, stage, precision, sub_group_size,
+                                                                       world_size):
     predicted = memory.optimizer_step_bytes(stage, LAYERS, world_size, precision, sub_group_size=sub_group_size,
-                                            torch_adam=True)
+                                            optimizer=optimizer)
     fused = memory.optimizer_step_bytes(stage, LAYERS, world_size, precision, sub_group_size=sub_group_size)
-    assert predicted > fused or (stage == 0 and precision != "fp32")  # 16-bit stage 0: 8 B either way
-    for rank in ob.peak_in_subprocesses(stage, precision, sub_group_size, world_size, torch_adam=True):
-        assert rank["torch_adam"] and rank["param_numels"] == LAYERS
+    assert predicted != fused or (optimizer, stage, precision) == ("torch_adam", 0, "bf16")  # 8 B either way
+    for rank in ob.peak_in_subprocesses(stage, precision, sub_group_size, world_size, optimizer=optimizer):
+        assert rank["optimizer"] == optimizer and rank["param_numels"] == LAYERS
         assert predicted <= rank["peak_bytes"] <= predicted + SCALARS, (rank, predicted)
 
 
@@ -66,14 +68,18 @@ def test_the_steps_peak_follows_its_sources_rules():
     assert memory.optimizer_step_bytes(0, [10], 1, "fp16") == 4 * 10  # one tensor: the flatten is a view
     assert memory.optimizer_step_bytes(0, [10, 10], 1, "fp32") == 0
     # torch's Adam: its sqrt list beside the fp32 gradients it steps with, where that is more than the copies
-    assert memory.optimizer_step_bytes(2, [10, 10, 10, 10], 2, "bf16", torch_adam=True) == 8 * 20
-    assert memory.optimizer_step_bytes(3, [10, 10], 1, "fp32", sub_group_size=0, torch_adam=True) == 8 * 10  # norm
-    assert memory.optimizer_step_bytes(3, [100, 1], 1, "fp32", sub_group_size=0, torch_adam=True) == 8 * 100
-    assert memory.optimizer_step_bytes(3, [10, 10], 1, "fp32", torch_adam=True) == 8 * 20
-    assert memory.optimizer_step_bytes(0, [10], 1, "fp16", torch_adam=True) == 8 * 10  # no view: unfused
-    assert memory.optimizer_step_bytes(0, [10, 10], 1, "fp32", torch_adam=True) == 4 * 20
-    assert memory.optimizer_step_bytes(2, [10, 10], 2, "bf16", offload_optimizer=True, torch_adam=True) == 0
-    for bad in (dict(stage=4), dict(precision="int8"), dict(world_size=0), dict(sub_group_size=-1)):
+    assert memory.optimizer_step_bytes(2, [10, 10, 10, 10], 2, "bf16", optimizer="torch_adam") == 8 * 20
+    assert memory.optimizer_step_bytes(3, [10, 10], 1, "fp32", sub_group_size=0, optimizer="torch_adam") == 80  # norm
+    assert memory.optimizer_step_bytes(3, [100, 1], 1, "fp32", sub_group_size=0, optimizer="torch_adam") == 8 * 100
+    assert memory.optimizer_step_bytes(3, [10, 10], 1, "fp32", optimizer="torch_adam") == 8 * 20
+    assert memory.optimizer_step_bytes(0, [10], 1, "fp16", optimizer="torch_adam") == 8 * 10  # no view: unfused
+    assert memory.optimizer_step_bytes(0, [10, 10], 1, "fp32", optimizer="torch_adam") == 4 * 20
+    assert memory.optimizer_step_bytes(2, [10, 10], 2, "bf16", offload_optimizer=True, optimizer="torch_adam") == 0
+    # torch's SGD: in place, but at stage 0 in 16 bits under FP16_UnfusedOptimizer (fp32 gradients, nothing flat)
+    assert memory.optimizer_step_bytes(0, [10, 10], 1, "bf16", optimizer="torch_sgd") == 4 * 20
+    assert memory.optimizer_step_bytes(2, [10, 10], 1, "bf16", optimizer="torch_sgd") == 6 * 20
+    for bad in (dict(stage=4), dict(precision="int8"), dict(world_size=0), dict(sub_group_size=-1),
+                dict(optimizer="cpu_adam")):
         with pytest.raises(ValueError):
             memory.optimizer_step_bytes(**{**dict(stage=3, param_numels=[1], world_size=1, precision="bf16"), **bad})
 
