@@ -52,11 +52,15 @@ from torch import nn
 
 PRECISIONS = ("fp32", "bf16", "fp16", "mixed")
 ACCOUNTINGS = ("deepspeed", "paper")
+# Optimizer moments per parameter, fp32, by RunConfig.optimizer: Adam's exp_avg and exp_avg_sq; torch's SGD without
+# momentum (what labkit's runs build) keeps no state. Measured by labkit.rank.census on real runs (stages 0-3, fp32
+# and bf16, offload, the plain loop): SGD's optimizer.state is empty, its fp32 master copy the same as Adam's.
+MOMENT_BYTES_PER_PARAM = {"adam": 8, "sgd": 0}
 
 
 def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str = "mixed",
                       offload_optimizer: bool = False, *, persistent_params: int = 0,
-                      accounting: str = "deepspeed") -> dict[str, int]:
+                      accounting: str = "deepspeed", optimizer: str = "adam") -> dict[str, int]:
     """Predicted model-state bytes of ONE rank.
 
     ``accounting="deepspeed"`` (default): what DeepSpeed 0.19.8 holds right after backward at an
@@ -68,6 +72,8 @@ def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str
     the accelerator), ``host_bytes`` (what optimizer offload put on the CPU) and
     ``host_grad_bytes`` (the grads among them, like the census key of
     ``labkit.rank.census``).  ``persistent_params``: params stage 3 keeps unpartitioned (see module doc).
+    ``optimizer``: ``adam`` (K = 12: fp32 master + two moments) or ``sgd`` (no momentum: K = 4, the master alone,
+    :data:`MOMENT_BYTES_PER_PARAM`); the master is there but at stage 0 in fp32, as with Adam.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -79,16 +85,19 @@ def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str
         raise ValueError("DeepSpeed offloads the optimizer only with ZeRO stage >= 1")
     if accounting not in ACCOUNTINGS:
         raise ValueError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
+    if optimizer not in MOMENT_BYTES_PER_PARAM:
+        raise ValueError(f"optimizer must be one of {tuple(MOMENT_BYTES_PER_PARAM)}, got {optimizer!r}")
     if accounting == "paper":
-        if precision == "fp32" or offload_optimizer or persistent_params:
+        if precision == "fp32" or offload_optimizer or persistent_params or optimizer != "adam":
             raise ValueError("accounting='paper' is the ZeRO paper's mixed-precision Adam without offload or "
-                             "persistent params; use accounting='deepspeed' for fp32, offload or persistent_params")
+                             "persistent params; use accounting='deepspeed' for fp32, offload, persistent_params "
+                             "or SGD")
         return _paper_state_bytes(n_params, stage, world_size)
 
     psi, n = n_params, world_size
     lp = 4 if precision == "fp32" else 2  # bytes per param / grad element on the device
-    # fp32 at stage 0 updates the model params in place: no master copy (K = 8).
-    k = 8 if precision == "fp32" and stage == 0 else 12
+    # fp32 at stage 0 updates the model params in place: no master copy (Adam's K = 8).
+    k = MOMENT_BYTES_PER_PARAM[optimizer] + (0 if precision == "fp32" and stage == 0 else 4)
 
     # Stage 3: own partition, plus whole copies of the persistent params (N > 1 only;
     # with one rank the partition is the whole param and p.data shares it).

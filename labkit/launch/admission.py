@@ -177,7 +177,8 @@ def estimate(config: RunConfig, *, rank_base_bytes: int, launcher_bytes: int, mo
         persistent = (mlp_persistent_params(config.input_size, config.hidden, config.depth, config.output_size)
                       if config.model == "mlp" and stage == 3 else 0)
         predicted = model_state_bytes(model.n_params, stage, config.world_size, config.precision,
-                                      bool(config.offload_optimizer) and stage > 0, persistent_params=persistent)
+                                      bool(config.offload_optimizer) and stage > 0, persistent_params=persistent,
+                                      optimizer=config.optimizer)
         states = predicted["host_bytes"] + (predicted["device_bytes"] if is_cpu else 0)
     if is_cpu and model is not None and model.activation_bytes_per_sample is not None:
         activations = math.ceil(model.activation_bytes_per_sample * config.micro_batch)

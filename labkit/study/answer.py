@@ -195,7 +195,8 @@ def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
         precision = _state_precision(r["strategy"], r.get("precision"))
         world_size = int(r["world_size"])
         predicted = memory.model_state_bytes(n_params, stage, world_size, precision, offload,
-                                             persistent_params=persistent if stage == 3 else 0)
+                                             persistent_params=persistent if stage == 3 else 0,
+                                             optimizer=template.optimizer)
         measured = {k: float(r[k]) for k in STATE_KEYS if not pd.isna(r.get(k))}
         # What optimizer offload keeps on the host: optimizer states + master, and grad partitions.
         host = {k: 0.0 if pd.isna(r.get(k)) else float(r[k]) for k in HOST_KEYS}
@@ -256,7 +257,7 @@ def analytic_max_micro_batch(result: Any, template: RunConfig) -> int | None:
                                       bool(template.offload_optimizer),
                                       persistent_params=builders.persistent_params(
                                           numels, template.zero_settings().param_persistence_threshold)
-                                      if stage == 3 else 0)
+                                      if stage == 3 else 0, optimizer=template.optimizer)
     per_sample = memory.activation_bytes_per_sample(profile.activation_bytes, profile.micro_batch)
     return max(0, math.floor((budget - states["device_bytes"]) / per_sample))
 

@@ -83,4 +83,5 @@ def _state_bytes(config: RunConfig, numels: list[int], precision: str, stage: in
     persistent = builders.persistent_params(numels, config.zero_settings(stage).param_persistence_threshold)
     return int(memory.model_state_bytes(sum(numels), stage, config.world_size, precision,
                                         bool(config.offload_optimizer),
-                                        persistent_params=persistent if stage == 3 else 0)["device_bytes"])
+                                        persistent_params=persistent if stage == 3 else 0,
+                                        optimizer=config.optimizer)["device_bytes"])

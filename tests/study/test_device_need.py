@@ -20,7 +20,7 @@ def _states(run: RunConfig, stage: int) -> int:
     numels = param_numels(run)
     persistent = sum(n for n in numels if n <= 100_000) if stage == 3 else 0
     return memory.model_state_bytes(sum(numels), stage, run.world_size, "bf16", bool(run.offload_optimizer),
-                                    persistent_params=persistent)["device_bytes"]
+                                    persistent_params=persistent, optimizer=run.optimizer)["device_bytes"]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -32,8 +32,9 @@ def test_the_step_holds_the_states_stage_3s_bucket_and_the_larger_of_fused_and_t
     assert torch_adam > fused  # which runs depends on the GPU machine's nvcc, decided in the ranks
     bucket = memory.reduce_bucket_bytes(stage, "bf16") if stage == 3 else 0  # stages 1-2 free theirs
     assert need.optimizer_step_peak_bytes(run) == _states(run, stage) + bucket + torch_adam + OVERHEAD
-    sgd = dataclasses.replace(run, optimizer="sgd")  # torch's SGD: only DeepSpeed's own copies
-    assert need.optimizer_step_peak_bytes(sgd) == _states(run, stage) + bucket + fused + OVERHEAD
+    sgd = dataclasses.replace(run, optimizer="sgd")  # torch's SGD: no moments, only DeepSpeed's own copies
+    assert _states(run, stage) - _states(sgd, stage) == pytest.approx(8 * sum(numels) / 2, abs=8)
+    assert need.optimizer_step_peak_bytes(sgd) == _states(sgd, stage) + bucket + fused + OVERHEAD
 
 
 def test_stage_0_sgd_in_16_bits_runs_under_the_unfused_wrapper():

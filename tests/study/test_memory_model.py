@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from labkit.rank.census import take_census as model_state_bytes
 PSI = 1_000_000
 
 
-def states(stage: int, n: int, precision: str = "mixed", offload: bool = False, **kw: int) -> dict[str, int]:
+def states(stage: int, n: int, precision: str = "mixed", offload: bool = False, **kw: Any) -> dict[str, int]:
     return memory.model_state_bytes(PSI, stage, n, precision, offload, **kw)
 
 
@@ -65,6 +66,21 @@ def test_fp32_stage_0_has_no_master_but_partitioned_stages_clone_it() -> None:
     assert s1["optim_bytes"] == 6 * PSI  # moments + fp32 master clone, halved (K = 12)
     # So with one rank, fp32 ZeRO-1 costs 4*Psi MORE than stage 0 (measured).
     assert states(1, 1, "fp32")["device_bytes"] - states(0, 1, "fp32")["device_bytes"] == 4 * PSI
+
+
+def test_sgd_keeps_the_master_and_no_moments() -> None:
+    for stage in range(4):
+        for precision in ("fp32", "bf16"):
+            adam, sgd = states(stage, 2, precision), states(stage, 2, precision, optimizer="sgd")
+            master = 0 if precision == "fp32" and stage == 0 else 4 * PSI // (2 if stage else 1)
+            assert sgd["optim_bytes"] == master
+            assert adam["optim_bytes"] - sgd["optim_bytes"] == 8 * PSI // (2 if stage else 1)
+            assert (sgd["param_bytes"], sgd["grad_bytes"]) == (adam["param_bytes"], adam["grad_bytes"])
+    assert states(2, 2, offload=True, optimizer="sgd")["host_bytes"] == (4 + 4) * PSI // 2  # master + fp32 grads
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        states(0, 2, optimizer="lamb")
+    with pytest.raises(ValueError, match="SGD"):
+        memory.model_state_bytes(PSI, 1, 2, accounting="paper", optimizer="sgd")
 
 
 def test_offload_moves_optimizer_states_and_grad_partitions_to_host() -> None:

@@ -61,6 +61,11 @@ def launched(tmp_path_factory):
                             target_loss=1.6, stop_at_target=True, noise_scale_every=3)
     # Two steps: the census of step 2 sees the optimizer states created by step 1.
     memory_points = plan(["z2", "z2-offload", "z3-offload"], [32], [2], base=dict(steps=2, **CI_MODEL))
+    # The same with torch's SGD (no momentum, no state): what is left is DeepSpeed's fp32 master, where it has one.
+    sgd_points = plan(["torch", "z0", "z1", "z3", "z2-offload"], [32], [2],
+                      base=dict(steps=2, optimizer="sgd", **CI_MODEL))
+    sgd_points.append(RunConfig(example="deepspeed", stage=0, precision="bf16", world_size=2, micro_batch=16,
+                                steps=2, optimizer="sgd", **CI_MODEL))
 
     def sweep():
         # Untimed: these points check bytes and records, not step times, so they may share cores.
@@ -70,6 +75,9 @@ def launched(tmp_path_factory):
     def memory_sweep():
         return Sweep(memory_points, root / "memory", parallel=3, progress=False, timed=False).run()
 
+    def sgd_sweep():
+        return Sweep(sgd_points, root / "sgd", parallel=2, progress=False, timed=False).run()
+
     def stop_run():
         run = Run(stop_config, root=root / "stop").start()
         run.wait(timeout=600)
@@ -78,11 +86,13 @@ def launched(tmp_path_factory):
     with ThreadPoolExecutor(max_workers=4) as pool:
         sweep_job = pool.submit(sweep)
         memory_job = pool.submit(memory_sweep)
+        sgd_job = pool.submit(sgd_sweep)
         maxbatch_job = pool.submit(search, template, root / "maxbatch", start=2)
         stop_job = pool.submit(stop_run)
         first, table = sweep_job.result()
         return {"root": root, "points": points, "first": first, "table": table, "maxbatch": maxbatch_job.result(),
-                "template": template, "stop": stop_job.result(), "memory": memory_job.result()}
+                "template": template, "stop": stop_job.result(), "memory": memory_job.result(),
+                "sgd": sgd_job.result()}
 
 
 # -- the sweep --------------------------------------------------------------------------------------
@@ -162,6 +172,36 @@ def test_memory_model_matches_measured_states_within_5_percent(launched):
         errors = memory.compare(measured, predicted)
         assert set(errors) >= {"param_bytes", "grad_bytes", "optim_bytes"}
         assert all(abs(e) <= 0.05 for e in errors.values()), (stage, measured, predicted, errors)
+
+
+@pytest.mark.slow
+def test_sgd_census_matches_the_memory_model_no_moments_and_deepspeeds_master(launched):
+    """torch's SGD keeps no optimizer state: the model states are Adam's less 8 B per (partitioned) parameter, the
+    fp32 master that DeepSpeed keeps at stages 1-3 and in 16 bits (FP16_UnfusedOptimizer at stage 0) left."""
+    from labkit.core import memory
+
+    shape = [CI_MODEL[k] for k in ("input_size", "hidden", "depth", "output_size")]
+    n_params = memory.n_params_mlp(*shape)
+    table = launched["sgd"]
+    assert len(table) == 6 and (table.status == "finished").all(), table[["strategy", "precision", "status"]]
+    for row in table.itertuples():
+        stage = 0 if pd.isna(row.stage) else int(row.stage)
+        offload = bool(row.offload_optimizer) and str(row.offload_optimizer) != "False"
+        persistent = memory.mlp_persistent_params(*shape) if stage == 3 else 0
+        predicted = memory.model_state_bytes(n_params, stage, int(row.world_size), row.precision, offload,
+                                             persistent_params=persistent, optimizer="sgd")
+        assert row.optim_bytes == 0, row  # optimizer.state is empty
+        master = 0 if row.precision == "fp32" and stage == 0 else 4 * n_params / (2 if stage else 1)
+        assert row.master_bytes == pytest.approx(master, abs=16), row
+        census = {"param_bytes": row.param_bytes, "optim_bytes": row.master_bytes,
+                  "host_bytes": row.host_optim_bytes + row.host_grad_bytes}
+        errors = memory.compare(census, predicted)
+        assert set(errors) == {"param_bytes", "optim_bytes", "host_bytes"}
+        assert all(abs(e) < 1e-4 for e in errors.values()), (row.strategy, row.precision, census, predicted, errors)
+        adam = memory.model_state_bytes(n_params, stage, int(row.world_size), row.precision, offload,
+                                        persistent_params=persistent)
+        assert adam["optim_bytes"] - predicted["optim_bytes"] == pytest.approx(8 * n_params / (2 if stage else 1),
+                                                                               abs=2)
 
 
 @pytest.mark.slow
