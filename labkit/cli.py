@@ -339,6 +339,10 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
                               "reduce_bucket_size=1e7,overlap_comm=true (checked by DeepSpeed's config model)")
     predict.add_argument("--b-crit", type=float, default=None, help="critical batch for time to the same loss")
     predict.add_argument("--results", default=None, help="an answer's results dir: B_crit from its noise.csv")
+    predict.add_argument("--target-loss", type=float, default=None, metavar="NATS",
+                         help="--transformer: B_crit from the loss you train to, nats per token (Kaplan et al. "
+                              "2020's power law: B_* / L^(1/0.21), B_* = 2e8 tokens; their WebText2 and GPT-2 "
+                              "tokens, so an order of magnitude)")
     predict.add_argument("--card", action="store_true", help="print the predicted answer card (both ways to grow "
                          "the batch, per step, per epoch, to the same loss)")
     predict.add_argument("--world-size", type=int, default=None, help="--from: ranks to predict")

@@ -776,6 +776,24 @@ def steps_to_target(global_batch: float, b_crit: float, s_min: float = 1.0) -> f
     return s_min * (1.0 + b_crit / global_batch)
 
 
+# A language model's critical batch grows as the loss it trains to falls: B_crit(L) = B_* / L^(1 / alpha_B), B_* ~ 2e8
+# tokens, alpha_B ~ 0.21, L the test loss in nats per token (Kaplan et al., "Scaling Laws for Neural Language
+# Models", arXiv:2001.08361, 2020, Eq. 1.4 and Figure 10: decoder-only transformers on WebText2 with GPT-2's BPE
+# tokens; it "does not depend directly on the model size"). Global, as published: not fitted to anything here.
+LM_B_STAR_TOKENS = 2e8
+LM_ALPHA_B = 0.21
+
+
+def language_model_b_crit(loss_nats: float, seq: int) -> float:
+    """Kaplan et al.'s critical batch at a target loss (nats per token), in sequences of `seq` tokens: the samples
+    this model counts. Their loss is on WebText2 with GPT-2's tokenizer: another corpus or tokenizer shifts the loss
+    scale, so read it as an order of magnitude."""
+    if not 0 < loss_nats < math.inf or seq < 1:
+        raise ValueError(f"the target loss must be a finite number of nats per token > 0 and seq >= 1, got "
+                         f"{loss_nats} and {seq}")
+    return LM_B_STAR_TOKENS / loss_nats ** (1.0 / LM_ALPHA_B) / seq
+
+
 def b_crit_from(results_dir: str | os.PathLike) -> float | None:
     """The lab's measured B_simple (pooled gradient noise scale over every probe of noise.csv), else None (no file,
     or an estimate not above 0: the pooled trace of the noise came out negative, which is no critical batch)."""

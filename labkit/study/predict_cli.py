@@ -29,7 +29,7 @@ DEFAULT_GPU = "A100-80GB"
 # a flag the chosen way does not read is refused, not ignored.
 FLAGS_FOR_SHAPES = ("gpu", "gpus_per_node", "nodes", "intra", "inter_gbps", "host_cpu", "plain_pytorch",
                     "offload_optimizer", "global_batch", "grad_accum", "precision", "activation_checkpointing",
-                    "host_memory_gb_per_s", "zero", "b_crit", "results", "card")
+                    "host_memory_gb_per_s", "zero", "b_crit", "results", "target_loss", "card")
 FLAGS_FOR_LAB_MODELS = ("hidden", "depth", "input_size", "data", "loss")
 FLAGS_FOR_RUNS = ("world_size", "threads_per_rank", "links")
 
@@ -51,6 +51,10 @@ def _refuse_unread(args: Any) -> None:
             unread += given(FLAGS_FOR_LAB_MODELS)
             why += ("; --hidden, --depth, --input-size, --data and --loss are a lab --model's (a --transformer has "
                     "its shape)")
+        elif args.target_loss is not None:
+            raise _bad("target_loss", "--target-loss is a --transformer's: Kaplan et al.'s law is for language "
+                                      "models on GPT-2's tokens; a lab model's critical batch is measured (--results "
+                                      "from an answer, or give --b-crit)")
     if unread:
         raise _bad("predict", f"{', '.join(unread)} not read here: {why}")
 
@@ -154,7 +158,19 @@ def _accumulation(args: Any, micro: int, world_size: int) -> int:
     return args.grad_accum or 1
 
 
-def _b_crit(args: Any) -> float | None:
+def _b_crit(args: Any, shape: Transformer | None) -> float | None:
+    """The critical batch for the time to the same loss, from the one of --b-crit, --results or --target-loss given."""
+    chosen = [f"--{name.replace('_', '-')}" for name in ("b_crit", "results", "target_loss")
+              if getattr(args, name, None) is not None]
+    if len(chosen) > 1:
+        raise _bad("b_crit", f"{' and '.join(chosen)}: give one critical batch, not {len(chosen)}")
+    if args.target_loss is not None:
+        if not 0 < args.target_loss < math.inf:
+            raise _bad("target_loss", f"--target-loss must be a finite loss > 0 nats per token, got {args.target_loss}")
+        from labkit.study.predict import language_model_b_crit
+
+        assert shape is not None  # _refuse_unread: --target-loss goes with --transformer
+        return language_model_b_crit(args.target_loss, shape.seq)
     if args.b_crit is not None:
         if not 0 < args.b_crit < math.inf:
             raise _bad("b_crit", f"--b-crit must be a finite batch size > 0, got {args.b_crit}")
@@ -216,8 +232,9 @@ def _prediction(args: Any) -> dict[str, Any]:
         if args.model is not None and args.activation_checkpointing:
             raise _bad("activation_checkpointing", "--activation-checkpointing is modelled for --transformer shapes "
                                                    "(the lab's models do not checkpoint)")
-        model = _shape(args) or _lab_model(args)
-        b_crit = _b_crit(args)
+        shape = _shape(args)
+        model = shape or _lab_model(args)
+        b_crit = _b_crit(args, shape)
         zero = _zero(args, strategy)
         from labkit.study.predict import predict, predicted_card, steps_to_target  # torch, DeepSpeed: after the flags
 
@@ -240,6 +257,11 @@ def _prediction(args: Any) -> dict[str, Any]:
         out["model"], out["n_params"], out["precision"] = workload.name, workload.n_params, precision
         if b_crit is not None:
             out["b_crit"] = b_crit
+            if args.target_loss is not None:
+                out["b_crit_source"] = (f"Kaplan et al. 2020, Eq. 1.4, at {args.target_loss:g} nats per token "
+                                        f"(in sequences of {shape.seq if shape else '?'} tokens)")
+            elif args.results is not None:
+                out["b_crit_source"] = f"B_simple measured in {args.results}/noise.csv"
             out["steps_to_target_over_s_min"] = steps_to_target(pred.global_batch, b_crit)
         if args.card:
             out["card"] = predicted_card(workload, cluster, strategy=strategy, micro_batch=micro, precision=precision,
@@ -294,6 +316,8 @@ def format_table(out: dict[str, Any]) -> str:
             text = f"{value:.4g}" if isinstance(value, float) else str(value)
             label = "measured " if key.startswith("measured_") else "predicted"  # the run it was calibrated on
             lines.append(f"  {label} {key:28s} {text}")
+    if out.get("b_crit") is not None:  # an input, not a prediction
+        lines.append(f"  critical batch {out['b_crit']:.4g} samples: {out.get('b_crit_source') or 'given'}")
     if out.get("zero"):
         lines.append("  with zero_optimization " + ", ".join(f"{k}={v}" for k, v in out["zero"].items()))
     if out.get("strategy") == "torch":  # what plain PyTorch is predicted as

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -51,6 +52,23 @@ def workload(name: str) -> P.Workload:
         return P.ModuleWorkload(RunConfig.from_dict({"example": "deepspeed", "hidden": 512, "depth": 2}))
     raise ValueError(f"unknown model {name!r}; known: {', '.join((*SHAPES, *LAB_MODELS))}, or yours as "
                      "layers=,hidden=,heads=,seq=... or hf=path/to/config.json,seq=N")
+
+
+LAB_B_CRIT_RESULTS = Path(__file__).resolve().parents[2] / "data" / "reference-ci"  # the answer's committed run
+
+
+def critical_batch(name: str, target_loss: float) -> tuple[float | None, str]:
+    """(B_crit in the model's samples, where it comes from) for the time to the same loss: a transformer's from
+    Kaplan et al.'s power law at `target_loss` nats per token (`predict.language_model_b_crit`, in its sequences);
+    the lab's models (the GPT reads bytes, not GPT-2's tokens) get the lab MLP's measured B_simple, a stand-in."""
+    work = workload(name)
+    if isinstance(work, P.TransformerWorkload) and name not in LAB_MODELS:
+        b_crit = P.language_model_b_crit(target_loss, work.shape.seq)
+        return b_crit, (f"Kaplan et al. 2020's B_crit at {target_loss:g} nats per token: {b_crit:,.0f} sequences "
+                        f"of {work.shape.seq} tokens")
+    measured = P.b_crit_from(LAB_B_CRIT_RESULTS)
+    return measured, ("the lab MLP's measured B_simple, a stand-in" if measured is not None
+                      else "no critical batch: data/reference-ci has no positive noise estimate")
 
 
 def card_table(card: dict[str, Any]) -> pd.DataFrame:
@@ -131,9 +149,17 @@ def cpu_figure(table: pd.DataFrame) -> Any:
 
 def explore(*, gpu: str, gpus_per_node: int, nodes: int, intra: str, inter_gbps: float, model: str,
             strategy: str, micro_batch: int, precision: str = "bf16", b_crit: float | None = None,
+            target_loss: float | None = None,
             activation_checkpointing: bool = False) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     """What the widgets show: the predicted card (both ways to grow the batch, and accumulation), the strategies'
-    stacked parts, and a one-line summary. Raises ValueError with the reason for a choice that cannot be."""
+    stacked parts, and a one-line summary. The time to the same loss takes `b_crit`, or `critical_batch(model,
+    target_loss)`; neither: no verdict to the same loss. Raises ValueError with the reason for a choice that cannot
+    be."""
+    if b_crit is not None and target_loss is not None:
+        raise ValueError("give b_crit or target_loss, not both")
+    why = "given" if b_crit is not None else None
+    if target_loss is not None:
+        b_crit, why = critical_batch(model, target_loss)
     kind = find_gpu(gpu)
     if precision == "bf16" and not kind.peak_flops.get("bf16"):
         precision = "fp16"  # V100 and T4 have no bf16 tensor cores
@@ -153,6 +179,7 @@ def explore(*, gpu: str, gpus_per_node: int, nodes: int, intra: str, inter_gbps:
                + (f": the optimizer step alone needs {one.step_peak_bytes / 1e9:.1f} GB of the "
                   f"{one.usable_memory_bytes / 1e9:.1f} GB a process can use"
                   if one.step_peak_bytes > one.usable_memory_bytes else "")
+               + (f". To the same loss: B_crit {b_crit:,.0f} samples ({why})" if b_crit is not None else "")
                + "".join(f". Caveat: {text}" for text in one.caveats))
     return card_table(card), parts, summary
 

@@ -694,6 +694,27 @@ def test_the_bars_split_the_compute_from_the_wait_on_the_host():
     assert parts.loc["ZeRO-2", "host_bound_s"] < z3.host_bound_s  # no hooks without stage 3
 
 
+def test_the_widgets_critical_batch_is_kaplans_for_a_transformer_and_the_measured_stand_in_for_the_labs():
+    from labkit.study import predict_views as V
+
+    b, why = V.critical_batch("Llama-2 7B (seq 4096)", 3.0)
+    assert b == pytest.approx(P.language_model_b_crit(3.0, 4096)) and "Kaplan" in why and "4096 tokens" in why
+    assert V.critical_batch("layers=2,hidden=64,heads=4,seq=128", 3.0)[0] == pytest.approx(
+        P.language_model_b_crit(3.0, 128))  # a shape typed in the box
+    for lab in V.LAB_MODELS:  # the lab GPT reads bytes, not GPT-2's tokens
+        b, why = V.critical_batch(lab, 3.0)
+        assert b == P.b_crit_from("data/reference-ci") and "stand-in" in why
+    widgets = dict(gpu="A100-80GB", gpus_per_node=8, nodes=1, intra="auto", inter_gbps=0.0, model="GPT-2 XL (1.5B)",
+                   strategy="z3", micro_batch=2)
+    card, _, summary = V.explore(**widgets, target_loss=3.0)
+    given, _, _ = V.explore(**widgets, b_crit=P.language_model_b_crit(3.0, 1024))
+    assert "Kaplan" in summary and card.equals(given)
+    without, _, plain = V.explore(**widgets)
+    assert "B_crit" not in plain and not without.equals(card)  # no critical batch: no verdict to the same loss
+    with pytest.raises(ValueError, match="not both"):
+        V.explore(**widgets, b_crit=100.0, target_loss=3.0)
+
+
 def test_a_results_folder_without_a_positive_critical_batch_is_refused(tmp_path, capsys):
     shape = ["predict", "--transformer", "layers=2,hidden=128,heads=2,seq=64", "--results", str(tmp_path)]
     assert main(shape) == 2
@@ -810,6 +831,34 @@ def test_steps_to_target_and_the_labs_measured_b_simple():
     assert b is not None and 100 < b < 170  # README: B_simple ~ 133 pooled over the run
 
 
+def test_a_language_models_critical_batch_follows_kaplans_power_law_in_the_loss():
+    # Kaplan et al. 2020, Eq. 1.4: B_crit(L) = 2e8 tokens / L^(1/0.21); at 3 nats ~1.07M tokens, ~1,044 sequences
+    # of 1,024 tokens; it grows as the target loss falls and does not depend on the model
+    assert P.language_model_b_crit(3.0, 1024) == pytest.approx(2e8 / 3.0 ** (1 / 0.21) / 1024)
+    assert 1000 < P.language_model_b_crit(3.0, 1024) < 1100
+    assert P.language_model_b_crit(2.5, 1024) > 2 * P.language_model_b_crit(3.0, 1024)
+    assert P.language_model_b_crit(3.0, 512) == pytest.approx(2 * P.language_model_b_crit(3.0, 1024))
+    with pytest.raises(ValueError, match="nats per token"):
+        P.language_model_b_crit(0.0, 1024)
+
+
+def test_labkit_predict_takes_the_critical_batch_from_a_target_loss(capsys):
+    argv = ["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=256", "--gpu", "A100-80GB",
+            "--gpus-per-node", "8", "--micro-batch", "4", "--format", "json"]
+    assert main([*argv, "--target-loss", "3", "--card"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["b_crit"] == pytest.approx(P.language_model_b_crit(3.0, 256))
+    assert "Kaplan" in out["b_crit_source"] and "256 tokens" in out["b_crit_source"]
+    assert out["steps_to_target_over_s_min"] == pytest.approx(P.steps_to_target(32, out["b_crit"]))
+    assert out["card"]["ways"]["micro_batch"]["to_target"]["verdict"] is not None
+    assert main([*argv, "--b-crit", str(out["b_crit"])]) == 0  # the same as giving that batch
+    given = json.loads(capsys.readouterr().out)
+    assert given["steps_to_target_over_s_min"] == pytest.approx(out["steps_to_target_over_s_min"])
+    assert "b_crit_source" not in given
+    assert main(["predict", "--model", "mlp", "--target-loss", "3"]) == 2  # a lab model's is measured
+    assert "--transformer's" in capsys.readouterr().err
+
+
 def test_the_predicted_card_has_the_measured_cards_shape_and_its_verdicts_agree_with_its_ratios():
     cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
     card = P.predicted_card(P.TransformerWorkload(SMALL), cluster, micro_batch=8, precision="bf16", b_crit=256.0)
@@ -913,6 +962,10 @@ def test_the_issues_command_prints_every_key(capsys):
     (["--stage", "2", "--zero", "max_reuse_distance=0"], "changes nothing at stage 2"),  # the field's own name
     (["--stage", "2", "--host-memory-gb-per-s", "50"], "needs --stage 1-3 --offload-optimizer"),
     (["--plain-pytorch", "--host-memory-gb-per-s", "50"], "needs --stage 1-3 --offload-optimizer"),
+    (["--target-loss", "0"], "finite loss > 0"),
+    (["--target-loss", "inf"], "finite loss > 0"),
+    (["--target-loss", "3", "--b-crit", "100"], "give one critical batch"),
+    (["--target-loss", "3", "--results", "data/reference-ci"], "give one critical batch"),
 ])
 def test_bad_input_exits_2_naming_the_problem(capsys, argv, says):
     assert main(["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", *argv]) == 2
@@ -929,6 +982,7 @@ def test_bad_input_exits_2_naming_the_problem(capsys, argv, says):
     ["--transformer", "layers=2,hiden=64", "--results", "data/reference-ci"],  # before the results are read
     ["--transformer", "layers=2,hiden=64", "--stage", "3", "--zero", "no_such_setting=1"],  # before DeepSpeed's check
     ["--model", "mlp", "--hidden", "0"],
+    ["--transformer", "layers=2,hidden=64,heads=4,seq=32", "--target-loss", "-1"],
 ])
 @pytest.mark.slow  # a fresh Python process per case
 def test_bad_flags_are_refused_before_torch_loads(argv):

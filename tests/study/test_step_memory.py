@@ -146,8 +146,8 @@ def test_plain_pytorch_fits_only_if_its_adam_step_fits_too():
 
 
 def test_a_lab_runs_predicted_peak_counts_its_plain_optimizers_step():
-    # the lab's plain loop (Example 1): torch.optim.Adam's sqrt list; its SGD (no momentum) updates in place (the
-    # states are labkit.core.memory's, which count Adam's moments whatever the optimizer: high for SGD)
+    # the lab's plain loop (Example 1): torch.optim.Adam's sqrt list; its SGD (no momentum) updates in place and
+    # keeps no state (labkit.core.memory's states: 8 B per parameter of moments with Adam, nothing with SGD)
     import torch
 
     from labkit.core.config import RunConfig
@@ -157,7 +157,8 @@ def test_a_lab_runs_predicted_peak_counts_its_plain_optimizers_step():
     for optimizer, own in (("adam", 4), ("sgd", 0)):
         run = RunConfig(example="pytorch", hidden=1024, depth=2, micro_batch=1, optimizer=optimizer)
         psi = sum(param_numels(run))
-        states = memory.model_state_bytes(psi, 0, 1, "fp32")["device_bytes"]
+        states = memory.model_state_bytes(psi, 0, 1, "fp32", optimizer=optimizer)["device_bytes"]
+        assert states == (4 + 4 + (8 if optimizer == "adam" else 0)) * psi  # parameters, gradients, moments
         assert device_need.optimizer_step_peak_bytes(run) == states + own * psi + device_need.DEVICE_OVERHEAD_BYTES
     params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(2)]
     sgd = torch.optim.SGD(params, lr=1e-3, foreach=True)
