@@ -36,6 +36,8 @@ backward at an accumulation boundary, before ``step``) differs in places:
 * Stage 3 keeps "persistent" params (numel <= ``param_persistence_threshold``,
   default 1e5) whole on every rank, on top of its Psi/N partition (when N > 1):
   pass their count as ``persistent_params`` (see :func:`mlp_persistent_params`).
+* torch's SGD without momentum (labkit's ``optimizer="sgd"``) keeps no optimizer state: K = 4 (the master), 0 at
+  stage 0 in fp32 (``model_state_bytes(optimizer="sgd")``; measured, tests/study/test_sweep.py).
 * Partitions are padded to a multiple of 2*N elements at stages 1/2 (negligible).
 * :func:`accountings` puts the paper's figures and these side by side, with the reduce bucket's bytes.
 * Not model states, so not modelled by :func:`model_state_bytes`: the stage-3 reduce bucket
@@ -73,7 +75,7 @@ def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str
     ``host_grad_bytes`` (the grads among them, like the census key of
     ``labkit.rank.census``).  ``persistent_params``: params stage 3 keeps unpartitioned (see module doc).
     ``optimizer``: ``adam`` (K = 12: fp32 master + two moments) or ``sgd`` (no momentum: K = 4, the master alone,
-    :data:`MOMENT_BYTES_PER_PARAM`); the master is there but at stage 0 in fp32, as with Adam.
+    :data:`MOMENT_BYTES_PER_PARAM`); the master is there except at stage 0 in fp32, as with Adam.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")

@@ -25,7 +25,7 @@ MEMORY_KEYS = ("rss_bytes", "peak_rss_bytes", "device_allocated_bytes", "device_
 class Census(TypedDict, total=False):
     param_bytes: int       # parameters (the partition under ZeRO-3, plus its persistent params)
     grad_bytes: int        # gradients (partitions under ZeRO-2/3), host ones included
-    optim_bytes: int       # optimizer states (Adam's moments), host ones included
+    optim_bytes: int       # optimizer states (Adam's moments; none for SGD), host ones included
     master_bytes: int      # fp32 master weights of mixed precision, host ones included
     host_optim_bytes: int  # optimizer states + master kept on the host by offload
     host_grad_bytes: int   # gradient partitions kept on the host by offload

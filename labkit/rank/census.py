@@ -11,7 +11,8 @@ Where the tensors live (DeepSpeed 0.19.8, verified with real 2-rank gloo runs):
   ``optimizer.state``.
 * stage 0 bf16 (``FP16_Optimizer`` wrapper; ``BF16_Optimizer`` in other setups):
   bf16 params in ``fp16_groups_flat``, fp32 master ``fp32_groups_flat`` (full, not
-  partitioned), bf16 ``p.grad``.
+  partitioned), bf16 ``p.grad``. With torch's SGD it is ``FP16_UnfusedOptimizer``: an fp32 master per
+  parameter, found through the inner optimizer's ``param_groups``.
 * stage 1/2 (``DeepSpeedZeroOptimizer``): params are views of ``bit16_groups_flat``
   (padded), master ``single_partition_of_fp32_groups``, grads at the boundary are
   views kept in ``averaged_gradients`` (``p.grad`` is already cleared); with

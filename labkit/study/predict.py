@@ -782,15 +782,19 @@ def steps_to_target(global_batch: float, b_crit: float, s_min: float = 1.0) -> f
 # tokens; it "does not depend directly on the model size"). Global, as published: not fitted to anything here.
 LM_B_STAR_TOKENS = 2e8
 LM_ALPHA_B = 0.21
+# The target losses taken: a guard against typos and overflow (L^(1/0.21) of a tiny L), not the paper's range. A
+# language model's loss in nats per token lies below ln(vocabulary), a uniform guess (ln 50257 = 10.8 for GPT-2).
+LM_LOSS_RANGE_NATS = (0.5, 10.0)
 
 
 def language_model_b_crit(loss_nats: float, seq: int) -> float:
     """Kaplan et al.'s critical batch at a target loss (nats per token), in sequences of `seq` tokens: the samples
     this model counts. Their loss is on WebText2 with GPT-2's tokenizer: another corpus or tokenizer shifts the loss
     scale, so read it as an order of magnitude."""
-    if not 0 < loss_nats < math.inf or seq < 1:
-        raise ValueError(f"the target loss must be a finite number of nats per token > 0 and seq >= 1, got "
-                         f"{loss_nats} and {seq}")
+    low, high = LM_LOSS_RANGE_NATS
+    if not low <= loss_nats <= high or seq < 1:
+        raise ValueError(f"the target loss must be {low}-{high} nats per token and seq >= 1, got {loss_nats} and "
+                         f"{seq}")
     return LM_B_STAR_TOKENS / loss_nats ** (1.0 / LM_ALPHA_B) / seq
 
 

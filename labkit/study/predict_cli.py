@@ -52,9 +52,9 @@ def _refuse_unread(args: Any) -> None:
             why += ("; --hidden, --depth, --input-size, --data and --loss are a lab --model's (a --transformer has "
                     "its shape)")
         elif args.target_loss is not None:
-            raise _bad("target_loss", "--target-loss is a --transformer's: Kaplan et al.'s law is for language "
-                                      "models on GPT-2's tokens; a lab model's critical batch is measured (--results "
-                                      "from an answer, or give --b-crit)")
+            unread.append("--target-loss")
+            why += ("; --target-loss is a --transformer's (Kaplan et al.'s law is for language models on GPT-2's "
+                    "tokens; a lab model's critical batch is measured: --results from an answer, or give --b-crit)")
     if unread:
         raise _bad("predict", f"{', '.join(unread)} not read here: {why}")
 
@@ -165,8 +165,10 @@ def _b_crit(args: Any, shape: Transformer | None) -> float | None:
     if len(chosen) > 1:
         raise _bad("b_crit", f"{' and '.join(chosen)}: give one critical batch, not {len(chosen)}")
     if args.target_loss is not None:
-        if not 0 < args.target_loss < math.inf:
-            raise _bad("target_loss", f"--target-loss must be a finite loss > 0 nats per token, got {args.target_loss}")
+        low, high = 0.5, 10.0  # predict.LM_LOSS_RANGE_NATS, checked here before torch loads (tests hold them equal)
+        if not low <= args.target_loss <= high:
+            raise _bad("target_loss", f"--target-loss must be a language model's loss, {low}-{high} nats per token, "
+                                      f"got {args.target_loss}")
         from labkit.study.predict import language_model_b_crit
 
         assert shape is not None  # _refuse_unread: --target-loss goes with --transformer
@@ -257,11 +259,13 @@ def _prediction(args: Any) -> dict[str, Any]:
         out["model"], out["n_params"], out["precision"] = workload.name, workload.n_params, precision
         if b_crit is not None:
             out["b_crit"] = b_crit
-            if args.target_loss is not None:
+            if shape is not None and args.target_loss is not None:
                 out["b_crit_source"] = (f"Kaplan et al. 2020, Eq. 1.4, at {args.target_loss:g} nats per token "
-                                        f"(in sequences of {shape.seq if shape else '?'} tokens)")
+                                        f"(in sequences of {shape.seq} tokens)")
             elif args.results is not None:
                 out["b_crit_source"] = f"B_simple measured in {args.results}/noise.csv"
+            else:
+                out["b_crit_source"] = "given (--b-crit)"
             out["steps_to_target_over_s_min"] = steps_to_target(pred.global_batch, b_crit)
         if args.card:
             out["card"] = predicted_card(workload, cluster, strategy=strategy, micro_batch=micro, precision=precision,
@@ -315,9 +319,9 @@ def format_table(out: dict[str, Any]) -> str:
             value = out[key]
             text = f"{value:.4g}" if isinstance(value, float) else str(value)
             label = "measured " if key.startswith("measured_") else "predicted"  # the run it was calibrated on
+            if key == "steps_to_target_over_s_min":  # the critical batch is an input: said beside it
+                text += f" (B_crit {out['b_crit']:.4g} samples: {out.get('b_crit_source') or 'given'})"
             lines.append(f"  {label} {key:28s} {text}")
-    if out.get("b_crit") is not None:  # an input, not a prediction
-        lines.append(f"  critical batch {out['b_crit']:.4g} samples: {out.get('b_crit_source') or 'given'}")
     if out.get("zero"):
         lines.append("  with zero_optimization " + ", ".join(f"{k}={v}" for k, v in out["zero"].items()))
     if out.get("strategy") == "torch":  # what plain PyTorch is predicted as

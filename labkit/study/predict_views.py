@@ -54,21 +54,26 @@ def workload(name: str) -> P.Workload:
                      "layers=,hidden=,heads=,seq=... or hf=path/to/config.json,seq=N")
 
 
-LAB_B_CRIT_RESULTS = Path(__file__).resolve().parents[2] / "data" / "reference-ci"  # the answer's committed run
+DATA = Path(__file__).resolve().parents[2] / "data"
+# The lab's models' own measured critical batch: the committed answers' gradient-noise probes (notebook 04)
+LAB_B_CRIT_RESULTS = {"lab GPT (ci size)": DATA / "reference-ci-gpt", "lab MLP (ci answer)": DATA / "reference-ci"}
 
 
-def critical_batch(name: str, target_loss: float) -> tuple[float | None, str]:
+def b_crit_for(name: str, target_loss: float, work: P.Workload | None = None) -> tuple[float | None, str]:
     """(B_crit in the model's samples, where it comes from) for the time to the same loss: a transformer's from
     Kaplan et al.'s power law at `target_loss` nats per token (`predict.language_model_b_crit`, in its sequences);
-    the lab's models (the GPT reads bytes, not GPT-2's tokens) get the lab MLP's measured B_simple, a stand-in."""
-    work = workload(name)
-    if isinstance(work, P.TransformerWorkload) and name not in LAB_MODELS:
-        b_crit = P.language_model_b_crit(target_loss, work.shape.seq)
-        return b_crit, (f"Kaplan et al. 2020's B_crit at {target_loss:g} nats per token: {b_crit:,.0f} sequences "
-                        f"of {work.shape.seq} tokens")
-    measured = P.b_crit_from(LAB_B_CRIT_RESULTS)
-    return measured, ("the lab MLP's measured B_simple, a stand-in" if measured is not None
-                      else "no critical batch: data/reference-ci has no positive noise estimate")
+    the lab's models (the GPT reads bytes, not GPT-2's tokens) their own measured B_simple. `work`: `workload(name)`
+    where the caller has it."""
+    if name in LAB_B_CRIT_RESULTS:
+        path = LAB_B_CRIT_RESULTS[name]
+        measured = P.b_crit_from(path)
+        return measured, (f"B_simple measured in data/{path.name}/noise.csv" if measured is not None
+                          else f"no critical batch: data/{path.name} has no positive noise estimate")
+    work = work or workload(name)
+    if not isinstance(work, P.TransformerWorkload):
+        return None, "no critical batch for this model"
+    return (P.language_model_b_crit(target_loss, work.shape.seq),
+            f"Kaplan et al. 2020's at {target_loss:g} nats per token, in sequences of {work.shape.seq} tokens")
 
 
 def card_table(card: dict[str, Any]) -> pd.DataFrame:
@@ -152,20 +157,20 @@ def explore(*, gpu: str, gpus_per_node: int, nodes: int, intra: str, inter_gbps:
             target_loss: float | None = None,
             activation_checkpointing: bool = False) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     """What the widgets show: the predicted card (both ways to grow the batch, and accumulation), the strategies'
-    stacked parts, and a one-line summary. The time to the same loss takes `b_crit`, or `critical_batch(model,
+    stacked parts, and a one-line summary. The time to the same loss takes `b_crit`, or `b_crit_for(model,
     target_loss)`; neither: no verdict to the same loss. Raises ValueError with the reason for a choice that cannot
     be."""
     if b_crit is not None and target_loss is not None:
         raise ValueError("give b_crit or target_loss, not both")
     why = "given" if b_crit is not None else None
-    if target_loss is not None:
-        b_crit, why = critical_batch(model, target_loss)
     kind = find_gpu(gpu)
     if precision == "bf16" and not kind.peak_flops.get("bf16"):
         precision = "fp16"  # V100 and T4 have no bf16 tensor cores
     cluster = Cluster(gpu=kind, gpus_per_node=gpus_per_node, nodes=nodes, intra=intra,
                       inter_gbps=inter_gbps if nodes > 1 else 0.0)
     work = workload(model)
+    if target_loss is not None:
+        b_crit, why = b_crit_for(model, target_loss, work)
     card = P.predicted_card(work, cluster, strategy=strategy, micro_batch=micro_batch, precision=precision,
                             activation_checkpointing=activation_checkpointing, b_crit=b_crit)
     parts = strategy_parts(work, cluster, micro_batch=micro_batch, precision=precision,

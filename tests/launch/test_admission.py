@@ -59,6 +59,16 @@ def test_estimate_adds_the_memory_models_states_activations_base_and_launchers()
     assert (got.ranks, got.cpu_ranks, got.threads, got.devices) == (2, 2, 2, 0)  # 1 thread per rank, 2 cores
 
 
+def test_an_sgd_run_is_estimated_without_adams_moments():
+    adam = RunConfig(example="deepspeed", stage=2, world_size=2, hidden=1024, depth=2, micro_batch=32)
+    sgd = RunConfig(example="deepspeed", stage=2, world_size=2, hidden=1024, depth=2, micro_batch=32,
+                    optimizer="sgd")
+    facts = admission.builtin_model_facts(adam)
+    assert facts is not None
+    kept = {c.optimizer: estimate(c, rank_base_bytes=0, launcher_bytes=0, model=facts).rank_bytes for c in (adam, sgd)}
+    assert kept["adam"] - kept["sgd"] == pytest.approx(8 * facts.n_params / 2, abs=16)  # moments, partitioned
+
+
 def test_on_a_gpu_only_what_offload_keeps_on_the_host_counts():
     config = RunConfig(example="offload", stage=2, world_size=1, hidden=1024, depth=2, micro_batch=32)
     facts = admission.builtin_model_facts(config)

@@ -694,16 +694,17 @@ def test_the_bars_split_the_compute_from_the_wait_on_the_host():
     assert parts.loc["ZeRO-2", "host_bound_s"] < z3.host_bound_s  # no hooks without stage 3
 
 
-def test_the_widgets_critical_batch_is_kaplans_for_a_transformer_and_the_measured_stand_in_for_the_labs():
+def test_the_widgets_critical_batch_is_kaplans_for_a_transformer_and_the_lab_models_own_measured_one():
     from labkit.study import predict_views as V
 
-    b, why = V.critical_batch("Llama-2 7B (seq 4096)", 3.0)
+    b, why = V.b_crit_for("Llama-2 7B (seq 4096)", 3.0)
     assert b == pytest.approx(P.language_model_b_crit(3.0, 4096)) and "Kaplan" in why and "4096 tokens" in why
-    assert V.critical_batch("layers=2,hidden=64,heads=4,seq=128", 3.0)[0] == pytest.approx(
+    assert V.b_crit_for("layers=2,hidden=64,heads=4,seq=128", 3.0)[0] == pytest.approx(
         P.language_model_b_crit(3.0, 128))  # a shape typed in the box
-    for lab in V.LAB_MODELS:  # the lab GPT reads bytes, not GPT-2's tokens
-        b, why = V.critical_batch(lab, 3.0)
-        assert b == P.b_crit_from("data/reference-ci") and "stand-in" in why
+    mlp, why = V.b_crit_for("lab MLP (ci answer)", 3.0)  # the lab's models: their own answers' probes
+    assert mlp == P.b_crit_from("data/reference-ci") and "reference-ci/" in why
+    gpt, why = V.b_crit_for("lab GPT (ci size)", 3.0)  # the GPT reads bytes, not GPT-2's tokens
+    assert gpt == P.b_crit_from("data/reference-ci-gpt") and "reference-ci-gpt" in why and gpt != mlp
     widgets = dict(gpu="A100-80GB", gpus_per_node=8, nodes=1, intra="auto", inter_gbps=0.0, model="GPT-2 XL (1.5B)",
                    strategy="z3", micro_batch=2)
     card, _, summary = V.explore(**widgets, target_loss=3.0)
@@ -838,8 +839,9 @@ def test_a_language_models_critical_batch_follows_kaplans_power_law_in_the_loss(
     assert 1000 < P.language_model_b_crit(3.0, 1024) < 1100
     assert P.language_model_b_crit(2.5, 1024) > 2 * P.language_model_b_crit(3.0, 1024)
     assert P.language_model_b_crit(3.0, 512) == pytest.approx(2 * P.language_model_b_crit(3.0, 1024))
-    with pytest.raises(ValueError, match="nats per token"):
-        P.language_model_b_crit(0.0, 1024)
+    for loss in (0.0, 1e-70, 0.49, 10.5, math.inf, math.nan):  # a typo, or L^(1/0.21) overflowing
+        with pytest.raises(ValueError, match="nats per token"):
+            P.language_model_b_crit(loss, 1024)
 
 
 def test_labkit_predict_takes_the_critical_batch_from_a_target_loss(capsys):
@@ -854,9 +856,15 @@ def test_labkit_predict_takes_the_critical_batch_from_a_target_loss(capsys):
     assert main([*argv, "--b-crit", str(out["b_crit"])]) == 0  # the same as giving that batch
     given = json.loads(capsys.readouterr().out)
     assert given["steps_to_target_over_s_min"] == pytest.approx(out["steps_to_target_over_s_min"])
-    assert "b_crit_source" not in given
-    assert main(["predict", "--model", "mlp", "--target-loss", "3"]) == 2  # a lab model's is measured
-    assert "--transformer's" in capsys.readouterr().err
+    assert given["b_crit_source"] == "given (--b-crit)"
+    assert main(["predict", "--model", "mlp", "--target-loss", "3", "--world-size", "2"]) == 2  # a lab model's is
+    err = capsys.readouterr().err  # measured; every flag not read is named
+    assert "--transformer's" in err and "--world-size" in err
+    assert main([*argv[:-2], "--target-loss", "3"]) == 0  # the table: B_crit beside the steps, labelled predicted
+    text = capsys.readouterr().out
+    assert "steps_to_target_over_s_min" in text and "(B_crit 4176 samples: Kaplan" in text
+    assert all(line.lstrip().startswith(("predicted", "PREDICTED")) for line in text.strip().splitlines())
+    assert P.LM_LOSS_RANGE_NATS == (0.5, 10.0)  # the command line checks the same range before torch loads
 
 
 def test_the_predicted_card_has_the_measured_cards_shape_and_its_verdicts_agree_with_its_ratios():
@@ -962,8 +970,9 @@ def test_the_issues_command_prints_every_key(capsys):
     (["--stage", "2", "--zero", "max_reuse_distance=0"], "changes nothing at stage 2"),  # the field's own name
     (["--stage", "2", "--host-memory-gb-per-s", "50"], "needs --stage 1-3 --offload-optimizer"),
     (["--plain-pytorch", "--host-memory-gb-per-s", "50"], "needs --stage 1-3 --offload-optimizer"),
-    (["--target-loss", "0"], "finite loss > 0"),
-    (["--target-loss", "inf"], "finite loss > 0"),
+    (["--target-loss", "0"], "0.5-10.0 nats per token"),
+    (["--target-loss", "inf"], "0.5-10.0 nats per token"),
+    (["--target-loss", "1e-70"], "0.5-10.0 nats per token"),
     (["--target-loss", "3", "--b-crit", "100"], "give one critical batch"),
     (["--target-loss", "3", "--results", "data/reference-ci"], "give one critical batch"),
 ])

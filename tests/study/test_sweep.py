@@ -2,7 +2,8 @@
 
 Real runs are shared: one session fixture launches, side by side, a 4-point sweep (ZeRO stages
 0-3 on 2 ranks, with gradient-noise probes), a 3-point memory sweep on the CI profile's model
-(ZeRO-2, ZeRO-2 and ZeRO-3 with optimizer offload), a max-batch search under an emulated
+(ZeRO-2, ZeRO-2 and ZeRO-3 with optimizer offload), the same model with torch's SGD (6 points: plain
+PyTorch, stages 0, 1 and 3, stage 0 in bf16, ZeRO-2 with offload), a max-batch search under an emulated
 capacity and one stop-at-target run; every test below reads them.
 """
 
@@ -83,7 +84,7 @@ def launched(tmp_path_factory):
         run.wait(timeout=600)
         return run
 
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=5) as pool:
         sweep_job = pool.submit(sweep)
         memory_job = pool.submit(memory_sweep)
         sgd_job = pool.submit(sgd_sweep)
@@ -202,6 +203,11 @@ def test_sgd_census_matches_the_memory_model_no_moments_and_deepspeeds_master(la
                                         persistent_params=persistent)
         assert adam["optim_bytes"] - predicted["optim_bytes"] == pytest.approx(8 * n_params / (2 if stage else 1),
                                                                                abs=2)
+    # The answer's memory table predicts them with the run's optimizer (one row per strategy and world size)
+    from labkit.study.answer import memory_table
+
+    memory_rows = memory_table(table, {**CI_MODEL, "optimizer": "sgd"})
+    assert len(memory_rows) == 5 and (memory_rows.error_optim_bytes.abs() < 1e-4).all(), memory_rows
 
 
 @pytest.mark.slow
