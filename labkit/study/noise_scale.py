@@ -160,4 +160,27 @@ def noise_scale_spread(measurements: Sequence[Sequence[float]], parts: int = 4) 
             "b_simple_high": max(values, default=whole.b_simple), "b_simple_parts": values, "probes": whole.n}
 
 
+# -- a language model's critical batch from the loss it trains to (published) ------------------------
+# A language model's critical batch grows as the loss it trains to falls: B_crit(L) = B_* / L^(1 / alpha_B), B_* ~ 2e8
+# tokens, alpha_B ~ 0.21, L the test loss in nats per token (Kaplan et al., "Scaling Laws for Neural Language
+# Models", arXiv:2001.08361, 2020, Eq. 1.4 and Figure 10: decoder-only transformers on WebText2 with GPT-2's BPE
+# tokens; it "does not depend directly on the model size"). Global, as published: not fitted to anything here.
+LM_B_STAR_TOKENS = 2e8
+LM_ALPHA_B = 0.21
+# The target losses taken: a guard against typos and overflow (L^(1/0.21) of a tiny L), not the paper's range. A
+# language model's loss in nats per token lies below ln(vocabulary), a uniform guess (ln 50257 = 10.8 for GPT-2).
+LM_LOSS_RANGE_NATS = (0.5, 10.0)
+
+
+def language_model_b_crit(loss_nats: float, seq: int) -> float:
+    """Kaplan et al.'s critical batch at a target loss (nats per token), in sequences of `seq` tokens: the samples
+    this model counts. Their loss is on WebText2 with GPT-2's tokenizer: another corpus or tokenizer shifts the loss
+    scale, so read it as an order of magnitude."""
+    low, high = LM_LOSS_RANGE_NATS
+    if not low <= loss_nats <= high or seq < 1:
+        raise ValueError(f"the target loss must be {low}-{high} nats per token and seq >= 1, got {loss_nats} and "
+                         f"{seq}")
+    return LM_B_STAR_TOKENS / loss_nats ** (1.0 / LM_ALPHA_B) / seq
+
+
 # -- the in-run probe (used by labkit.rank.worker) ---------------------------------------------------

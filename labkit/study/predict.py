@@ -35,6 +35,7 @@ from labkit.core import memory
 from labkit.runtime.hardware import GB, GPU, GPUS, MEMORY_EFFICIENCY, Cluster
 from labkit.runtime.hardware import gpu as find_gpu
 from labkit.study import flops, optimizer_bytes, zero3
+from labkit.study.noise_scale import LM_LOSS_RANGE_NATS, language_model_b_crit  # noqa: F401  (torch-free)
 from labkit.study.verdict import FLAT_BAND, verdict
 
 HARDWARE = GPUS   # the GPU presets (labkit.runtime.hardware), as the issue names them
@@ -774,28 +775,6 @@ def steps_to_target(global_batch: float, b_crit: float, s_min: float = 1.0) -> f
     if global_batch <= 0 or b_crit < 0:
         raise ValueError("global_batch must be > 0 and b_crit >= 0")
     return s_min * (1.0 + b_crit / global_batch)
-
-
-# A language model's critical batch grows as the loss it trains to falls: B_crit(L) = B_* / L^(1 / alpha_B), B_* ~ 2e8
-# tokens, alpha_B ~ 0.21, L the test loss in nats per token (Kaplan et al., "Scaling Laws for Neural Language
-# Models", arXiv:2001.08361, 2020, Eq. 1.4 and Figure 10: decoder-only transformers on WebText2 with GPT-2's BPE
-# tokens; it "does not depend directly on the model size"). Global, as published: not fitted to anything here.
-LM_B_STAR_TOKENS = 2e8
-LM_ALPHA_B = 0.21
-# The target losses taken: a guard against typos and overflow (L^(1/0.21) of a tiny L), not the paper's range. A
-# language model's loss in nats per token lies below ln(vocabulary), a uniform guess (ln 50257 = 10.8 for GPT-2).
-LM_LOSS_RANGE_NATS = (0.5, 10.0)
-
-
-def language_model_b_crit(loss_nats: float, seq: int) -> float:
-    """Kaplan et al.'s critical batch at a target loss (nats per token), in sequences of `seq` tokens: the samples
-    this model counts. Their loss is on WebText2 with GPT-2's tokenizer: another corpus or tokenizer shifts the loss
-    scale, so read it as an order of magnitude."""
-    low, high = LM_LOSS_RANGE_NATS
-    if not low <= loss_nats <= high or seq < 1:
-        raise ValueError(f"the target loss must be {low}-{high} nats per token and seq >= 1, got {loss_nats} and "
-                         f"{seq}")
-    return LM_B_STAR_TOKENS / loss_nats ** (1.0 / LM_ALPHA_B) / seq
 
 
 def b_crit_from(results_dir: str | os.PathLike) -> float | None:

@@ -158,25 +158,28 @@ def _accumulation(args: Any, micro: int, world_size: int) -> int:
     return args.grad_accum or 1
 
 
-def _b_crit(args: Any, shape: Transformer | None) -> float | None:
-    """The critical batch for the time to the same loss, from the one of --b-crit, --results or --target-loss given."""
+def _b_crit(args: Any, shape: Transformer | None) -> tuple[float, str] | None:
+    """(the critical batch for the time to the same loss, where it came from), from the one of --b-crit, --results
+    or --target-loss given; None: none given."""
     chosen = [f"--{name.replace('_', '-')}" for name in ("b_crit", "results", "target_loss")
               if getattr(args, name, None) is not None]
     if len(chosen) > 1:
         raise _bad("b_crit", f"{' and '.join(chosen)}: give one critical batch, not {len(chosen)}")
     if args.target_loss is not None:
-        low, high = 0.5, 10.0  # predict.LM_LOSS_RANGE_NATS, checked here before torch loads (tests hold them equal)
+        from labkit.study.noise_scale import LM_LOSS_RANGE_NATS, language_model_b_crit  # no torch: before it loads
+
+        low, high = LM_LOSS_RANGE_NATS
         if not low <= args.target_loss <= high:
             raise _bad("target_loss", f"--target-loss must be a language model's loss, {low}-{high} nats per token, "
                                       f"got {args.target_loss}")
-        from labkit.study.predict import language_model_b_crit
-
         assert shape is not None  # _refuse_unread: --target-loss goes with --transformer
-        return language_model_b_crit(args.target_loss, shape.seq)
+        return (language_model_b_crit(args.target_loss, shape.seq),
+                f"Kaplan et al. 2020, Eq. 1.4, at {args.target_loss:g} nats per token (in sequences of {shape.seq} "
+                "tokens)")
     if args.b_crit is not None:
         if not 0 < args.b_crit < math.inf:
             raise _bad("b_crit", f"--b-crit must be a finite batch size > 0, got {args.b_crit}")
-        return float(args.b_crit)
+        return float(args.b_crit), "given (--b-crit)"
     if args.results:
         if not Path(args.results).is_dir():
             raise _bad("results", f"no such results directory: {args.results}")
@@ -189,7 +192,7 @@ def _b_crit(args: Any, shape: Transformer | None) -> float | None:
         if b_crit is None:
             raise _bad("results", f"{args.results}/noise.csv gives no positive critical batch (its noise estimate is "
                                   "not above 0: too few or too noisy probes); give --b-crit instead")
-        return b_crit
+        return b_crit, f"B_simple measured in {args.results}/noise.csv"
     return None
 
 
@@ -236,7 +239,8 @@ def _prediction(args: Any) -> dict[str, Any]:
                                                    "(the lab's models do not checkpoint)")
         shape = _shape(args)
         model = shape or _lab_model(args)
-        b_crit = _b_crit(args, shape)
+        critical = _b_crit(args, shape)
+        b_crit = critical[0] if critical else None
         zero = _zero(args, strategy)
         from labkit.study.predict import predict, predicted_card, steps_to_target  # torch, DeepSpeed: after the flags
 
@@ -257,16 +261,9 @@ def _prediction(args: Any) -> dict[str, Any]:
                                 "labels)") from None
         out = pred.to_dict()
         out["model"], out["n_params"], out["precision"] = workload.name, workload.n_params, precision
-        if b_crit is not None:
-            out["b_crit"] = b_crit
-            if shape is not None and args.target_loss is not None:
-                out["b_crit_source"] = (f"Kaplan et al. 2020, Eq. 1.4, at {args.target_loss:g} nats per token "
-                                        f"(in sequences of {shape.seq} tokens)")
-            elif args.results is not None:
-                out["b_crit_source"] = f"B_simple measured in {args.results}/noise.csv"
-            else:
-                out["b_crit_source"] = "given (--b-crit)"
-            out["steps_to_target_over_s_min"] = steps_to_target(pred.global_batch, b_crit)
+        if critical is not None:
+            out["b_crit"], out["b_crit_source"] = critical
+            out["steps_to_target_over_s_min"] = steps_to_target(pred.global_batch, critical[0])
         if args.card:
             out["card"] = predicted_card(workload, cluster, strategy=strategy, micro_batch=micro, precision=precision,
                                          activation_checkpointing=args.activation_checkpointing, b_crit=b_crit,

@@ -61,7 +61,7 @@ LAB_B_CRIT_RESULTS = {"lab GPT (ci size)": DATA / "reference-ci-gpt", "lab MLP (
 
 def b_crit_for(name: str, target_loss: float, work: P.Workload | None = None) -> tuple[float | None, str]:
     """(B_crit in the model's samples, where it comes from) for the time to the same loss: a transformer's from
-    Kaplan et al.'s power law at `target_loss` nats per token (`predict.language_model_b_crit`, in its sequences);
+    Kaplan et al.'s power law at `target_loss` nats per token (`noise_scale.language_model_b_crit`, in its sequences);
     the lab's models (the GPT reads bytes, not GPT-2's tokens) their own measured B_simple. `work`: `workload(name)`
     where the caller has it."""
     if name in LAB_B_CRIT_RESULTS:

@@ -864,7 +864,7 @@ def test_labkit_predict_takes_the_critical_batch_from_a_target_loss(capsys):
     text = capsys.readouterr().out
     assert "steps_to_target_over_s_min" in text and "(B_crit 4176 samples: Kaplan" in text
     assert all(line.lstrip().startswith(("predicted", "PREDICTED")) for line in text.strip().splitlines())
-    assert P.LM_LOSS_RANGE_NATS == (0.5, 10.0)  # the command line checks the same range before torch loads
+    assert P.LM_LOSS_RANGE_NATS == (0.5, 10.0)  # the range the command line checks before torch loads
 
 
 def test_the_predicted_card_has_the_measured_cards_shape_and_its_verdicts_agree_with_its_ratios():
