@@ -48,9 +48,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from torch import nn
+if TYPE_CHECKING:  # torch only where a module is counted: `labkit predict` checks its flags before torch loads
+    from torch import nn
 
 PRECISIONS = ("fp32", "bf16", "fp16", "mixed")
 ACCOUNTINGS = ("deepspeed", "paper")
@@ -335,12 +336,12 @@ def zero12_grad_elements(param_numels: Sequence[int], world_size: int) -> list[i
 
 
 def _counts(model_or_n_params: nn.Module | int, largest_layer_params: int | None) -> tuple[int, int]:
-    if isinstance(model_or_n_params, nn.Module):
+    if hasattr(model_or_n_params, "parameters"):  # a torch module (torch is not imported here)
+        module = cast("nn.Module", model_or_n_params)
         # Same counting as DeepSpeed's model_to_params: shared params once, largest module.
         # parameters() yields a shared parameter once; by identity, so meta-device models count too.
-        total = sum(p.numel() for p in model_or_n_params.parameters())
-        largest = max((sum(p.numel() for p in m.parameters(recurse=False))
-                       for m in model_or_n_params.modules()), default=0)
+        total = sum(p.numel() for p in module.parameters())
+        largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
         return total, largest if largest_layer_params is None else largest_layer_params
     total = int(model_or_n_params)
     return total, total if largest_layer_params is None else largest_layer_params

@@ -221,7 +221,9 @@ def memory_table(results: pd.DataFrame, model: dict[str, Any]) -> pd.DataFrame:
             row["error_layout_grad_bytes"] = (measured["grad_bytes"] - row["predicted_layout_grad_bytes"]) / \
                 row["predicted_layout_grad_bytes"]
         option = {2: "zero2", 3: "zero3"}.get(stage)  # DeepSpeed has estimators for stages 2 and 3 only
-        if option:
+        # ... and for Adam only: their 18 B per partitioned parameter count "momentum and variance"
+        # (stage_1_and_2.py:4029-4031), which torch's SGD does not keep; an SGD run gets no estimate beside it
+        if option and template.optimizer == "adam":
             estimate = memory.deepspeed_estimates(module, world_size)[option + ("_offload" if offload else "")]
             row["deepspeed_estimate_device_bytes"] = estimate["device_bytes"]
             row["deepspeed_estimate_host_bytes"] = estimate["host_bytes"]

@@ -11,8 +11,12 @@ precision, at DeepSpeed's defaults (gradient clipping on, 1.0), not a hand count
 FP16_Optimizer with a bf16 dtype, as in fp16 (engine.py's `_configure_fp16_optimizer` for a fused Adam; its
 BF16_Optimizer is for pipeline parallelism or ZeRO-1 with fp32 gradient accumulation). Plain PyTorch (`torch`):
 torch.optim.Adam's default step on a GPU (foreach, fp32 parameters), counted the same way, kernel and all.
+Each is counted for every basic optimizer a run can step with (`memory.STEP_OPTIMIZERS`, the count's
+`step_optimizer`): DeepSpeed's FusedAdam; torch's Adam (`"torch_adam": true`, labkit's choice on a GPU without nvcc,
+labkit.runtime.ops), which DeepSpeed makes torch.optim.AdamW (engine.py:2380-2382, its `adam_w_mode` default) with
+foreach as on a GPU, every pass an aten op; torch's SGD without momentum. Plain PyTorch: torch's Adam or SGD.
 
-    python -m labkit.study.optimizer_bytes --out data/predict-ci/optimizer_bytes.json   # ~1 min on 2 cores
+    python -m labkit.study.optimizer_bytes --out data/predict-ci/optimizer_bytes.json   # ~4 min on 2 cores
 
 `labkit.study.predict` reads the file (`step_bytes`). `--peak STAGE PRECISION SUB_GROUP_SIZE [--world-size N]`
 measures what else the step does on the device: the bytes it allocates for itself at its peak (every aten op's new
@@ -40,8 +44,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-FORMAT = "labkit-optimizer-bytes/1"
+FORMAT = "labkit-optimizer-bytes/2"  # /2: a count per basic optimizer (`step_optimizer`)
 STAGES = ("torch", "0", "1", "2", "3")
+# The basic optimizers a plain PyTorch loop steps with here (FusedAdam is DeepSpeed's)
+PLAIN_OPTIMIZERS = ("torch_adam", "torch_sgd")
 PRECISIONS = ("fp16", "bf16", "fp32")
 OPTIMIZER_BYTES_JSON = Path(__file__).resolve().parents[2] / "data" / "predict-ci" / "optimizer_bytes.json"
 # DeepSpeed's fused Adam (csrc/adam/multi_tensor_adam.cu, AdamFunctor): per fp32 parameter it reads the parameter,
@@ -51,6 +57,33 @@ FUSED_ADAM_BYTES_PER_PARAM = 28
 OVERWRITES = {"aten.copy_", "aten.zero_", "aten.fill_"}
 ALLOCATIONS = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
 WIDTH, LAYERS = 1024, 4  # 4.2M parameters: the per-tensor scalars (norms, flags) are < 0.01 B per parameter
+
+
+def default_optimizer(stage: int | str | None) -> str:
+    """The basic optimizer a step of `stage` runs unless told otherwise: DeepSpeed's FusedAdam, plain PyTorch's
+    torch.optim.Adam (stage None or "torch")."""
+    return "torch_adam" if stage in (None, "torch") else "fused_adam"
+
+
+def basic_optimizer(stage: int | None, offload: bool, optimizer: str | None = None) -> str:
+    """The basic optimizer a step of `stage` (None: plain PyTorch) runs, checked (memory.STEP_OPTIMIZERS; None: the
+    stage's default). `torch_adam` is DeepSpeed's `"torch_adam": true` (labkit's choice on a GPU without nvcc,
+    labkit.runtime.ops), `torch_sgd` torch's SGD without momentum (no moments held). With the optimizer offloaded
+    only DeepSpeed's own Adam is modelled: it steps as DeepSpeedCPUAdam on the host, where `torch_adam` would run
+    torch's AdamW on the host's tensors (engine.py:2380, checked before the CPU optimizer at :2384), a step the
+    predictor does not time."""
+    from labkit.core.memory import STEP_OPTIMIZERS  # torch-free: `labkit predict` checks its flags with this
+
+    chosen = optimizer or default_optimizer(stage)
+    if chosen not in STEP_OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {chosen!r}; known: {', '.join(STEP_OPTIMIZERS)}")
+    if stage is None and chosen not in PLAIN_OPTIMIZERS:
+        raise ValueError(f"plain PyTorch steps with torch's own optimizers ({', '.join(PLAIN_OPTIMIZERS)}); "
+                         f"{chosen} is DeepSpeed's")
+    if offload and chosen != "fused_adam":
+        raise ValueError(f"with the optimizer offloaded DeepSpeed's Adam steps on the host as DeepSpeedCPUAdam "
+                         f"(fused_adam), the one modelled there; {chosen} on the host is not")
+    return chosen
 
 
 def _tensors(value: Any) -> list[Any]:
@@ -176,13 +209,16 @@ def _third_step_under(engine: Any, x: Any, mode: Any) -> Any:
     return mode
 
 
-def count_deepspeed_step(stage: int, precision: str) -> dict[str, Any]:
-    """One engine.step() of a real 1-rank DeepSpeed engine, in this process (it initialises a gloo group)."""
-    engine, model, x = _engine(stage, precision)
+def count_deepspeed_step(stage: int, precision: str, optimizer: str = "fused_adam") -> dict[str, Any]:
+    """One engine.step() of a real 1-rank DeepSpeed engine with the basic `optimizer` (`_engine`), in this process
+    (it initialises a gloo group)."""
+    engine, model, x = _engine(stage, precision, optimizer=optimizer)
     traffic = _third_step_under(engine, x, _recorder())
     params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
-    return {"stage": stage, "precision": precision, "optimizer": type(engine.optimizer).__name__,
-            **_summary(traffic.by_op, params, FUSED_ADAM_BYTES_PER_PARAM)}
+    # torch's optimizers run as aten ops, counted; FusedAdam's kernel is added by its source
+    kernel = FUSED_ADAM_BYTES_PER_PARAM if optimizer == "fused_adam" else 0
+    return {"stage": stage, "precision": precision, "step_optimizer": optimizer,
+            "optimizer": type(engine.optimizer).__name__, **_summary(traffic.by_op, params, kernel)}
 
 
 def _live_bytes() -> Any:
@@ -269,14 +305,15 @@ def peak_in_subprocesses(stage: int, precision: str, sub_group_size: int, world_
     return results
 
 
-def _torch_adam_third_step_under(mode: Any) -> list[Any]:
-    """torch.optim.Adam's default step on a GPU (foreach) over fp32 parameters, the plain PyTorch loop's: three
-    steps of fresh gradients, the third under `mode`; the parameters."""
+def _plain_third_step_under(mode: Any, optimizer_name: str = "torch_adam") -> list[Any]:
+    """torch.optim.Adam's default step on a GPU (foreach) over fp32 parameters, the plain PyTorch loop's, or its
+    SGD's (no momentum, foreach too): three steps of fresh gradients, the third under `mode`; the parameters."""
     import torch
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(WIDTH, WIDTH)) for _ in range(LAYERS)]
-    optimizer = torch.optim.Adam(params, lr=1e-4, foreach=True)
+    optimizer = (torch.optim.Adam(params, lr=1e-4, foreach=True) if optimizer_name == "torch_adam"
+                 else torch.optim.SGD(params, lr=1e-4, foreach=True))
     for step in range(3):
         for p in params:
             p.grad = torch.randn_like(p)
@@ -288,12 +325,15 @@ def _torch_adam_third_step_under(mode: Any) -> list[Any]:
     return params
 
 
-def count_torch_adam() -> dict[str, Any]:
-    """The traffic of torch.optim.Adam's default step on a GPU (foreach) over fp32 parameters."""
+def count_plain_step(optimizer: str = "torch_adam") -> dict[str, Any]:
+    """The traffic of torch.optim.Adam's default step on a GPU (foreach) over fp32 parameters, or SGD's
+    (`optimizer` torch_sgd)."""
     traffic = _recorder()
-    params = _torch_adam_third_step_under(traffic)
+    params = _plain_third_step_under(traffic, optimizer)
+    name = "Adam" if optimizer == "torch_adam" else "SGD"
     # foreach: every pass is an aten op, the update included (no kernel of its own to add)
-    return {"stage": "torch", "precision": "fp32", "optimizer": "torch.optim.Adam(foreach=True)",
+    return {"stage": "torch", "precision": "fp32", "step_optimizer": optimizer,
+            "optimizer": f"torch.optim.{name}(foreach=True)",
             **_summary(traffic.by_op, sum(p.numel() for p in params), 0)}
 
 
@@ -301,52 +341,64 @@ def peak_torch_adam() -> dict[str, Any]:
     """The bytes torch.optim.Adam's default step (foreach) allocates at its peak, which
     `labkit.core.memory.plain_adam_step_bytes` predicts."""
     live = _live_bytes()
-    params = _torch_adam_third_step_under(live)
+    params = _plain_third_step_under(live)
     return {"stage": "torch", "precision": "fp32", "optimizer": "torch.optim.Adam(foreach=True)",
             "param_numels": [p.numel() for p in params], "peak_bytes": live.peak}
 
 
-def count_in_subprocess(stage: str, precision: str, timeout_s: float = 300) -> dict[str, Any]:
-    """One count in a child process (its process group and DeepSpeed's state die with it)."""
+def count_in_subprocess(stage: str, precision: str, timeout_s: float = 300,
+                        optimizer: str | None = None) -> dict[str, Any]:
+    """One count in a child process (its process group and DeepSpeed's state die with it); `optimizer`: the
+    stage's default (`default_optimizer`) where None."""
+    optimizer = optimizer or default_optimizer(stage)
+    what = f"stage {stage} {precision} with {optimizer}"
     try:
-        done = subprocess.run([sys.executable, "-m", "labkit.study.optimizer_bytes", "--one", stage, precision],
-                              capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run([sys.executable, "-m", "labkit.study.optimizer_bytes", "--one", stage, precision,
+                               "--optimizer", optimizer], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"counting stage {stage} {precision} took over {timeout_s:.0f} s: "
-                           f"{str(exc.stderr or '')[-1500:]}") from None
+        raise RuntimeError(f"counting {what} took over {timeout_s:.0f} s: {str(exc.stderr or '')[-1500:]}") from None
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"counting stage {stage} {precision} failed (exit {done.returncode}): "
+        raise RuntimeError(f"counting {what} failed (exit {done.returncode}): "
                            f"{(done.stderr or done.stdout).strip()[-1500:]}")
     return dict(json.loads(lines[-1]))
 
 
 def measure() -> dict[str, Any]:
-    """Every stage x precision DeepSpeed runs (plain PyTorch: fp32 parameters only), each in its own process."""
+    """Every stage x precision DeepSpeed runs with every basic optimizer (plain PyTorch: fp32 parameters, torch's
+    Adam and SGD), each in its own process."""
     from importlib.metadata import version
 
-    counts = [count_in_subprocess("torch", "fp32")]
-    counts += [count_in_subprocess(stage, precision) for stage in STAGES[1:] for precision in PRECISIONS]
+    from labkit.core.memory import STEP_OPTIMIZERS
+
+    counts = [count_in_subprocess("torch", "fp32", optimizer=name) for name in PLAIN_OPTIMIZERS]
+    counts += [count_in_subprocess(stage, precision, optimizer=name) for name in STEP_OPTIMIZERS
+               for stage in STAGES[1:] for precision in PRECISIONS]
     return {"format": FORMAT, "deepspeed": version("deepspeed"), "torch": version("torch"),
             "date": time.strftime("%Y-%m-%d %H:%M"), "model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}, bias=False)",
             "source": "python -m labkit.study.optimizer_bytes (its docstring says how it counts)", "counts": counts}
 
 
 @functools.lru_cache(maxsize=1)
-def _table(path: str) -> dict[tuple[str, str], float]:
+def _table(path: str) -> dict[tuple[str, str, str], float]:
     data = json.loads(Path(path).read_text())
     if data.get("format") != FORMAT:
         raise ValueError(f"{path}: not a {FORMAT} file (python -m labkit.study.optimizer_bytes --out writes one)")
-    return {(str(c["stage"]), str(c["precision"])): float(c["bytes_per_param"]) for c in data["counts"]}
+    return {(str(c["stage"]), str(c["precision"]), str(c["step_optimizer"])): float(c["bytes_per_param"])
+            for c in data["counts"]}
 
 
-def step_bytes(stage: int | None, precision: str, path: str | os.PathLike | None = None) -> float:
+def step_bytes(stage: int | None, precision: str, path: str | os.PathLike | None = None,
+               optimizer: str | None = None) -> float:
     """Device bytes moved per owned parameter by one optimizer step of `stage` (None: plain PyTorch, whose
-    parameters are fp32 whatever the precision) in `precision`: the committed count (module doc)."""
+    parameters are fp32 whatever the precision) in `precision` with the basic `optimizer` (None: the stage's
+    default, `default_optimizer`): the committed count (module doc)."""
     table = _table(str(path or OPTIMIZER_BYTES_JSON))
-    key = ("torch", "fp32") if stage is None else (str(stage), precision)
+    optimizer = optimizer or default_optimizer(stage)
+    key = ("torch", "fp32", optimizer) if stage is None else (str(stage), precision, optimizer)
     if key not in table:
-        raise ValueError(f"no counted optimizer step for stage {key[0]} in {key[1]} ({path or OPTIMIZER_BYTES_JSON})")
+        raise ValueError(f"no counted optimizer step for stage {key[0]} in {key[1]} with {optimizer} "
+                         f"({path or OPTIMIZER_BYTES_JSON})")
     return table[key]
 
 
@@ -364,37 +416,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=1, help="with --peak: ranks (each started alike)")
     parser.add_argument("--rank", type=int, default=0, help="with --peak: this process's rank")
     parser.add_argument("--port", type=int, help="with --peak: the rendezvous port every rank shares")
-    parser.add_argument("--optimizer", default="fused_adam", choices=memory.STEP_OPTIMIZERS,
-                        help="with --peak STAGE 0-3: DeepSpeed's basic optimizer (torch_adam: foreach, as on a GPU)")
+    parser.add_argument("--optimizer", choices=memory.STEP_OPTIMIZERS,
+                        help="the basic optimizer (torch_adam: foreach, as on a GPU); default: DeepSpeed's "
+                             "fused_adam, plain PyTorch's (STAGE torch) torch_adam; --peak torch takes torch_adam only")
     args = parser.parse_args(argv)
     if args.peak:
         stage, precision, size = args.peak
         if stage not in STAGES or precision not in PRECISIONS or not size.isdigit() or (
-                stage == "torch" and (precision != "fp32" or args.world_size != 1 or args.optimizer != "fused_adam")):
+                stage == "torch" and (precision != "fp32" or args.world_size != 1
+                                      or args.optimizer not in (None, "torch_adam"))):
             parser.error(f"--peak STAGE ({', '.join(STAGES)}) PRECISION ({PRECISIONS}) SUB_GROUP_SIZE (elements, "
-                         f">= 0; torch: fp32 at one rank, its sub-group size ignored, no --optimizer)")
+                         f">= 0; torch: fp32 at one rank, its sub-group size ignored, torch_adam)")
         if stage == "torch":
             print(json.dumps(peak_torch_adam()))
             return 0
         if args.world_size > 1 and args.port is None:
             parser.error("--world-size > 1 needs --port, the same on every rank")
         print(json.dumps(peak_deepspeed_step(int(stage), precision, int(size), args.rank, args.world_size,
-                                             args.port, optimizer=args.optimizer)))
+                                             args.port, optimizer=args.optimizer or "fused_adam")))
         return 0
     if args.one:
         stage, precision = args.one
-        if stage not in STAGES or precision not in PRECISIONS or (stage == "torch" and precision != "fp32"):
+        optimizer = args.optimizer or default_optimizer(stage)
+        if stage not in STAGES or precision not in PRECISIONS or (
+                stage == "torch" and (precision != "fp32" or optimizer not in PLAIN_OPTIMIZERS)):
             parser.error(f"STAGE must be one of {STAGES} and PRECISION one of {PRECISIONS} (torch: fp32, the "
-                         f"plain loop's parameters)")
-        print(json.dumps(count_torch_adam() if stage == "torch" else count_deepspeed_step(int(stage), precision)))
+                         f"plain loop's parameters, with one of {PLAIN_OPTIMIZERS})")
+        print(json.dumps(count_plain_step(optimizer) if stage == "torch"
+                         else count_deepspeed_step(int(stage), precision, optimizer)))
         return 0
     if not args.out:
         parser.error("--out or --one is required")
     result = measure()
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for c in result["counts"]:
-        print(f"stage {c['stage']:>5} {c['precision']}: {c['bytes_per_param']:6.1f} B per owned parameter "
-              f"({c['optimizer']})")
+        print(f"stage {c['stage']:>5} {c['precision']} {c['step_optimizer']:>10}: {c['bytes_per_param']:6.1f} B per "
+              f"owned parameter ({c['optimizer']})")
     return 0
 
 

@@ -49,7 +49,7 @@ PRECISIONS = ("fp16", "bf16", "fp32")
 
 # The optimizer step's device memory traffic per parameter a rank owns is counted on DeepSpeed 0.19.8's own step
 # (labkit.study.optimizer_bytes: data/predict-ci/optimizer_bytes.json): 64-78 B with a 16-bit precision, of which
-# its fused Adam kernel moves 28.
+# its fused Adam kernel moves 28; with torch's Adam (its eight foreach passes move 80) 114-130, with its SGD 46-62.
 # ZeRO-Offload's host work per owned parameter per step, 0.19.8: DeepSpeedCPUAdam's pass (csrc/includes/
 # cpu_adam.h, Step_AVX: the same 16 B read and 12 B written) and two passes of torch's beside it, in
 # stage_1_and_2.py: unscale_and_clip_grads multiplies the fp32 gradient partition in place whenever clipping is on
@@ -497,6 +497,7 @@ def comm_time(rows: Iterable[Any], links: Any, world_size: int, *, grad_accum: i
 @dataclass(frozen=True, kw_only=True)
 class Prediction:
     strategy: str
+    optimizer: str            # the basic optimizer the step runs (optimizer_for)
     world_size: int
     micro_batch: int
     grad_accum: int
@@ -549,6 +550,14 @@ def caveats(stage: int | None, world_size: int) -> list[str]:
     return [ZERO3_CAVEAT] if stage == 3 and world_size > 1 else []
 
 
+def optimizer_for(strategy: str, optimizer: str | None = None) -> str:
+    """The basic optimizer a step of `strategy` runs, checked (`optimizer_bytes.basic_optimizer`): by default
+    DeepSpeed's FusedAdam, plain PyTorch's torch.optim.Adam (foreach, a GPU's default)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+    return optimizer_bytes.basic_optimizer(*STRATEGIES[strategy], optimizer)
+
+
 def partition_ranks(stage: int | None, world_size: int) -> int:
     """Ranks that share the optimizer's states and update (1 at stage 0 and in plain PyTorch)."""
     return world_size if stage is not None and stage >= 1 else 1
@@ -556,10 +565,12 @@ def partition_ranks(stage: int | None, world_size: int) -> int:
 
 def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch: int, grad_accum: int = 1,
             precision: str = "fp16", activation_checkpointing: bool = False,
-            host_memory_gb_per_s: float | None = None, zero: Mapping[str, Any] | None = None) -> Prediction:
+            host_memory_gb_per_s: float | None = None, zero: Mapping[str, Any] | None = None,
+            optimizer: str | None = None) -> Prediction:
     """One optimizer step of one rank of `workload` on `cluster` (module doc). Every figure is predicted. `zero`:
     DeepSpeed's `zero_optimization` settings where they are not its defaults (`comms.zero_settings` reads them
-    from `key=value,...`), checked by DeepSpeed's own config model first."""
+    from `key=value,...`), checked by DeepSpeed's own config model first. `optimizer`: the basic optimizer the step
+    runs (`optimizer_for`): its states and its step's traffic and peak are counted."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
     if precision not in PRECISIONS:
@@ -569,6 +580,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     if host_memory_gb_per_s is not None and not (0 < host_memory_gb_per_s < math.inf):
         raise ValueError(f"host_memory_gb_per_s must be a finite bandwidth > 0, got {host_memory_gb_per_s}")
     stage, offload = STRATEGIES[strategy]
+    optimizer = optimizer_for(strategy, optimizer)
     if zero:
         if stage is None:
             raise ValueError("zero settings are DeepSpeed's; plain PyTorch has none")
@@ -591,7 +603,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         scale = host_s / (costs.forward_s + costs.backward_s)
         costs = dataclasses.replace(costs, forward_s=costs.forward_s * scale, backward_s=costs.backward_s * scale)
     owned = workload.n_params / partition_ranks(stage, n)
-    optimizer_s = 0.0 if offload else (owned * optimizer_bytes.step_bytes(stage, precision)
+    optimizer_s = 0.0 if offload else (owned * optimizer_bytes.step_bytes(stage, precision, optimizer=optimizer)
                                        / (gpu.memory_bytes_per_s * gpu.memory_efficiency))
     compute_s = grad_accum * (costs.forward_s + costs.backward_s) + optimizer_s
     rows = collective_rows(stage, workload, n, precision=precision, grad_accum=grad_accum, offload_optimizer=offload,
@@ -605,10 +617,11 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     step = compute_s + comm.exposed_s + offload_s
     global_batch = micro_batch * grad_accum * n
     states, max_micro, step_peak = _memory(workload, cluster, stage, offload, precision, activation_checkpointing,
-                                           zero)
+                                           zero, optimizer)
     device_bytes = states + costs.activation_bytes
     return Prediction(
-        strategy=strategy, world_size=n, micro_batch=micro_batch, grad_accum=grad_accum, global_batch=global_batch,
+        strategy=strategy, optimizer=optimizer, world_size=n, micro_batch=micro_batch, grad_accum=grad_accum,
+        global_batch=global_batch,
         step_time_s=step, samples_per_s=global_batch / step,
         model_tflops_per_gpu=costs.model_flops * grad_accum / step / 1e12,
         hardware_tflops_per_gpu=costs.hardware_flops * grad_accum / step / 1e12,
@@ -692,13 +705,15 @@ def offload_host(gpu: GPU, precision: str, host_memory_gb_per_s: float | None = 
 
 
 def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bool, precision: str,
-            checkpointing: bool, settings: Mapping[str, Any] | None = None) -> tuple[float, int, float]:
+            checkpointing: bool, settings: Mapping[str, Any] | None = None,
+            optimizer: str = "fused_adam") -> tuple[float, int, float]:
     """(device bytes of the model states + bucket at the micro-step, the largest micro-batch that fits, device bytes
     at the optimizer step's peak): states from labkit.core.memory (DeepSpeed 0.19.8's accounting; the bucket and
     ZeRO-3's persistent parameters as the `settings` make them), the activations counted on the meta device
     (`largest_micro_batch`), and what the optimizer's step allocates for itself (DeepSpeed's:
     `memory.optimizer_step_bytes`, its sub_group_size as the `settings` say; plain PyTorch's Adam:
-    `memory.plain_adam_step_bytes`). Where the step does not fit, no micro-batch does."""
+    `memory.plain_adam_step_bytes`; SGD without momentum: nothing). `optimizer` (optimizer_for): SGD keeps no
+    moments. Where the step does not fit, no micro-batch does."""
     n = cluster.world_size
     mem_precision = "fp32" if precision == "fp32" else precision
     zero = 0 if stage is None else stage
@@ -712,7 +727,8 @@ def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bo
         bucket = memory.reduce_bucket_bytes(zero, mem_precision, int(cfg.reduce_bucket_size), bool(cfg.overlap_comm))
         sub_group_size = int(cfg.sub_group_size)
     states = memory.model_state_bytes(workload.n_params, zero, n, mem_precision, offload,
-                                      persistent_params=persistent if zero == 3 else 0)
+                                      persistent_params=persistent if zero == 3 else 0,
+                                      optimizer="sgd" if optimizer == "torch_sgd" else "adam")
     device = states["device_bytes"] + (bucket if stage else 0) + _peak_extra_bytes(workload, stage, n, precision,
                                                                                     settings)
     # at the step: the states, stage 3's bucket (stages 1-2 free theirs at the end of the backward,
@@ -720,11 +736,11 @@ def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bo
     # allocates
     if stage is None:
         held = _peak_extra_bytes(workload, stage, n, precision, settings)
-        own = memory.plain_adam_step_bytes(workload.n_params)
+        own = memory.plain_adam_step_bytes(workload.n_params) if optimizer == "torch_adam" else 0
     else:
         held = bucket if stage == 3 else 0
         own = memory.optimizer_step_bytes(zero, [size for module in workload.module_layout() for size in module], n,
-                                          mem_precision, offload, sub_group_size=sub_group_size)
+                                          mem_precision, offload, sub_group_size=sub_group_size, optimizer=optimizer)
     step = float(states["device_bytes"] + held + own)
     usable = cluster.gpu.usable_memory_bytes
     largest = 0 if step > usable else largest_micro_batch(
@@ -841,12 +857,14 @@ def _conditions(before: Prediction, after: Prediction, b_crit: float | None, way
 def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0", micro_batch: int = 8,
                    micro_batch_range: tuple[int, int] | None = None, precision: str = "fp16",
                    activation_checkpointing: bool = False, b_crit: float | None = None,
-                   host_memory_gb_per_s: float | None = None, zero: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   host_memory_gb_per_s: float | None = None, zero: Mapping[str, Any] | None = None,
+                   optimizer: str | None = None) -> dict[str, Any]:
     """The answer card's shape (labkit.study.card: ways x per_step/per_epoch/to_target, each with verdict, ratio,
     from_batch, to_batch, condition), PREDICTED for `cluster`. ranks: 1 GPU -> every GPU at `micro_batch`;
     micro_batch: `micro_batch_range` (default micro_batch/4 -> micro_batch*4, or the largest micro-batch that fits
     if smaller) on every GPU; grad_accum: 1 -> 16. A way whose either side does not fit has no verdict, and says so.
-    `host_memory_gb_per_s` and `zero` as `predict` takes them."""
+    `host_memory_gb_per_s`, `zero` and `optimizer` as `predict` takes them."""
+    optimizer_for(strategy, optimizer)  # refused before anything is counted
     made: dict[tuple[bool, int, int], Prediction] = {}  # the configuration at micro_batch serves three ways
 
     def run(c: Cluster, m: int, a: int = 1) -> Prediction:
@@ -854,7 +872,7 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
         if key not in made:
             made[key] = predict(workload, c, strategy=strategy, micro_batch=m, grad_accum=a, precision=precision,
                                 activation_checkpointing=activation_checkpointing,
-                                host_memory_gb_per_s=host_memory_gb_per_s, zero=zero)
+                                host_memory_gb_per_s=host_memory_gb_per_s, zero=zero, optimizer=optimizer)
         return made[key]
 
     low, high = micro_batch_range or (max(1, micro_batch // 4), micro_batch * 4)
@@ -895,25 +913,29 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
         ways[way] = {kind: _way_entry(before, after, kind, b_crit, conditions[kind])
                      for kind in ("per_step", "per_epoch", "to_target")}
     return {"ways": ways, "deepspeed": _deepspeed_line(workload, cluster, micro_batch, precision,
-                                                       activation_checkpointing, strategy, zero, host_memory_gb_per_s),
+                                                       activation_checkpointing, strategy, zero, host_memory_gb_per_s,
+                                                       optimizer),
             "caveats": run(cluster, micro_batch).caveats,
             "predicted": True, "flat_band": FLAT_BAND,
             "predicted_for": {"hardware": cluster.describe(), "gpu": cluster.gpu.name, "world_size": cluster.world_size,
                               "model": workload.name, "n_params": workload.n_params, "strategy": strategy,
                               "precision": precision, "activation_checkpointing": activation_checkpointing,
-                              "b_crit": b_crit}}
+                              "optimizer": optimizer_for(strategy, optimizer), "b_crit": b_crit}}
 
 
 def _deepspeed_line(workload: Workload, cluster: Cluster, micro_batch: int, precision: str, ckpt: bool,
                     strategy: str, zero: Mapping[str, Any] | None = None,
-                    host_memory_gb_per_s: float | None = None) -> str:
+                    host_memory_gb_per_s: float | None = None, optimizer: str | None = None) -> str:
     """Each ZeRO stage's step against stage 0's at `micro_batch` (in seconds where stage 0 does not fit there).
     The `zero` settings apply to the card's own `strategy` (they were checked at its stage), the others run at
-    DeepSpeed's defaults; `host_memory_gb_per_s` to the offloaded one."""
+    DeepSpeed's defaults; `host_memory_gb_per_s` to the offloaded one. A given `optimizer` steps every stage but the
+    offloaded one, whose modelled step is DeepSpeedCPUAdam's (`optimizer_for`)."""
     def one(s: str) -> Prediction:
+        offloaded = STRATEGIES[s][1]
         return predict(workload, cluster, strategy=s, micro_batch=micro_batch, precision=precision,
                        activation_checkpointing=ckpt, zero=zero if s == strategy else None,
-                       host_memory_gb_per_s=host_memory_gb_per_s if STRATEGIES[s][1] else None)
+                       host_memory_gb_per_s=host_memory_gb_per_s if offloaded else None,
+                       optimizer=None if offloaded else optimizer)
 
     base = one("z0")
     parts = []
@@ -929,6 +951,8 @@ def _deepspeed_line(workload: Workload, cluster: Cluster, micro_batch: int, prec
                 f"{base.max_micro_batch})")
     if zero:
         head += f" (the zero settings given apply to {strategy} only)"
+    if optimizer not in (None, "fused_adam"):
+        head += f" (every stage with {optimizer} but z2-offload, whose host steps with DeepSpeedCPUAdam)"
     return head + ": " + "; ".join(parts)
 
 

@@ -28,8 +28,9 @@ DEFAULT_GPU = "A100-80GB"
 # The flags each way of predicting reads (the parser's defaults are None or False, so a flag given is one set):
 # a flag the chosen way does not read is refused, not ignored.
 FLAGS_FOR_SHAPES = ("gpu", "gpus_per_node", "nodes", "intra", "inter_gbps", "host_cpu", "plain_pytorch",
-                    "offload_optimizer", "global_batch", "grad_accum", "precision", "activation_checkpointing",
-                    "host_memory_gb_per_s", "zero", "b_crit", "results", "target_loss", "card")
+                    "offload_optimizer", "optimizer", "global_batch", "grad_accum", "precision",
+                    "activation_checkpointing", "host_memory_gb_per_s", "zero", "b_crit", "results", "target_loss",
+                    "card")
 FLAGS_FOR_LAB_MODELS = ("hidden", "depth", "input_size", "data", "loss")
 FLAGS_FOR_RUNS = ("world_size", "threads_per_rank", "links")
 
@@ -80,11 +81,19 @@ def _strategy(args: Any) -> str:
     if args.plain_pytorch:
         if args.stage is not None or args.offload_optimizer:
             raise _bad("plain_pytorch", "--plain-pytorch takes no --stage or --offload-optimizer")
-        return "torch"
-    stage = 0 if args.stage is None else args.stage
-    if args.offload_optimizer and stage == 0:
-        raise _bad("offload_optimizer", "DeepSpeed offloads the optimizer only with ZeRO stage >= 1 (--stage 1-3)")
-    return f"z{stage}" + ("-offload" if args.offload_optimizer else "")
+        strategy = "torch"
+    else:
+        stage = 0 if args.stage is None else args.stage
+        if args.offload_optimizer and stage == 0:
+            raise _bad("offload_optimizer", "DeepSpeed offloads the optimizer only with ZeRO stage >= 1 (--stage 1-3)")
+        strategy = f"z{stage}" + ("-offload" if args.offload_optimizer else "")
+    from labkit.study.optimizer_bytes import basic_optimizer  # torch-free
+
+    try:
+        basic_optimizer(None if strategy == "torch" else int(strategy[1]), args.offload_optimizer, args.optimizer)
+    except ValueError as exc:
+        raise _bad("optimizer", str(exc)) from None
+    return strategy
 
 
 def _zero(args: Any, strategy: str) -> dict[str, Any]:
@@ -249,7 +258,8 @@ def _prediction(args: Any) -> dict[str, Any]:
             try:
                 pred = predict(workload, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
                                precision=precision, activation_checkpointing=args.activation_checkpointing,
-                               host_memory_gb_per_s=args.host_memory_gb_per_s, zero=zero)
+                               host_memory_gb_per_s=args.host_memory_gb_per_s, zero=zero,
+                               optimizer=args.optimizer)
             except ValueError as exc:
                 raise _bad("predict", str(exc)) from None
         except (RuntimeError, TypeError, ImportError) as exc:  # a model of yours this process cannot import or run
@@ -267,7 +277,8 @@ def _prediction(args: Any) -> dict[str, Any]:
         if args.card:
             out["card"] = predicted_card(workload, cluster, strategy=strategy, micro_batch=micro, precision=precision,
                                          activation_checkpointing=args.activation_checkpointing, b_crit=b_crit,
-                                         host_memory_gb_per_s=args.host_memory_gb_per_s, zero=zero)
+                                         host_memory_gb_per_s=args.host_memory_gb_per_s, zero=zero,
+                                         optimizer=args.optimizer)
     return out
 
 
@@ -305,8 +316,8 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
 def format_table(out: dict[str, Any]) -> str:
     """The JSON as lines a person reads, every number labelled predicted."""
     lines = [f"PREDICTED ({out.get('hardware') or 'calibrated on ' + str(out.get('calibrated_from'))})"]
-    for key in ("strategy", "stage", "world_size", "micro_batch", "grad_accum", "global_batch", "step_time_s",
-                "samples_per_s",
+    for key in ("strategy", "optimizer", "stage", "world_size", "micro_batch", "grad_accum", "global_batch",
+                "step_time_s", "samples_per_s",
                 "model_tflops_per_gpu", "hardware_tflops_per_gpu", "compute_s", "comm_s", "exposed_comm_s",
                 "offload_s", "offload_transfer_s", "offload_host_s", "device_bytes", "step_peak_bytes",
                 "usable_memory_bytes", "fits",

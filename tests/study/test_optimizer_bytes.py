@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from labkit.core import memory
 from labkit.runtime import hardware as hw
 from labkit.study import flops, optimizer_bytes
 from labkit.study import predict as P
@@ -13,18 +14,32 @@ from labkit.study import predict as P
 COMMITTED = json.loads(optimizer_bytes.OPTIMIZER_BYTES_JSON.read_text())
 
 
-def _committed(stage: str, precision: str) -> dict:
-    return next(c for c in COMMITTED["counts"] if str(c["stage"]) == stage and c["precision"] == precision)
+def _committed(stage: str, precision: str, optimizer: str | None = None) -> dict:
+    optimizer = optimizer or optimizer_bytes.default_optimizer(stage)
+    return next(c for c in COMMITTED["counts"] if str(c["stage"]) == stage and c["precision"] == precision
+                and c["step_optimizer"] == optimizer)
 
 
-def test_the_committed_counts_cover_every_stage_and_precision_and_say_what_counted_them():
+def test_the_committed_counts_cover_every_stage_precision_and_optimizer_and_say_what_counted_them():
     assert COMMITTED["deepspeed"] == "0.19.8"
-    keys = {(str(c["stage"]), c["precision"]) for c in COMMITTED["counts"]}
-    assert keys == {("torch", "fp32")} | {(s, p) for s in "0123" for p in optimizer_bytes.PRECISIONS}
+    keys = [(str(c["stage"]), c["precision"], c["step_optimizer"]) for c in COMMITTED["counts"]]
+    assert len(keys) == len(set(keys))
+    assert set(keys) == ({("torch", "fp32", o) for o in optimizer_bytes.PLAIN_OPTIMIZERS}
+                         | {(s, p, o) for s in "0123" for p in optimizer_bytes.PRECISIONS
+                            for o in memory.STEP_OPTIMIZERS})
     for count in COMMITTED["counts"]:
         assert count["bytes_per_param"] == pytest.approx(count["aten_bytes_per_param"]
                                                          + count["kernel_bytes_per_param"])
-        assert count["bytes_per_param"] >= optimizer_bytes.FUSED_ADAM_BYTES_PER_PARAM
+        fused = count["step_optimizer"] == "fused_adam"
+        assert count["kernel_bytes_per_param"] == (optimizer_bytes.FUSED_ADAM_BYTES_PER_PARAM if fused else 0)
+        if count["step_optimizer"] != "torch_sgd":  # an Adam reads 4 fp32 tensors and writes 3 at the least
+            assert count["bytes_per_param"] >= optimizer_bytes.FUSED_ADAM_BYTES_PER_PARAM
+    for stage in "0123":
+        for precision in optimizer_bytes.PRECISIONS:
+            sgd, fused, torch_adam = (_committed(stage, precision, o)["bytes_per_param"]
+                                      for o in ("torch_sgd", "fused_adam", "torch_adam"))
+            # one in-place pass (12 B) < FusedAdam's one kernel (28) < torch's AdamW in eight foreach passes (80)
+            assert sgd < fused < torch_adam, (stage, precision)
 
 
 def test_the_recorder_counts_reads_once_writes_in_place_and_no_allocation():
@@ -46,11 +61,32 @@ def test_the_recorder_counts_reads_once_writes_in_place_and_no_allocation():
 
 
 def test_torchs_foreach_adam_reads_its_four_tensors_and_writes_three_in_every_pass():
-    count = optimizer_bytes.count_torch_adam()
+    count = optimizer_bytes.count_plain_step()
     assert count["bytes_per_param"] == _committed("torch", "fp32")["bytes_per_param"] == 72
     passes = count["by_op"]
     assert passes["aten._foreach_lerp_"] == 12  # exp_avg and grad read, exp_avg written
     assert passes["aten._foreach_addcdiv_"] == 16  # param, exp_avg and the denominator read, param written
+    sgd = optimizer_bytes.count_plain_step("torch_sgd")  # no momentum: p -= lr g, one pass
+    assert sgd["by_op"] == {"aten._foreach_add_": 12} and sgd == _committed("torch", "fp32", "torch_sgd")
+
+
+@pytest.mark.slow
+def test_deepspeeds_torch_adam_is_adamw_in_foreach_passes_around_the_same_step():
+    # "torch_adam": true makes torch.optim.AdamW (engine.py:2380-2382), foreach as on a GPU: its passes are aten
+    # ops, no kernel added; around them the same casts, norm and copy-back as FusedAdam's
+    count = optimizer_bytes.count_in_subprocess("2", "bf16", optimizer="torch_adam")
+    assert count == _committed("2", "bf16", "torch_adam")
+    passes, fused = count["by_op"], _committed("2", "bf16")["by_op"]
+    assert count["kernel_bytes_per_param"] == 0
+    assert passes["aten._foreach_lerp_"] == 12 and passes["aten._foreach_addcdiv_"] == 16
+    # AdamW's decoupled decay multiplies the parameters first (p *= 1 - lr wd: 4 read, 4 written), and exp_avg_sq
+    # is multiplied by beta2 before its addcmul_: two mul_ passes; eight passes in all, 80 B (FusedAdam's kernel: 28)
+    assert passes["aten._foreach_mul_"] == 16
+    adamw = ("_foreach_mul_", "_foreach_lerp_", "_foreach_addcmul_", "_foreach_sqrt", "_foreach_div_", "_foreach_add_",
+             "_foreach_addcdiv_")
+    assert sum(passes["aten." + op] for op in adamw) == 80
+    for op in ("aten.copy_", "aten.mul_", "aten._to_copy", "aten.linalg_vector_norm"):
+        assert passes[op] == fused[op]
 
 
 @pytest.mark.slow
@@ -76,13 +112,16 @@ def test_a_recount_on_deepspeeds_own_step_gives_the_committed_figure(stage, prec
 def test_step_bytes_reads_the_committed_counts_and_refuses_what_was_not_counted(tmp_path):
     assert optimizer_bytes.step_bytes(2, "bf16") == _committed("2", "bf16")["bytes_per_param"]
     assert optimizer_bytes.step_bytes(None, "bf16") == _committed("torch", "fp32")["bytes_per_param"]  # fp32 params
+    assert optimizer_bytes.step_bytes(None, "bf16", optimizer="torch_sgd") == 12
     partial = tmp_path / "counts.json"
     partial.write_text(json.dumps({"format": optimizer_bytes.FORMAT, "counts": [_committed("2", "bf16")]}))
-    with pytest.raises(ValueError, match="no counted optimizer step for stage 3 in bf16"):
+    with pytest.raises(ValueError, match="no counted optimizer step for stage 3 in bf16 with fused_adam"):
         optimizer_bytes.step_bytes(3, "bf16", partial)
+    with pytest.raises(ValueError, match="stage 2 in bf16 with torch_sgd"):
+        optimizer_bytes.step_bytes(2, "bf16", partial, optimizer="torch_sgd")
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"counts": []}))
-    with pytest.raises(ValueError, match="not a labkit-optimizer-bytes/1 file"):
+    with pytest.raises(ValueError, match="not a labkit-optimizer-bytes/2 file"):
         optimizer_bytes.step_bytes(2, "bf16", other)
 
 
@@ -94,3 +133,15 @@ def test_the_optimizer_phase_is_the_counted_traffic_of_the_owned_partition():
         owned = work.n_params / P.partition_ranks(stage, 4)
         bandwidth = gpu.memory_bytes_per_s * gpu.memory_efficiency
         assert p.optimizer_s == pytest.approx(owned * optimizer_bytes.step_bytes(stage, "bf16") / bandwidth)
+
+
+@pytest.mark.parametrize("stage, offload, optimizer, says", [
+    (None, False, "fused_adam", "fused_adam is DeepSpeed's"),
+    (2, True, "torch_adam", "torch_adam on the host is not"),
+    (1, False, "adam", "unknown optimizer 'adam'"),
+])
+def test_a_basic_optimizer_the_step_cannot_run_is_refused(stage, offload, optimizer, says):
+    assert optimizer_bytes.basic_optimizer(None, False) == "torch_adam"
+    assert optimizer_bytes.basic_optimizer(3, True) == "fused_adam"
+    with pytest.raises(ValueError, match=says):
+        optimizer_bytes.basic_optimizer(stage, offload, optimizer)

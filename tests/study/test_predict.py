@@ -14,10 +14,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from labkit.cli import main
+from labkit.core import memory
 from labkit.core.config import RunConfig
 from labkit.runtime import hardware as hw
 from labkit.study import calibrate as C
-from labkit.study import flops, shapes, zero3
+from labkit.study import flops, optimizer_bytes, shapes, zero3
 from labkit.study import predict as P
 from labkit.study.verdict import verdict
 from tests import own_model
@@ -728,6 +729,58 @@ def test_a_results_folder_without_a_positive_critical_batch_is_refused(tmp_path,
     assert "no positive critical batch" in capsys.readouterr().err
 
 
+def test_the_basic_optimizer_sets_the_states_the_steps_traffic_and_its_peak():
+    # DeepSpeed's torch Adam (a GPU without nvcc) and torch's SGD against FusedAdam, stage 1 on 4 GPUs: the counted
+    # step traffic per owned parameter, Adam's moments (8 B per owned parameter) or none, the step's own peak
+    work = P.TransformerWorkload(SMALL)
+    cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=4)
+    made = {name: P.predict(work, cluster, strategy="z1", micro_batch=4, precision="bf16", optimizer=name)
+            for name in (None, "fused_adam", "torch_adam", "torch_sgd")}
+    assert made[None] == made["fused_adam"] and made[None].optimizer == "fused_adam"
+    owned = work.n_params / 4
+    bandwidth = cluster.gpu.memory_bytes_per_s * cluster.gpu.memory_efficiency
+    for name, p in made.items():
+        assert p.optimizer_s == pytest.approx(owned * optimizer_bytes.step_bytes(1, "bf16", optimizer=name)
+                                              / bandwidth)
+    assert made["torch_sgd"].optimizer_s < made["fused_adam"].optimizer_s < made["torch_adam"].optimizer_s
+    moments = 8 * math.ceil(work.n_params / 4)  # Adam's exp_avg and exp_avg_sq of the partition, fp32
+    assert made["fused_adam"].device_bytes - made["torch_sgd"].device_bytes == pytest.approx(moments)
+    layout = [n for module in work.module_layout() for n in module]
+    for name in ("fused_adam", "torch_adam", "torch_sgd"):
+        p = made[name]
+        states = memory.model_state_bytes(work.n_params, 1, 4, "bf16",
+                                          optimizer="sgd" if name == "torch_sgd" else "adam")["device_bytes"]
+        assert p.step_peak_bytes == states + memory.optimizer_step_bytes(1, layout, 4, "bf16", optimizer=name)
+    assert made["torch_adam"].step_peak_bytes > made["fused_adam"].step_peak_bytes  # the sqrt list, fp32 gradients
+    # plain PyTorch steps with torch's Adam by default, its SGD holds no moments and allocates nothing in its step
+    plain = {name: P.predict(work, cluster, strategy="torch", micro_batch=4, optimizer=name)
+             for name in (None, "torch_sgd")}
+    assert plain[None].optimizer == "torch_adam"
+    assert plain[None].step_peak_bytes - plain["torch_sgd"].step_peak_bytes == pytest.approx(
+        (8 + memory.PLAIN_ADAM_STEP_BYTES_PER_PARAM) * work.n_params)
+    with pytest.raises(ValueError, match="fused_adam is DeepSpeed's"):
+        P.predict(work, cluster, strategy="torch", micro_batch=4, optimizer="fused_adam")
+    with pytest.raises(ValueError, match="torch_sgd on the host is not"):
+        P.predict(work, cluster, strategy="z2-offload", micro_batch=4, optimizer="torch_sgd")
+
+
+def test_the_card_and_the_cli_carry_the_optimizer(capsys):
+    work = P.TransformerWorkload(SMALL)
+    cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=4)
+    card = P.predicted_card(work, cluster, strategy="z2", micro_batch=4, precision="bf16", optimizer="torch_adam")
+    assert card["predicted_for"]["optimizer"] == "torch_adam"
+    assert "every stage with torch_adam but z2-offload" in card["deepspeed"]
+    assert main(["predict", "--transformer", "layers=2,hidden=128,heads=4,seq=64,vocab=512", "--gpus-per-node", "4",
+                 "--stage", "1", "--precision", "bf16", "--micro-batch", "4", "--optimizer", "torch_sgd",
+                 "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expected = P.predict(work, cluster, strategy="z1", micro_batch=4, precision="bf16", optimizer="torch_sgd")
+    assert out["optimizer"] == "torch_sgd" and out["step_peak_bytes"] == expected.step_peak_bytes
+    assert main(["predict", "--transformer", "layers=2,hidden=128,heads=4,seq=64,vocab=512"]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"predicted optimizer +fused_adam", table)
+
+
 def test_offloaded_gradients_move_as_deepspeed_copies_them():
     # one micro-step: fp32 down, and at stage 3 the 16-bit partition down and back up first
     assert [P.offload_grad_bytes(stage, 1, "bf16") for stage in (1, 2, 3)] == [(4, 0), (4, 0), (2 + 4, 2)]
@@ -975,6 +1028,8 @@ def test_the_issues_command_prints_every_key(capsys):
     (["--target-loss", "1e-70"], "0.5-10.0 nats per token"),
     (["--target-loss", "3", "--b-crit", "100"], "give one critical batch"),
     (["--target-loss", "3", "--results", "data/reference-ci"], "give one critical batch"),
+    (["--plain-pytorch", "--optimizer", "fused_adam"], "fused_adam is DeepSpeed's"),
+    (["--stage", "2", "--offload-optimizer", "--optimizer", "torch_adam"], "torch_adam on the host is not"),
 ])
 def test_bad_input_exits_2_naming_the_problem(capsys, argv, says):
     assert main(["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", *argv]) == 2
@@ -992,6 +1047,7 @@ def test_bad_input_exits_2_naming_the_problem(capsys, argv, says):
     ["--transformer", "layers=2,hiden=64", "--stage", "3", "--zero", "no_such_setting=1"],  # before DeepSpeed's check
     ["--model", "mlp", "--hidden", "0"],
     ["--transformer", "layers=2,hidden=64,heads=4,seq=32", "--target-loss", "-1"],
+    ["--stage", "3", "--offload-optimizer", "--optimizer", "torch_sgd"],
 ])
 @pytest.mark.slow  # a fresh Python process per case
 def test_bad_flags_are_refused_before_torch_loads(argv):
@@ -1165,6 +1221,7 @@ def test_from_a_run_on_the_command_line_labels_the_measured_step_measured(tmp_pa
     (["--transformer", "layers=2,hidden=64,heads=4,seq=32", "--hidden", "128"], ["--hidden"]),
     (["--model", "mlp", "--threads-per-rank", "2"], ["--threads-per-rank"]),
     (["--from", "RUN", "--inter-gbps", "0", "--b-crit", "0"], ["--inter-gbps", "--b-crit"]),  # 0 is given
+    (["--from", "RUN", "--optimizer", "torch_adam"], ["--optimizer"]),  # the run's own optimizer stepped
 ])
 def test_a_flag_the_chosen_way_does_not_read_is_refused_not_ignored(tmp_path, capsys, argv, unread):
     argv = [str(tmp_path) if a == "RUN" else a for a in argv]
