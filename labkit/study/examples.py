@@ -347,8 +347,8 @@ def script_config(name: str, *, world_size: int, steps: int, args: Sequence[str]
 def script_twin(config: RunConfig) -> RunConfig:
     """The labkit run (its own worker) that trains what `config`, an example script's run (`script_config`),
     trains: the same MLP (simple_model.py's is labkit's), ranks and steps, the script's sizes from its arguments,
-    and the micro-batch, accumulation, ZeRO stage, offload and precision of the DeepSpeed config the script
-    loads. What labkit predicts a script run from (labkit.study.device_need.predicted_device_bytes); the
+    and the micro-batch, accumulation, ZeRO stage, offload, precision and optimizer of the DeepSpeed config the
+    script loads. What labkit predicts a script run from (labkit.study.device_need.predicted_device_bytes); the
     scripts' held-out pass (1,000 samples at each epoch's end, without gradients) is not in it."""
     name = Path(config.script or "").name
     if name not in SCRIPTS.values():
@@ -369,9 +369,15 @@ def script_twin(config: RunConfig) -> RunConfig:
     offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
     precision: Literal["fp32", "bf16", "fp16"] = (
         "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32")
+    # torch's SGD without momentum holds no state (labkit's "sgd"); any other optimizer is taken as Adam, whose two
+    # moments are the most a basic optimizer holds here
+    basic = ds.get("optimizer", {})
+    optimizer: Literal["adam", "sgd"] = (
+        "sgd" if str(basic.get("type", "")).lower() == "sgd" and not basic.get("params", {}).get("momentum")
+        else "adam")
     return RunConfig(example="offload" if offload else "zero3" if stage == 3 else "deepspeed", stage=stage,
                      offload_optimizer=offload, precision=precision, micro_batch=ds["train_micro_batch_size_per_gpu"],
-                     grad_accum=ds.get("gradient_accumulation_steps", 1), **model)
+                     grad_accum=ds.get("gradient_accumulation_steps", 1), optimizer=optimizer, **model)
 
 
 def command_line(config: RunConfig) -> str:

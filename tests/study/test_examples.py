@@ -114,6 +114,13 @@ def test_script_twin_trains_what_the_script_would(tmp_path):
         "--hidden", "256", "--depth", "3", "--num-samples", "4096", "--deepspeed_config", str(variant)]))
     assert (sized.precision, sized.grad_accum, sized.hidden, sized.depth, sized.dataset_size) == (
         "bf16", 2, 256, 3, 4096)
+    assert plain.optimizer == sized.optimizer == "adam"
+    for params, held in (({"lr": 0.01}, "sgd"), ({"lr": 0.01, "momentum": 0.9}, "adam")):  # momentum: a state
+        sgd = examples.config_variant("ex3_ds_config.json", tmp_path / held,
+                                      optimizer={"type": "SGD", "params": params})
+        twin = examples.script_twin(examples.script_config("ex3_zero3.py", world_size=1, steps=4,
+                                                           args=["--deepspeed_config", str(sgd)]))
+        assert twin.optimizer == held
     offload = examples.script_twin(examples.script_config("ex2_zero_offload.py", world_size=1, steps=4))
     assert (offload.example, offload.stage, offload.offload_optimizer) == ("offload", 2, True)
     pytorch = examples.script_twin(examples.script_config("ex1_pytorch.py", world_size=1, steps=4,
