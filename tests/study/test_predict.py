@@ -1882,3 +1882,20 @@ def test_zero3_hooks_fire_again_on_the_recomputed_forward():
     no_ckpt, ckpt = (P.predict(P.TransformerWorkload(shape), cluster, strategy="z3", micro_batch=1, precision="bf16",
                                activation_checkpointing=c) for c in (False, True))
     assert ckpt.host_overhead_s > no_ckpt.host_overhead_s
+
+
+def test_notebook_06s_optimizer_exercise_says_what_the_model_predicts():
+    # Solution 5's figures are the predictor's: the text goes stale the day the model moves them
+    from pathlib import Path
+
+    cells = json.loads((Path(__file__).resolve().parents[2] / "notebooks" / "06-predict.ipynb").read_text())["cells"]
+    text = " ".join("".join(c["source"]) for c in cells).replace("\n   ", " ")
+    work = P.TransformerWorkload(flops.Transformer(layers=24, hidden=1024, heads=16, seq=1024, vocab=50257))
+    one, four = hw.Cluster(gpu=hw.gpu("A10G")), hw.Cluster(gpu=hw.gpu("A10G"), gpus_per_node=4)
+    a, b = (P.predict(work, one, strategy="z0", micro_batch=2, precision="bf16", optimizer=o).step_time_s
+            for o in ("fused_adam", "torch_adam"))
+    c, d = (P.predict(work, four, strategy="z2", micro_batch=2, precision="bf16", optimizer=o).step_time_s
+            for o in ("fused_adam", "torch_adam"))
+    assert f"from {a:.2f} s to {b:.2f} s (+{b / a - 1:.0%})" in text
+    assert f"{(d - c) * 1e3:.0f} ms of a {d:.2f} s step (+{d / c - 1:.0%})" in text
+    assert "moves 114 B per parameter" in text and optimizer_bytes.step_bytes(0, "bf16", optimizer="torch_adam") == 114
