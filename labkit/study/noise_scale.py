@@ -183,4 +183,9 @@ def language_model_b_crit(loss_nats: float, seq: int) -> float:
     return LM_B_STAR_TOKENS / loss_nats ** (1.0 / LM_ALPHA_B) / seq
 
 
+def language_model_b_crit_source(loss_nats: float, seq: int) -> str:
+    """Where `language_model_b_crit(loss_nats, seq)` comes from, as `labkit predict` and notebook 06 both say it."""
+    return f"Kaplan et al. 2020, Eq. 1.4, at {loss_nats:g} nats per token, in sequences of {seq} tokens"
+
+
 # -- the in-run probe (used by labkit.rank.worker) ---------------------------------------------------

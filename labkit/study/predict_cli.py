@@ -175,7 +175,11 @@ def _b_crit(args: Any, shape: Transformer | None) -> tuple[float, str] | None:
     if len(chosen) > 1:
         raise _bad("b_crit", f"{' and '.join(chosen)}: give one critical batch, not {len(chosen)}")
     if args.target_loss is not None:
-        from labkit.study.noise_scale import LM_LOSS_RANGE_NATS, language_model_b_crit  # no torch: before it loads
+        from labkit.study.noise_scale import (  # no torch: before it loads
+            LM_LOSS_RANGE_NATS,
+            language_model_b_crit,
+            language_model_b_crit_source,
+        )
 
         low, high = LM_LOSS_RANGE_NATS
         if not low <= args.target_loss <= high:
@@ -183,8 +187,7 @@ def _b_crit(args: Any, shape: Transformer | None) -> tuple[float, str] | None:
                                       f"got {args.target_loss}")
         assert shape is not None  # _refuse_unread: --target-loss goes with --transformer
         return (language_model_b_crit(args.target_loss, shape.seq),
-                f"Kaplan et al. 2020, Eq. 1.4, at {args.target_loss:g} nats per token (in sequences of {shape.seq} "
-                "tokens)")
+                language_model_b_crit_source(args.target_loss, shape.seq))
     if args.b_crit is not None:
         if not 0 < args.b_crit < math.inf:
             raise _bad("b_crit", f"--b-crit must be a finite batch size > 0, got {args.b_crit}")

@@ -13,6 +13,7 @@ from labkit.runtime.hardware import GPUS, INTRA_LINKS, NETWORK_GBPS, Cluster
 from labkit.runtime.hardware import gpu as find_gpu
 from labkit.study import flops
 from labkit.study import predict as P
+from labkit.study.noise_scale import language_model_b_crit_source
 
 # Transformer shapes a learner may pick (GPT-2 sizes, Hugging Face's configs; GPT-3 sizes from Brown et al. 2020,
 # Table 2.1; Qwen2.5-1.5B and Llama-2 7B by their Hugging Face config.json, at the sequence of the published
@@ -73,7 +74,7 @@ def b_crit_for(name: str, target_loss: float, work: P.Workload | None = None) ->
     if not isinstance(work, P.TransformerWorkload):
         return None, "no critical batch for this model"
     return (P.language_model_b_crit(target_loss, work.shape.seq),
-            f"Kaplan et al. 2020's at {target_loss:g} nats per token, in sequences of {work.shape.seq} tokens")
+            language_model_b_crit_source(target_loss, work.shape.seq))
 
 
 def card_table(card: dict[str, Any]) -> pd.DataFrame:

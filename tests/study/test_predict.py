@@ -904,6 +904,9 @@ def test_labkit_predict_takes_the_critical_batch_from_a_target_loss(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["b_crit"] == pytest.approx(P.language_model_b_crit(3.0, 256))
     assert "Kaplan" in out["b_crit_source"] and "256 tokens" in out["b_crit_source"]
+    from labkit.study import predict_views as V  # the widgets say it in the same words
+
+    assert V.b_crit_for("layers=2,hidden=64,heads=4,seq=256", 3.0)[1] == out["b_crit_source"]
     assert out["steps_to_target_over_s_min"] == pytest.approx(P.steps_to_target(32, out["b_crit"]))
     assert out["card"]["ways"]["micro_batch"]["to_target"]["verdict"] is not None
     assert main([*argv, "--b-crit", str(out["b_crit"])]) == 0  # the same as giving that batch
