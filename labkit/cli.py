@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from labkit.core.config import FIELDS, GROUPS, ConfigError, RunConfig
-from labkit.core.memory import STEP_OPTIMIZERS
+from labkit.runtime.ops import OPTIMIZER_IMPLS
 
 _SLURM_FLAGS = ("nodes", "partition", "time", "gpus_per_node", "account")  # labkit.launch.export.SlurmOptions
 
@@ -326,11 +326,11 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
     predict.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage (default 0)")
     predict.add_argument("--plain-pytorch", action="store_true", help="plain PyTorch DDP instead of DeepSpeed")
     predict.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload (stages 1-3)")
-    predict.add_argument("--optimizer", default=None, choices=STEP_OPTIMIZERS,
-                         help="the basic optimizer: DeepSpeed's fused_adam (its default; with --offload-optimizer "
-                              "its CPU Adam, the only one modelled there), torch_adam (DeepSpeed's \"torch_adam\": "
-                              "true, labkit's choice on a GPU without nvcc; plain PyTorch's default) or torch_sgd "
-                              "(no momentum: no moments held)")
+    predict.add_argument("--optimizer", default=None, choices=OPTIMIZER_IMPLS,
+                         help="the basic optimizer, as a run records its optimizer_impl: DeepSpeed's fused_adam (its "
+                              "default), torch_adam (DeepSpeed's \"torch_adam\": true, labkit's choice on a GPU "
+                              "without nvcc; plain PyTorch's default) or torch_sgd (no momentum: no moments held); "
+                              "with --offload-optimizer cpu_adam, the only host step modelled")
     predict.add_argument("--micro-batch", type=int, default=None, help="samples per GPU per forward/backward")
     predict.add_argument("--global-batch", type=int, default=None, help="sets the accumulation: micro x accum x GPUs")
     predict.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step (or --global-batch)")

@@ -11,12 +11,15 @@ precision, at DeepSpeed's defaults (gradient clipping on, 1.0), not a hand count
 FP16_Optimizer with a bf16 dtype, as in fp16 (engine.py's `_configure_fp16_optimizer` for a fused Adam; its
 BF16_Optimizer is for pipeline parallelism or ZeRO-1 with fp32 gradient accumulation). Plain PyTorch (`torch`):
 torch.optim.Adam's default step on a GPU (foreach, fp32 parameters), counted the same way, kernel and all.
-Each is counted for every basic optimizer a run can step with (`memory.STEP_OPTIMIZERS`, the count's
-`step_optimizer`): DeepSpeed's FusedAdam; torch's Adam (`"torch_adam": true`, labkit's choice on a GPU without nvcc,
-labkit.runtime.ops), which DeepSpeed makes torch.optim.AdamW (engine.py:2380-2382, its `adam_w_mode` default) with
-foreach as on a GPU, every pass an aten op; torch's SGD without momentum. Plain PyTorch: torch's Adam or SGD.
+Each is counted for every basic optimizer a run can step with on the device (`memory.STEP_OPTIMIZERS`, the count's
+`optimizer`; `optimizer_class` is what DeepSpeed wrapped it in): DeepSpeed's FusedAdam; torch's Adam
+(`"torch_adam": true`, labkit's choice on a GPU without nvcc, labkit.runtime.ops), which DeepSpeed makes
+torch.optim.AdamW (engine.py:2380-2382, its `adam_w_mode` default) with foreach as on a GPU, every pass an aten op;
+torch's SGD without momentum. All at weight decay 0, as labkit's runs set it (AdamW's decoupled decay would add a
+pass, 8 B). Plain PyTorch: torch's Adam or SGD.
 
     python -m labkit.study.optimizer_bytes --out data/predict-ci/optimizer_bytes.json   # ~4 min on 2 cores
+    python -m labkit.study.optimizer_bytes --one STAGE PRECISION [--optimizer NAME]    # one count, printed
 
 `labkit.study.predict` reads the file (`step_bytes`). `--peak STAGE PRECISION SUB_GROUP_SIZE [--world-size N]`
 measures what else the step does on the device: the bytes it allocates for itself at its peak (every aten op's new
@@ -44,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-FORMAT = "labkit-optimizer-bytes/2"  # /2: a count per basic optimizer (`step_optimizer`)
+FORMAT = "labkit-optimizer-bytes/2"  # /2: a count per basic optimizer (`optimizer`; its wrapper: `optimizer_class`)
 STAGES = ("torch", "0", "1", "2", "3")
 # The basic optimizers a plain PyTorch loop steps with here (FusedAdam is DeepSpeed's)
 PLAIN_OPTIMIZERS = ("torch_adam", "torch_sgd")
@@ -66,23 +69,26 @@ def default_optimizer(stage: int | str | None) -> str:
 
 
 def basic_optimizer(stage: int | None, offload: bool, optimizer: str | None = None) -> str:
-    """The basic optimizer a step of `stage` (None: plain PyTorch) runs, checked (memory.STEP_OPTIMIZERS; None: the
-    stage's default). `torch_adam` is DeepSpeed's `"torch_adam": true` (labkit's choice on a GPU without nvcc,
-    labkit.runtime.ops), `torch_sgd` torch's SGD without momentum (no moments held). With the optimizer offloaded
-    only DeepSpeed's own Adam is modelled: it steps as DeepSpeedCPUAdam on the host, where `torch_adam` would run
-    torch's AdamW on the host's tensors (engine.py:2380, checked before the CPU optimizer at :2384), a step the
-    predictor does not time."""
-    from labkit.core.memory import STEP_OPTIMIZERS  # torch-free: `labkit predict` checks its flags with this
+    """The basic optimizer a step of `stage` (None: plain PyTorch) runs, checked, named as a run records its
+    `optimizer_impl` (labkit.runtime.ops.OPTIMIZER_IMPLS; None: the default). On the device: DeepSpeed's `fused_adam`
+    (its default), `torch_adam` (DeepSpeed's `"torch_adam": true`, labkit's choice on a GPU without nvcc) or
+    `torch_sgd` (no momentum: no moments held); plain PyTorch's `torch_adam` (its default) or `torch_sgd`. With the
+    optimizer offloaded (stages 1-3) DeepSpeed's CPU Adam steps on the host, `cpu_adam`, the only host step the
+    predictor times: torch's Adam or SGD would step there instead (engine.py:2380, checked before the CPU optimizer
+    at :2384; labkit's runs do so with SGD, or without a host compiler), and those are refused."""
+    from labkit.runtime.ops import OPTIMIZER_IMPLS  # torch-free: `labkit predict` checks its flags with this
 
-    chosen = optimizer or default_optimizer(stage)
-    if chosen not in STEP_OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {chosen!r}; known: {', '.join(STEP_OPTIMIZERS)}")
+    chosen = optimizer or ("cpu_adam" if offload else default_optimizer(stage))
+    if chosen not in OPTIMIZER_IMPLS:
+        raise ValueError(f"unknown optimizer {chosen!r}; known: {', '.join(OPTIMIZER_IMPLS)}")
     if stage is None and chosen not in PLAIN_OPTIMIZERS:
         raise ValueError(f"plain PyTorch steps with torch's own optimizers ({', '.join(PLAIN_OPTIMIZERS)}); "
                          f"{chosen} is DeepSpeed's")
-    if offload and chosen != "fused_adam":
-        raise ValueError(f"with the optimizer offloaded DeepSpeed's Adam steps on the host as DeepSpeedCPUAdam "
-                         f"(fused_adam), the one modelled there; {chosen} on the host is not")
+    if offload and chosen != "cpu_adam":
+        raise ValueError(f"with the optimizer offloaded only DeepSpeed's CPU Adam (cpu_adam) is modelled on the "
+                         f"host, not {chosen}: drop the optimizer or the offload")
+    if not offload and chosen == "cpu_adam":
+        raise ValueError("cpu_adam is ZeRO-Offload's host optimizer: it needs the optimizer offloaded (stages 1-3)")
     return chosen
 
 
@@ -180,9 +186,12 @@ def _engine(stage: int, precision: str, zero: dict[str, Any] | None = None, *, r
     logger.setLevel(logging.WARNING)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
-    basic = {"fused_adam": {"type": "Adam", "params": {"lr": 1e-4}},
-             "torch_adam": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True, "foreach": True}},
-             "torch_sgd": {"type": "SGD", "params": {"lr": 1e-4}}}[optimizer]
+    # weight_decay 0, as labkit's runs set it (labkit.core.ds_config): torch's AdamW's default 0.01 would add a
+    # decay pass, 8 B per parameter, that FusedAdam does inside its one kernel
+    basic = {"fused_adam": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+             "torch_adam": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True,
+                                                       "foreach": True}},
+             "torch_sgd": {"type": "SGD", "params": {"lr": 1e-4, "weight_decay": 0.0}}}[optimizer]
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2,
                               "zero_optimization": {"stage": stage, **(zero or {})}, "optimizer": basic,
                               "zero_allow_untested_optimizer": optimizer == "torch_sgd"}
@@ -217,8 +226,8 @@ def count_deepspeed_step(stage: int, precision: str, optimizer: str = "fused_ada
     params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
     # torch's optimizers run as aten ops, counted; FusedAdam's kernel is added by its source
     kernel = FUSED_ADAM_BYTES_PER_PARAM if optimizer == "fused_adam" else 0
-    return {"stage": stage, "precision": precision, "step_optimizer": optimizer,
-            "optimizer": type(engine.optimizer).__name__, **_summary(traffic.by_op, params, kernel)}
+    return {"stage": stage, "precision": precision, "optimizer": optimizer,
+            "optimizer_class": type(engine.optimizer).__name__, **_summary(traffic.by_op, params, kernel)}
 
 
 def _live_bytes() -> Any:
@@ -332,8 +341,8 @@ def count_plain_step(optimizer: str = "torch_adam") -> dict[str, Any]:
     params = _plain_third_step_under(traffic, optimizer)
     name = "Adam" if optimizer == "torch_adam" else "SGD"
     # foreach: every pass is an aten op, the update included (no kernel of its own to add)
-    return {"stage": "torch", "precision": "fp32", "step_optimizer": optimizer,
-            "optimizer": f"torch.optim.{name}(foreach=True)",
+    return {"stage": "torch", "precision": "fp32", "optimizer": optimizer,
+            "optimizer_class": f"torch.optim.{name}(foreach=True)",
             **_summary(traffic.by_op, sum(p.numel() for p in params), 0)}
 
 
@@ -384,7 +393,7 @@ def _table(path: str) -> dict[tuple[str, str, str], float]:
     data = json.loads(Path(path).read_text())
     if data.get("format") != FORMAT:
         raise ValueError(f"{path}: not a {FORMAT} file (python -m labkit.study.optimizer_bytes --out writes one)")
-    return {(str(c["stage"]), str(c["precision"]), str(c["step_optimizer"])): float(c["bytes_per_param"])
+    return {(str(c["stage"]), str(c["precision"]), str(c["optimizer"])): float(c["bytes_per_param"])
             for c in data["counts"]}
 
 
@@ -450,8 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     result = measure()
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for c in result["counts"]:
-        print(f"stage {c['stage']:>5} {c['precision']} {c['step_optimizer']:>10}: {c['bytes_per_param']:6.1f} B per "
-              f"owned parameter ({c['optimizer']})")
+        print(f"stage {c['stage']:>5} {c['precision']} {c['optimizer']:>10}: {c['bytes_per_param']:6.1f} B per "
+              f"owned parameter ({c['optimizer_class']})")
     return 0
 
 

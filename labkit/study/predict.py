@@ -49,7 +49,7 @@ PRECISIONS = ("fp16", "bf16", "fp32")
 
 # The optimizer step's device memory traffic per parameter a rank owns is counted on DeepSpeed 0.19.8's own step
 # (labkit.study.optimizer_bytes: data/predict-ci/optimizer_bytes.json): 64-78 B with a 16-bit precision, of which
-# its fused Adam kernel moves 28; with torch's Adam (its eight foreach passes move 80) 114-130, with its SGD 46-62.
+# its fused Adam kernel moves 28; with torch's Adam (its seven foreach passes move 72) 106-122, with its SGD 46-62.
 # ZeRO-Offload's host work per owned parameter per step, 0.19.8: DeepSpeedCPUAdam's pass (csrc/includes/
 # cpu_adam.h, Step_AVX: the same 16 B read and 12 B written) and two passes of torch's beside it, in
 # stage_1_and_2.py: unscale_and_clip_grads multiplies the fp32 gradient partition in place whenever clipping is on
@@ -617,7 +617,7 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     step = compute_s + comm.exposed_s + offload_s
     global_batch = micro_batch * grad_accum * n
     states, max_micro, step_peak = _memory(workload, cluster, stage, offload, precision, activation_checkpointing,
-                                           zero, optimizer)
+                                           zero, optimizer=optimizer)
     device_bytes = states + costs.activation_bytes
     return Prediction(
         strategy=strategy, optimizer=optimizer, world_size=n, micro_batch=micro_batch, grad_accum=grad_accum,
@@ -705,8 +705,8 @@ def offload_host(gpu: GPU, precision: str, host_memory_gb_per_s: float | None = 
 
 
 def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bool, precision: str,
-            checkpointing: bool, settings: Mapping[str, Any] | None = None,
-            optimizer: str = "fused_adam") -> tuple[float, int, float]:
+            checkpointing: bool, settings: Mapping[str, Any] | None = None, *,
+            optimizer: str) -> tuple[float, int, float]:
     """(device bytes of the model states + bucket at the micro-step, the largest micro-batch that fits, device bytes
     at the optimizer step's peak): states from labkit.core.memory (DeepSpeed 0.19.8's accounting; the bucket and
     ZeRO-3's persistent parameters as the `settings` make them), the activations counted on the meta device
@@ -739,8 +739,9 @@ def _memory(workload: Workload, cluster: Cluster, stage: int | None, offload: bo
         own = memory.plain_adam_step_bytes(workload.n_params) if optimizer == "torch_adam" else 0
     else:
         held = bucket if stage == 3 else 0
-        own = memory.optimizer_step_bytes(zero, [size for module in workload.module_layout() for size in module], n,
-                                          mem_precision, offload, sub_group_size=sub_group_size, optimizer=optimizer)
+        own = 0 if offload else memory.optimizer_step_bytes(  # an offloaded step runs on the host
+            zero, [size for module in workload.module_layout() for size in module], n, mem_precision,
+            sub_group_size=sub_group_size, optimizer=optimizer)
     step = float(states["device_bytes"] + held + own)
     usable = cluster.gpu.usable_memory_bytes
     largest = 0 if step > usable else largest_micro_batch(
@@ -864,7 +865,7 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
     micro_batch: `micro_batch_range` (default micro_batch/4 -> micro_batch*4, or the largest micro-batch that fits
     if smaller) on every GPU; grad_accum: 1 -> 16. A way whose either side does not fit has no verdict, and says so.
     `host_memory_gb_per_s`, `zero` and `optimizer` as `predict` takes them."""
-    optimizer_for(strategy, optimizer)  # refused before anything is counted
+    chosen = optimizer_for(strategy, optimizer)  # refused before anything is counted
     made: dict[tuple[bool, int, int], Prediction] = {}  # the configuration at micro_batch serves three ways
 
     def run(c: Cluster, m: int, a: int = 1) -> Prediction:
@@ -914,13 +915,19 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
                      for kind in ("per_step", "per_epoch", "to_target")}
     return {"ways": ways, "deepspeed": _deepspeed_line(workload, cluster, micro_batch, precision,
                                                        activation_checkpointing, strategy, zero, host_memory_gb_per_s,
-                                                       optimizer),
+                                                       _stages_optimizer(strategy, chosen)),
             "caveats": run(cluster, micro_batch).caveats,
             "predicted": True, "flat_band": FLAT_BAND,
             "predicted_for": {"hardware": cluster.describe(), "gpu": cluster.gpu.name, "world_size": cluster.world_size,
                               "model": workload.name, "n_params": workload.n_params, "strategy": strategy,
                               "precision": precision, "activation_checkpointing": activation_checkpointing,
-                              "optimizer": optimizer_for(strategy, optimizer), "b_crit": b_crit}}
+                              "optimizer": chosen, "b_crit": b_crit}}
+
+
+def _stages_optimizer(strategy: str, chosen: str) -> str | None:
+    """The optimizer the card's line of ZeRO stages steps with: the card's where it is not its strategy's default
+    (plain PyTorch's torch_adam and the offloaded cpu_adam are; DeepSpeed's stages then take theirs)."""
+    return None if chosen == optimizer_for(strategy) else chosen
 
 
 def _deepspeed_line(workload: Workload, cluster: Cluster, micro_batch: int, precision: str, ckpt: bool,
@@ -952,7 +959,7 @@ def _deepspeed_line(workload: Workload, cluster: Cluster, micro_batch: int, prec
     if zero:
         head += f" (the zero settings given apply to {strategy} only)"
     if optimizer not in (None, "fused_adam"):
-        head += f" (every stage with {optimizer} but z2-offload, whose host steps with DeepSpeedCPUAdam)"
+        head += f" (every stage with {optimizer} but z2-offload, whose host steps with cpu_adam)"
     return head + ": " + "; ".join(parts)
 
 

@@ -760,8 +760,11 @@ def test_the_basic_optimizer_sets_the_states_the_steps_traffic_and_its_peak():
         (8 + memory.PLAIN_ADAM_STEP_BYTES_PER_PARAM) * work.n_params)
     with pytest.raises(ValueError, match="fused_adam is DeepSpeed's"):
         P.predict(work, cluster, strategy="torch", micro_batch=4, optimizer="fused_adam")
-    with pytest.raises(ValueError, match="torch_sgd on the host is not"):
+    with pytest.raises(ValueError, match="only DeepSpeed's CPU Adam"):
         P.predict(work, cluster, strategy="z2-offload", micro_batch=4, optimizer="torch_sgd")
+    offload = P.predict(work, cluster, strategy="z2-offload", micro_batch=4)
+    assert offload.optimizer == "cpu_adam" and offload == P.predict(work, cluster, strategy="z2-offload", micro_batch=4,
+                                                                    optimizer="cpu_adam")
 
 
 def test_the_card_and_the_cli_carry_the_optimizer(capsys):
@@ -770,6 +773,14 @@ def test_the_card_and_the_cli_carry_the_optimizer(capsys):
     card = P.predicted_card(work, cluster, strategy="z2", micro_batch=4, precision="bf16", optimizer="torch_adam")
     assert card["predicted_for"]["optimizer"] == "torch_adam"
     assert "every stage with torch_adam but z2-offload" in card["deepspeed"]
+    # the line of stages steps every stage but the offloaded one with it: z1 against z0, both with torch's Adam
+    z0, z1 = (P.predict(work, cluster, strategy=s, micro_batch=4, precision="bf16", optimizer="torch_adam")
+              for s in ("z0", "z1"))
+    assert f"z1 {z1.step_time_s / z0.step_time_s:.2f}x the step" in card["deepspeed"]
+    # plain PyTorch's own default (torch's Adam) said or not: the same card, DeepSpeed's stages at their default
+    plain = [P.predicted_card(work, cluster, strategy="torch", micro_batch=4, precision="bf16", optimizer=o)
+             for o in (None, "torch_adam")]
+    assert plain[0] == plain[1] and "every stage with" not in plain[0]["deepspeed"]
     assert main(["predict", "--transformer", "layers=2,hidden=128,heads=4,seq=64,vocab=512", "--gpus-per-node", "4",
                  "--stage", "1", "--precision", "bf16", "--micro-batch", "4", "--optimizer", "torch_sgd",
                  "--format", "json"]) == 0
@@ -1032,7 +1043,8 @@ def test_the_issues_command_prints_every_key(capsys):
     (["--target-loss", "3", "--b-crit", "100"], "give one critical batch"),
     (["--target-loss", "3", "--results", "data/reference-ci"], "give one critical batch"),
     (["--plain-pytorch", "--optimizer", "fused_adam"], "fused_adam is DeepSpeed's"),
-    (["--stage", "2", "--offload-optimizer", "--optimizer", "torch_adam"], "torch_adam on the host is not"),
+    (["--stage", "2", "--offload-optimizer", "--optimizer", "torch_adam"], "not torch_adam: drop the optimizer"),
+    (["--stage", "2", "--optimizer", "cpu_adam"], "cpu_adam is ZeRO-Offload's host optimizer"),
 ])
 def test_bad_input_exits_2_naming_the_problem(capsys, argv, says):
     assert main(["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", *argv]) == 2
@@ -1901,4 +1913,4 @@ def test_notebook_06s_optimizer_exercise_says_what_the_model_predicts():
             for o in ("fused_adam", "torch_adam"))
     assert f"from {a:.2f} s to {b:.2f} s (+{b / a - 1:.0%})" in text
     assert f"{(d - c) * 1e3:.0f} ms of a {d:.2f} s step (+{d / c - 1:.0%})" in text
-    assert "moves 114 B per parameter" in text and optimizer_bytes.step_bytes(0, "bf16", optimizer="torch_adam") == 114
+    assert "moves 106 B per parameter" in text and optimizer_bytes.step_bytes(0, "bf16", optimizer="torch_adam") == 106
