@@ -81,7 +81,7 @@ def _strategy(args: Any) -> str:
     if args.plain_pytorch:
         if args.stage is not None or args.offload_optimizer:
             raise _bad("plain_pytorch", "--plain-pytorch takes no --stage or --offload-optimizer")
-        strategy = "torch"
+        stage, strategy = None, "torch"
     else:
         stage = 0 if args.stage is None else args.stage
         if args.offload_optimizer and stage == 0:
@@ -90,7 +90,7 @@ def _strategy(args: Any) -> str:
     from labkit.study.optimizer_bytes import basic_optimizer  # torch-free
 
     try:
-        basic_optimizer(None if strategy == "torch" else int(strategy[1]), args.offload_optimizer, args.optimizer)
+        basic_optimizer(stage, args.offload_optimizer, args.optimizer)
     except ValueError as exc:
         raise _bad("optimizer", str(exc)) from None
     return strategy
