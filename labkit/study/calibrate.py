@@ -161,7 +161,9 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
 
         if n < 2:
             return []
-        values = {**run.config, "world_size": n, "stage": 0 if stage_ is None else stage_, "grad_accum": m_accum}
+        values = {**run.config, "world_size": n, "grad_accum": m_accum}
+        if stage_ is not None:  # plain PyTorch has none (RunConfig refuses one)
+            values["stage"] = stage_
         with without_local_device_checks():
             variant = RunConfig.from_dict({k: v for k, v in values.items() if k in RunConfig.__dataclass_fields__})
         return comms.run_collectives(variant)

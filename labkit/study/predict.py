@@ -322,14 +322,18 @@ class ModuleWorkload:
             from labkit.models import builders
 
             dataset = builders.build_dataset(self.config)
-            sample = default_collate([dataset[0]] * micro_batch)
+            one = default_collate([dataset[0]])
             dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
             loss_fn = builders.loss_function(self.config)
 
             def census_on(device: str) -> flops.Census:
                 with torch.device(device), torch.random.fork_rng(devices=[]):
                     model = builders.build_model(self.config).to(dtype)
-                inputs, labels = (t.to(device).to(dtype) if t.is_floating_point() else t.to(device) for t in sample)
+                # the micro-batch as shapes only on the meta device: a batch of a billion samples (or of images) is
+                # counted without the host memory it would fill; on the CPU, the first sample repeated
+                batch = ([torch.empty((micro_batch, *t.shape[1:]), dtype=t.dtype, device="meta") for t in one]
+                         if device == "meta" else default_collate([dataset[0]] * micro_batch))
+                inputs, labels = (t.to(dtype) if t.is_floating_point() else t for t in batch)
                 return flops.module_census(model, lambda: loss_fn(model, inputs, labels).float(), cuda)
 
             try:

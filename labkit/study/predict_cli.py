@@ -49,9 +49,10 @@ def _refuse_unread(args: Any) -> None:
     else:
         unread, why = given(FLAGS_FOR_RUNS), "--world-size, --threads-per-rank and --links are --from's"
         if args.transformer is not None:
-            unread += given(FLAGS_FOR_LAB_MODELS)
-            why += ("; --hidden, --depth, --input-size, --data and --loss are a lab --model's (a --transformer has "
-                    "its shape)")
+            if given(FLAGS_FOR_LAB_MODELS):  # said only where one was given
+                unread += given(FLAGS_FOR_LAB_MODELS)
+                why += ("; --hidden, --depth, --input-size, --data and --loss are a lab --model's (a --transformer "
+                        "has its shape)")
         elif args.target_loss is not None:
             unread.append("--target-loss")
             why += ("; --target-loss is a --transformer's (Kaplan et al.'s law is for language models on GPT-2's "
@@ -68,8 +69,8 @@ def _or(value: Any, default: Any) -> Any:
 def _cluster(args: Any) -> Cluster:
     try:
         return Cluster(gpu=find_gpu(_or(args.gpu, DEFAULT_GPU)), gpus_per_node=_or(args.gpus_per_node, 1),
-                       nodes=_or(args.nodes, 1), intra=_or(args.intra, "auto"), inter_gbps=_or(args.inter_gbps, 0.0),
-                       host_cpu=_or(args.host_cpu, "auto"))
+                       nodes=_or(args.nodes, 1), intra=_or(args.intra, "auto").lower(),
+                       inter_gbps=_or(args.inter_gbps, 0.0), host_cpu=_or(args.host_cpu, "auto"))
     except ValueError as exc:
         raise _bad("hardware", str(exc)) from None
 
@@ -151,7 +152,14 @@ def _workload(model: Transformer | RunConfig) -> Workload:
 
     if isinstance(model, Transformer):
         return TransformerWorkload(model)
-    builders.check_importable(model)  # a model of yours: imported in a child process first
+    builders.check_importable(model)  # a model of yours: imported in a child process first (from this directory)
+    import os
+    import sys
+
+    # ... and then here: the `labkit` script, unlike `python -m labkit`, does not put this directory on sys.path
+    # (`labkit run`'s ranks put it first, launch.warm_launch), so a module beside the asker would not import
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     return lab_workload(model)
 
 
@@ -265,8 +273,8 @@ def _prediction(args: Any) -> dict[str, Any]:
                                optimizer=args.optimizer)
             except ValueError as exc:
                 raise _bad("predict", str(exc)) from None
-        except (RuntimeError, TypeError, ImportError) as exc:  # a model of yours this process cannot import or run
-            if args.model is None or args.model in ("mlp", "gpt"):
+        except Exception as exc:  # a model of yours this process cannot import, build or run
+            if args.model is None or args.model in ("mlp", "gpt") or isinstance(exc, SystemExit):
                 raise
             raise _bad("model", f"counting {args.model} on the meta device failed ({type(exc).__name__}: {exc}); "
                                 "check that this process can import it (run from its directory or set "
@@ -296,6 +304,7 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
         run = read_run(args.from_run, "mean")
     except ValueError as exc:
         raise _bad("from_run", str(exc)) from None
+    _check_calibratable(Path(args.from_run))
     stage = args.stage
     if stage == 0 and run.offload:
         raise _bad("stage", "the run offloads its optimizer: stage 0 cannot")
@@ -303,9 +312,14 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
         if not Path(args.links).is_file():
             raise _bad("links", f"no such link fit: {args.links}")
         try:
-            fit = link_fits(json.loads(Path(args.links).read_text()), "mean")  # the run's steps: their mean
+            text = json.loads(Path(args.links).read_text())
         except ValueError as exc:
-            raise _bad("links", str(exc)) from None
+            raise _bad("links", f"{args.links} is not JSON ({exc}): give a link fit as `labkit.study.predict."
+                                "link_fit_json` writes it (data/predict-ci/links.json)") from None
+        try:
+            fit = link_fits(text, "mean")  # the run's steps: their mean
+        except (ValueError, KeyError, TypeError) as exc:
+            raise _bad("links", f"{args.links} is not a link fit ({type(exc).__name__}: {exc})") from None
     else:
         from labkit.study import comms
 
@@ -314,6 +328,26 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
         fit = link_fits(comms.measure_training_links(world_size=max(2, args.world_size or run.world_size)), "mean")
     return calibrated(run, fit, world_size=args.world_size, micro_batch=args.micro_batch, stage=stage,
                       threads_per_rank=args.threads_per_rank)
+
+
+def _check_calibratable(run_dir: Path) -> None:
+    """--from calibrates a finished run of CPU ranks made on this kind of machine: its summary says finished, and its
+    ranks ran on the CPU (the calibration rescales their compute by this CPU's measured rates and shares its cores
+    between the ranks; a GPU's compute would be rescaled as a CPU's)."""
+    import json
+
+    from labkit.core.records import read_records
+
+    summary = run_dir / "summary.json"
+    status = json.loads(summary.read_text()).get("status") if summary.is_file() else None
+    if status != "finished":
+        raise _bad("from_run", f"{run_dir} did not finish (its summary.json says {status!r}; none: still running or "
+                               "killed): calibrate on a finished run")
+    ready = next((r for r in read_records(run_dir / "rank0.jsonl") if r.get("event") == "ready"), {})
+    if ready.get("accelerator") not in (None, "cpu"):
+        raise _bad("from_run", f"{run_dir} ran on {ready['accelerator']}: --from calibrates runs of CPU ranks (their "
+                               "compute rescaled by this CPU's measured rates); predict a GPU from the run's model "
+                               "with --model and --gpu")
 
 
 def format_table(out: dict[str, Any]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import statistics
 from typing import Any
@@ -1200,6 +1201,13 @@ def test_from_a_run_on_the_command_line_labels_the_measured_step_measured(tmp_pa
     (tmp_path / "rank0.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     links = tmp_path / "links.json"
     links.write_text(json.dumps(FIT))
+    # only a finished run is calibrated on: one still running (no summary yet) or failed is refused, named
+    assert main(["predict", "--from", str(tmp_path), "--world-size", "2", "--links", str(links)]) == 2
+    assert "did not finish (its summary.json says None" in capsys.readouterr().err
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "failed"}))
+    assert main(["predict", "--from", str(tmp_path), "--world-size", "2", "--links", str(links)]) == 2
+    assert "did not finish (its summary.json says 'failed'" in capsys.readouterr().err
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "finished"}))
     assert main(["predict", "--from", str(tmp_path), "--world-size", "2", "--links", str(links)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(line.split()[:2] == ["measured", "measured_step_time_s"] for line in lines)
@@ -1224,6 +1232,61 @@ def test_from_a_run_on_the_command_line_labels_the_measured_step_measured(tmp_pa
     links.write_text(json.dumps({**FIT, "statistic": "fastest"}))
     assert main(["predict", "--from", str(tmp_path), "--world-size", "2", "--links", str(links)]) == 2
     assert "as training meets it" in capsys.readouterr().err
+    links.write_text("not json")
+    assert main(["predict", "--from", str(tmp_path), "--world-size", "2", "--links", str(links)]) == 2
+    assert "is not JSON" in capsys.readouterr().err
+
+
+def test_from_a_gpu_run_is_refused_naming_how_to_predict_a_gpu(capsys):
+    # the calibration rescales a run's compute by this CPU's rates and shares its cores between ranks: a CUDA run's
+    # compute would be rescaled as a CPU's (data/reference-h100-80gb: a finished 1-rank run on an H100)
+    from pathlib import Path
+
+    runs = Path(__file__).resolve().parents[2] / "data" / "reference-h100-80gb" / "answer-partial" / "run-records"
+    run = next(runs.glob("*-pytorch-torch-w1-b512-*"))
+    assert main(["predict", "--from", str(run), "--micro-batch", "1024", "--links", "data/predict-ci/links.json"]) == 2
+    assert "ran on cuda: --from calibrates runs of CPU ranks" in capsys.readouterr().err
+
+
+def test_a_huge_micro_batch_is_counted_as_shapes_not_built():
+    # the micro-batch goes to the meta device as shapes: 10^8 samples of the lab MLP's 100 inputs would be 40 GB
+    work = P.ModuleWorkload(RunConfig.from_dict({**CONFIG, "example": "deepspeed"}))
+    small, huge = work.census(64, "fp32"), work.census(10**8, "fp32")
+    assert huge.flops() == pytest.approx(small.flops() * 10**8 / 64, rel=1e-6)
+
+
+@pytest.mark.slow  # the `labkit` script in a process of its own, from the learner's directory
+def test_your_own_model_beside_you_is_counted_by_the_labkit_script(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    (tmp_path / "mine.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        def build_model(config):
+            return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+        def build_dataset(config):
+            return torch.utils.data.TensorDataset(torch.randn(64, 32), torch.randint(0, 10, (64,)))
+
+        def build_broken(config):
+            raise ValueError("a typo in my model")
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # what the script itself puts on sys.path
+    base = [str(Path(sys.executable).with_name("labkit")), "predict", "--data", "mine:build_dataset", "--gpu", "T4",
+            "--micro-batch", "8"]
+    ok = subprocess.run([*base, "--model", "mine:build_model", "--format", "json"], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["n_params"] == 32 * 64 + 64 + 64 * 10 + 10
+    # an exception of any kind from your builder is a named exit 2, not a traceback
+    broken = subprocess.run([*base, "--model", "mine:build_broken"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert broken.returncode == 2, broken.stderr
+    assert "(ValueError: a typo in my model)" in broken.stderr and "Traceback" not in broken.stderr
 
 
 @pytest.mark.parametrize("argv,unread", [
