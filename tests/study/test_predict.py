@@ -1964,10 +1964,7 @@ def test_zero3_hooks_fire_again_on_the_recomputed_forward():
 
 def test_notebook_06s_optimizer_exercise_says_what_the_model_predicts():
     # Solution 2's figures are the predictor's: the text goes stale the day the model moves them
-    from pathlib import Path
-
-    cells = json.loads((Path(__file__).resolve().parents[2] / "notebooks" / "06-predict.ipynb").read_text())["cells"]
-    text = " ".join("".join(c["source"]) for c in cells).replace("\n   ", " ")
+    text = _notebook_06_text()
     work = P.TransformerWorkload(flops.Transformer(layers=24, hidden=1024, heads=16, seq=1024, vocab=50257))
     one, four = hw.Cluster(gpu=hw.gpu("A10G")), hw.Cluster(gpu=hw.gpu("A10G"), gpus_per_node=4)
     a, b = (P.predict(work, one, strategy="z0", micro_batch=2, precision="bf16", optimizer=o).step_time_s
