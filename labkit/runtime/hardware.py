@@ -619,6 +619,9 @@ class Cluster:
     host_cpu: str = "auto"  # the nodes' CPU vendor (intel, amd, other): NCCL's network overhead; auto: NODE_CPU
 
     def __post_init__(self) -> None:
+        # link and CPU names in any case, as GPU names are ("NVSwitch" in a source's table, --intra NVLINK3)
+        object.__setattr__(self, "intra", self.intra.strip().lower())
+        object.__setattr__(self, "host_cpu", self.host_cpu.strip().lower())
         if self.gpus_per_node < 1 or self.nodes < 1:
             raise ValueError("gpus_per_node and nodes must be >= 1")
         if self.gpus_per_node > MAX_GPUS_PER_NODE:

@@ -69,7 +69,7 @@ def _or(value: Any, default: Any) -> Any:
 def _cluster(args: Any) -> Cluster:
     try:
         return Cluster(gpu=find_gpu(_or(args.gpu, DEFAULT_GPU)), gpus_per_node=_or(args.gpus_per_node, 1),
-                       nodes=_or(args.nodes, 1), intra=_or(args.intra, "auto").lower(),
+                       nodes=_or(args.nodes, 1), intra=_or(args.intra, "auto"),
                        inter_gbps=_or(args.inter_gbps, 0.0), host_cpu=_or(args.host_cpu, "auto"))
     except ValueError as exc:
         raise _bad("hardware", str(exc)) from None

@@ -2020,3 +2020,13 @@ def test_notebook_06s_answer_on_this_machine_says_what_the_data_and_model_give()
     text = _notebook_06_text()
     assert f"{span(predicted[z3])} predicted" in text and f"{span(measured[z3])} measured" in text
     assert f"strategy {span(predicted)} and {span(measured)}" in text
+
+
+def test_link_and_host_names_read_in_any_case_as_gpu_names_do():
+    mixed = hw.Cluster(gpu=hw.gpu("a100-80gb"), gpus_per_node=8, nodes=2, intra="NVSwitch", inter_gbps=800,
+                       host_cpu="AMD")
+    plain = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=2, intra="nvswitch", inter_gbps=800,
+                       host_cpu="amd")
+    assert mixed == plain and mixed.describe() == plain.describe()
+    with pytest.raises(ValueError, match="unknown link 'nvlink9'"):
+        hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, intra="NVLink9")
