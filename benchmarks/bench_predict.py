@@ -159,11 +159,13 @@ def gemm_check() -> None:
 
 
 def gpu_runs_check() -> object:
-    """predicted / measured median step of every finished point of the lab's GPU answers (a DataFrame, or None)."""
+    """predicted / measured median step of every finished point of the lab's GPU answers (a DataFrame, or None):
+    from its config alone, and calibrated on the run of the same strategy at another micro-batch where one is kept
+    (`labkit predict --from RUN --micro-batch M`: calibrate.calibrated_gpu)."""
     import pandas as pd
 
     from labkit.runtime.hardware import Cluster, preset_for
-    from labkit.study import predict
+    from labkit.study import calibrate, predict
 
     rows = []
     for machine_file in sorted((ROOT / "data").glob("reference-*/machine.json")):
@@ -178,15 +180,22 @@ def gpu_runs_check() -> object:
             continue
         workload, _ = predict.answer_workload(folder)
         cluster = Cluster(gpu=predict.find_gpu(preset))
-        for row in pd.read_csv(results).itertuples():
-            if row.status != "finished" or row.world_size != 1:
-                continue
+        finished = [r for r in pd.read_csv(results).itertuples() if r.status == "finished" and r.world_size == 1]
+        records = results.parent / "run-records"
+        for row in finished:
             guess = predict.predict(workload, cluster, strategy=row.strategy, micro_batch=int(row.micro_batch),
                                     grad_accum=int(row.grad_accum), precision=row.precision)
+            other = next((o for o in finished if o.strategy == row.strategy and o.micro_batch != row.micro_batch
+                          and (records / o.run_id).is_dir()), None)
+            calibrated = (calibrate.calibrated_gpu(calibrate.read_run(records / other.run_id, "median"), gpu=preset,
+                                                   micro_batch=int(row.micro_batch))["step_time_s"]
+                          if other is not None else float("nan"))
             rows.append({"reference": str(results.parent.relative_to(folder.parent)), "gpu": preset,
                          "strategy": row.strategy, "micro_batch": row.micro_batch, "grad_accum": row.grad_accum,
                          "measured_s": row.median_step_time_s, "predicted_s": guess.step_time_s,
-                         "error": guess.step_time_s / row.median_step_time_s - 1})
+                         "error": guess.step_time_s / row.median_step_time_s - 1,
+                         "calibrated_on_micro_batch": other.micro_batch if other is not None else None,
+                         "calibrated_s": calibrated, "calibrated_error": calibrated / row.median_step_time_s - 1})
     return pd.DataFrame(rows) if rows else None
 
 
@@ -246,7 +255,8 @@ def main() -> int:
         from labkit.study.predict import TINY_STEP_S
 
         print("\nThe lab's runs on a GPU: median step PREDICTED from the config / measured (one rank; under "
-              f"{TINY_STEP_S * 1e3:.0f} ms a predicted step is launch-bound, which the model leaves out)")
+              f"{TINY_STEP_S * 1e3:.0f} ms a predicted step is launch-bound, which the model leaves out), and "
+              "PREDICTED calibrated on the same strategy's run at another micro-batch (labkit predict --from)")
         print(gpu.to_string(index=False, float_format=lambda v: f"{v:.4g}"))  # type: ignore[attr-defined]
     return 0
 

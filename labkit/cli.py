@@ -305,8 +305,9 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
     what.add_argument("--model", help="a lab model: 'mlp', 'gpt' or 'package.module:build_model' (counted on the "
                       "meta device; sized by --hidden/--depth/--input-size; your own with --data and --loss)")
     what.add_argument("--from", dest="from_run", metavar="RUN_DIR",
-                      help="calibrate on a finished run of CPU ranks made here and predict it at another "
-                           "--world-size/--micro-batch/--stage on this machine")
+                      help="calibrate on a finished run and predict it at another --world-size/--micro-batch/"
+                           "--stage: CPU ranks on this machine, or GPUs (one node of the run's kind; --gpu names "
+                           "it for a run before 2026-11-30)")
     for name in ("hidden", "depth", "input_size"):
         predict.add_argument(flag(name), type=int, default=None, help=_flag_help(name))
     for name in ("data", "loss"):  # a --model of your own: a sample to count on, and its loss

@@ -128,8 +128,10 @@ def train(config: RunConfig, *, run_dir: Path, local_rank: int, rank: int, world
     trainer = make_trainer(config, model, loss_fn, optimizer_impl, accelerator=accelerator, local_rank=local_rank,
                            run_dir=run_dir)
     telemetry.begin_step()  # the ready record's device peak: not deepspeed.initialize's transients
+    # the device's name: what `labkit predict --from` finds a GPU run's kind by (labkit.study.calibrate)
     telemetry.event("ready", n_params=n_params, accelerator=accelerator._name, optimizer_impl=optimizer_impl, **flops,
-                    backend=accelerator.communication_backend_name(), **telemetry.memory())
+                    backend=accelerator.communication_backend_name(),
+                    device_name=rank_device_name(accelerator._name, local_rank), **telemetry.memory())
     comms.close(SETUP)
 
     # -- the loop: no host-device synchronisation per step (labkit.rank.step_clock) ------------------------------

@@ -1,10 +1,12 @@
-"""Calibrated on this machine: a finished run's measured step, the link fit and the host's costs, for predicting the
-same training at another world size, micro-batch or ZeRO stage (`labkit predict --from RUN_DIR`), and the check of
-that against 2-rank runs (`cpu_comparison`, data/predict-ci/). Every figure it returns is a PREDICTION.
+"""Calibrated on a run: a finished run's measured step, the link fit and the host's costs, for predicting the
+same training at another world size, micro-batch or ZeRO stage (`labkit predict --from RUN_DIR`): a run of CPU ranks
+on this machine (`calibrated`), and the check of that against 2-rank runs (`cpu_comparison`, data/predict-ci/); a
+run on GPUs through the GPU model (`calibrated_gpu`). Every figure it returns is a PREDICTION.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,6 +209,99 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
             "compute_s": accum * micro_new + optimizer_new, "optimizer_s": optimizer_new, "comm_s": comm.total_s,
             "exposed_comm_s": comm.exposed_s, "offload_s": 0.0, "measured_step_time_s": run.step_time_s,
             "compute_per_collective_s": busy, "collectives": comm.rows}
+
+
+def ready_record(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """Rank 0's `ready` record (its accelerator, optimizer and, from 2026-11-30, device name); {} where none."""
+    from labkit.core.records import read_records
+
+    path = Path(run_dir) / "rank0.jsonl"
+    return next((r for r in read_records(path) if r.get("event") == "ready"), {}) if path.exists() else {}
+
+
+def run_strategy(config: dict[str, Any], stage: int | None = None) -> str:
+    """The predictor's strategy of a run's config, or DeepSpeed's ZeRO `stage` if given (a plain PyTorch run's too)."""
+    if stage is None:
+        if config.get("example") == "pytorch":
+            return "torch"
+        stage = int(config.get("stage") or 0)
+    return f"z{stage}" + ("-offload" if config.get("offload_optimizer") else "")
+
+
+def gpu_calibration(run: MeasuredRun, workload: Any, cluster: Any, *, strategy: str, optimizer: str | None,
+                    links: Any | None = None) -> Any:
+    """What a run on GPUs says the model misses (`predict.Calibration`), from its measured phases against the model
+    at the run's own config: per micro-step, its forward + backward (less the exposed communication the model gives
+    the run) against the longer of the model's device compute and host work; its optimizer phase against the
+    model's optimizer step (+ offload), and its step's time outside the phases added to it. Longer than the model:
+    the rest is work that does not grow with the micro-batch (`Calibration`); shorter: the device ran faster than
+    its roofline."""
+    from labkit.study import predict as P
+
+    accum, micro = int(run.config.get("grad_accum") or 1), int(run.config["micro_batch"])
+    model = P.predict(workload, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
+                      precision=run.config.get("precision", "fp32"), optimizer=optimizer, links=links)
+    device = model.forward_s + model.backward_s - model.host_bound_s / accum  # the device's own, one micro-step
+    host = model.host_overhead_s / accum
+    measured = (run.forward_s + run.backward_s - model.exposed_comm_s) / accum
+    if measured <= 0:
+        raise ValueError(f"{run.run_dir}: its forward and backward ({run.forward_s + run.backward_s:.3g} s) are no "
+                         f"longer than the communication predicted for it ({model.exposed_comm_s:.3g} s): nothing "
+                         "to calibrate the compute on")
+    bound = max(device, host)
+    factor = measured / device if measured < bound and device >= host else 1.0
+    excess = measured - host if measured >= bound else 0.0  # the host's work, so the micro-step's longer part: measured
+    stepped = model.optimizer_s + model.offload_s
+    opt_factor = (run.optimizer_s / model.optimizer_s if run.optimizer_s < stepped and model.offload_s == 0
+                  and model.optimizer_s > 0 else 1.0)
+    # the step's own time outside its phases (the loop, the next batch), once per step: with the optimizer's
+    outside = max(0.0, run.step_time_s - run.forward_s - run.backward_s - run.optimizer_s)
+    return P.Calibration(device_factor=max(factor, 1e-6), host_excess_s=excess, optimizer_factor=max(opt_factor, 1e-6),
+                         optimizer_excess_s=max(0.0, run.optimizer_s - stepped) + outside,
+                         source=f"{run.run_dir} (measured step {run.step_time_s:.4g} s, predicted "
+                                f"{model.step_time_s:.4g} s before calibration)")
+
+
+def calibrated_gpu(run: MeasuredRun, *, gpu: str | None = None, world_size: int | None = None,
+                   micro_batch: int | None = None, stage: int | None = None,
+                   links: Any | None = None) -> dict[str, Any]:
+    """The same training as a run on GPUs, PREDICTED at another world size (GPUs of the run's kind in one node),
+    micro-batch or ZeRO stage: `predict.predict` with the run's `gpu_calibration`; links from the GPU kind's presets
+    (NVLink or PCIe in one node), or `links`, a link fit measured on the GPUs (`predict.FittedLinks`). `gpu`: the
+    run's GPU kind where its records do not name it (runs before 2026-11-30)."""
+    from labkit.core.config import RunConfig, without_local_device_checks
+    from labkit.runtime.hardware import MAX_GPUS_PER_NODE, Cluster
+    from labkit.runtime.hardware import gpu as find_gpu
+    from labkit.study import optimizer_bytes
+    from labkit.study import predict as P
+
+    ready = ready_record(run.run_dir)
+    name = gpu or ready.get("device_name")
+    if not name:
+        raise ValueError(f"{run.run_dir} does not name its GPU (a run before 2026-11-30): give its kind with --gpu")
+    kind = find_gpu(str(name))
+    old_n, new_n = run.world_size, world_size or run.world_size
+    if max(old_n, new_n) > MAX_GPUS_PER_NODE:
+        raise ValueError(f"--from on GPUs predicts one node of up to {MAX_GPUS_PER_NODE} GPUs; for more, predict from "
+                         "flags (--gpus-per-node, --nodes, --inter-gbps)")
+    with without_local_device_checks():
+        config = RunConfig.from_dict({k: v for k, v in run.config.items() if k in RunConfig.__dataclass_fields__})
+    work = P.lab_workload(config)
+    old, new = run_strategy(run.config), run_strategy(run.config, stage)
+    impl = ready.get("optimizer_impl")
+    cal = gpu_calibration(run, work, Cluster(gpu=kind, gpus_per_node=old_n), strategy=old, optimizer=impl,
+                          links=links)
+    try:  # the run's optimizer where the new strategy is of its kind (plain or DeepSpeed) and can run it, else its
+        optimizer_bytes.basic_optimizer(*P.STRATEGIES[new], impl)  # default (DeepSpeed's FusedAdam)
+        new_impl = impl if (old == "torch") == (new == "torch") else None
+    except ValueError:
+        new_impl = None
+    pred = P.predict(work, Cluster(gpu=kind, gpus_per_node=new_n), strategy=new,
+                     micro_batch=micro_batch or int(run.config["micro_batch"]),
+                     grad_accum=int(run.config.get("grad_accum") or 1), precision=run.config.get("precision", "fp32"),
+                     optimizer=new_impl, calibration=cal, links=links)
+    return {**pred.to_dict(), "calibrated_from": run.run_dir, "measured_step_time_s": run.step_time_s,
+            "calibration": dataclasses.asdict(cal), "stage": P.STRATEGIES[new][0]}
 
 
 def memory_here(work: ModuleWorkload, values: dict[str, Any], precision: str) -> dict[str, Any]:

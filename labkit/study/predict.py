@@ -562,6 +562,29 @@ def optimizer_for(strategy: str, optimizer: str | None = None) -> str:
     return optimizer_bytes.basic_optimizer(*STRATEGIES[strategy], optimizer)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """What a measured run of the same training says the model misses (`calibrate.gpu_calibration`), applied by
+    `predict`. Where the run took longer than predicted, the difference is taken as work the model does not count
+    and that does not grow with the micro-batch (kernel launches and Python beyond one launch per op, the regime
+    docs/predict.md lists as left out): added to the host's work per micro-step, or to the optimizer step. Where
+    it was shorter, the device ran faster than its roofline: its compute (or the optimizer's) is scaled down."""
+
+    device_factor: float = 1.0       # the device's forward + backward x this (<= 1)
+    host_excess_s: float = 0.0       # added to the host's work to issue one micro-step (>= 0)
+    optimizer_factor: float = 1.0    # the optimizer step x this (<= 1)
+    optimizer_excess_s: float = 0.0  # added to the optimizer step (>= 0)
+    source: str = ""                 # the run it came from
+
+    def __post_init__(self) -> None:
+        for name in ("device_factor", "optimizer_factor"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        for name in ("host_excess_s", "optimizer_excess_s"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite time >= 0, got {getattr(self, name)}")
+
+
 def partition_ranks(stage: int | None, world_size: int) -> int:
     """Ranks that share the optimizer's states and update (1 at stage 0 and in plain PyTorch)."""
     return world_size if stage is not None and stage >= 1 else 1
@@ -570,11 +593,14 @@ def partition_ranks(stage: int | None, world_size: int) -> int:
 def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch: int, grad_accum: int = 1,
             precision: str = "fp16", activation_checkpointing: bool = False,
             host_memory_gb_per_s: float | None = None, zero: Mapping[str, Any] | None = None,
-            optimizer: str | None = None) -> Prediction:
+            optimizer: str | None = None, calibration: Calibration | None = None,
+            links: Any | None = None) -> Prediction:
     """One optimizer step of one rank of `workload` on `cluster` (module doc). Every figure is predicted. `zero`:
     DeepSpeed's `zero_optimization` settings where they are not its defaults (`comms.zero_settings` reads them
     from `key=value,...`), checked by DeepSpeed's own config model first. `optimizer`: the basic optimizer the step
-    runs (`optimizer_for`): its states and its step's traffic and peak are counted."""
+    runs (`optimizer_for`): its states and its step's traffic and peak are counted. `calibration`: what a measured
+    run of the same training says the model misses (`Calibration`); `links`: a measured link fit (`FittedLinks`)
+    instead of the cluster's presets."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
     if precision not in PRECISIONS:
@@ -594,25 +620,29 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     gpu, n = cluster.gpu, cluster.world_size
     gpu.peak(precision)  # a precision the GPU has no tensor cores for is refused here
     costs = workload.costs(micro_batch, gpu, precision, activation_checkpointing)
+    cal = calibration or Calibration()
+    if cal.device_factor != 1.0:
+        costs = dataclasses.replace(costs, forward_s=costs.forward_s * cal.device_factor,
+                                    backward_s=costs.backward_s * cal.device_factor)
     # The host issues the GPU's work asynchronously, so a micro-step takes the longer of the device's compute and the
     # host's work to issue it: an op launch per kernel, and ZeRO-3's per-module fetch hooks (HostCosts).
     modules, paramless = workload.zero3_trace().hooked_modules() if stage == 3 else (0.0, 0.0)
     host_s = host_costs(gpu).micro_step_s(
         costs.ops, modules, paramless, stage,
         workload.recomputed_modules() if activation_checkpointing else (0, 0), world_size=n,
-        gathers=gather_counts(workload, zero) if stage == 3 and n > 1 else (0.0, 0.0))
+        gathers=gather_counts(workload, zero) if stage == 3 and n > 1 else (0.0, 0.0)) + cal.host_excess_s
     on_gpu = {"forward": costs.forward_s, "backward": costs.backward_s}  # the device's own, before the host's bound
     host_bound_s = grad_accum * max(0.0, host_s - costs.forward_s - costs.backward_s)
     if host_s > costs.forward_s + costs.backward_s:
         scale = host_s / (costs.forward_s + costs.backward_s)
         costs = dataclasses.replace(costs, forward_s=costs.forward_s * scale, backward_s=costs.backward_s * scale)
     owned = workload.n_params / partition_ranks(stage, n)
-    optimizer_s = 0.0 if offload else (owned * optimizer_bytes.step_bytes(stage, precision, optimizer=optimizer)
-                                       / (gpu.memory_bytes_per_s * gpu.memory_efficiency))
+    optimizer_s = (0.0 if offload else owned * optimizer_bytes.step_bytes(stage, precision, optimizer=optimizer)
+                   / (gpu.memory_bytes_per_s * gpu.memory_efficiency)) * cal.optimizer_factor + cal.optimizer_excess_s
     compute_s = grad_accum * (costs.forward_s + costs.backward_s) + optimizer_s
     rows = collective_rows(stage, workload, n, precision=precision, grad_accum=grad_accum, offload_optimizer=offload,
                            zero=zero)
-    comm = comm_time(rows, ClusterLinks(cluster), n, grad_accum=grad_accum,
+    comm = comm_time(rows, links or ClusterLinks(cluster), n, grad_accum=grad_accum,
                      hide_behind={"forward": costs.forward_s, "backward": costs.backward_s},
                      slowdown=OVERLAP_COMPUTE_SLOWDOWN, device=on_gpu)
     offload_transfer_s, offload_host_s = _offload_s(stage, offload, owned, grad_accum, cluster, precision,
@@ -639,7 +669,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         max_micro_batch=max_micro, hardware=cluster.describe(),
         constants=f"device: {gpu.constants_source}; host: {host_costs(gpu).source}"
                   + (f"; {offload_host(gpu, precision, host_memory_gb_per_s)[1]}" if offload else "")
-                  + f"; memory: {gpu.memory_source}",
+                  + f"; memory: {gpu.memory_source}"
+                  + (f"; calibrated on {cal.source}" if calibration else ""),
         zero=dict(zero or {}), collectives=comm.rows, caveats=caveats(stage, n))
 
 

@@ -43,9 +43,9 @@ def _refuse_unread(args: Any) -> None:
                 and getattr(args, n) is not False]
 
     if args.from_run is not None:
-        unread, why = given(FLAGS_FOR_SHAPES + FLAGS_FOR_LAB_MODELS), (
-            "--from predicts its run on this machine at another --world-size, --micro-batch, --stage or "
-            "--threads-per-rank (its model, precision and hardware are the run's)")
+        unread, why = given(tuple(f for f in FLAGS_FOR_SHAPES if f != "gpu") + FLAGS_FOR_LAB_MODELS), (
+            "--from predicts its run at another --world-size, --micro-batch, --stage or, on CPU ranks, "
+            "--threads-per-rank (its model, precision and hardware are the run's; --gpu names a GPU run's kind)")
     else:
         unread, why = given(FLAGS_FOR_RUNS), "--world-size, --threads-per-rank and --links are --from's"
         if args.transformer is not None:
@@ -304,10 +304,14 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
         run = read_run(args.from_run, "mean")
     except ValueError as exc:
         raise _bad("from_run", str(exc)) from None
-    _check_calibratable(Path(args.from_run))
+    accelerator = _check_calibratable(Path(args.from_run))
     stage = args.stage
     if stage == 0 and run.offload:
         raise _bad("stage", "the run offloads its optimizer: stage 0 cannot")
+    if accelerator != "cpu":
+        return _from_gpu_run(args, run)
+    if args.gpu is not None:
+        raise _bad("gpu", "--gpu names a GPU run's kind; this run's ranks ran on this machine's CPU")
     if args.links:
         if not Path(args.links).is_file():
             raise _bad("links", f"no such link fit: {args.links}")
@@ -330,24 +334,52 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
                       threads_per_rank=args.threads_per_rank)
 
 
-def _check_calibratable(run_dir: Path) -> None:
-    """--from calibrates a finished run of CPU ranks made on this kind of machine: its summary says finished, and its
-    ranks ran on the CPU (the calibration rescales their compute by this CPU's measured rates and shares its cores
-    between the ranks; a GPU's compute would be rescaled as a CPU's)."""
+def _check_calibratable(run_dir: Path) -> str:
+    """--from calibrates a finished run (its summary says finished); returns where its ranks ran: `cpu` (the
+    calibration of CPU ranks on this machine) or `cuda` (the GPU model, calibrated)."""
     import json
 
-    from labkit.core.records import read_records
+    from labkit.study.calibrate import ready_record
 
     summary = run_dir / "summary.json"
     status = json.loads(summary.read_text()).get("status") if summary.is_file() else None
     if status != "finished":
         raise _bad("from_run", f"{run_dir} did not finish (its summary.json says {status!r}; none: still running or "
                                "killed): calibrate on a finished run")
-    ready = next((r for r in read_records(run_dir / "rank0.jsonl") if r.get("event") == "ready"), {})
-    if ready.get("accelerator") not in (None, "cpu"):
-        raise _bad("from_run", f"{run_dir} ran on {ready['accelerator']}: --from calibrates runs of CPU ranks (their "
-                               "compute rescaled by this CPU's measured rates); predict a GPU from the run's model "
-                               "with --model and --gpu")
+    accelerator = str(ready_record(run_dir).get("accelerator") or "cpu")
+    if accelerator not in ("cpu", "cuda"):
+        raise _bad("from_run", f"{run_dir} ran on {accelerator}: --from calibrates runs on CPU ranks or CUDA GPUs")
+    return accelerator
+
+
+def _from_gpu_run(args: Any, run: Any) -> dict[str, Any]:
+    """--from a run on GPUs: the GPU model at the new world size (one node of the run's GPU kind), micro-batch or
+    stage, calibrated on what the run measured (`calibrate.calibrated_gpu`); the links the GPU kind's presets, or a
+    fit measured on the GPUs (--links, NCCL: `labkit.study.predict.measure_links`)."""
+    import json
+
+    from labkit.study.calibrate import calibrated_gpu
+    from labkit.study.predict import FittedLinks
+
+    if args.threads_per_rank is not None:
+        raise _bad("threads_per_rank", "--threads-per-rank is a CPU rank's; this run's ranks ran on GPUs")
+    links = None
+    if args.links:
+        if not Path(args.links).is_file():
+            raise _bad("links", f"no such link fit: {args.links}")
+        try:
+            fit = json.loads(Path(args.links).read_text())
+        except ValueError as exc:
+            raise _bad("links", f"{args.links} is not JSON ({exc})") from None
+        if not isinstance(fit, dict) or not isinstance(fit.get("fits"), dict) or "all_reduce" not in fit["fits"]:
+            raise _bad("links", f"{args.links} is not a link fit (`labkit.study.predict.link_fit_json`: its \"fits\" "
+                                "per op, all_reduce's at least)")
+        links = FittedLinks(fit)
+    try:
+        return calibrated_gpu(run, gpu=args.gpu, world_size=args.world_size, micro_batch=args.micro_batch,
+                              stage=args.stage, links=links)
+    except ValueError as exc:
+        raise _bad("from_run", str(exc)) from None
 
 
 def format_table(out: dict[str, Any]) -> str:
@@ -360,7 +392,8 @@ def format_table(out: dict[str, Any]) -> str:
                 "usable_memory_bytes", "fits",
                 "max_micro_batch",
                 "measured_step_time_s", "steps_to_target_over_s_min"):
-        if key in out and not (key in ("offload_transfer_s", "offload_host_s") and not out.get("offload_s")):
+        if out.get(key) is not None and not (key in ("offload_transfer_s", "offload_host_s")
+                                             and not out.get("offload_s")):
             value = out[key]
             text = f"{value:.4g}" if isinstance(value, float) else str(value)
             label = "measured " if key.startswith("measured_") else "predicted"  # the run it was calibrated on

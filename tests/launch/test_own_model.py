@@ -125,6 +125,7 @@ def test_gpt_trains_on_python_source_under_zero3(runs_root):
     # MFU counts the GPT's FLOPs as DeepSpeed's profiler measured them: ~6 x params per token, not per sample.
     ready = next(r for r in read_records(rank_file(run.run_dir, 0)) if r["event"] == "ready")
     assert 6 * ready["n_params"] * 64 < ready["train_flops_per_sample"] < 12 * ready["n_params"] * 64
+    assert ready["device_name"] and ready["accelerator"] == "cpu"  # what `labkit predict --from` reads a GPU run by
     summary = run.summary
     assert summary["achieved_flops"] == pytest.approx(ready["train_flops_per_sample"] * summary["samples_per_s"])
     assert steps[0]["loss"] == pytest.approx(math.log(256), abs=0.6)  # a uniform guess over 256 bytes
