@@ -228,14 +228,29 @@ def run_strategy(config: dict[str, Any], stage: int | None = None) -> str:
     return f"z{stage}" + ("-offload" if config.get("offload_optimizer") else "")
 
 
+@dataclass(frozen=True)
+class GpuCalibration:
+    """`gpu_calibration`'s two readings of one run (`predict.Calibration` each): they differ only where the run
+    was slower than the model, which one run cannot split into fixed work and a slower device."""
+
+    fixed: Any   # the miss as work that does not grow with the micro-batch (what step_time_s uses)
+    grows: Any   # the miss as a device slower than its roofline, growing with the micro-batch
+    slower: bool  # the run's micro-step took longer than the model's
+
+
 def gpu_calibration(run: MeasuredRun, workload: Any, cluster: Any, *, strategy: str, optimizer: str | None,
-                    links: Any | None = None) -> Any:
-    """What a run on GPUs says the model misses (`predict.Calibration`), from its measured phases against the model
-    at the run's own config: per micro-step, its forward + backward (less the exposed communication the model gives
-    the run) against the longer of the model's device compute and host work; its optimizer phase against the
-    model's optimizer step (+ offload), and its step's time outside the phases added to it. Longer than the model:
-    the rest is work that does not grow with the micro-batch (`Calibration`); shorter: the device ran faster than
-    its roofline."""
+                    links: Any | None = None) -> GpuCalibration:
+    """What a run on GPUs says the model misses, from its measured phases against the model at the run's own
+    config. Per micro-step: its forward + backward, less the communication the model exposes in those phases,
+    against the longer of the model's device compute and host work (the micro-step is the longer of the two: the
+    host issues the device's work ahead). Per step: its optimizer phase, less the optimizer phase's collectives,
+    against the model's optimizer step (+ offload), and its step's time outside the phases (the loop, the next
+    batch) added to it. At the run's own config either reading gives the run's step back.
+    - No slower than the model: the device, the host and the optimizer ran faster than modelled, each scaled down.
+    - Slower: the miss is work the model does not count. Read as fixed work (kernel launches and Python beyond one
+      launch per op, which docs/predict.md lists as left out): the host's work per micro-step becomes the measured
+      micro-step, and a bigger micro-batch costs nothing more until the device's compute passes it. Read as a
+      device slower than its roofline: the device's compute x (measured / modelled)."""
     from labkit.study import predict as P
 
     accum, micro = int(run.config.get("grad_accum") or 1), int(run.config["micro_batch"])
@@ -243,32 +258,37 @@ def gpu_calibration(run: MeasuredRun, workload: Any, cluster: Any, *, strategy: 
                       precision=run.config.get("precision", "fp32"), optimizer=optimizer, links=links)
     device = model.forward_s + model.backward_s - model.host_bound_s / accum  # the device's own, one micro-step
     host = model.host_overhead_s / accum
-    measured = (run.forward_s + run.backward_s - model.exposed_comm_s) / accum
+    # the optimizer phase's collectives (never overlapped) are timed in the run's optimizer phase, the rest of the
+    # exposed communication in its forward and backward
+    in_step = sum(r["seconds_per_step"] for r in model.collectives if r["phase"] == "optimizer")
+    measured = (run.forward_s + run.backward_s - (model.exposed_comm_s - in_step)) / accum
     if measured <= 0:
         raise ValueError(f"{run.run_dir}: its forward and backward ({run.forward_s + run.backward_s:.3g} s) are no "
-                         f"longer than the communication predicted for it ({model.exposed_comm_s:.3g} s): nothing "
-                         "to calibrate the compute on")
-    bound = max(device, host)
-    factor = measured / device if measured < bound and device >= host else 1.0
-    excess = measured - host if measured >= bound else 0.0  # the host's work, so the micro-step's longer part: measured
+                         f"longer than the communication predicted in them: nothing to calibrate the compute on")
     stepped = model.optimizer_s + model.offload_s
-    opt_factor = (run.optimizer_s / model.optimizer_s if run.optimizer_s < stepped and model.offload_s == 0
-                  and model.optimizer_s > 0 else 1.0)
-    # the step's own time outside its phases (the loop, the next batch), once per step: with the optimizer's
+    optimizer_phase = max(run.optimizer_s - in_step, 0.0)
     outside = max(0.0, run.step_time_s - run.forward_s - run.backward_s - run.optimizer_s)
-    return P.Calibration(device_factor=max(factor, 1e-6), host_excess_s=excess, optimizer_factor=max(opt_factor, 1e-6),
-                         optimizer_excess_s=max(0.0, run.optimizer_s - stepped) + outside,
-                         source=f"{run.run_dir} (measured step {run.step_time_s:.4g} s, predicted "
-                                f"{model.step_time_s:.4g} s before calibration)")
+    opt: dict[str, Any] = dict(
+        optimizer_factor=min(1.0, optimizer_phase / stepped) if stepped > 0 and optimizer_phase > 0 else 1.0,
+        optimizer_excess_s=max(0.0, optimizer_phase - stepped) + outside,
+        source=f"{run.run_dir} (measured step {run.step_time_s:.4g} s, predicted {model.step_time_s:.4g} s before "
+               "calibration)")
+    if measured <= max(device, host) * (1 + 1e-9):  # (a run exactly as modelled, up to rounding)
+        faster = P.Calibration(device_factor=min(1.0, measured / device), host_factor=min(1.0, measured / host)
+                               if host > 0 else 1.0, **opt)
+        return GpuCalibration(faster, faster, False)
+    return GpuCalibration(P.Calibration(host_excess_s=measured - host, **opt),
+                          P.Calibration(device_factor=measured / device, **opt), True)
 
 
 def calibrated_gpu(run: MeasuredRun, *, gpu: str | None = None, world_size: int | None = None,
                    micro_batch: int | None = None, stage: int | None = None,
                    links: Any | None = None) -> dict[str, Any]:
     """The same training as a run on GPUs, PREDICTED at another world size (GPUs of the run's kind in one node),
-    micro-batch or ZeRO stage: `predict.predict` with the run's `gpu_calibration`; links from the GPU kind's presets
-    (NVLink or PCIe in one node), or `links`, a link fit measured on the GPUs (`predict.FittedLinks`). `gpu`: the
-    run's GPU kind where its records do not name it (runs before 2026-11-30)."""
+    micro-batch or ZeRO stage: `predict.predict` with the run's `gpu_calibration` (`step_time_s` the miss read as
+    fixed work, `step_time_s_if_the_miss_grows` as a slower device); links from the GPU kind's presets (NVLink or
+    PCIe in one node), or `links`, a link fit measured on the GPUs (`predict.FittedLinks`). `gpu`: the run's GPU kind
+    where its records do not name it (runs before 2026-11-30); where they do, it must be the same kind."""
     from labkit.core.config import RunConfig, without_local_device_checks
     from labkit.runtime.hardware import MAX_GPUS_PER_NODE, Cluster
     from labkit.runtime.hardware import gpu as find_gpu
@@ -276,10 +296,22 @@ def calibrated_gpu(run: MeasuredRun, *, gpu: str | None = None, world_size: int 
     from labkit.study import predict as P
 
     ready = ready_record(run.run_dir)
-    name = gpu or ready.get("device_name")
-    if not name:
+    recorded = ready.get("device_name")
+    try:
+        kind = find_gpu(str(recorded)) if recorded else None
+    except ValueError:
+        if not gpu:
+            raise ValueError(f"{run.run_dir} ran on {recorded!r}, which no GPU preset is: give the nearest kind with "
+                             "--gpu") from None
+        kind = None
+    if gpu:
+        given = find_gpu(gpu)
+        if kind is not None and given.name != kind.name:
+            raise ValueError(f"{run.run_dir} ran on {recorded} ({kind.name}), not {given.name}: --from predicts the "
+                             "run's own GPU kind (predict another from flags: --model, --gpu)")
+        kind = given
+    if kind is None:
         raise ValueError(f"{run.run_dir} does not name its GPU (a run before 2026-11-30): give its kind with --gpu")
-    kind = find_gpu(str(name))
     old_n, new_n = run.world_size, world_size or run.world_size
     if max(old_n, new_n) > MAX_GPUS_PER_NODE:
         raise ValueError(f"--from on GPUs predicts one node of up to {MAX_GPUS_PER_NODE} GPUs; for more, predict from "
@@ -289,19 +321,24 @@ def calibrated_gpu(run: MeasuredRun, *, gpu: str | None = None, world_size: int 
     work = P.lab_workload(config)
     old, new = run_strategy(run.config), run_strategy(run.config, stage)
     impl = ready.get("optimizer_impl")
-    cal = gpu_calibration(run, work, Cluster(gpu=kind, gpus_per_node=old_n), strategy=old, optimizer=impl,
-                          links=links)
+    readings = gpu_calibration(run, work, Cluster(gpu=kind, gpus_per_node=old_n), strategy=old, optimizer=impl,
+                               links=links)
     try:  # the run's optimizer where the new strategy is of its kind (plain or DeepSpeed) and can run it, else its
         optimizer_bytes.basic_optimizer(*P.STRATEGIES[new], impl)  # default (DeepSpeed's FusedAdam)
         new_impl = impl if (old == "torch") == (new == "torch") else None
     except ValueError:
         new_impl = None
-    pred = P.predict(work, Cluster(gpu=kind, gpus_per_node=new_n), strategy=new,
-                     micro_batch=micro_batch or int(run.config["micro_batch"]),
-                     grad_accum=int(run.config.get("grad_accum") or 1), precision=run.config.get("precision", "fp32"),
-                     optimizer=new_impl, calibration=cal, links=links)
-    return {**pred.to_dict(), "calibrated_from": run.run_dir, "measured_step_time_s": run.step_time_s,
-            "calibration": dataclasses.asdict(cal), "stage": P.STRATEGIES[new][0]}
+    micro = micro_batch or int(run.config["micro_batch"])
+    fixed, grows = (P.predict(work, Cluster(gpu=kind, gpus_per_node=new_n), strategy=new, micro_batch=micro,
+                              grad_accum=int(run.config.get("grad_accum") or 1),
+                              precision=run.config.get("precision", "fp32"), optimizer=new_impl, calibration=c,
+                              links=links) for c in (readings.fixed, readings.grows))
+    out = fixed.to_dict()
+    if config.distributed_sampler and not config.sample_with_replacement:  # RunConfig's own rule: each rank's share
+        out["max_micro_batch"] = min(out["max_micro_batch"], config.dataset_size // new_n)
+    return {**out, "calibrated_from": run.run_dir, "measured_step_time_s": run.step_time_s,
+            "step_time_s_if_the_miss_grows": grows.step_time_s, "run_slower_than_model": readings.slower,
+            "calibration": dataclasses.asdict(readings.fixed), "stage": P.STRATEGIES[new][0]}
 
 
 def memory_here(work: ModuleWorkload, values: dict[str, Any], precision: str) -> dict[str, Any]:

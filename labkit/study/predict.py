@@ -565,19 +565,20 @@ def optimizer_for(strategy: str, optimizer: str | None = None) -> str:
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
     """What a measured run of the same training says the model misses (`calibrate.gpu_calibration`), applied by
-    `predict`. Where the run took longer than predicted, the difference is taken as work the model does not count
-    and that does not grow with the micro-batch (kernel launches and Python beyond one launch per op, the regime
-    docs/predict.md lists as left out): added to the host's work per micro-step, or to the optimizer step. Where
-    it was shorter, the device ran faster than its roofline: its compute (or the optimizer's) is scaled down."""
+    `predict`: factors on the device's compute, the host's work per micro-step and the optimizer step (on the
+    device or, offloaded, the host), and fixed time added to the host's work per micro-step and to the step."""
 
-    device_factor: float = 1.0       # the device's forward + backward x this (<= 1)
-    host_excess_s: float = 0.0       # added to the host's work to issue one micro-step (>= 0)
-    optimizer_factor: float = 1.0    # the optimizer step x this (<= 1)
-    optimizer_excess_s: float = 0.0  # added to the optimizer step (>= 0)
+    device_factor: float = 1.0       # the device's forward + backward x this (> 0)
+    host_factor: float = 1.0         # the host's work to issue one micro-step x this (<= 1)
+    host_excess_s: float = 0.0       # ... + this (>= 0)
+    optimizer_factor: float = 1.0    # the optimizer step (+ offload) x this (<= 1)
+    optimizer_excess_s: float = 0.0  # ... + this, once per step (>= 0)
     source: str = ""                 # the run it came from
 
     def __post_init__(self) -> None:
-        for name in ("device_factor", "optimizer_factor"):
+        if not 0 < self.device_factor < math.inf:
+            raise ValueError(f"device_factor must be a finite factor > 0, got {self.device_factor}")
+        for name in ("host_factor", "optimizer_factor"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         for name in ("host_excess_s", "optimizer_excess_s"):
@@ -630,7 +631,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     host_s = host_costs(gpu).micro_step_s(
         costs.ops, modules, paramless, stage,
         workload.recomputed_modules() if activation_checkpointing else (0, 0), world_size=n,
-        gathers=gather_counts(workload, zero) if stage == 3 and n > 1 else (0.0, 0.0)) + cal.host_excess_s
+        gathers=gather_counts(workload, zero) if stage == 3 and n > 1 else (0.0, 0.0))
+    host_s = host_s * cal.host_factor + cal.host_excess_s
     on_gpu = {"forward": costs.forward_s, "backward": costs.backward_s}  # the device's own, before the host's bound
     host_bound_s = grad_accum * max(0.0, host_s - costs.forward_s - costs.backward_s)
     if host_s > costs.forward_s + costs.backward_s:
@@ -647,6 +649,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
                      slowdown=OVERLAP_COMPUTE_SLOWDOWN, device=on_gpu)
     offload_transfer_s, offload_host_s = _offload_s(stage, offload, owned, grad_accum, cluster, precision,
                                                     host_memory_gb_per_s)
+    offload_transfer_s *= cal.optimizer_factor
+    offload_host_s *= cal.optimizer_factor
     offload_s = offload_transfer_s + offload_host_s
     step = compute_s + comm.exposed_s + offload_s
     global_batch = micro_batch * grad_accum * n

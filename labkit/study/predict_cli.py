@@ -309,7 +309,7 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
     if stage == 0 and run.offload:
         raise _bad("stage", "the run offloads its optimizer: stage 0 cannot")
     if accelerator != "cpu":
-        return _from_gpu_run(args, run)
+        return _from_gpu_run(args, read_run(args.from_run, "median"))  # the answer's statistic for GPU steps
     if args.gpu is not None:
         raise _bad("gpu", "--gpu names a GPU run's kind; this run's ranks ran on this machine's CPU")
     if args.links:
@@ -342,7 +342,10 @@ def _check_calibratable(run_dir: Path) -> str:
     from labkit.study.calibrate import ready_record
 
     summary = run_dir / "summary.json"
-    status = json.loads(summary.read_text()).get("status") if summary.is_file() else None
+    try:
+        status = json.loads(summary.read_text()).get("status") if summary.is_file() else None
+    except (ValueError, AttributeError) as exc:
+        raise _bad("from_run", f"{summary} does not read ({exc}): calibrate on a finished run") from None
     if status != "finished":
         raise _bad("from_run", f"{run_dir} did not finish (its summary.json says {status!r}; none: still running or "
                                "killed): calibrate on a finished run")
@@ -374,6 +377,10 @@ def _from_gpu_run(args: Any, run: Any) -> dict[str, Any]:
         if not isinstance(fit, dict) or not isinstance(fit.get("fits"), dict) or "all_reduce" not in fit["fits"]:
             raise _bad("links", f"{args.links} is not a link fit (`labkit.study.predict.link_fit_json`: its \"fits\" "
                                 "per op, all_reduce's at least)")
+        if fit.get("backend") != "nccl":  # a gloo fit on CPU ranks would time GPUs' collectives as the CPU's
+            raise _bad("links", f"{args.links} was measured with {fit.get('backend')!r}, not NCCL: a run on GPUs takes "
+                                "a link fit measured on GPUs (`labkit.study.predict.measure_links` there), or none "
+                                "(the GPU kind's preset links)")
         links = FittedLinks(fit)
     try:
         return calibrated_gpu(run, gpu=args.gpu, world_size=args.world_size, micro_batch=args.micro_batch,
@@ -386,7 +393,7 @@ def format_table(out: dict[str, Any]) -> str:
     """The JSON as lines a person reads, every number labelled predicted."""
     lines = [f"PREDICTED ({out.get('hardware') or 'calibrated on ' + str(out.get('calibrated_from'))})"]
     for key in ("strategy", "optimizer", "stage", "world_size", "micro_batch", "grad_accum", "global_batch",
-                "step_time_s", "samples_per_s",
+                "step_time_s", "step_time_s_if_the_miss_grows", "samples_per_s",
                 "model_tflops_per_gpu", "hardware_tflops_per_gpu", "compute_s", "comm_s", "exposed_comm_s",
                 "offload_s", "offload_transfer_s", "offload_host_s", "device_bytes", "step_peak_bytes",
                 "usable_memory_bytes", "fits",
@@ -400,6 +407,9 @@ def format_table(out: dict[str, Any]) -> str:
             if key == "steps_to_target_over_s_min":  # the critical batch is an input: said beside it
                 text += f" (B_crit {out['b_crit']:.4g} samples: {out.get('b_crit_source') or 'given'})"
             lines.append(f"  {label} {key:28s} {text}")
+    if out.get("run_slower_than_model"):  # one run cannot split what the model misses: both readings are printed
+        lines.append("  calibrated: the run was slower than the model; step_time_s reads the difference as fixed work "
+                     "(launches, Python), step_time_s_if_the_miss_grows as a device slower than its roofline")
     if out.get("zero"):
         lines.append("  with zero_optimization " + ", ".join(f"{k}={v}" for k, v in out["zero"].items()))
     if out.get("strategy") == "torch":  # what plain PyTorch is predicted as

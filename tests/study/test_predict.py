@@ -1241,17 +1241,18 @@ def test_from_a_run_on_the_command_line_labels_the_measured_step_measured(tmp_pa
 H100_RUNS = Path(__file__).resolve().parents[2] / "data" / "reference-h100-80gb" / "answer-partial" / "run-records"
 
 
-def test_from_a_gpu_run_the_gpu_model_is_calibrated_on_what_it_measured(capsys):
+def test_from_a_gpu_run_the_gpu_model_is_calibrated_on_what_it_measured(capsys, tmp_path):
     # The workshop MLP on one H100, plain PyTorch at micro-batch 512 and 4096 (median steps 4.01 and 4.08 ms):
-    # launch-bound, which the model from flags misses by -63% and -19% (bench_predict.py). Calibrated on one run, the
-    # other's micro-batch: what the model misses is taken as fixed work (predict.Calibration).
+    # launch-bound, which the model from flags misses by -63% and -19% (bench_predict.py). Calibrated on one run,
+    # the other's micro-batch, with the miss read as fixed work and as a slower device: the runs tell them apart.
     small, big = (C.read_run(next(H100_RUNS.glob(f"*-pytorch-torch-w1-b{m}-*")), "median") for m in (512, 4096))
-    assert C.calibrated_gpu(small, gpu="H100-SXM")["step_time_s"] == pytest.approx(small.step_time_s, rel=1e-9)
     up = C.calibrated_gpu(small, gpu="H100-SXM", micro_batch=4096)
     down = C.calibrated_gpu(big, gpu="H100-SXM", micro_batch=512)
-    assert up["step_time_s"] == pytest.approx(big.step_time_s, rel=0.05)
+    assert up["run_slower_than_model"] and up["predicted"]
+    assert up["step_time_s"] == pytest.approx(big.step_time_s, rel=0.05)  # fixed work: within 5%
     assert down["step_time_s"] == pytest.approx(small.step_time_s, rel=0.05)
-    assert up["predicted"] and up["calibration"]["host_excess_s"] > 0  # the model's device work is not the miss
+    assert up["step_time_s_if_the_miss_grows"] > 4 * big.step_time_s  # a slower device: far off, both ways
+    assert down["step_time_s_if_the_miss_grows"] < 0.5 * small.step_time_s
     # on the command line: a run before 2026-11-30 does not name its GPU, so --gpu gives it; another world size
     # is one node of the run's GPU kind on its presets' links, at another stage DeepSpeed's default optimizer
     assert main(["predict", "--from", small.run_dir, "--micro-batch", "4096"]) == 2
@@ -1262,29 +1263,89 @@ def test_from_a_gpu_run_the_gpu_model_is_calibrated_on_what_it_measured(capsys):
     assert out["predicted"] and out["calibrated_from"] == small.run_dir and out["world_size"] == 8
     assert out["strategy"] == "z3" and out["optimizer"] == "fused_adam" and out["exposed_comm_s"] > 0
     assert out["hardware"] == "8 x H100-SXM per node (nvswitch, auto)"
+    assert out["max_micro_batch"] <= 65536 // 8  # each rank's share of the run's dataset
     assert main(["predict", "--from", small.run_dir, "--gpu", "H100", "--threads-per-rank", "2"]) == 2
     assert "--threads-per-rank is a CPU rank's" in capsys.readouterr().err
     assert main(["predict", "--from", small.run_dir, "--gpu", "H100", "--world-size", "32"]) == 2
     assert "one node of up to 16 GPUs" in capsys.readouterr().err
+    assert main(["predict", "--from", small.run_dir, "--gpu", "H100", "--world-size", "2", "--links",
+                 "data/predict-ci/links.json"]) == 2  # measured with gloo on this CPU machine
+    assert "not NCCL" in capsys.readouterr().err
+    # a run from 2026-11-30 on names its GPU: found by it, and another kind is refused
+    import shutil
+
+    run = Path(shutil.copytree(small.run_dir, tmp_path / "run"))
+    records = [json.loads(line) for line in (run / "rank0.jsonl").read_text().splitlines() if line.strip()]
+    for r in records:
+        if r.get("event") == "ready":
+            r["device_name"] = "NVIDIA H100 80GB HBM3"
+    (run / "rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["predict", "--from", str(run), "--micro-batch", "4096", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] == pytest.approx(up["step_time_s"])
+    assert main(["predict", "--from", str(run), "--gpu", "A100-80GB"]) == 2
+    assert "not A100-80GB" in capsys.readouterr().err
+    (run / "summary.json").write_text("{not json")
+    assert main(["predict", "--from", str(run)]) == 2
+    assert "does not read" in capsys.readouterr().err
 
 
-def test_a_gpu_run_faster_than_the_roofline_scales_the_device_down():
-    # measured in half the device time the model gives a device-bound config: the device's compute x 0.5
+def _run_as_the_model_says(work, cluster, config):
+    """A run whose phases are the model's own at `config` (the optimizer phase's collectives in it, the rest of the
+    exposed communication in the forward and backward), and the prediction it was made from."""
+    p = P.predict(work, cluster, strategy=C.run_strategy(config), micro_batch=config["micro_batch"],
+                  grad_accum=config["grad_accum"], precision=config["precision"])
+    in_step = sum(r["seconds_per_step"] for r in p.collectives if r["phase"] == "optimizer")
+    fb = config["grad_accum"] * (p.forward_s + p.backward_s) + p.exposed_comm_s - in_step
+    run = C.MeasuredRun("synthetic", config, fb / 3, 2 * fb / 3, p.optimizer_s + p.offload_s + in_step,
+                        p.step_time_s, 20)
+    return run, p
+
+
+@pytest.mark.parametrize("strategy,ranks,accum", [
+    ("torch", 1, 1), ("z0", 1, 4), ("z1", 4, 1), ("z2", 8, 4), ("z3", 4, 1), ("z3", 1, 2), ("z2-offload", 2, 1)])
+def test_a_gpu_run_the_model_predicts_exactly_calibrates_to_no_change(strategy, ranks, accum):
+    # both readings, at the run's own config and at 4x its micro-batch: the calibration is the identity
+    stage, offload = P.STRATEGIES[strategy]
+    config = {**CONFIG, "example": "pytorch" if stage is None else "deepspeed", "stage": stage or 0,
+              "world_size": ranks, "grad_accum": accum, "micro_batch": 256, "hidden": 2048, "precision": "bf16",
+              "offload_optimizer": offload}
+    work = P.ModuleWorkload(RunConfig.from_dict({**config, "world_size": 1, "example": "deepspeed", "stage": 0,
+                                                 "offload_optimizer": False}))
+    cluster = hw.Cluster(gpu=hw.gpu("H100-SXM"), gpus_per_node=ranks)
+    run, _ = _run_as_the_model_says(work, cluster, config)
+    readings = C.gpu_calibration(run, work, cluster, strategy=strategy, optimizer=None)
+    assert not readings.slower
+    for micro in (256, 1024):
+        plain = P.predict(work, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum, precision="bf16")
+        for cal in (readings.fixed, readings.grows):
+            calibrated = P.predict(work, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
+                                   precision="bf16", calibration=cal)
+            assert calibrated.step_time_s == pytest.approx(plain.step_time_s, rel=1e-9)
+
+
+def test_a_gpu_run_slower_than_the_model_is_read_both_ways():
+    # a device-bound run 10% slower than the model: read as a slower device the 10% grows with the micro-batch;
+    # read as fixed work it is added to the host's work, which a bigger micro-batch's device compute passes; at the
+    # run's own config both give the run's step back
     config = {**CONFIG, "hidden": 8192, "micro_batch": 4096, "precision": "bf16"}
     work = P.ModuleWorkload(RunConfig.from_dict(config))
     cluster = hw.Cluster(gpu=hw.gpu("H100-SXM"))
-    model = P.predict(work, cluster, strategy="z0", micro_batch=4096, precision="bf16")
+    run, model = _run_as_the_model_says(work, cluster, config)
     assert model.host_bound_s == 0  # device-bound
-    device = model.forward_s + model.backward_s
-    run = C.MeasuredRun("synthetic", config, device / 4, device / 4, model.optimizer_s,
-                        device / 2 + model.optimizer_s, 20)
-    cal = C.gpu_calibration(run, work, cluster, strategy="z0", optimizer=None)
-    assert cal.device_factor == pytest.approx(0.5) and cal.host_excess_s == 0 == cal.optimizer_excess_s
-    plain, calibrated = (P.predict(work, cluster, strategy="z0", micro_batch=8192, precision="bf16", calibration=c)
-                         for c in (None, cal))
-    assert calibrated.forward_s + calibrated.backward_s == pytest.approx(0.5 * (plain.forward_s + plain.backward_s))
-    with pytest.raises(ValueError, match="device_factor"):
-        P.Calibration(device_factor=2.0)
+    slow = 0.1 * (model.forward_s + model.backward_s)
+    run = dataclasses.replace(run, backward_s=run.backward_s + slow, step_time_s=run.step_time_s + slow)
+    readings = C.gpu_calibration(run, work, cluster, strategy="z0", optimizer=None)
+    assert readings.slower and readings.grows.device_factor == pytest.approx(1.1)
+    own = [P.predict(work, cluster, strategy="z0", micro_batch=4096, precision="bf16", calibration=c).step_time_s
+           for c in (readings.fixed, readings.grows)]
+    assert own == pytest.approx([run.step_time_s] * 2, rel=1e-9)
+    plain, fixed, grows = (P.predict(work, cluster, strategy="z0", micro_batch=8192, precision="bf16",
+                                     calibration=c) for c in (None, readings.fixed, readings.grows))
+    device = plain.forward_s + plain.backward_s
+    assert grows.forward_s + grows.backward_s == pytest.approx(1.1 * device)
+    assert fixed.forward_s + fixed.backward_s == pytest.approx(device)  # past the fixed work
+    with pytest.raises(ValueError, match="host_factor"):
+        P.Calibration(host_factor=2.0)
 
 
 def test_a_huge_micro_batch_is_counted_as_shapes_not_built():
