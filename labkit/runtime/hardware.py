@@ -448,10 +448,12 @@ def load_published_gemm(path: str | Path) -> tuple[list[str], Measured]:
 def preset_for(device_name: str) -> str | None:
     """The preset a CUDA device name is ("NVIDIA H100 80GB HBM3" -> "H100-SXM", "NVIDIA A100-SXM4-40GB" ->
     "A100-40GB", "Tesla V100-PCIE-16GB" -> "V100-16GB-PCIE", "NVIDIA H200" -> "H200-SXM"), or None for a GPU
-    without one (the H100 NVL and H200 NVL, bridged PCIe cards of other clocks). Pure."""
+    without one (the H100 NVL and H200 NVL, bridged PCIe cards of other clocks; the GH200 superchip). Pure."""
     name = device_name.lower()
     pcie = "pcie" in name
     memory = re.search(r"(\d+)\s*gb", name)
+    if re.search(r"(?<![a-z])gh\d", name):
+        return None  # a Grace Hopper superchip ("NVIDIA GH200 480GB": 96 GB of HBM3), not an H100 or H200 board
     if "h100" in name:
         return None if "nvl" in name else ("H100-PCIE" if pcie else "H100-SXM")
     if "h200" in name:

@@ -7,6 +7,7 @@ run on GPUs through the GPU model (`calibrated_gpu`). Every figure it returns is
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ class MeasuredRun:
     optimizer_s: float
     step_time_s: float
     steps: int
+    step_spread_s: float = 0.0  # the steps' median absolute deviation: how much one step varies from the next
 
     @property
     def world_size(self) -> int:
@@ -75,8 +77,11 @@ def read_run(run_dir: str | os.PathLike, statistic: str = "mean") -> MeasuredRun
 
         return summarise([float(r.get(key) or 0.0) for r in steps], statistic)
 
+    times = sorted(float(r.get("step_time_s") or 0.0) for r in steps)
+    middle = times[len(times) // 2]
+    spread = sorted(abs(t - middle) for t in times)[len(times) // 2]
     return MeasuredRun(str(path), config, summary("forward_s"), summary("backward_s"), summary("optimizer_s"),
-                       summary("step_time_s"), len(steps))
+                       summary("step_time_s"), len(steps), spread)
 
 
 def effective_cores(threads_per_rank: int, ranks: int, cores: int) -> float:
@@ -245,14 +250,20 @@ def gpu_calibration(run: MeasuredRun, workload: Any, cluster: Any, *, strategy: 
     against the longer of the model's device compute and host work (the micro-step is the longer of the two: the
     host issues the device's work ahead). Per step: its optimizer phase, less the optimizer phase's collectives,
     against the model's optimizer step (+ offload), and its step's time outside the phases (the loop, the next
-    batch) added to it. At the run's own config either reading gives the run's step back.
-    - No slower than the model: the device, the host and the optimizer ran faster than modelled, each scaled down.
-    - Slower: the miss is work the model does not count. Read as fixed work (kernel launches and Python beyond one
-      launch per op, which docs/predict.md lists as left out): the host's work per micro-step becomes the measured
-      micro-step, and a bigger micro-batch costs nothing more until the device's compute passes it. Read as a
-      device slower than its roofline: the device's compute x (measured / modelled)."""
+    batch) added to it.
+    - No slower than the model: the device, the host and the optimizer ran faster than modelled, each scaled down;
+      the run's own step comes back.
+    - Slower, by more than its steps vary (their median absolute deviation; within it, read as no miss): the miss
+      is work the model does not count, and one run cannot say which. Read as fixed work (kernel launches and
+      Python beyond one launch per op, which docs/predict.md lists as left out): the host's work per micro-step
+      becomes the measured micro-step, so a bigger micro-batch costs nothing more until the device's compute passes
+      it, and a smaller one no less. Read as a device slower than its roofline: the device's compute x (measured /
+      modelled). Both give the run's own step back; at another micro-batch they bracket the truth."""
     from labkit.study import predict as P
 
+    measured_parts = (run.forward_s, run.backward_s, run.optimizer_s, run.step_time_s)
+    if not all(math.isfinite(t) and t >= 0 for t in measured_parts):
+        raise ValueError(f"{run.run_dir}: its phases and step must be finite times >= 0, got {measured_parts}")
     accum, micro = int(run.config.get("grad_accum") or 1), int(run.config["micro_batch"])
     model = P.predict(workload, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
                       precision=run.config.get("precision", "fp32"), optimizer=optimizer, links=links)
@@ -264,7 +275,8 @@ def gpu_calibration(run: MeasuredRun, workload: Any, cluster: Any, *, strategy: 
     measured = (run.forward_s + run.backward_s - (model.exposed_comm_s - in_step)) / accum
     if measured <= 0:
         raise ValueError(f"{run.run_dir}: its forward and backward ({run.forward_s + run.backward_s:.3g} s) are no "
-                         f"longer than the communication predicted in them: nothing to calibrate the compute on")
+                         f"longer than the communication predicted in them: nothing to calibrate the compute on (its "
+                         "links faster than the GPU kind's presets? give a fit measured on them, --links)")
     stepped = model.optimizer_s + model.offload_s
     optimizer_phase = max(run.optimizer_s - in_step, 0.0)
     outside = max(0.0, run.step_time_s - run.forward_s - run.backward_s - run.optimizer_s)
@@ -273,7 +285,9 @@ def gpu_calibration(run: MeasuredRun, workload: Any, cluster: Any, *, strategy: 
         optimizer_excess_s=max(0.0, optimizer_phase - stepped) + outside,
         source=f"{run.run_dir} (measured step {run.step_time_s:.4g} s, predicted {model.step_time_s:.4g} s before "
                "calibration)")
-    if measured <= max(device, host) * (1 + 1e-9):  # (a run exactly as modelled, up to rounding)
+    # a miss within the run's own step-to-step variation says nothing: read as no miss (rounding too)
+    if measured <= max(device, host) * (1 + 1e-9) + run.step_spread_s / accum:
+        measured = min(measured, max(device, host))
         faster = P.Calibration(device_factor=min(1.0, measured / device), host_factor=min(1.0, measured / host)
                                if host > 0 else 1.0, **opt)
         return GpuCalibration(faster, faster, False)

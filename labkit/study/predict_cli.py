@@ -385,8 +385,9 @@ def _from_gpu_run(args: Any, run: Any) -> dict[str, Any]:
     try:
         return calibrated_gpu(run, gpu=args.gpu, world_size=args.world_size, micro_batch=args.micro_batch,
                               stage=args.stage, links=links)
-    except ValueError as exc:
-        raise _bad("from_run", str(exc)) from None
+    except (ValueError, KeyError, TypeError) as exc:  # a config.json that lacks a field or is not an object too
+        why = str(exc) if isinstance(exc, ValueError) else f"{run.run_dir}'s config: {type(exc).__name__}: {exc}"
+        raise _bad("from_run", why) from None
 
 
 def format_table(out: dict[str, Any]) -> str:
@@ -406,7 +407,7 @@ def format_table(out: dict[str, Any]) -> str:
             label = "measured " if key.startswith("measured_") else "predicted"  # the run it was calibrated on
             if key == "steps_to_target_over_s_min":  # the critical batch is an input: said beside it
                 text += f" (B_crit {out['b_crit']:.4g} samples: {out.get('b_crit_source') or 'given'})"
-            lines.append(f"  {label} {key:28s} {text}")
+            lines.append(f"  {label} {key:29s} {text}")
     if out.get("run_slower_than_model"):  # one run cannot split what the model misses: both readings are printed
         lines.append("  calibrated: the run was slower than the model; step_time_s reads the difference as fixed work "
                      "(launches, Python), step_time_s_if_the_miss_grows as a device slower than its roofline")

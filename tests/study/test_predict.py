@@ -1302,7 +1302,8 @@ def _run_as_the_model_says(work, cluster, config):
 
 
 @pytest.mark.parametrize("strategy,ranks,accum", [
-    ("torch", 1, 1), ("z0", 1, 4), ("z1", 4, 1), ("z2", 8, 4), ("z3", 4, 1), ("z3", 1, 2), ("z2-offload", 2, 1)])
+    ("torch", 1, 1), ("torch", 8, 1), ("z0", 1, 4), ("z1", 4, 1), ("z2", 8, 4), ("z3", 4, 1), ("z3", 1, 2),
+    ("z2-offload", 2, 1)])
 def test_a_gpu_run_the_model_predicts_exactly_calibrates_to_no_change(strategy, ranks, accum):
     # both readings, at the run's own config and at 4x its micro-batch: the calibration is the identity
     stage, offload = P.STRATEGIES[strategy]
@@ -1315,7 +1316,7 @@ def test_a_gpu_run_the_model_predicts_exactly_calibrates_to_no_change(strategy, 
     run, _ = _run_as_the_model_says(work, cluster, config)
     readings = C.gpu_calibration(run, work, cluster, strategy=strategy, optimizer=None)
     assert not readings.slower
-    for micro in (256, 1024):
+    for micro in (16, 256, 1024):
         plain = P.predict(work, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum, precision="bf16")
         for cal in (readings.fixed, readings.grows):
             calibrated = P.predict(work, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
@@ -1344,6 +1345,18 @@ def test_a_gpu_run_slower_than_the_model_is_read_both_ways():
     device = plain.forward_s + plain.backward_s
     assert grows.forward_s + grows.backward_s == pytest.approx(1.1 * device)
     assert fixed.forward_s + fixed.backward_s == pytest.approx(device)  # past the fixed work
+    # read as fixed work the miss is a floor under a smaller micro-batch; as a slower device it shrinks with it
+    at64 = [P.predict(work, cluster, strategy="z0", micro_batch=64, precision="bf16", calibration=c)
+            for c in (None, readings.fixed, readings.grows)]
+    assert at64[1].forward_s + at64[1].backward_s == pytest.approx(1.1 * (model.forward_s + model.backward_s))
+    assert at64[2].forward_s + at64[2].backward_s < 1.1 * (at64[0].forward_s + at64[0].backward_s) + 1e-12
+    small = [p.step_time_s for p in at64]
+    # a miss within the run's own step-to-step variation is no miss: the model as it is, at any micro-batch
+    noisy = dataclasses.replace(run, step_spread_s=2 * slow)
+    quiet = C.gpu_calibration(noisy, work, cluster, strategy="z0", optimizer=None)
+    assert not quiet.slower
+    assert P.predict(work, cluster, strategy="z0", micro_batch=64, precision="bf16",
+                     calibration=quiet.fixed).step_time_s == pytest.approx(small[0], rel=1e-9)
     with pytest.raises(ValueError, match="host_factor"):
         P.Calibration(host_factor=2.0)
 
