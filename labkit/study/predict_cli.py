@@ -409,8 +409,9 @@ def format_table(out: dict[str, Any]) -> str:
                 text += f" (B_crit {out['b_crit']:.4g} samples: {out.get('b_crit_source') or 'given'})"
             lines.append(f"  {label} {key:29s} {text}")
     if out.get("run_slower_than_model"):  # one run cannot split what the model misses: both readings are printed
-        lines.append("  calibrated: the run was slower than the model; step_time_s reads the difference as fixed work "
-                     "(launches, Python), step_time_s_if_the_miss_grows as a device slower than its roofline")
+        lines.append("  predicted two ways: the run was slower than the model; step_time_s reads the difference as "
+                     "fixed work (launches, Python), step_time_s_if_the_miss_grows as a device slower than its "
+                     "roofline")
     if out.get("zero"):
         lines.append("  with zero_optimization " + ", ".join(f"{k}={v}" for k, v in out["zero"].items()))
     if out.get("strategy") == "torch":  # what plain PyTorch is predicted as
