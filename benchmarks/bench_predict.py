@@ -158,49 +158,6 @@ def gemm_check() -> None:
                   f"has median {rate.abs().median():.1%}, max {rate.abs().max():.1%}")
 
 
-def gpu_runs_check() -> object:
-    """predicted / measured median step of every finished point of the lab's GPU answers (a DataFrame, or None):
-    from its config alone, and calibrated on the run of the same strategy at another micro-batch where one is kept
-    (`labkit predict --from RUN --micro-batch M`: calibrate.calibrated_gpu)."""
-    import pandas as pd
-
-    from labkit.runtime.hardware import Cluster, preset_for
-    from labkit.study import calibrate, predict
-
-    rows = []
-    for machine_file in sorted((ROOT / "data").glob("reference-*/machine.json")):
-        machine = json.loads(machine_file.read_text())
-        preset = preset_for(machine.get("device", "")) if machine.get("accelerator") == "cuda" else None
-        if preset is None:
-            continue  # CPU references, GPUs without a preset
-        folder = machine_file.parent
-        results = next((f for f in (folder / "results.csv", folder / "answer-partial" / "results.csv") if f.exists()),
-                       None)
-        if results is None:
-            continue
-        workload, _ = predict.answer_workload(folder)
-        cluster = Cluster(gpu=predict.find_gpu(preset))
-        finished = [r for r in pd.read_csv(results).itertuples() if r.status == "finished" and r.world_size == 1]
-        records = results.parent / "run-records"
-        for row in finished:
-            guess = predict.predict(workload, cluster, strategy=row.strategy, micro_batch=int(row.micro_batch),
-                                    grad_accum=int(row.grad_accum), precision=row.precision)
-            other = next((o for o in finished if o.strategy == row.strategy and o.micro_batch != row.micro_batch
-                          and (records / o.run_id).is_dir()), None)
-            both = (calibrate.calibrated_gpu(calibrate.read_run(records / other.run_id, "median"), gpu=preset,
-                                             micro_batch=int(row.micro_batch)) if other is not None else {})
-            calibrated = both.get("step_time_s", float("nan"))
-            grows = both.get("step_time_s_if_the_miss_grows", float("nan"))
-            rows.append({"reference": str(results.parent.relative_to(folder.parent)), "gpu": preset,
-                         "strategy": row.strategy, "micro_batch": row.micro_batch, "grad_accum": row.grad_accum,
-                         "measured_s": row.median_step_time_s, "predicted_s": guess.step_time_s,
-                         "error": guess.step_time_s / row.median_step_time_s - 1,
-                         "calibrated_on_micro_batch": other.micro_batch if other is not None else None,
-                         "calibrated_s": calibrated, "calibrated_error": calibrated / row.median_step_time_s - 1,
-                         "if_the_miss_grows_error": grows / row.median_step_time_s - 1})
-    return pd.DataFrame(rows) if rows else None
-
-
 def main() -> int:
     import pandas as pd
 
@@ -252,7 +209,9 @@ def main() -> int:
         print(cpu.to_string(index=False, float_format=lambda v: f"{v:.4g}"))  # type: ignore[attr-defined]
         errors = cpu["error"].abs()  # type: ignore[index]
         print(f"median |error| {statistics.median(errors):.1%} (goal <= 15%), max {max(errors):.1%} (goal <= 30%)")
-    gpu = gpu_runs_check()
+    from labkit.study.calibrate import gpu_comparison
+
+    gpu = gpu_comparison(ROOT / "data")
     if gpu is not None:
         from labkit.study.predict import TINY_STEP_S
 

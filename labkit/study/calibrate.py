@@ -355,6 +355,55 @@ def calibrated_gpu(run: MeasuredRun, *, gpu: str | None = None, world_size: int 
             "calibration": dataclasses.asdict(readings.fixed), "stage": P.STRATEGIES[new][0]}
 
 
+def gpu_comparison(data_root: str | os.PathLike) -> Any:
+    """Every finished 1-rank point of the lab's GPU answers under `data_root` (data/reference-*/: machine.json naming
+    a GPU with a preset, results.csv or answer-partial/results.csv), its median step PREDICTED from its config alone
+    and calibrated on the same strategy's run at another micro-batch where its records are kept (`calibrated_gpu`:
+    the miss read as fixed work, and as a slower device), beside the measured one (a DataFrame; None: no such
+    point)."""
+    import json
+
+    import pandas as pd
+
+    from labkit.runtime.hardware import Cluster, preset_for
+    from labkit.runtime.hardware import gpu as find_gpu
+    from labkit.study import predict as P
+
+    rows = []
+    for machine_file in sorted(Path(data_root).glob("reference-*/machine.json")):
+        machine = json.loads(machine_file.read_text())
+        preset = preset_for(machine.get("device", "")) if machine.get("accelerator") == "cuda" else None
+        if preset is None:
+            continue  # CPU references, GPUs without a preset
+        folder = machine_file.parent
+        results = next((f for f in (folder / "results.csv", folder / "answer-partial" / "results.csv") if f.exists()),
+                       None)
+        if results is None:
+            continue
+        workload, _ = P.answer_workload(folder)
+        cluster = Cluster(gpu=find_gpu(preset))
+        finished = [r for r in pd.read_csv(results).itertuples() if r.status == "finished" and r.world_size == 1]
+        records = results.parent / "run-records"
+        for row in finished:
+            guess = P.predict(workload, cluster, strategy=row.strategy, micro_batch=int(row.micro_batch),
+                              grad_accum=int(row.grad_accum), precision=row.precision)
+            other = next((o for o in finished if o.strategy == row.strategy and o.micro_batch != row.micro_batch
+                          and (records / o.run_id).is_dir()), None)
+            both = (calibrated_gpu(read_run(records / other.run_id, "median"), gpu=preset,
+                                   micro_batch=int(row.micro_batch)) if other is not None else {})
+            measured = float(row.median_step_time_s)
+            calibrated = both.get("step_time_s", float("nan"))
+            grows = both.get("step_time_s_if_the_miss_grows", float("nan"))
+            rows.append({"reference": str(results.parent.relative_to(folder.parent)), "gpu": preset,
+                         "strategy": row.strategy, "micro_batch": row.micro_batch, "grad_accum": row.grad_accum,
+                         "measured_s": measured, "predicted_s": guess.step_time_s,
+                         "error": guess.step_time_s / measured - 1,
+                         "calibrated_on_micro_batch": other.micro_batch if other is not None else None,
+                         "calibrated_s": calibrated, "calibrated_error": calibrated / measured - 1,
+                         "if_the_miss_grows_error": grows / measured - 1})
+    return pd.DataFrame(rows) if rows else None
+
+
 def memory_here(work: ModuleWorkload, values: dict[str, Any], precision: str) -> dict[str, Any]:
     """`device_bytes` (one CPU rank: its base, model states and activations, as labkit's admission estimates a run
     before it starts), `fits` (all the ranks and the launcher, in what this machine could give runs:

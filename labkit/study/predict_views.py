@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,28 @@ def cpu_figure(table: pd.DataFrame) -> Any:
     fig.add_bar(x=labels, y=table["measured_2_rank_s"] * 1e3, name="measured, 2 ranks")
     fig.update_layout(barmode="group", title="This machine: 2 ranks predicted from 1-rank runs",
                       yaxis_title="step time (ms)", height=400)
+    return fig
+
+
+def gpu_figure(table: pd.DataFrame) -> Any:
+    """The lab's runs on a GPU (`calibrate.gpu_comparison`): each point's measured step beside its PREDICTED ones,
+    from its config alone and calibrated on the other micro-batch's run, its miss read both ways (log scale)."""
+    import plotly.graph_objects as go
+
+    rows = table.dropna(subset=["calibrated_s"])
+    labels = rows["gpu"] + " " + rows["strategy"] + " micro " + rows["micro_batch"].astype(str)
+    fig = go.Figure()
+    fig.add_bar(x=labels, y=rows["measured_s"] * 1e3, name="measured")
+    fig.add_bar(x=labels, y=rows["predicted_s"] * 1e3, name="predicted from its config")
+    fig.add_bar(x=labels, y=rows["calibrated_s"] * 1e3, name="predicted, calibrated: the miss as fixed work")
+    fig.add_bar(x=labels, y=(1 + rows["if_the_miss_grows_error"]) * rows["measured_s"] * 1e3,
+                name="predicted, calibrated: the miss as a slower device")
+    shown = [rows["measured_s"], rows["predicted_s"], rows["calibrated_s"],
+             (1 + rows["if_the_miss_grows_error"]) * rows["measured_s"]]
+    low, high = min(float(v.min()) for v in shown) * 1e3, max(float(v.max()) for v in shown) * 1e3
+    fig.update_layout(barmode="group", title="On a GPU: one run's micro-batch predicted from the other's run",
+                      yaxis_title="step time (ms, log)", yaxis_type="log", height=400,
+                      yaxis_range=[math.log10(low / 2), math.log10(high * 1.5)])  # every bar's top in view
     return fig
 
 

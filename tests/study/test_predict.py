@@ -2143,3 +2143,17 @@ def test_link_and_host_names_read_in_any_case_as_gpu_names_do():
     assert mixed == plain and mixed.describe() == plain.describe()
     with pytest.raises(ValueError, match="unknown link 'nvlink9'"):
         hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, intra="NVLink9")
+
+
+def test_notebook_06s_gpu_answer_says_what_the_h100_runs_and_the_model_give():
+    # the answer to "8x the micro-batch on an H100": the measured steps, the model from the config and the two
+    # readings of the calibration (calibrate.gpu_comparison over data/reference-h100-80gb)
+    t = C.gpu_comparison(Path(__file__).resolve().parents[2] / "data")
+    torch_rows = t[t["strategy"] == "torch"].set_index("micro_batch")
+    text = _notebook_06_text()
+    small, big = torch_rows.loc[512], torch_rows.loc[4096]
+    assert f"About the same: {small.measured_s * 1e3:.2f} ms and {big.measured_s * 1e3:.2f} ms" in text
+    assert (f"says {small.predicted_s * 1e3:.2f} and {big.predicted_s * 1e3:.2f} ms "
+            f"({big.predicted_s / small.predicted_s:.1f}x)") in text
+    assert max(abs(small.calibrated_error), abs(big.calibrated_error)) < 0.02 and "each is within 2%" in text
+    assert f"{small.if_the_miss_grows_error:+.0%} and {big.if_the_miss_grows_error:+.0%}" in text

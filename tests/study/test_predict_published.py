@@ -314,15 +314,13 @@ def test_the_benchmark_checks_a_table_of_other_points(tmp_path, points):
     # the file's check alone: the checks that do not depend on it are not printed
     assert "GEMM roofline" not in run.stdout and "The lab's runs on a GPU" not in run.stdout
     # ... which the benchmark without --points prints: the lab's own H100 points
-    # (data/reference-h100-80gb/answer-partial), each predicted from its config
-    import importlib.util
+    # (data/reference-h100-80gb/answer-partial), each predicted from its config, and calibrated on the other run of
+    # its strategy where there is one (calibrate.gpu_comparison)
+    from labkit.study.calibrate import gpu_comparison
 
-    spec = importlib.util.spec_from_file_location("bench_predict", bench)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    gpu_rows = module.gpu_runs_check()
+    gpu_rows = gpu_comparison(bench.parents[1] / "data")
     assert list(gpu_rows["gpu"]) == ["H100-SXM"] * 3 and set(gpu_rows["strategy"]) == {"torch", "z0"}
+    assert list(gpu_rows["calibrated_on_micro_batch"].fillna(0)) == [4096, 512, 0]
     bad = _write(tmp_path, points, {"precision": "fp8"})
     run = subprocess.run([sys.executable, str(bench), "--points", str(bad)], capture_output=True, text=True,
                          timeout=300)
