@@ -622,6 +622,8 @@ class Cluster:
 
     def __post_init__(self) -> None:
         # link and CPU names in any case, as GPU names are ("NVSwitch" in a source's table, --intra NVLINK3)
+        if not isinstance(self.intra, str) or not isinstance(self.host_cpu, str):
+            raise ValueError(f"intra and host_cpu are names, got {self.intra!r} and {self.host_cpu!r}")
         object.__setattr__(self, "intra", self.intra.strip().lower())
         object.__setattr__(self, "host_cpu", self.host_cpu.strip().lower())
         if self.gpus_per_node < 1 or self.nodes < 1:

@@ -325,7 +325,8 @@ def calibrated_gpu(run: MeasuredRun, *, gpu: str | None = None, world_size: int 
                              "run's own GPU kind (predict another from flags: --model, --gpu)")
         kind = given
     if kind is None:
-        raise ValueError(f"{run.run_dir} does not name its GPU (a run before 2026-11-30): give its kind with --gpu")
+        raise ValueError(f"{run.run_dir} does not name its GPU (a run before 2026-11-30, or a script of yours, whose "
+                         "ranks write no ready record): give its kind with --gpu")
     old_n, new_n = run.world_size, world_size or run.world_size
     if max(old_n, new_n) > MAX_GPUS_PER_NODE:
         raise ValueError(f"--from on GPUs predicts one node of up to {MAX_GPUS_PER_NODE} GPUs; for more, predict from "
@@ -388,7 +389,8 @@ def gpu_comparison(data_root: str | os.PathLike) -> Any:
             guess = P.predict(workload, cluster, strategy=row.strategy, micro_batch=int(row.micro_batch),
                               grad_accum=int(row.grad_accum), precision=row.precision)
             other = next((o for o in finished if o.strategy == row.strategy and o.micro_batch != row.micro_batch
-                          and (records / o.run_id).is_dir()), None)
+                          and o.grad_accum == row.grad_accum and o.precision == row.precision
+                          and (records / o.run_id).is_dir()), None)  # the same training at another micro-batch
             both = (calibrated_gpu(read_run(records / other.run_id, "median"), gpu=preset,
                                    micro_batch=int(row.micro_batch)) if other is not None else {})
             measured = float(row.median_step_time_s)

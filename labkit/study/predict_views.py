@@ -160,6 +160,8 @@ def gpu_figure(table: pd.DataFrame) -> Any:
     import plotly.graph_objects as go
 
     rows = table.dropna(subset=["calibrated_s"])
+    if rows.empty:
+        raise ValueError("no GPU point here has a run of the same training at another micro-batch to calibrate on")
     labels = rows["gpu"] + " " + rows["strategy"] + " micro " + rows["micro_batch"].astype(str)
     fig = go.Figure()
     fig.add_bar(x=labels, y=rows["measured_s"] * 1e3, name="measured")

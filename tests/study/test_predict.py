@@ -2157,3 +2157,17 @@ def test_notebook_06s_gpu_answer_says_what_the_h100_runs_and_the_model_give():
             f"({big.predicted_s / small.predicted_s:.1f}x)") in text
     assert max(abs(small.calibrated_error), abs(big.calibrated_error)) < 0.02 and "each is within 2%" in text
     assert f"{small.if_the_miss_grows_error:+.0%} and {big.if_the_miss_grows_error:+.0%}" in text
+
+
+def test_the_gpu_figure_says_when_no_point_can_be_calibrated():
+    t = C.gpu_comparison(Path(__file__).resolve().parents[2] / "data")
+    from labkit.study import predict_views as V
+
+    assert len(V.gpu_figure(t).data) == 4  # measured, from the config, the two readings
+    with pytest.raises(ValueError, match="no GPU point here has a run of the same training"):
+        V.gpu_figure(t[t["strategy"] == "z0"])  # the ZeRO-0 point has no run at another micro-batch
+
+
+def test_a_cluster_takes_names_for_its_links():
+    with pytest.raises(ValueError, match="intra and host_cpu are names"):
+        hw.Cluster(gpu=hw.gpu("A100-80GB"), intra=None)  # type: ignore[arg-type]
