@@ -294,7 +294,6 @@ def _prediction(args: Any) -> dict[str, Any]:
 
 
 def _cli_from_run(args: Any) -> dict[str, Any]:
-    import json
 
     from labkit.study.calibrate import calibrated, link_fits, read_run
 
@@ -313,13 +312,7 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
     if args.gpu is not None:
         raise _bad("gpu", "--gpu names a GPU run's kind; this run's ranks ran on this machine's CPU")
     if args.links:
-        if not Path(args.links).is_file():
-            raise _bad("links", f"no such link fit: {args.links}")
-        try:
-            text = json.loads(Path(args.links).read_text())
-        except ValueError as exc:
-            raise _bad("links", f"{args.links} is not JSON ({exc}): give a link fit as `labkit.study.predict."
-                                "link_fit_json` writes it (data/predict-ci/links.json)") from None
+        text = _links_json(args.links)
         try:
             fit = link_fits(text, "mean")  # the run's steps: their mean
         except (ValueError, KeyError, TypeError) as exc:
@@ -332,6 +325,19 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
         fit = link_fits(comms.measure_training_links(world_size=max(2, args.world_size or run.world_size)), "mean")
     return calibrated(run, fit, world_size=args.world_size, micro_batch=args.micro_batch, stage=stage,
                       threads_per_rank=args.threads_per_rank)
+
+
+def _links_json(path: str) -> Any:
+    """--links's file, read as JSON (a link fit as `labkit.study.predict.link_fit_json` writes it), else exit 2."""
+    import json
+
+    if not Path(path).is_file():
+        raise _bad("links", f"no such link fit: {path}")
+    try:
+        return json.loads(Path(path).read_text())
+    except ValueError as exc:
+        raise _bad("links", f"{path} is not JSON ({exc}): give a link fit as `labkit.study.predict.link_fit_json` "
+                            "writes it (data/predict-ci/links.json)") from None
 
 
 def _check_calibratable(run_dir: Path) -> str:
@@ -359,7 +365,6 @@ def _from_gpu_run(args: Any, run: Any) -> dict[str, Any]:
     """--from a run on GPUs: the GPU model at the new world size (one node of the run's GPU kind), micro-batch or
     stage, calibrated on what the run measured (`calibrate.calibrated_gpu`); the links the GPU kind's presets, or a
     fit measured on the GPUs (--links, NCCL: `labkit.study.predict.measure_links`)."""
-    import json
 
     from labkit.study.calibrate import calibrated_gpu
     from labkit.study.predict import FittedLinks
@@ -368,12 +373,7 @@ def _from_gpu_run(args: Any, run: Any) -> dict[str, Any]:
         raise _bad("threads_per_rank", "--threads-per-rank is a CPU rank's; this run's ranks ran on GPUs")
     links = None
     if args.links:
-        if not Path(args.links).is_file():
-            raise _bad("links", f"no such link fit: {args.links}")
-        try:
-            fit = json.loads(Path(args.links).read_text())
-        except ValueError as exc:
-            raise _bad("links", f"{args.links} is not JSON ({exc})") from None
+        fit = _links_json(args.links)
         if not isinstance(fit, dict) or not isinstance(fit.get("fits"), dict) or "all_reduce" not in fit["fits"]:
             raise _bad("links", f"{args.links} is not a link fit (`labkit.study.predict.link_fit_json`: its \"fits\" "
                                 "per op, all_reduce's at least)")
