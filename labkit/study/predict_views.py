@@ -163,15 +163,14 @@ def gpu_figure(table: pd.DataFrame) -> Any:
     if rows.empty:
         raise ValueError("no GPU point here has a run of the same training at another micro-batch to calibrate on")
     labels = rows["gpu"] + " " + rows["strategy"] + " micro " + rows["micro_batch"].astype(str)
+    bars = {"measured": rows["measured_s"] * 1e3, "predicted from its config": rows["predicted_s"] * 1e3,
+            "predicted, calibrated: the miss as fixed work": rows["calibrated_s"] * 1e3,
+            "predicted, calibrated: the miss as a slower device":
+                (1 + rows["if_the_miss_grows_error"]) * rows["measured_s"] * 1e3}
     fig = go.Figure()
-    fig.add_bar(x=labels, y=rows["measured_s"] * 1e3, name="measured")
-    fig.add_bar(x=labels, y=rows["predicted_s"] * 1e3, name="predicted from its config")
-    fig.add_bar(x=labels, y=rows["calibrated_s"] * 1e3, name="predicted, calibrated: the miss as fixed work")
-    fig.add_bar(x=labels, y=(1 + rows["if_the_miss_grows_error"]) * rows["measured_s"] * 1e3,
-                name="predicted, calibrated: the miss as a slower device")
-    shown = [rows["measured_s"], rows["predicted_s"], rows["calibrated_s"],
-             (1 + rows["if_the_miss_grows_error"]) * rows["measured_s"]]
-    low, high = min(float(v.min()) for v in shown) * 1e3, max(float(v.max()) for v in shown) * 1e3
+    for name, ms in bars.items():
+        fig.add_bar(x=labels, y=ms, name=name)
+    low, high = min(float(ms.min()) for ms in bars.values()), max(float(ms.max()) for ms in bars.values())
     fig.update_layout(barmode="group", title="On a GPU: one run's micro-batch predicted from the other's run",
                       yaxis_title="step time (ms, log)", yaxis_type="log", height=400,
                       yaxis_range=[math.log10(low / 2), math.log10(high * 1.5)])  # every bar's top in view
