@@ -233,6 +233,23 @@ def run_strategy(config: dict[str, Any], stage: int | None = None) -> str:
     return f"z{stage}" + ("-offload" if config.get("offload_optimizer") else "")
 
 
+def run_zero(config: dict[str, Any], stage: int | None) -> dict[str, Any]:
+    """The `zero_optimization` settings a run's `ds_overrides` gave DeepSpeed, as the predictor takes them at
+    `stage` (None: plain PyTorch, which has none). The stage and the optimizer's offload are the strategy's, so they
+    are left out; so are ZeRO-3's own settings at stages 0-2, where DeepSpeed reads them and they change nothing
+    (`comms.stage3_only`)."""
+    from labkit.study import comms
+
+    given = (config.get("ds_overrides") or {}).get("zero_optimization") or {}
+    if stage is None or not isinstance(given, dict):
+        return {}
+    zero = {k: v for k, v in given.items() if k not in ("stage", "offload_optimizer")}
+    if stage < 3:
+        for key in comms.stage3_only(zero):
+            del zero[key]
+    return zero
+
+
 @dataclass(frozen=True)
 class GpuCalibration:
     """`gpu_calibration`'s two readings of one run (`predict.Calibration` each): they differ only where the run
@@ -244,7 +261,7 @@ class GpuCalibration:
 
 
 def gpu_calibration(run: MeasuredRun, workload: Any, cluster: Any, *, strategy: str, optimizer: str | None,
-                    links: Any | None = None) -> GpuCalibration:
+                    links: Any | None = None, zero: dict[str, Any] | None = None) -> GpuCalibration:
     """What a run on GPUs says the model misses, from its measured phases against the model at the run's own
     config. Per micro-step: its forward + backward, less the communication the model exposes in those phases,
     against the longer of the model's device compute and host work (the micro-step is the longer of the two: the
@@ -258,7 +275,8 @@ def gpu_calibration(run: MeasuredRun, workload: Any, cluster: Any, *, strategy: 
       Python beyond one launch per op, which docs/predict.md lists as left out): the host's work per micro-step
       becomes the measured micro-step, so a bigger micro-batch costs nothing more until the device's compute passes
       it, and a smaller one no less. Read as a device slower than its roofline: the device's compute x (measured /
-      modelled). Both give the run's own step back; at another micro-batch they bracket the truth."""
+      modelled). Both give the run's own step back; at another micro-batch they bracket the truth.
+    `zero`: the run's own `zero_optimization` settings (`run_zero`)."""
     from labkit.study import predict as P
 
     measured_parts = (run.forward_s, run.backward_s, run.optimizer_s, run.step_time_s)
@@ -266,7 +284,7 @@ def gpu_calibration(run: MeasuredRun, workload: Any, cluster: Any, *, strategy: 
         raise ValueError(f"{run.run_dir}: its phases and step must be finite times >= 0, got {measured_parts}")
     accum, micro = int(run.config.get("grad_accum") or 1), int(run.config["micro_batch"])
     model = P.predict(workload, cluster, strategy=strategy, micro_batch=micro, grad_accum=accum,
-                      precision=run.config.get("precision", "fp32"), optimizer=optimizer, links=links)
+                      precision=run.config.get("precision", "fp32"), optimizer=optimizer, links=links, zero=zero)
     device = model.forward_s + model.backward_s - model.host_bound_s / accum  # the device's own, one micro-step
     host = model.host_overhead_s / accum
     # the optimizer phase's collectives (never overlapped) are timed in the run's optimizer phase, the rest of the
@@ -301,8 +319,9 @@ def calibrated_gpu(run: MeasuredRun, *, gpu: str | None = None, world_size: int 
     """The same training as a run on GPUs, PREDICTED at another world size (GPUs of the run's kind in one node),
     micro-batch or ZeRO stage: `predict.predict` with the run's `gpu_calibration` (`step_time_s` the miss read as
     fixed work, `step_time_s_if_the_miss_grows` as a slower device); links from the GPU kind's presets (NVLink or
-    PCIe in one node), or `links`, a link fit measured on the GPUs (`predict.FittedLinks`). `gpu`: the run's GPU kind
-    where its records do not name it (runs before 2026-11-30); where they do, it must be the same kind."""
+    PCIe in one node), or `links`, a link fit measured on the GPUs (`predict.FittedLinks`); the ZeRO settings its
+    `ds_overrides` gave DeepSpeed (`run_zero`), at both stages. `gpu`: the run's GPU kind where its records do not
+    name it (runs before 2026-11-30); where they do, it must be the same kind."""
     from labkit.core.config import RunConfig, without_local_device_checks
     from labkit.runtime.hardware import MAX_GPUS_PER_NODE, Cluster
     from labkit.runtime.hardware import gpu as find_gpu
@@ -336,8 +355,10 @@ def calibrated_gpu(run: MeasuredRun, *, gpu: str | None = None, world_size: int 
     work = P.lab_workload(config)
     old, new = run_strategy(run.config), run_strategy(run.config, stage)
     impl = ready.get("optimizer_impl")
+    # the ZeRO settings the run's ds_overrides gave DeepSpeed, at each stage (its buckets set its collectives)
+    old_zero, new_zero = (run_zero(run.config, P.STRATEGIES[s][0]) for s in (old, new))
     readings = gpu_calibration(run, work, Cluster(gpu=kind, gpus_per_node=old_n), strategy=old, optimizer=impl,
-                               links=links)
+                               links=links, zero=old_zero)
     try:  # the run's optimizer where the new strategy is of its kind (plain or DeepSpeed) and can run it, else its
         optimizer_bytes.basic_optimizer(*P.STRATEGIES[new], impl)  # default (DeepSpeed's FusedAdam)
         new_impl = impl if (old == "torch") == (new == "torch") else None
@@ -347,7 +368,7 @@ def calibrated_gpu(run: MeasuredRun, *, gpu: str | None = None, world_size: int 
     fixed, grows = (P.predict(work, Cluster(gpu=kind, gpus_per_node=new_n), strategy=new, micro_batch=micro,
                               grad_accum=int(run.config.get("grad_accum") or 1),
                               precision=run.config.get("precision", "fp32"), optimizer=new_impl, calibration=c,
-                              links=links) for c in (readings.fixed, readings.grows))
+                              links=links, zero=new_zero) for c in (readings.fixed, readings.grows))
     out = fixed.to_dict()
     if config.distributed_sampler and not config.sample_with_replacement:  # RunConfig's own rule: each rank's share
         out["max_micro_batch"] = min(out["max_micro_batch"], config.dataset_size // new_n)

@@ -1289,6 +1289,39 @@ def test_from_a_gpu_run_the_gpu_model_is_calibrated_on_what_it_measured(capsys, 
     assert "does not read" in capsys.readouterr().err
 
 
+def test_from_a_gpu_run_its_own_zero_settings_are_the_models(capsys, tmp_path):
+    # the H100's ZeRO-0 run, given the ds_overrides a learner may set: its gradient buckets set the collectives at
+    # any stage; ZeRO-3's prefetch bucket is passed at stage 3 and left out at stage 2, where DeepSpeed ignores it
+    import shutil
+
+    run = Path(shutil.copytree(next(H100_RUNS.glob("*-zero3-z0-*")), tmp_path / "run"))
+    argv = ["predict", "--from", str(run), "--gpu", "H100", "--world-size", "8", "--format", "json"]
+
+    def predicted(stage):
+        assert main([*argv, "--stage", str(stage)]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    defaults = {stage: predicted(stage) for stage in (2, 3)}
+    assert defaults[2]["zero"] == defaults[3]["zero"] == {}
+    config = json.loads((run / "config.json").read_text())
+    zero = {"reduce_bucket_size": 20000, "stage3_prefetch_bucket_size": 1000}
+    (run / "config.json").write_text(json.dumps({**config, "ds_overrides": {"zero_optimization": zero}}))
+    given = {stage: predicted(stage) for stage in (2, 3)}
+    assert given[2]["zero"] == {"reduce_bucket_size": 20000} and given[3]["zero"] == zero
+    def calls(out, phase):
+        return sum(r["count"] for r in out["collectives"] if r["phase"] == phase)
+
+    for stage in (2, 3):  # smaller gradient buckets: more collectives in the backward, each with its latency
+        assert calls(given[stage], "backward") > calls(defaults[stage], "backward")
+        assert given[stage]["comm_s"] > defaults[stage]["comm_s"]
+    assert calls(given[3], "forward") > calls(defaults[3], "forward")  # a prefetch bucket smaller than a weight
+    # a setting whose communication the model does not have is named, not ignored
+    quantized = {"zero_optimization": {"zero_quantized_weights": True}}
+    (run / "config.json").write_text(json.dumps({**config, "ds_overrides": quantized}))
+    assert main([*argv, "--stage", "3"]) == 2
+    assert "zero_quantized_weights" in capsys.readouterr().err
+
+
 def _run_as_the_model_says(work, cluster, config):
     """A run whose phases are the model's own at `config` (the optimizer phase's collectives in it, the rest of the
     exposed communication in the forward and backward), and the prediction it was made from."""
