@@ -209,7 +209,9 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
                                 "threads_per_rank": new_threads}, precision)
     return {"predicted": True, "calibrated_from": run.run_dir, "world_size": new_n, "micro_batch": new_m,
             "grad_accum": accum, "stage": new_stage, "offload_optimizer": run.offload, "threads_per_rank": new_threads,
-            "global_batch": global_batch, "step_time_s": step, "samples_per_s": global_batch / step,
+            "global_batch": global_batch, "step_time_s": step,
+            "step_time_s_if_nothing_hides": accum * micro_new + optimizer_new + comm.total_s,
+            "samples_per_s": global_batch / step,
             "model_tflops_per_gpu": tflops, "hardware_tflops_per_gpu": tflops, **memory,
             "compute_s": accum * micro_new + optimizer_new, "optimizer_s": optimizer_new, "comm_s": comm.total_s,
             "exposed_comm_s": comm.exposed_s, "offload_s": 0.0, "measured_step_time_s": run.step_time_s,

@@ -394,14 +394,15 @@ def format_table(out: dict[str, Any]) -> str:
     """The JSON as lines a person reads, every number labelled predicted."""
     lines = [f"PREDICTED ({out.get('hardware') or 'calibrated on ' + str(out.get('calibrated_from'))})"]
     for key in ("strategy", "optimizer", "stage", "world_size", "micro_batch", "grad_accum", "global_batch",
-                "step_time_s", "step_time_s_if_the_miss_grows", "samples_per_s",
+                "step_time_s", "step_time_s_if_the_miss_grows", "step_time_s_if_nothing_hides", "samples_per_s",
                 "model_tflops_per_gpu", "hardware_tflops_per_gpu", "compute_s", "comm_s", "exposed_comm_s",
                 "offload_s", "offload_transfer_s", "offload_host_s", "device_bytes", "step_peak_bytes",
                 "usable_memory_bytes", "fits",
                 "max_micro_batch",
                 "measured_step_time_s", "steps_to_target_over_s_min"):
         if out.get(key) is not None and not (key in ("offload_transfer_s", "offload_host_s")
-                                             and not out.get("offload_s")):
+                                             and not out.get("offload_s")) \
+                and not (key == "step_time_s_if_nothing_hides" and out[key] == out["step_time_s"]):
             value = out[key]
             text = f"{value:.4g}" if isinstance(value, float) else str(value)
             label = "measured " if key.startswith("measured_") else "predicted"  # the run it was calibrated on

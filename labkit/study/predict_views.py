@@ -122,7 +122,8 @@ def parts_figure(parts: pd.DataFrame, title: str) -> Any:
 
 
 def published_figure(comparison: pd.DataFrame) -> Any:
-    """Predicted against published, one marker per point (log-log), with the y = x line and +-25% / +-40% bands."""
+    """Predicted against published, one marker per point (log-log), with the y = x line and +-25% / +-40% bands;
+    where some communication hides behind compute in the model, a bar reaches the prediction with none hidden."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
@@ -132,8 +133,11 @@ def published_figure(comparison: pd.DataFrame) -> Any:
         fig.add_scatter(x=[low, high], y=[low * factor, high * factor], mode="lines", showlegend=False,
                         line=dict(color="gray", dash=dash, width=1))
     for source, group in comparison.groupby("source"):
+        to = group["predicted_if_nothing_hides"] - group["predicted"]  # up for a step time, down for a throughput
         fig.add_scatter(x=group["published"], y=group["predicted"], mode="markers", name=str(source),
-                        text=group["point_id"] + " (" + group["metric"] + ")", marker=dict(size=9))
+                        text=group["point_id"] + " (" + group["metric"] + ")", marker=dict(size=9),
+                        error_y=dict(type="data", symmetric=False, array=to.clip(lower=0), arrayminus=(-to).clip(
+                            lower=0), thickness=2, width=5))
     fig.update_layout(title="Published measurements against the model's prediction",
                       xaxis=dict(title="published (the source's metric)", type="log"),
                       yaxis=dict(title="predicted (same metric)", type="log"), height=460)

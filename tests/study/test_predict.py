@@ -22,6 +22,7 @@ from labkit.runtime import hardware as hw
 from labkit.study import calibrate as C
 from labkit.study import flops, optimizer_bytes, shapes, zero3
 from labkit.study import predict as P
+from labkit.study.predict_cli import format_table
 from labkit.study.verdict import verdict
 from tests import own_model
 
@@ -600,8 +601,24 @@ def test_a_micro_step_holds_ddps_buckets_and_zero3s_gathered_parameters_beyond_t
                                             + memory.reduce_bucket_bytes(3, "bf16"))
 
 
+def test_the_same_step_with_no_communication_hidden_is_beside_the_prediction():
+    # ZeRO-3 across nodes hides its gathers behind the compute of their phase; with none hidden, every collective
+    # adds its time (and the compute runs at its own speed, not slowed beside communication)
+    z3 = _predict("z3", nodes=4)
+    assert 0 < z3.exposed_comm_s < z3.comm_s
+    assert z3.step_time_s_if_nothing_hides == pytest.approx(z3.compute_s + z3.comm_s + z3.offload_s)
+    assert z3.step_time_s < z3.step_time_s_if_nothing_hides
+    # ZeRO-1 sends its buckets at the step's end, where nothing hides them: the same step both ways
+    z1 = _predict("z1", nodes=4)
+    assert z1.exposed_comm_s == z1.comm_s and z1.step_time_s_if_nothing_hides == z1.step_time_s
+    out = format_table(z3.to_dict())
+    assert "predicted step_time_s_if_nothing_hides" in out
+    assert "step_time_s_if_nothing_hides" not in format_table(z1.to_dict())  # said only where it differs
+
+
 def test_zero3_across_gpus_says_the_published_points_ran_slower():
     assert _predict("z3").caveats == [P.ZERO3_CAVEAT] and "lower bound" in P.ZERO3_CAVEAT
+    assert "step_time_s_if_nothing_hides" in P.ZERO3_CAVEAT
     assert _predict("z2").caveats == [] and P.predict(
         P.TransformerWorkload(GPT2_XL), hw.Cluster(gpu=hw.gpu("A100-80GB")), strategy="z3", micro_batch=2,
         precision="bf16").caveats == []  # one GPU: nothing to gather from another
