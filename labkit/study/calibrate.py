@@ -199,10 +199,11 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
     spare = cores > new_n * new_threads
     share = micro_new / 2  # forward ~ 1/3, backward ~ 2/3 of a micro-step; only used when a core is spare
     new_rows = rows(new_stage, new_n, accum)
-    busy = (accum * micro_new + optimizer_new) / _calls(new_rows)  # the compute between two of its collectives
+    compute = accum * micro_new + optimizer_new
+    busy = compute / _calls(new_rows)  # the compute between two of its collectives
     comm = comm_time(new_rows, links_at(busy), new_n, grad_accum=accum,
                      hide_behind={"forward": share, "backward": share} if spare else {})
-    step = accum * micro_new + optimizer_new + comm.exposed_s
+    step = compute + comm.exposed_s
     global_batch = new_m * accum * new_n
     tflops = accum * new_c.flops() / step / 1e12  # per rank; the lab's models recompute nothing
     memory = memory_here(work, {**run.config, "world_size": new_n, "stage": new_stage, "micro_batch": new_m,
@@ -210,10 +211,10 @@ def calibrated(run: MeasuredRun, link_fit: Any, *, world_size: int | None = None
     return {"predicted": True, "calibrated_from": run.run_dir, "world_size": new_n, "micro_batch": new_m,
             "grad_accum": accum, "stage": new_stage, "offload_optimizer": run.offload, "threads_per_rank": new_threads,
             "global_batch": global_batch, "step_time_s": step,
-            "step_time_s_if_nothing_hides": accum * micro_new + optimizer_new + comm.total_s,
+            "step_time_s_if_nothing_hides": compute + comm.total_s,
             "samples_per_s": global_batch / step,
             "model_tflops_per_gpu": tflops, "hardware_tflops_per_gpu": tflops, **memory,
-            "compute_s": accum * micro_new + optimizer_new, "optimizer_s": optimizer_new, "comm_s": comm.total_s,
+            "compute_s": compute, "optimizer_s": optimizer_new, "comm_s": comm.total_s,
             "exposed_comm_s": comm.exposed_s, "offload_s": 0.0, "measured_step_time_s": run.step_time_s,
             "compute_per_collective_s": busy, "collectives": comm.rows}
 
@@ -237,18 +238,35 @@ def run_strategy(config: dict[str, Any], stage: int | None = None) -> str:
 
 def run_zero(config: dict[str, Any], stage: int | None) -> dict[str, Any]:
     """The `zero_optimization` settings a run's `ds_overrides` gave DeepSpeed, as the predictor takes them at
-    `stage` (None: plain PyTorch, which has none). The stage and the optimizer's offload are the strategy's, so they
-    are left out; so are ZeRO-3's own settings at stages 0-2, where DeepSpeed reads them and they change nothing
+    `stage` (None: plain PyTorch, which has none): checked there by DeepSpeed's config model and the model's own
+    refusals, a ValueError naming the run's setting. The stage and the optimizer's offload are the strategy's: the
+    run's config sets them, and overrides that say otherwise are refused (the run did not run as its config says).
+    ZeRO-3's own settings are left out at stages 0-2, where DeepSpeed reads them and they change nothing
     (`comms.stage3_only`)."""
     from labkit.study import comms
 
-    given = (config.get("ds_overrides") or {}).get("zero_optimization") or {}
-    if stage is None or not isinstance(given, dict):
+    given = dict((config.get("ds_overrides") or {}).get("zero_optimization") or {})
+    where = "the run's ds_overrides.zero_optimization"
+    if "stage" in given and given["stage"] != int(config.get("stage") or 0):
+        raise ValueError(f"{where} sets stage {given['stage']} over its config's {config.get('stage')}: --from "
+                         "predicts a run as its config says it ran")
+    offload = bool(config.get("offload_optimizer"))
+    for key in ("offload_optimizer", "cpu_offload"):  # DeepSpeed's name for it and its older one
+        value = given.get(key)
+        said = value if isinstance(value, bool) else isinstance(value, dict) and value.get("device", "none") != "none"
+        if key in given and said != offload:
+            raise ValueError(f"{where} turns the optimizer's offload {'on' if said else 'off'} over its config's "
+                             f"offload_optimizer={offload}: --from predicts a run as its config says it ran")
+    if stage is None:
         return {}
-    zero = {k: v for k, v in given.items() if k not in ("stage", "offload_optimizer")}
+    zero = {k: v for k, v in given.items() if k not in ("stage", "offload_optimizer", "cpu_offload")}
     if stage < 3:
         for key in comms.stage3_only(zero):
             del zero[key]
+    try:
+        comms.check_zero_settings(stage, zero, offload)
+    except ValueError as exc:
+        raise ValueError(f"{where} at stage {stage}: {exc}") from None
     return zero
 
 

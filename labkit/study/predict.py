@@ -993,7 +993,8 @@ def _deepspeed_line(workload: Workload, cluster: Cluster, micro_batch: int, prec
     for name in ("z1", "z2", "z3", "z2-offload"):
         p = one(name)
         step = f"{p.step_time_s / base.step_time_s:.2f}x the step" if base.fits else f"{p.step_time_s:.3g} s per step"
-        parts.append(f"{name} {step}{' (its step a lower bound)' if p.caveats else ''}"
+        bound = f" (its step a lower bound; {p.step_time_s_if_nothing_hides:.3g} s with no communication hidden)"
+        parts.append(f"{name} {step}{bound if p.caveats else ''}"
                      f"{'' if p.fits else ' (does not fit)'}, largest micro-batch {p.max_micro_batch}")
     if base.fits:
         head = f"predicted against ZeRO stage 0 at micro-batch {micro_batch} (its largest: {base.max_micro_batch})"

@@ -402,7 +402,8 @@ def format_table(out: dict[str, Any]) -> str:
                 "measured_step_time_s", "steps_to_target_over_s_min"):
         if out.get(key) is not None and not (key in ("offload_transfer_s", "offload_host_s")
                                              and not out.get("offload_s")) \
-                and not (key == "step_time_s_if_nothing_hides" and out[key] == out["step_time_s"]):
+                and not (key == "step_time_s_if_nothing_hides" and out[key] == out["step_time_s"]
+                         and not out.get("caveats")):  # a caveat names it: printed
             value = out[key]
             text = f"{value:.4g}" if isinstance(value, float) else str(value)
             label = "measured " if key.startswith("measured_") else "predicted"  # the run it was calibrated on

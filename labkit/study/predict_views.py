@@ -133,11 +133,14 @@ def published_figure(comparison: pd.DataFrame) -> Any:
         fig.add_scatter(x=[low, high], y=[low * factor, high * factor], mode="lines", showlegend=False,
                         line=dict(color="gray", dash=dash, width=1))
     for source, group in comparison.groupby("source"):
-        to = group["predicted_if_nothing_hides"] - group["predicted"]  # up for a step time, down for a throughput
-        fig.add_scatter(x=group["published"], y=group["predicted"], mode="markers", name=str(source),
-                        text=group["point_id"] + " (" + group["metric"] + ")", marker=dict(size=9),
-                        error_y=dict(type="data", symmetric=False, array=to.clip(lower=0), arrayminus=(-to).clip(
-                            lower=0), thickness=2, width=5))
+        # up for a step time, down for a throughput; none (NaN: no bar, no cap) where nothing hides
+        to = group["predicted_if_nothing_hides"] - group["predicted"]
+        hidden = to != 0
+        text = group["point_id"] + " (" + group["metric"] + ")" + group["predicted_if_nothing_hides"].map(
+            lambda v: f", with nothing hidden {v:.3g}").where(hidden, "")
+        fig.add_scatter(x=group["published"], y=group["predicted"], mode="markers", name=str(source), text=text,
+                        marker=dict(size=9), error_y=dict(type="data", symmetric=False, array=to.where(to > 0),
+                                                          arrayminus=(-to).where(to < 0), thickness=2, width=5))
     fig.update_layout(title="Published measurements against the model's prediction",
                       xaxis=dict(title="published (the source's metric)", type="log"),
                       yaxis=dict(title="predicted (same metric)", type="log"), height=460)
@@ -207,7 +210,10 @@ def explore(*, gpu: str, gpus_per_node: int, nodes: int, intra: str, inter_gbps:
     one = P.predict(work, cluster, strategy=strategy, micro_batch=micro_batch, precision=precision,
                     activation_checkpointing=activation_checkpointing)
     summary = (f"Predicted for {cluster.describe()}, {work.name}, {STRATEGY_LABELS[strategy]}, {precision}: "
-               f"{one.step_time_s:.3g} s per step, {one.samples_per_s:.4g} samples/s, "
+               f"{one.step_time_s:.3g} s per step"
+               + (f" ({one.step_time_s_if_nothing_hides:.3g} s with no communication hidden)"
+                  if one.step_time_s_if_nothing_hides != one.step_time_s or one.caveats else "")
+               + f", {one.samples_per_s:.4g} samples/s, "
                f"{one.hardware_tflops_per_gpu:.3g} TFLOP/s per GPU; fits: {one.fits} (largest micro-batch "
                f"{one.max_micro_batch})"
                + (f": the optimizer step alone needs {one.step_peak_bytes / 1e9:.1f} GB of the "

@@ -323,14 +323,14 @@ def setup(row: Any) -> dict[str, Any]:
     return args
 
 
-def in_metric(row: Any, samples_per_s: float, step_s: float) -> float:
-    """A predicted throughput and step in the row's own metric."""
+def _in_metric(row: Any, step_s: float, global_batch: int) -> float:
+    """A predicted step of `global_batch` samples in the row's own metric."""
     if row["metric"] == "step_time_s":
         return step_s
     if row["metric"] == "samples_per_s":
-        return samples_per_s
+        return global_batch / step_s
     # tokens, or the source's own FLOP formula, per sample, applied to the predicted throughput
-    return float(row["value"]) / published_samples_per_s(row) * samples_per_s
+    return float(row["value"]) / published_samples_per_s(row) * global_batch / step_s
 
 
 def compare(table: Any | None = None) -> Any:
@@ -343,7 +343,7 @@ def compare(table: Any | None = None) -> Any:
         args = setup(row)
         pred = P.predict(**args)
         published = float(row["value"])
-        predicted, if_nothing_hides = (in_metric(row, pred.global_batch / step, step)
+        predicted, if_nothing_hides = (_in_metric(row, step, pred.global_batch)
                                        for step in (pred.step_time_s, pred.step_time_s_if_nothing_hides))
         rows.append({
             "point_id": row["point_id"], "source": row["source"], "gpu": row["gpu"], "gpus": int(row["gpus"]),
@@ -353,7 +353,8 @@ def compare(table: Any | None = None) -> Any:
             # the same step with no communication hidden behind compute (the model's other bound)
             "predicted_if_nothing_hides": if_nothing_hides, "error_if_nothing_hides": if_nothing_hides / published - 1,
             "compute_s": pred.compute_s, "exposed_comm_s": pred.exposed_comm_s, "offload_s": pred.offload_s,
-            "step_time_s": pred.step_time_s, "fits": pred.fits,
+            "step_time_s": pred.step_time_s, "step_time_s_if_nothing_hides": pred.step_time_s_if_nothing_hides,
+            "fits": pred.fits,
         })
     return pd.DataFrame(rows)
 

@@ -608,7 +608,8 @@ def test_the_same_step_with_no_communication_hidden_is_beside_the_prediction():
     assert 0 < z3.exposed_comm_s < z3.comm_s
     assert z3.step_time_s_if_nothing_hides == pytest.approx(z3.compute_s + z3.comm_s + z3.offload_s)
     assert z3.step_time_s < z3.step_time_s_if_nothing_hides
-    # ZeRO-1 sends its buckets at the step's end, where nothing hides them: the same step both ways
+    # ZeRO-1 without overlap_comm (its default) sends its buckets at the step's end, where nothing hides them: the
+    # same step both ways
     z1 = _predict("z1", nodes=4)
     assert z1.exposed_comm_s == z1.comm_s and z1.step_time_s_if_nothing_hides == z1.step_time_s
     out = format_table(z3.to_dict())
@@ -1332,11 +1333,19 @@ def test_from_a_gpu_run_its_own_zero_settings_are_the_models(capsys, tmp_path):
         assert calls(given[stage], "backward") > calls(defaults[stage], "backward")
         assert given[stage]["comm_s"] > defaults[stage]["comm_s"]
     assert calls(given[3], "forward") > calls(defaults[3], "forward")  # a prefetch bucket smaller than a weight
-    # a setting whose communication the model does not have is named, not ignored
-    quantized = {"zero_optimization": {"zero_quantized_weights": True}}
-    (run / "config.json").write_text(json.dumps({**config, "ds_overrides": quantized}))
-    assert main([*argv, "--stage", "3"]) == 2
-    assert "zero_quantized_weights" in capsys.readouterr().err
+    # a setting whose communication the model does not have is named as the run's, not ignored; so are overrides
+    # that ran the run at another stage or offload than its config says
+    for zero, says in (({"zero_quantized_weights": True}, "zero_optimization at stage 0: labkit.study.comms does not "
+                        "model the communication of ['zero_quantized_weights']"),  # the run's own stage, first
+                       ({"contiguous_gradients": False}, "at stage 3: labkit.study.comms does not model the "
+                        "communication of ['contiguous_gradients']"),  # modelled at stage 0, not at the new stage
+                       ({"stage": 3}, "sets stage 3 over its config's 0"),
+                       ({"offload_optimizer": {"device": "cpu"}}, "turns the optimizer's offload on"),
+                       ({"cpu_offload": True}, "turns the optimizer's offload on")):
+        (run / "config.json").write_text(json.dumps({**config, "ds_overrides": {"zero_optimization": zero}}))
+        assert main([*argv, "--stage", "3"]) == 2
+        err = capsys.readouterr().err
+        assert "the run's ds_overrides.zero_optimization" in err and says in err, err
 
 
 def _run_as_the_model_says(work, cluster, config):

@@ -108,7 +108,7 @@ def test_every_published_zero3_point_ran_slower_than_predicted(comparison):
 ZERO3_BEFORE_0_6 = ("megatron-sc21", "deepspeedexamples-autotuning")
 
 
-def test_where_the_model_hides_communication_the_published_runs_hid_less(comparison):
+def test_where_the_model_hides_communication_the_published_runs_hid_less(comparison, points):
     """What predict.ZERO3_CAVEAT says of step_time_s_if_nothing_hides: where the model hides communication behind
     compute (ZeRO-3 across GPUs alone, in the published set), DeepSpeed 0.6 and later's runs were within 18% of the
     same step with none hidden, where the prediction misses them by up to 66%. Not the model: a check of it."""
@@ -116,12 +116,26 @@ def test_where_the_model_hides_communication_the_published_runs_hid_less(compari
     zero3 = comparison[comparison["strategy"].str.startswith("z3") & (comparison["gpus"] > 1)]
     assert set(hides["point_id"]) == set(zero3["point_id"])
     later = hides[~hides["source"].isin(ZERO3_BEFORE_0_6)]
-    assert len(later) == 11 and later["source"].nunique() == 3 and later["gpu"].nunique() == 3
+    before = hides[hides["source"].isin(ZERO3_BEFORE_0_6)]
+    assert len(later) == 11 and later["source"].nunique() == 3 and later["gpu"].nunique() == 3 and len(before) == 7
     assert later["error_if_nothing_hides"].abs().max() <= 0.18
-    assert later["error_if_nothing_hides"].abs().median() < later["error"].abs().median()
+    # docs/predict.md's table: median / max |error|, predicted and with nothing hidden
+    for rows, figures in ((later, (0.322, 0.661, 0.120, 0.177)), (before, (1.004, 2.109, 0.587, 1.591))):
+        errors, nothing = rows["error"].abs(), rows["error_if_nothing_hides"].abs()
+        assert [errors.median(), errors.max(), nothing.median(), nothing.max()] == pytest.approx(figures, abs=0.001)
     # only where the network bounds the step (100 Gb/s between nodes) is the prediction the nearer of the two
     nearer = later["error"].abs() < later["error_if_nothing_hides"].abs()
     assert set(later.loc[nearer, "point_id"]) == {"zpp-18b-100g-1k", "zpp-18b-100g-2k"}
+    # in step times: between the two at 100-200 Gb/s and Azure's 175B; past the one with nothing hidden elsewhere
+    steps = {row["point_id"]: published.batches(row)[2] / published.published_samples_per_s(row)
+             for _, row in points.iterrows()}
+    lower, upper = (later.set_index("point_id")[c].to_dict() for c in ("step_time_s", "step_time_s_if_nothing_hides"))
+    between = {p for p in lower if lower[p] <= steps[p] <= upper[p]}
+    assert between == {"zpp-18b-100g-1k", "zpp-18b-100g-2k", "zpp-18b-200g-2k", "azure-175b-256-s512-mb32"}
+    past = {p: steps[p] / upper[p] - 1 for p in lower if p not in between}
+    zpp = [v for p, v in past.items() if p.startswith("zpp")]
+    azure = [v for p, v in past.items() if p.startswith("azure")]
+    assert 0.04 <= min(zpp) <= max(zpp) <= 0.11 and 0.09 <= min(azure) <= max(azure) <= 0.18
 
 
 def test_the_h100_examples_published_peak_memory_is_its_optimizer_steps(points):
