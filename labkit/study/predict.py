@@ -507,8 +507,9 @@ class Prediction:
     grad_accum: int
     global_batch: int
     step_time_s: float
-    step_time_s_if_nothing_hides: float  # the same step with no communication hidden behind compute: compute +
-                                         # comm_s + offload_s (= step_time_s where DeepSpeed hides none)
+    step_time_s_if_nothing_hides: float  # the same step with no communication hidden behind compute, nor behind
+                                         # the host's work: compute_s + comm_s + offload_s (= step_time_s where
+                                         # none hides)
     samples_per_s: float
     model_tflops_per_gpu: float
     hardware_tflops_per_gpu: float

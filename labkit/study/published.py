@@ -350,7 +350,7 @@ def compare(table: Any | None = None) -> Any:
             "strategy": args["strategy"], "micro_batch": args["micro_batch"], "grad_accum": args["grad_accum"],
             "activation_checkpointing": args["activation_checkpointing"], "metric": row["metric"],
             "published": published, "predicted": predicted, "error": predicted / published - 1,
-            # the same step with no communication hidden behind compute (the model's other bound)
+            # the same step with no communication hidden behind compute (beside the prediction, not the goal's)
             "predicted_if_nothing_hides": if_nothing_hides, "error_if_nothing_hides": if_nothing_hides / published - 1,
             "compute_s": pred.compute_s, "exposed_comm_s": pred.exposed_comm_s, "offload_s": pred.offload_s,
             "step_time_s": pred.step_time_s, "step_time_s_if_nothing_hides": pred.step_time_s_if_nothing_hides,

@@ -1326,6 +1326,7 @@ def test_from_a_gpu_run_its_own_zero_settings_are_the_models(capsys, tmp_path):
     (run / "config.json").write_text(json.dumps({**config, "ds_overrides": {"zero_optimization": zero}}))
     given = {stage: predicted(stage) for stage in (2, 3)}
     assert given[2]["zero"] == {"reduce_bucket_size": 20000} and given[3]["zero"] == zero
+
     def calls(out, phase):
         return sum(r["count"] for r in out["collectives"] if r["phase"] == phase)
 
