@@ -2173,6 +2173,14 @@ def test_notebook_06s_cluster_exercise_says_what_the_model_predicts():
     largest = first.max_micro_batch
     last = P.predict(work, cluster, strategy="z3", micro_batch=largest, precision="bf16")
     assert f"that fits ({largest}) the step is {last.step_time_s:.2f} s for {largest}x the samples" in text
+    # the same steps with nothing hidden, and the answer's ratio both ways
+    hidden = {round(p.step_time_s_if_nothing_hides, 2) for p in steps.values()}
+    assert len(hidden) == 1 and f"{hidden.pop():.2f} s at micro-batch 1 to 4" in text
+    assert f"and {last.step_time_s_if_nothing_hides:.2f} s at {largest}." in text
+    ratios = (last.step_time_s / first.step_time_s,
+              last.step_time_s_if_nothing_hides / first.step_time_s_if_nothing_hides)
+    assert round(ratios[0], 1) == round(ratios[1], 1)  # "the answer holds either way"
+    assert f"micro-batch {largest} costs {ratios[1]:.2f}x the step of micro-batch 1" in text
 
 
 def test_notebook_06s_answer_on_this_machine_says_what_the_data_and_model_give():
