@@ -24,10 +24,11 @@ pass, 8 B). Plain PyTorch: torch's Adam or SGD.
 `labkit.study.predict` reads the file (`step_bytes`). `--peak STAGE PRECISION SUB_GROUP_SIZE [--world-size N]`
 measures what else the step does on the device: the bytes it allocates for itself at its peak (every aten op's new
 tensors, each counted until it is freed), per rank, which `labkit.core.memory.optimizer_step_bytes` predicts. With
-`--world-size 2` each rank is its own process (`peak_in_subprocesses`); `--optimizer torch_adam|torch_sgd` runs
+`--world-size 2` each rank is its own process (`peaks_in_subprocesses`); `--optimizer torch_adam|torch_sgd` runs
 torch's Adam or SGD in place of FusedAdam; STAGE `torch` measures torch.optim.Adam's own step, which
-`memory.plain_adam_step_bytes` predicts.
-Each count runs in its own process (`python -m labkit.study.optimizer_bytes --one STAGE PRECISION`), so that no
+`memory.plain_adam_step_bytes` predicts. `--peaks JSON` and `--counts JSON` make several, one after another in one
+process (an engine each, each figure of its own third step): the tests' way, one process's imports for many.
+Each count runs in a process of its own (`python -m labkit.study.optimizer_bytes --one STAGE PRECISION`), so that no
 caller inherits a process group, on DeepSpeed's CPU accelerator even where a GPU is (the count is of aten ops, not
 a timing). It runs the same aten ops as CUDA's here
 (the norm's fp64 too: both support it; its other accelerator branches pick streams); at 2 ranks the bytes per owned
@@ -284,34 +285,38 @@ def peak_deepspeed_step(stage: int, precision: str, sub_group_size: int, rank: i
             "peak_bytes": live.peak}
 
 
-def peak_in_subprocesses(stage: int, precision: str, sub_group_size: int, world_size: int = 1,
-                         timeout_s: float = 300, optimizer: str = "fused_adam") -> list[dict[str, Any]]:
-    """`peak_deepspeed_step` on every rank, each its own process (`--peak`), one gloo group: each rank's figure."""
+def peaks_in_subprocesses(peaks: list[tuple[int, str, int, str]], world_size: int = 1,
+                          timeout_s: float = 600) -> list[list[dict[str, Any]]]:
+    """`peak_deepspeed_step` for each (stage, precision, sub_group_size, optimizer) of `peaks` on every rank, each
+    rank its own process (`--peaks`), one gloo group, measured one after another in it (an engine per measurement;
+    each peak is of its own third step, so what the ones before left allocated does not count): per measurement,
+    each rank's figure. One set of processes for the lot: each process's imports and process group cost more than
+    a measurement."""
     from labkit.launch.launcher import free_port
 
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-m", "labkit.study.optimizer_bytes", "--peak", str(stage), precision,
-                               str(sub_group_size), "--world-size", str(world_size), "--rank", str(rank),
-                               "--port", port, "--optimizer", optimizer],
+    spec = json.dumps([list(peak) for peak in peaks])
+    procs = [subprocess.Popen([sys.executable, "-m", "labkit.study.optimizer_bytes", "--peaks", spec,
+                               "--world-size", str(world_size), "--rank", str(rank), "--port", port],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
              for rank in range(world_size)]
-    results = []
+    per_rank = []
     for rank, proc in enumerate(procs):
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            raise RuntimeError(f"measuring the step's peak on rank {rank} took over {timeout_s:.0f} s") from None
+            raise RuntimeError(f"measuring the steps' peaks on rank {rank} took over {timeout_s:.0f} s") from None
         lines = [line for line in out.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
+        if proc.returncode != 0 or len(lines) != len(peaks):
             for p in procs:
                 p.kill()
-            raise RuntimeError(f"measuring the step's peak on rank {rank} failed (exit {proc.returncode}): "
-                               f"{(err or out).strip()[-1500:]}")
-        results.append(dict(json.loads(lines[-1])))
-    return results
+            raise RuntimeError(f"measuring the steps' peaks on rank {rank} failed (exit {proc.returncode}, "
+                               f"{len(lines)} of {len(peaks)} measured): {(err or out).strip()[-1500:]}")
+        per_rank.append([dict(json.loads(line)) for line in lines])
+    return [[ranks[i] for ranks in per_rank] for i in range(len(peaks))]
 
 
 def _plain_third_step_under(mode: Any, optimizer_name: str = "torch_adam") -> list[Any]:
@@ -355,22 +360,28 @@ def peak_torch_adam() -> dict[str, Any]:
             "param_numels": [p.numel() for p in params], "peak_bytes": live.peak}
 
 
-def count_in_subprocess(stage: str, precision: str, timeout_s: float = 300,
-                        optimizer: str | None = None) -> dict[str, Any]:
-    """One count in a child process (its process group and DeepSpeed's state die with it); `optimizer`: the
-    stage's default (`default_optimizer`) where None."""
-    optimizer = optimizer or default_optimizer(stage)
-    what = f"stage {stage} {precision} with {optimizer}"
+def counts_in_subprocess(counts: list[tuple[str, str, str | None]], timeout_s: float = 600) -> list[dict[str, Any]]:
+    """Each (stage, precision, optimizer) of `counts` in one child process (its process group and DeepSpeed's state
+    die with it), one after another in it (`--counts`: an engine per count, each counting its own third step);
+    `optimizer`: the stage's default (`default_optimizer`) where None."""
+    spec = [[stage, precision, optimizer or default_optimizer(stage)] for stage, precision, optimizer in counts]
+    what = ", ".join(f"stage {stage} {precision} with {optimizer}" for stage, precision, optimizer in spec)
     try:
-        done = subprocess.run([sys.executable, "-m", "labkit.study.optimizer_bytes", "--one", stage, precision,
-                               "--optimizer", optimizer], capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run([sys.executable, "-m", "labkit.study.optimizer_bytes", "--counts", json.dumps(spec)],
+                              capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
         raise RuntimeError(f"counting {what} took over {timeout_s:.0f} s: {str(exc.stderr or '')[-1500:]}") from None
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"counting {what} failed (exit {done.returncode}): "
+    if done.returncode != 0 or len(lines) != len(spec):
+        raise RuntimeError(f"counting {what} failed (exit {done.returncode}, {len(lines)} of {len(spec)} counted): "
                            f"{(done.stderr or done.stdout).strip()[-1500:]}")
-    return dict(json.loads(lines[-1]))
+    return [dict(json.loads(line)) for line in lines]
+
+
+def count_in_subprocess(stage: str, precision: str, timeout_s: float = 300,
+                        optimizer: str | None = None) -> dict[str, Any]:
+    """One count in a child process of its own (`counts_in_subprocess`)."""
+    return counts_in_subprocess([(stage, precision, optimizer)], timeout_s)[0]
 
 
 def measure() -> dict[str, Any]:
@@ -411,6 +422,46 @@ def step_bytes(stage: int | None, precision: str, path: str | os.PathLike | None
     return table[key]
 
 
+def _peak(stage: str, precision: str, size: str, optimizer: str | None, rank: int, world_size: int,
+          port: int | None) -> dict[str, Any]:
+    if stage == "torch":
+        return peak_torch_adam()
+    return peak_deepspeed_step(int(stage), precision, int(size), rank, world_size, port,
+                               optimizer=optimizer or "fused_adam")
+
+
+def _count(stage: str, precision: str, optimizer: str | None) -> dict[str, Any]:
+    optimizer = optimizer or default_optimizer(stage)
+    return count_plain_step(optimizer) if stage == "torch" else count_deepspeed_step(int(stage), precision, optimizer)
+
+
+def _peak_is_valid(stage: str, precision: str, size: str, optimizer: str | None, world_size: int) -> bool:
+    from labkit.core.memory import STEP_OPTIMIZERS
+
+    return (stage in STAGES and precision in PRECISIONS and size.isdigit()
+            and optimizer in (None, *STEP_OPTIMIZERS)
+            and not (stage == "torch" and (precision != "fp32" or world_size != 1
+                                           or optimizer not in (None, "torch_adam"))))
+
+
+def _count_is_valid(stage: str, precision: str, optimizer: str | None) -> bool:
+    from labkit.core.memory import STEP_OPTIMIZERS
+
+    optimizer = optimizer or default_optimizer(stage)
+    return (stage in STAGES and precision in PRECISIONS and optimizer in STEP_OPTIMIZERS
+            and not (stage == "torch" and (precision != "fp32" or optimizer not in PLAIN_OPTIMIZERS)))
+
+
+def _json_list(parser: argparse.ArgumentParser, option: str, text: str, width: int) -> list[list[str | None]]:
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as exc:
+        parser.error(f"{option}: not JSON ({exc})")
+    if not isinstance(items, list) or not items or not all(isinstance(i, list) and len(i) == width for i in items):
+        parser.error(f"{option}: a non-empty JSON list of {width}-item lists")
+    return [[None if v is None else str(v) for v in item] for item in items]
+
+
 def main(argv: list[str] | None = None) -> int:
     from labkit.core import memory
 
@@ -419,43 +470,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one", nargs=2, metavar=("STAGE", "PRECISION"),
                         help=f"count one step in this process and print it (STAGE of {STAGES}, PRECISION of "
                              f"{PRECISIONS})")
+    parser.add_argument("--counts", metavar="JSON",
+                        help="several --one counts, one after another in this process, a JSON line each: a list "
+                             "of [STAGE, PRECISION, OPTIMIZER or null]")
     parser.add_argument("--peak", nargs=3, metavar=("STAGE", "PRECISION", "SUB_GROUP_SIZE"),
                         help="the bytes one step allocates at its peak, in this process (STAGE 0-3, or torch: "
                              "torch.optim.Adam's): as JSON")
-    parser.add_argument("--world-size", type=int, default=1, help="with --peak: ranks (each started alike)")
-    parser.add_argument("--rank", type=int, default=0, help="with --peak: this process's rank")
-    parser.add_argument("--port", type=int, help="with --peak: the rendezvous port every rank shares")
+    parser.add_argument("--peaks", metavar="JSON",
+                        help="several --peak measurements, one after another in this process, a JSON line each: a "
+                             "list of [STAGE, PRECISION, SUB_GROUP_SIZE, OPTIMIZER or null]")
+    parser.add_argument("--world-size", type=int, default=1, help="with --peak(s): ranks (each started alike)")
+    parser.add_argument("--rank", type=int, default=0, help="with --peak(s): this process's rank")
+    parser.add_argument("--port", type=int, help="with --peak(s): the rendezvous port every rank shares")
     parser.add_argument("--optimizer", choices=memory.STEP_OPTIMIZERS,
                         help="the basic optimizer (torch_adam: foreach, as on a GPU); default: DeepSpeed's "
                              "fused_adam, plain PyTorch's (STAGE torch) torch_adam; --peak torch takes torch_adam only")
     args = parser.parse_args(argv)
-    if args.peak:
-        stage, precision, size = args.peak
-        if stage not in STAGES or precision not in PRECISIONS or not size.isdigit() or (
-                stage == "torch" and (precision != "fp32" or args.world_size != 1
-                                      or args.optimizer not in (None, "torch_adam"))):
-            parser.error(f"--peak STAGE ({', '.join(STAGES)}) PRECISION ({PRECISIONS}) SUB_GROUP_SIZE (elements, "
-                         f">= 0; torch: fp32 at one rank, its sub-group size ignored, torch_adam)")
-        if stage == "torch":
-            print(json.dumps(peak_torch_adam()))
-            return 0
+    peaks = ([[*args.peak, args.optimizer]] if args.peak
+             else _json_list(parser, "--peaks", args.peaks, 4) if args.peaks else [])
+    if peaks:
+        for stage, precision, size, optimizer in peaks:
+            if not _peak_is_valid(str(stage), str(precision), str(size), optimizer, args.world_size):
+                parser.error(f"--peak STAGE ({', '.join(STAGES)}) PRECISION ({PRECISIONS}) SUB_GROUP_SIZE (elements, "
+                             f">= 0) [OPTIMIZER of {memory.STEP_OPTIMIZERS}] (torch: fp32 at one rank, its sub-group "
+                             f"size ignored, torch_adam): not {[stage, precision, size, optimizer]}")
         if args.world_size > 1 and args.port is None:
             parser.error("--world-size > 1 needs --port, the same on every rank")
-        print(json.dumps(peak_deepspeed_step(int(stage), precision, int(size), args.rank, args.world_size,
-                                             args.port, optimizer=args.optimizer or "fused_adam")))
+        for stage, precision, size, optimizer in peaks:
+            print(json.dumps(_peak(str(stage), str(precision), str(size), optimizer, args.rank, args.world_size,
+                                   args.port)), flush=True)
         return 0
-    if args.one:
-        stage, precision = args.one
-        optimizer = args.optimizer or default_optimizer(stage)
-        if stage not in STAGES or precision not in PRECISIONS or (
-                stage == "torch" and (precision != "fp32" or optimizer not in PLAIN_OPTIMIZERS)):
-            parser.error(f"STAGE must be one of {STAGES} and PRECISION one of {PRECISIONS} (torch: fp32, the "
-                         f"plain loop's parameters, with one of {PLAIN_OPTIMIZERS})")
-        print(json.dumps(count_plain_step(optimizer) if stage == "torch"
-                         else count_deepspeed_step(int(stage), precision, optimizer)))
+    counts = ([[*args.one, args.optimizer]] if args.one
+              else _json_list(parser, "--counts", args.counts, 3) if args.counts else [])
+    if counts:
+        for stage, precision, optimizer in counts:
+            if not _count_is_valid(str(stage), str(precision), optimizer):
+                parser.error(f"STAGE must be one of {STAGES} and PRECISION one of {PRECISIONS}, OPTIMIZER one of "
+                             f"{memory.STEP_OPTIMIZERS} (torch: fp32, the plain loop's parameters, with one of "
+                             f"{PLAIN_OPTIMIZERS}): not {[stage, precision, optimizer]}")
+        for stage, precision, optimizer in counts:
+            print(json.dumps(_count(str(stage), str(precision), optimizer)), flush=True)
         return 0
     if not args.out:
-        parser.error("--out or --one is required")
+        parser.error("--out, --one, --counts, --peak or --peaks is required")
     result = measure()
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for c in result["counts"]:

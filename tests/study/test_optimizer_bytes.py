@@ -20,6 +20,18 @@ def _committed(stage: str, precision: str, optimizer: str | None = None) -> dict
                 and c["optimizer"] == optimizer)
 
 
+RECOUNTS = [("0", "bf16"), ("2", "bf16"), ("3", "fp16")]  # with FusedAdam; and stage 2 bf16 with torch's Adam
+
+
+@pytest.fixture(scope="module")
+def recounts() -> dict[tuple[str, str, str], dict]:
+    """The recounted steps on DeepSpeed's own engine, one after another in one child process:
+    {(stage, precision, optimizer): count}."""
+    counts = optimizer_bytes.counts_in_subprocess([(stage, precision, None) for stage, precision in RECOUNTS]
+                                                  + [("2", "bf16", "torch_adam")])
+    return {(str(c["stage"]), c["precision"], c["optimizer"]): c for c in counts}
+
+
 def test_the_committed_counts_cover_every_stage_precision_and_optimizer_and_say_what_counted_them():
     assert COMMITTED["deepspeed"] == "0.19.8"
     keys = [(str(c["stage"]), c["precision"], c["optimizer"]) for c in COMMITTED["counts"]]
@@ -71,11 +83,11 @@ def test_torchs_foreach_adam_reads_its_four_tensors_and_writes_three_in_every_pa
 
 
 @pytest.mark.slow
-def test_deepspeeds_torch_adam_is_adamw_in_foreach_passes_around_the_same_step():
+def test_deepspeeds_torch_adam_is_adamw_in_foreach_passes_around_the_same_step(recounts):
     # "torch_adam": true makes torch.optim.AdamW (engine.py:2380-2382), foreach as on a GPU: its passes are aten
     # ops, no kernel added; around them the same casts, norm and copy-back as FusedAdam's. Weight decay 0, as
     # labkit's runs set it: no decay pass
-    count = optimizer_bytes.count_in_subprocess("2", "bf16", optimizer="torch_adam")
+    count = recounts["2", "bf16", "torch_adam"]
     assert count == _committed("2", "bf16", "torch_adam")
     passes, fused = count["by_op"], _committed("2", "bf16")["by_op"]
     assert count["kernel_bytes_per_param"] == 0
@@ -91,9 +103,9 @@ def test_deepspeeds_torch_adam_is_adamw_in_foreach_passes_around_the_same_step()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage, precision", [("0", "bf16"), ("2", "bf16"), ("3", "fp16")])
-def test_a_recount_on_deepspeeds_own_step_gives_the_committed_figure(stage, precision):
-    count = optimizer_bytes.count_in_subprocess(stage, precision)
+@pytest.mark.parametrize("stage, precision", RECOUNTS)
+def test_a_recount_on_deepspeeds_own_step_gives_the_committed_figure(recounts, stage, precision):
+    count = recounts[stage, precision, optimizer_bytes.default_optimizer(stage)]
     assert count["bytes_per_param"] == pytest.approx(_committed(stage, precision)["bytes_per_param"], abs=0.01)
     assert count["kernel_bytes_per_param"] == 28
     passes = count["by_op"]

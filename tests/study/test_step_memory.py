@@ -1,5 +1,5 @@
 """What DeepSpeed 0.19.8's optimizer step allocates for itself, predicted (`memory.optimizer_step_bytes`) against
-the real step on 1 and 2 CPU ranks (`optimizer_bytes.peak_in_subprocesses`), and what the predictor makes of it."""
+the real step on 1 and 2 CPU ranks (`optimizer_bytes.peaks_in_subprocesses`), and what the predictor makes of it."""
 
 from __future__ import annotations
 
@@ -15,39 +15,65 @@ LAYERS = [ob.WIDTH * ob.WIDTH] * ob.LAYERS  # the measured model: 4 x Linear(102
 SCALARS = 256  # the step's few scalar tensors (the norm, flags): bytes the formula leaves out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage, precision, sub_group_size, world_size", [
+FUSED_ADAM_STEPS = [
     (3, "bf16", 1_500_000, 2),    # sub-groups of 3 parameter partitions: flattened (2 B) and made fp32 (4 B)
     (3, "bf16", 500_000, 1),      # one parameter per sub-group, a view: the fp64 norm of one gradient is the peak
     (3, "fp32", 1_000_000_000, 1),  # fp32 training: the flattened copy only
     (2, "bf16", 1_000_000_000, 2),  # the whole partition at once
     (1, "fp32", 1_000_000_000, 1),
     (0, "bf16", 1_000_000_000, 2),  # FP16_Optimizer: every gradient made fp32 in a list, then flattened
-])
-def test_the_optimizer_steps_own_peak_is_predicted_to_the_byte(stage, precision, sub_group_size, world_size):
-    predicted = memory.optimizer_step_bytes(stage, LAYERS, world_size, precision, sub_group_size=sub_group_size)
-    for rank in ob.peak_in_subprocesses(stage, precision, sub_group_size, world_size):
-        assert rank["param_numels"] == LAYERS
-        assert predicted <= rank["peak_bytes"] <= predicted + SCALARS, (rank, predicted)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("optimizer, stage, precision, sub_group_size, world_size", [
+]
+TORCH_STEPS = [
     # torch's Adam ("torch_adam": labkit's choice on a GPU without nvcc), foreach as on a GPU
     ("torch_adam", 2, "bf16", 1_000_000_000, 2),  # the fp32 partition and sqrt(exp_avg_sq) of it: 8 B, not 6
     ("torch_adam", 3, "fp32", 1_500_000, 1),  # per sub-group of 2 parameters: their fp32 gradients and the list
     ("torch_adam", 0, "bf16", 1_000_000_000, 1),  # FP16_UnfusedOptimizer: every gradient in fp32, and the list
     ("torch_adam", 0, "fp32", 1_000_000_000, 1),  # the basic optimizer alone: the list
     ("torch_sgd", 0, "bf16", 1_000_000_000, 1),   # FP16_UnfusedOptimizer: every gradient in fp32, no flattened copy
-])
-def test_with_torchs_optimizers_the_steps_peak_is_predicted_to_the_byte(optimizer, stage, precision, sub_group_size,
-                                                                       world_size):
+]
+
+
+@pytest.fixture(scope="module")
+def measured_peaks() -> dict[tuple, list[dict]]:
+    """Every step above measured on the real engine: one set of rank processes per world size, each measuring its
+    steps one after another. {(optimizer, stage, precision, sub_group_size, world_size): each rank's figure}"""
+    steps = [("fused_adam", *step) for step in FUSED_ADAM_STEPS] + TORCH_STEPS
+    peaks = {}
+    for world_size in sorted({step[-1] for step in steps}):
+        mine = [step for step in steps if step[-1] == world_size]
+        ranks = ob.peaks_in_subprocesses([(stage, precision, size, optimizer)
+                                          for optimizer, stage, precision, size, _ in mine], world_size)
+        peaks.update(zip(mine, ranks, strict=True))
+    return peaks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, precision, sub_group_size, world_size", FUSED_ADAM_STEPS)
+def test_the_optimizer_steps_own_peak_is_predicted_to_the_byte(measured_peaks, stage, precision, sub_group_size,
+                                                               world_size):
+    predicted = memory.optimizer_step_bytes(stage, LAYERS, world_size, precision, sub_group_size=sub_group_size)
+    ranks = measured_peaks["fused_adam", stage, precision, sub_group_size, world_size]
+    assert [rank["rank"] for rank in ranks] == list(range(world_size))
+    for rank in ranks:
+        assert (rank["stage"], rank["precision"], rank["sub_group_size"], rank["optimizer"], rank["world_size"]) == (
+            stage, precision, sub_group_size, "fused_adam", world_size)
+        assert rank["param_numels"] == LAYERS
+        assert predicted <= rank["peak_bytes"] <= predicted + SCALARS, (rank, predicted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer, stage, precision, sub_group_size, world_size", TORCH_STEPS)
+def test_with_torchs_optimizers_the_steps_peak_is_predicted_to_the_byte(measured_peaks, optimizer, stage, precision,
+                                                                       sub_group_size, world_size):
     predicted = memory.optimizer_step_bytes(stage, LAYERS, world_size, precision, sub_group_size=sub_group_size,
                                             optimizer=optimizer)
     fused = memory.optimizer_step_bytes(stage, LAYERS, world_size, precision, sub_group_size=sub_group_size)
     assert predicted != fused or (optimizer, stage, precision) == ("torch_adam", 0, "bf16")  # 8 B either way
-    for rank in ob.peak_in_subprocesses(stage, precision, sub_group_size, world_size, optimizer=optimizer):
-        assert rank["optimizer"] == optimizer and rank["param_numels"] == LAYERS
+    ranks = measured_peaks[optimizer, stage, precision, sub_group_size, world_size]
+    assert [rank["rank"] for rank in ranks] == list(range(world_size))
+    for rank in ranks:
+        assert (rank["stage"], rank["precision"], rank["optimizer"]) == (stage, precision, optimizer)
+        assert rank["param_numels"] == LAYERS
         assert predicted <= rank["peak_bytes"] <= predicted + SCALARS, (rank, predicted)
 
 
@@ -168,3 +194,21 @@ def test_a_lab_runs_predicted_peak_counts_its_plain_optimizers_step():
     with live:
         sgd.step()
     assert live.peak == 0
+
+
+@pytest.mark.parametrize("argv", [
+    ["--peaks", "not json"], ["--peaks", "[]"], ["--peaks", '[[3, "bf16", 1000]]'],
+    ["--peaks", '[[3, "bf17", 1000, null]]'], ["--peaks", '[[3, "bf16", 1000, "adamw"]]'],
+    ["--peaks", '[[3, "bf16", -1, null]]'],
+    ["--peaks", '[["torch", "fp32", 0, null]]', "--world-size", "2", "--port", "1"],
+    ["--peaks", '[[2, "bf16", 1000, null]]', "--world-size", "2"],  # no rendezvous port
+    ["--peaks", '[[1, "fp32", 1000, null], [9, "fp32", 1000, null]]'],  # the second is checked before the first runs
+    ["--counts", '[["4", "bf16", null]]'], ["--counts", '[["torch", "fp32", "fused_adam"]]'],
+    ["--counts", '[["2", "bf16", null], ["2", "fp8", null]]'],
+])
+def test_a_measurement_it_cannot_make_is_refused_before_any_runs(argv, capsys):
+    with pytest.raises(SystemExit) as refused:
+        ob.main(argv)
+    assert refused.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "error:" in err
