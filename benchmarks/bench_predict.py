@@ -18,7 +18,7 @@
    every point <= 30%.
 3. The lab's own runs on a GPU (data/reference-<gpu>/results.csv, or answer-partial/results.csv until an answer is
    whole): each finished point's median step PREDICTED for that GPU kind from its config alone (no goal: steps under
-   TINY_STEP_S are launch-bound, which the model leaves out, and the lab's models are small).
+   TINY_STEP_S are launch-bound, which the model's launch term predicts short, and the lab's models are small).
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def main() -> int:
         from labkit.study.predict import TINY_STEP_S
 
         print("\nThe lab's runs on a GPU: median step PREDICTED from the config / measured (one rank; under "
-              f"{TINY_STEP_S * 1e3:.0f} ms a predicted step is launch-bound, which the model leaves out), and "
+              f"{TINY_STEP_S * 1e3:.0f} ms a predicted step is launch-bound, which the model predicts short), and "
               "PREDICTED calibrated on the same strategy's run at another micro-batch (labkit predict --from: the "
               "miss read as fixed work, and as a slower device)")
         print(gpu.to_string(index=False, float_format=lambda v: f"{v:.4g}"))  # type: ignore[attr-defined]

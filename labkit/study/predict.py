@@ -1022,7 +1022,7 @@ def measure_links(*args: Any, **kwargs: Any) -> Any:
 REPORT_CLUSTERS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("one node of 8 A100-80GB (NVSwitch)", dict(gpus_per_node=8, nodes=1)),
                    ("4 such nodes, 8 x 200 Gb/s HDR InfiniBand each", dict(gpus_per_node=8, nodes=4, inter_gbps=1600)))
-TINY_STEP_S = 1e-3  # below this a predicted GPU step is dominated by kernel launches, which the model leaves out
+TINY_STEP_S = 1e-3  # below this a predicted GPU step is mostly the host issuing kernels: too small a model
 
 
 def answer_workload(results_dir: str | os.PathLike) -> tuple[Workload, int]:
@@ -1076,8 +1076,12 @@ def report_section(results_dir: str | os.PathLike, *, precision: str = "bf16") -
             batches = f" (global batch {first['from_batch']} &rarr; {first['to_batch']})" if first["from_batch"] else ""
             parts.append(f"<tr><td>{way}{batches}</td>{''.join(cells)}</tr>")
         parts.append("</table>")
-        note = (f" At {step.step_time_s * 1e6:.0f} us a step, kernel launches (not modelled) would dominate: this "
-                "model is too small for these GPUs." if step.step_time_s < TINY_STEP_S else "")
+        # the launches are modelled (HostCosts: a GPU node's host as measured), and at this size they are the step
+        launches = node_host(cluster.gpu, "launch_s")
+        note = (f" At {step.step_time_s * 1e6:.0f} us a step this model is too small for these GPUs: "
+                f"{step.host_bound_s * 1e6:.0f} us of it is predicted to be the device waiting on the host to issue "
+                "its kernels" + (f" (the launch figure: {launches[1]})" if launches else "") + "."
+                if step.step_time_s < TINY_STEP_S else "")
         parts.append(f"<p>Predicted step at micro-batch {micro}: {step.step_time_s:.3g} s (compute "
                      f"{step.compute_s:.3g} s, exposed communication {step.exposed_comm_s:.3g} s).{note}</p>")
     parts.append("</section>")

@@ -47,16 +47,21 @@ def _refuse_unread(args: Any) -> None:
             "--from predicts its run at another --world-size, --micro-batch, --stage or, on CPU ranks, "
             "--threads-per-rank (its model, precision and hardware are the run's; --gpu names a GPU run's kind)")
     else:
-        unread, why = given(FLAGS_FOR_RUNS), "--world-size, --threads-per-rank and --links are --from's"
+        # each reason said only where one of its flags was given
+        unread, reasons = given(FLAGS_FOR_RUNS), []
+        if unread:
+            reasons.append("--world-size, --threads-per-rank and --links are --from's")
         if args.transformer is not None:
-            if given(FLAGS_FOR_LAB_MODELS):  # said only where one was given
+            if given(FLAGS_FOR_LAB_MODELS):
                 unread += given(FLAGS_FOR_LAB_MODELS)
-                why += ("; --hidden, --depth, --input-size, --data and --loss are a lab --model's (a --transformer "
-                        "has its shape)")
+                reasons.append("--hidden, --depth, --input-size, --data and --loss are a lab --model's (a "
+                               "--transformer has its shape)")
         elif args.target_loss is not None:
             unread.append("--target-loss")
-            why += ("; --target-loss is a --transformer's (Kaplan et al.'s law is for language models on GPT-2's "
-                    "tokens; a lab model's critical batch is measured: --results from an answer, or give --b-crit)")
+            reasons.append("--target-loss is a --transformer's (Kaplan et al.'s law is for language models on GPT-2's "
+                           "tokens; a lab model's critical batch is measured: --results from an answer, or give "
+                           "--b-crit)")
+        why = "; ".join(reasons)
     if unread:
         raise _bad("predict", f"{', '.join(unread)} not read here: {why}")
 

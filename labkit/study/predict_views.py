@@ -33,7 +33,7 @@ SHAPES: dict[str, flops.Transformer] = {
 }
 LAB_MODELS = ("lab GPT (ci size)", "lab MLP (ci answer)")
 STRATEGY_LABELS = {"torch": "plain PyTorch DDP", "z0": "ZeRO-0", "z1": "ZeRO-1", "z2": "ZeRO-2", "z3": "ZeRO-3",
-                   "z2-offload": "ZeRO-2 + offload", "z3-offload": "ZeRO-3 + offload"}
+                   "z1-offload": "ZeRO-1 + offload", "z2-offload": "ZeRO-2 + offload", "z3-offload": "ZeRO-3 + offload"}
 
 
 def workload(name: str) -> P.Workload:
@@ -79,19 +79,30 @@ def b_crit_for(name: str, target_loss: float, work: P.Workload | None = None) ->
 
 
 def card_table(card: dict[str, Any]) -> pd.DataFrame:
-    """The (predicted) answer card as a table: one row per way, one column per time."""
+    """The (predicted) answer card as a table: one row per way, one column per time, and where a time has no
+    verdict, why (`no verdict because`: a side that does not fit, one device, no critical batch)."""
     rows = []
     for way, kinds in card["ways"].items():
         row: dict[str, Any] = {"way": way}
+        why = []
         for kind, entry in kinds.items():
-            row[kind] = "-" if entry["verdict"] is None else f"predicted {entry['verdict']} ({entry['ratio']:.2f}x)"
-        row["batch"] = f"{kinds['per_step']['from_batch']} -> {kinds['per_step']['to_batch']}"
+            if entry["verdict"] is None:
+                row[kind] = "-"
+                why.append(entry["condition"].removeprefix("predicted: "))
+            else:
+                row[kind] = f"predicted {entry['verdict']} ({entry['ratio']:.2f}x)"
+        step = kinds["per_step"]
+        row["batch"] = f"{step['from_batch']} -> {step['to_batch']}" if step["from_batch"] else "-"
+        row["no verdict because"] = "; ".join(dict.fromkeys(why))  # the same reason once
         rows.append(row)
     return pd.DataFrame(rows)
 
 
+STRATEGY_PARTS = ("torch", "z0", "z1", "z2", "z3", "z2-offload")  # the bars the widgets draw, and the chosen one
+
+
 def strategy_parts(work: P.Workload, cluster: Cluster, *, micro_batch: int, precision: str = "bf16",
-                   strategies: tuple[str, ...] = ("torch", "z0", "z1", "z2", "z3", "z2-offload"),
+                   strategies: tuple[str, ...] = STRATEGY_PARTS,
                    activation_checkpointing: bool = False) -> pd.DataFrame:
     """Predicted seconds per step of each strategy, split into the device's compute, the time it waits on the host
     (ZeRO-3's hooks, kernel launches: `host_bound_s`), exposed communication and offload."""
@@ -113,9 +124,13 @@ def parts_figure(parts: pd.DataFrame, title: str) -> Any:
     import plotly.graph_objects as go
 
     fig = go.Figure()
+    # a strategy that does not fit keeps its bar (the time it would take) but says so under it, faded
+    labels = [name if fits else f"{name}<br>(does not fit)" for name, fits in zip(parts["strategy"], parts["fits"],
+                                                                                  strict=True)]
+    opacity = [1.0 if fits else 0.35 for fits in parts["fits"]]
     for column, name in (("compute_s", "compute"), ("host_bound_s", "waiting on the host"),
                          ("exposed_comm_s", "exposed communication"), ("offload_s", "offload")):
-        fig.add_bar(x=parts["strategy"], y=parts[column], name=name)
+        fig.add_bar(x=labels, y=parts[column], name=name, marker_opacity=opacity)
     fig.update_layout(barmode="stack", title=f"Predicted: {title}", yaxis_title="predicted seconds per step",
                       height=380, margin=dict(l=60, r=20, t=60, b=40))
     return fig
@@ -205,7 +220,8 @@ def explore(*, gpu: str, gpus_per_node: int, nodes: int, intra: str, inter_gbps:
         b_crit, why = b_crit_for(model, target_loss, work)
     card = P.predicted_card(work, cluster, strategy=strategy, micro_batch=micro_batch, precision=precision,
                             activation_checkpointing=activation_checkpointing, b_crit=b_crit)
-    parts = strategy_parts(work, cluster, micro_batch=micro_batch, precision=precision,
+    shown = STRATEGY_PARTS if strategy in STRATEGY_PARTS else (*STRATEGY_PARTS, strategy)  # the chosen one too
+    parts = strategy_parts(work, cluster, micro_batch=micro_batch, precision=precision, strategies=shown,
                            activation_checkpointing=activation_checkpointing)
     one = P.predict(work, cluster, strategy=strategy, micro_batch=micro_batch, precision=precision,
                     activation_checkpointing=activation_checkpointing)

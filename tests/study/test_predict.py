@@ -715,6 +715,37 @@ def test_the_bars_split_the_compute_from_the_wait_on_the_host():
     assert parts.loc["ZeRO-2", "host_bound_s"] < z3.host_bound_s  # no hooks without stage 3
 
 
+def test_the_widgets_card_says_why_a_way_has_no_verdict_and_the_bars_which_strategy_does_not_fit():
+    from labkit.study import predict_views as V
+
+    widgets = dict(gpu="T4", gpus_per_node=4, nodes=2, intra="auto", inter_gbps=100, model="GPT-2 XL (1.5B)",
+                   micro_batch=4, target_loss=3.0)
+    card, parts, _ = V.explore(**widgets, strategy="z3")
+    assert (card[["per_step", "per_epoch", "to_target"]] == "-").all().all()  # GPT-2 XL does not fit a T4 ...
+    assert card.set_index("way").loc["micro_batch", "no verdict because"].startswith("does not fit")
+    assert not parts.set_index("strategy").loc["ZeRO-3", "fits"]
+    figure = V.parts_figure(parts, "T4")
+    assert "ZeRO-3<br>(does not fit)" in list(figure.data[0].x)  # ... and its bar says so
+    checkpointed, parts, _ = V.explore(**widgets, strategy="z3", activation_checkpointing=True)
+    assert parts.set_index("strategy").loc["ZeRO-3", "fits"]  # ... unless the blocks are recomputed
+    assert (checkpointed.set_index("way").loc["micro_batch", ["per_step", "per_epoch", "to_target"]] != "-").all()
+    assert checkpointed.set_index("way").loc["micro_batch", "no verdict because"] == ""
+    one = V.explore(**{**widgets, "gpus_per_node": 1, "nodes": 1}, strategy="z3", activation_checkpointing=True)[0]
+    ranks = one.set_index("way").loc["ranks"]
+    assert ranks["batch"] == "-" and "rank" in ranks["no verdict because"]  # one GPU: no ranks to add
+    _, parts, _ = V.explore(**widgets, strategy="z3-offload", activation_checkpointing=True)
+    assert list(parts["strategy"])[-1] == "ZeRO-3 + offload"  # the chosen strategy among the bars
+    assert "z1-offload" in V.controls()["strategy"]
+
+
+def test_the_report_says_a_tiny_step_is_the_host_issuing_kernels():
+    from labkit.study.answer import predicted_section
+
+    text = predicted_section("data/reference-ci")
+    assert "kernel launches (not modelled)" not in text
+    assert "predicted to be the device waiting on the host to issue its kernels" in text
+
+
 def test_the_widgets_critical_batch_is_kaplans_for_a_transformer_and_the_lab_models_own_measured_one():
     from labkit.study import predict_views as V
 
@@ -947,6 +978,9 @@ def test_labkit_predict_takes_the_critical_batch_from_a_target_loss(capsys):
     assert main(["predict", "--model", "mlp", "--target-loss", "3", "--world-size", "2"]) == 2  # a lab model's is
     err = capsys.readouterr().err  # measured; every flag not read is named
     assert "--transformer's" in err and "--world-size" in err
+    assert main(["predict", "--model", "mlp", "--target-loss", "3"]) == 2
+    err = capsys.readouterr().err  # only the reason of a flag that was given
+    assert "--transformer's" in err and "--from's" not in err
     assert main([*argv[:-2], "--target-loss", "3"]) == 0  # the table: B_crit beside the steps, labelled predicted
     text = capsys.readouterr().out
     assert "steps_to_target_over_s_min" in text and "(B_crit 4176 samples: Kaplan" in text
