@@ -4,6 +4,7 @@
     python -m labkit export --example zero3 --world-size 16 --hostfile hosts --launcher pdsh --out job/
     python -m labkit runs
     python -m labkit answer --profile ci      # sweep + max-batch search + report (labkit.study.answer)
+    python -m labkit report runs/answer-ci    # its card and report again from its tables, nothing measured
 """
 
 from __future__ import annotations
@@ -204,6 +205,13 @@ def cmd_answer(args: argparse.Namespace) -> int:
     return cli(args)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """Rebuild an answer's card and report from its tables, measuring nothing (labkit.study.answer)."""
+    from labkit.study.answer import report_cli
+
+    return report_cli(args)
+
+
 EPILOG = """examples:
   labkit run --example zero3 --world-size 2 --micro-batch 64 --steps 20
   labkit run --example zero3 --world-size 2 --model gpt --hidden 64 --depth 2 --input-size 64
@@ -211,6 +219,7 @@ EPILOG = """examples:
   labkit run --script train.py --world-size 2 -- --deepspeed_config ds.json
   labkit export-metrics runs/<run> --tensorboard tb/ --csv csv/
   labkit answer --profile ci --model gpt --strict
+  labkit report data/reference-ci
   labkit runs --format csv
   labkit predict --transformer layers=48,hidden=1600,heads=16,seq=1024 --gpu V100-32GB --gpus-per-node 16 \
       --nodes 4 --intra nvswitch --inter-gbps 800 --stage 1 --micro-batch 8 --global-batch 2048 --format json
@@ -284,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
         answer.add_argument(flag(name), default=None, help=_flag_help(name) + " (default: the profile's MLP)")
     _add_cold_flag(answer)
     answer.set_defaults(func=cmd_answer)
+    report = sub.add_parser("report", **tail, help="rebuild an answer's answer_card.json and report.html from its "
+                            "tables with this labkit (nothing is measured)")
+    report.add_argument("results", help="an answer's results dir (runs/answer-<profile>, data/reference-ci, ...)")
+    report.set_defaults(func=cmd_report)
     _add_predict_parser(sub.add_parser("predict", **tail, help="PREDICTED step time on GPUs you don't have, or on "
                                        "another world size / micro-batch / stage calibrated on a finished run"))
     return parser

@@ -340,8 +340,7 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     `loss`: train another model (RunConfig fields; model="gpt" is the built-in byte-level GPT)."""
     from labkit.launch.store import default_root
     from labkit.runtime.devices import detect_devices
-    from labkit.study import card, maxbatch
-    from labkit.study.report import build_report
+    from labkit.study import maxbatch
     from labkit.study.sweep import check_fair, fair_parallel, point_key
 
     profile = with_model(PROFILES[profile_name], model, data, loss)
@@ -422,17 +421,70 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
                                                            "load_average_at_start", "date") if k in previous},
                    "report_regenerated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_json_atomic(out / "machine.json", machine)
+    report = write_report(out, results, tables, profile=profile, machine=machine, devices=devices,
+                          checked=checked_section(out, remeasure=launches > 0, is_cpu=is_cpu, say=say), say=say)
+    say(f"report: {report} ({report.stat().st_size / 1e6:.1f} MB) after {runtime:.0f} s")
+    return report
+
+
+def write_report(out: Path, results: pd.DataFrame, tables: dict[str, pd.DataFrame], *, profile: AnswerProfile,
+                 machine: dict[str, Any], devices: Any, checked: str,
+                 say: Callable[[str], None] = lambda _: None) -> Path:
+    """answer_card.json and report.html in `out` from the answer's tables (`tables`: memory, activation, noise; the
+    max-batch CSVs read from `out`) and its `checked` section; the report's path. `answer` ends with it and
+    `rebuild_report` redoes it."""
+    from labkit.study import card
+    from labkit.study.report import build_report
+
     maxbatch_table = pd.read_csv(out / "maxbatch.csv") if (out / "maxbatch.csv").is_file() else None
     probes = pd.read_csv(out / "maxbatch_probes.csv") if (out / "maxbatch_probes.csv").is_file() else None
     answer_card = card.build_card(results, maxbatch=maxbatch_table, noise=tables["noise"], machine=machine)
     say(f"answer card: {card.write_card(answer_card, out)}")
-    report = build_report(results, out / "report.html", maxbatch=maxbatch_table, probes=probes,
-                          memory=tables["memory"], activation=tables["activation"], noise=tables["noise"],
-                          machine=machine, profile=dataclasses.asdict(profile), card=answer_card,
-                          sections=[checked_section(out, remeasure=launches > 0, is_cpu=is_cpu, say=say),
-                                    predicted_section(out)])
-    say(f"report: {report} ({report.stat().st_size / 1e6:.1f} MB) after {runtime:.0f} s")
+    return build_report(results, out / "report.html", maxbatch=maxbatch_table, probes=probes,
+                        memory=tables["memory"], activation=tables["activation"], noise=tables["noise"],
+                        machine=machine, profile=dataclasses.asdict(profile), devices=devices, card=answer_card,
+                        sections=[checked, predicted_section(out)])
+
+
+ANSWER_TABLES = ("results.csv", "machine.json", "memory.csv", "activation.csv", "noise.csv")
+
+
+def rebuild_report(out: str | os.PathLike, *, say: Callable[[str], None] = lambda _: None) -> Path:
+    """Rebuild answer_card.json and report.html in `out` from the tables a finished answer left there, measuring
+    nothing: after the code that writes them changed (the predicted section follows labkit.study.predict), or for
+    data/reference-*, which keeps no run directories. machine.json keeps when and how the numbers were measured and
+    gains `report_regenerated`. The check on this machine is kept only where its runs and link fit are
+    (`calibrate.kept_report_section`). FileNotFoundError / ValueError before anything is written."""
+    from labkit.runtime.devices import detect_devices
+    from labkit.study import calibrate
+    from labkit.study.report import require_growth
+
+    out = Path(out)
+    missing = [name for name in ANSWER_TABLES if not (out / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{out} has no {', '.join(missing)}: not the results dir of a finished "
+                                "`labkit answer` (or data/reference-*)")
+    machine = read_json(out / "machine.json")
+    if not isinstance(machine, dict) or machine.get("profile") not in PROFILES:
+        recorded = machine.get("profile") if isinstance(machine, dict) else None
+        raise ValueError(f"{out / 'machine.json'} names the profile {recorded!r}, not one of {', '.join(PROFILES)}: "
+                         "the report is built with the profile the answer ran")
+    model = machine.get("model")
+    profile = with_model(PROFILES[machine["profile"]], None if model in (None, "mlp") else model)
+    results = pd.read_csv(out / "results.csv")
+    require_growth(results, dataclasses.asdict(profile))
+    tables = {name: pd.read_csv(out / f"{name}.csv") for name in ("memory", "activation", "noise")}
+    machine = {**machine, "report_regenerated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    checked = (calibrate.kept_report_section(out) if machine.get("accelerator") == "cpu"
+               else calibrate.no_check_section(GPU_CHECK_WHY))
+    report = write_report(out, results, tables, profile=profile, machine=machine, devices=detect_devices(),
+                          checked=checked, say=say)
+    write_json_atomic(out / "machine.json", machine)
     return report
+
+
+GPU_CHECK_WHY = ("the calibration models CPU ranks (labkit predict --from predicts GPU runs too, with a link fit of "
+                 "your GPUs: --links)")
 
 
 def checked_section(out: str | os.PathLike, *, remeasure: bool, is_cpu: bool,
@@ -444,8 +496,7 @@ def checked_section(out: str | os.PathLike, *, remeasure: bool, is_cpu: bool,
     from labkit.study import calibrate
 
     if not is_cpu:
-        return calibrate.no_check_section("the calibration models CPU ranks (labkit predict --from predicts GPU runs "
-                                          "too, with a link fit of your GPUs: --links)")
+        return calibrate.no_check_section(GPU_CHECK_WHY)
     try:
         started = time.monotonic()
         fit = calibrate.answer_links(out, remeasure=remeasure)
@@ -534,6 +585,18 @@ def cli(args: Any) -> int:
         for path in publish(out, args.reference):
             print(f"published: {path}")
     return strict_exit_code(pd.read_csv(out / "results.csv"), strict=getattr(args, "strict", False))
+
+
+def report_cli(args: Any) -> int:
+    """Entry point of `python -m labkit report DIR`: 0, or 2 naming what is missing (nothing written)."""
+    try:
+        report = rebuild_report(args.results)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"report: {report}")
+    print(f"answer card: {Path(args.results) / 'answer_card.json'}")
+    return 0
 
 
 def strict_exit_code(results: pd.DataFrame, *, strict: bool) -> int:

@@ -834,6 +834,26 @@ def answer_links(results_dir: str | os.PathLike, *, remeasure: bool) -> dict[str
     return fit
 
 
+def kept_report_section(results_dir: str | os.PathLike) -> str:
+    """`report_section` from what an answer's results dir keeps, measuring nothing (a rebuilt report,
+    `labkit.study.answer.rebuild_report`): its runs and its link fit, or why there is no check without them."""
+    import json
+
+    import pandas as pd
+
+    out = Path(results_dir)
+    pairs = answer_pairs(pd.read_csv(out / "results.csv"))
+    if not pairs:
+        return report_section(out, None)
+    if not any(_run_dir(out, one).is_dir() and _run_dir(out, many).is_dir() for one, many in pairs):
+        return no_check_section("the runs of its ranks way are not in this results dir (data/reference-* keeps no "
+                                "run directories; data/predict-ci/ holds such a check, docs/predict.md)")
+    if not (out / ANSWER_LINKS).is_file():
+        return no_check_section(f"no link fit kept ({ANSWER_LINKS}), and a rebuilt report measures nothing: "
+                                "`labkit answer` on this results dir measures it")
+    return report_section(out, dict(json.loads((out / ANSWER_LINKS).read_text())))
+
+
 def answer_check(results_dir: str | os.PathLike, link_fit: dict[str, Any]) -> Any:
     """The answer's ranks way on this machine: each N-rank point PREDICTED from the 1-rank run of the same strategy
     and micro-batch (`calibrated`, every run summarised by its mean step, `link_fit` refitted by the mean), beside

@@ -275,6 +275,18 @@ def test_answer_smoke_end_to_end(tmp_path):
     assert (check["predicted_exposed_comm_s"] > 0).all() and check["error"].notna().all()
     section = page[page.index("id='predicted-this-machine'"):]
     assert section.count("<td>predicted ") == len(check) and "No check" not in section.split("</section>")[0]
+    # `labkit report` rebuilds the card and the report from these tables, measuring nothing: the check kept (its
+    # runs and link fit are here), the card the same, machine.json's measurement untouched but for the rebuild's date.
+    from labkit.study.answer import rebuild_report
+
+    card_before, machine_before = (out / "answer_card.json").read_text(), machine
+    rebuilt = rebuild_report(out).read_text()
+    assert (out / "answer_card.json").read_text() == card_before
+    machine = json.loads((out / "machine.json").read_text())
+    assert machine.pop("report_regenerated") and machine == machine_before
+    assert json.loads((out / calibrate.ANSWER_LINKS).read_text()) == links  # not measured again
+    kept = rebuilt[rebuilt.index("id='predicted-this-machine'"):].split("</section>")[0]
+    assert kept == section.split("</section>")[0] and "rebuilt from those measurements" in rebuilt
 
 
 def test_results_dir_for_reads_the_committed_reference_then_a_sweep_run_here(tmp_path, monkeypatch):
@@ -292,3 +304,47 @@ def test_results_dir_for_reads_the_committed_reference_then_a_sweep_run_here(tmp
     assert results_dir_for("full") == tmp_path / "answer-full"
     with pytest.raises(FileNotFoundError, match=r"python -m labkit answer --profile full --model gpt` or else"):
         results_dir_for("full", "gpt", also=" or else")  # the GPT never falls back to the MLP's results
+
+
+@pytest.mark.parametrize("name", ["reference-ci", "reference-ci-gpt"])
+def test_the_committed_references_card_and_predictions_are_this_labkits(name):
+    """data/reference-*'s answer_card.json and report.html's predicted section are what this labkit builds from the
+    committed tables: a change to the card or to labkit.study.predict that leaves them stale fails here
+    (`labkit report data/<name>` rebuilds both, measuring nothing)."""
+    from labkit.study import card
+    from labkit.study.answer import predicted_section
+
+    reference = Path(__file__).resolve().parents[2] / "data" / name
+    tables = {n: pd.read_csv(reference / f"{n}.csv") for n in ("results", "maxbatch", "noise")}
+    built = card.build_card(tables["results"], maxbatch=tables["maxbatch"], noise=tables["noise"],
+                            machine=json.loads((reference / "machine.json").read_text()))
+    assert built == json.loads((reference / "answer_card.json").read_text()), f"run `labkit report data/{name}`"
+    section = predicted_section(reference)
+    assert "Predicted on other hardware" in section and "No prediction" not in section
+    assert section in (reference / "report.html").read_text(), f"run `labkit report data/{name}`"
+
+
+def test_labkit_report_refuses_what_is_not_a_finished_answer_before_writing(tmp_path, capsys):
+    """`labkit report DIR`: exit 2 naming what is missing or wrong, and nothing in DIR written."""
+    import shutil
+
+    from labkit.cli import main
+
+    reference = Path(__file__).resolve().parents[2] / "data" / "reference-ci"
+    machine = json.loads((reference / "machine.json").read_text())
+    results = pd.read_csv(reference / "results.csv")
+    breakages = {
+        "has no noise.csv: not the results dir of a finished `labkit answer`": lambda d: (d / "noise.csv").unlink(),
+        "machine.json names the profile 'huge', not one of ci, ": lambda d: (d / "machine.json").write_text(
+            json.dumps({**machine, "profile": "huge"})),
+        "results.csv has no `growth` column": lambda d: results.drop(columns=["growth"]).to_csv(
+            d / "results.csv", index=False),
+    }
+    for n, (message, breakage) in enumerate(breakages.items()):
+        copy = tmp_path / str(n)
+        shutil.copytree(reference, copy)
+        breakage(copy)
+        before = {p.name: p.read_bytes() for p in copy.iterdir()}
+        assert main(["report", str(copy)]) == 2
+        assert message in capsys.readouterr().err
+        assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
