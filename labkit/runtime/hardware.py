@@ -632,9 +632,11 @@ class Cluster:
             raise ValueError(f"{self.gpus_per_node} GPUs per node: the largest node is {MAX_GPUS_PER_NODE} GPUs "
                              "(DGX-2, HGX A100 16-GPU); more GPUs are more --nodes")
         if not math.isfinite(self.inter_gbps) or self.inter_gbps < 0:
-            raise ValueError(f"--inter-gbps must be a finite bandwidth >= 0 Gb/s, got {self.inter_gbps}")
+            raise ValueError(f"the node's network bandwidth (inter_gbps; --inter-gbps on the command line) must be "
+                             f"a finite bandwidth >= 0 Gb/s, got {self.inter_gbps}")
         if self.nodes > 1 and self.inter_gbps <= 0:
-            raise ValueError("several nodes need --inter-gbps, the node's network bandwidth in Gb/s")
+            raise ValueError("several nodes need the node's network bandwidth in Gb/s (inter_gbps; --inter-gbps on "
+                             "the command line)")
         intra_link(self.intra, self.gpu, self.gpus_per_node)  # validates the name and that the GPU can have it
         if self.host_cpu not in HOST_CPUS:
             raise ValueError(f"unknown host CPU {self.host_cpu!r}; known: {', '.join(HOST_CPUS)}")

@@ -84,6 +84,10 @@ def _strategy(args: Any) -> str:
     if args.host_memory_gb_per_s is not None and not args.offload_optimizer:
         raise _bad("host_memory_gb_per_s", "--host-memory-gb-per-s is the host's, for ZeRO-Offload's optimizer: it "
                                            "needs --stage 1-3 --offload-optimizer")
+    if args.host_memory_gb_per_s is not None and not 0 < args.host_memory_gb_per_s < float("inf"):
+        # predict() checks it too; here it is refused before torch loads
+        raise _bad("host_memory_gb_per_s", "--host-memory-gb-per-s must be a finite bandwidth > 0, got "
+                                           f"{args.host_memory_gb_per_s}")
     if args.plain_pytorch:
         if args.stage is not None or args.offload_optimizer:
             raise _bad("plain_pytorch", "--plain-pytorch takes no --stage or --offload-optimizer")

@@ -71,7 +71,7 @@ def test_links_a_gpu_can_have():
 
 @pytest.mark.parametrize("gbps", [float("nan"), float("inf"), -5.0])
 def test_a_network_bandwidth_that_is_not_a_finite_number_is_refused(gbps):
-    with pytest.raises(ValueError, match="inter-gbps must be a finite bandwidth"):
+    with pytest.raises(ValueError, match=r"\(inter_gbps; --inter-gbps on the command line\) must be a finite"):
         hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=2, inter_gbps=gbps)
 
 
@@ -1091,6 +1091,8 @@ def test_the_issues_command_prints_every_key(capsys):
     (["--stage", "2", "--zero", "max_reuse_distance=0"], "changes nothing at stage 2"),  # the field's own name
     (["--stage", "2", "--host-memory-gb-per-s", "50"], "needs --stage 1-3 --offload-optimizer"),
     (["--plain-pytorch", "--host-memory-gb-per-s", "50"], "needs --stage 1-3 --offload-optimizer"),
+    (["--stage", "2", "--offload-optimizer", "--host-memory-gb-per-s", "0"], "must be a finite bandwidth > 0, got 0"),
+    (["--stage", "2", "--offload-optimizer", "--host-memory-gb-per-s", "inf"], "must be a finite bandwidth > 0"),
     (["--target-loss", "0"], "0.5-10.0 nats per token"),
     (["--target-loss", "inf"], "0.5-10.0 nats per token"),
     (["--target-loss", "1e-70"], "0.5-10.0 nats per token"),
@@ -1117,6 +1119,7 @@ def test_bad_input_exits_2_naming_the_problem(capsys, argv, says):
     ["--model", "mlp", "--hidden", "0"],
     ["--transformer", "layers=2,hidden=64,heads=4,seq=32", "--target-loss", "-1"],
     ["--stage", "3", "--offload-optimizer", "--optimizer", "torch_sgd"],
+    ["--stage", "2", "--offload-optimizer", "--host-memory-gb-per-s", "nan"],
 ])
 @pytest.mark.slow  # a fresh Python process per case
 def test_bad_flags_are_refused_before_torch_loads(argv):
