@@ -348,3 +348,24 @@ def test_labkit_report_refuses_what_is_not_a_finished_answer_before_writing(tmp_
         assert main(["report", str(copy)]) == 2
         assert message in capsys.readouterr().err
         assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+
+
+def test_a_rebuilt_reports_check_says_what_it_lacks(tmp_path):
+    """The check on this machine in a rebuilt report (`calibrate.kept_report_section`) measures nothing: without the
+    ranks way's runs, or with them but no link fit kept, it says which; an answer without a ranks way says that."""
+    from labkit.study import calibrate
+
+    reference = Path(__file__).resolve().parents[2] / "data" / "reference-ci"
+    assert "the runs of its ranks way are not in this results dir" in calibrate.kept_report_section(reference)
+    results = pd.read_csv(reference / "results.csv")
+    results.to_csv(tmp_path / "results.csv", index=False)
+    pairs = calibrate.answer_pairs(results)
+    assert pairs
+    for one, many in pairs:
+        for row in (one, many):
+            (tmp_path / "runs" / str(row["run_id"])).mkdir(parents=True, exist_ok=True)
+    section = calibrate.kept_report_section(tmp_path)
+    assert f"no link fit kept ({calibrate.ANSWER_LINKS})" in section
+    assert not (tmp_path / calibrate.ANSWER_LINKS).exists()  # not measured
+    results[~results["growth"].astype(str).str.contains("ranks")].to_csv(tmp_path / "results.csv", index=False)
+    assert "this answer has no ranks way to check" in calibrate.kept_report_section(tmp_path)
