@@ -855,6 +855,26 @@ def b_crit_from(results_dir: str | os.PathLike) -> float | None:
     return None if pooled is None or pooled.b_simple is None or pooled.b_simple <= 0 else pooled.b_simple
 
 
+def measured_b_crit(results_dir: str | os.PathLike, *, shown_as: str | None = None) -> tuple[float, str] | None:
+    """(the critical batch an answer in `results_dir` measured, where it comes from), else None. First the LR study's
+    fit of S(B) = S_min (1 + B_crit / B) to its best steps to the target (results.csv, `growth.critical_batch`) where
+    its batches place it: the law the time to the same loss is predicted with, fitted to the steps the lab measured;
+    else B_simple, the pooled gradient noise scale of noise.csv (`b_crit_from`), McCandlish et al.'s estimate of it
+    (B_simple ~ 133 against the fit's ~ 424 on data/reference-ci: the noise scale is not the critical batch itself).
+    `shown_as`: how the source names the directory (default: as given)."""
+    import pandas as pd
+
+    from labkit.study.growth import critical_batch
+
+    results = Path(results_dir) / "results.csv"
+    shown = shown_as or str(results_dir)
+    fit = critical_batch(pd.read_csv(results)) if results.is_file() else None
+    if fit is not None and fit["placement"]["placed"]:
+        return float(fit["b_crit"]), f"{fit['placement']['text']}: the LR study in {shown}/results.csv"
+    b_simple = b_crit_from(results_dir)
+    return None if b_simple is None else (b_simple, f"B_simple measured in {shown}/noise.csv")
+
+
 # -- the predicted answer card ---------------------------------------------------------------------------------
 WAYS = ("ranks", "micro_batch", "grad_accum")
 GRAD_ACCUM_RANGE = (1, 16)
@@ -1050,17 +1070,18 @@ def answer_workload(results_dir: str | os.PathLike) -> tuple[Workload, int]:
 
 def report_section(results_dir: str | os.PathLike, *, precision: str = "bf16") -> str:
     """HTML: the answer card PREDICTED for one node of 8 A100s and for 4 such nodes, for the model the answer in
-    `results_dir` measured, with its B_crit (noise.csv). Every number is labelled predicted."""
+    `results_dir` measured, with its measured B_crit (`measured_b_crit`). Every number is labelled predicted."""
     import html
 
     workload, micro = answer_workload(results_dir)
-    b_crit = b_crit_from(results_dir)
+    b_crit, b_crit_source = measured_b_crit(results_dir) or (None, "")
     parts = ["<section id='predicted-other-hardware'><h2>Predicted on other hardware (not measured)</h2>",
              "<p>What <code>labkit.study.predict</code> predicts for this answer's model "
              f"({html.escape(workload.name)}, "
              f"{workload.n_params:,} parameters, {precision}, ZeRO stage 0) on GPUs this machine does not have. "
              "Every number here is a <b>prediction</b> (docs/predict.md: the model, its sources, what it leaves out)"
-             + (f"; time to the same loss uses the measured B_simple = {b_crit:.4g}" if b_crit else "") + ".</p>"]
+             + (f"; time to the same loss uses the measured {html.escape(b_crit_source)}" if b_crit else "")
+             + ".</p>"]
     for title, shape in REPORT_CLUSTERS:
         cluster = Cluster(gpu=find_gpu("A100-80GB"), intra="nvswitch", **shape)
         card = predicted_card(workload, cluster, micro_batch=micro, precision=precision, b_crit=b_crit)

@@ -212,16 +212,14 @@ def _b_crit(args: Any, shape: Transformer | None) -> tuple[float, str] | None:
     if args.results:
         if not Path(args.results).is_dir():
             raise _bad("results", f"no such results directory: {args.results}")
-        if not (Path(args.results) / "noise.csv").is_file():
-            raise _bad("results", f"{args.results} has no noise.csv (the answer's gradient-noise probes): no "
-                                  "critical batch to read; give --b-crit instead")
-        from labkit.study.predict import b_crit_from
+        from labkit.study.predict import measured_b_crit
 
-        b_crit = b_crit_from(args.results)
-        if b_crit is None:
-            raise _bad("results", f"{args.results}/noise.csv gives no positive critical batch (its noise estimate is "
-                                  "not above 0: too few or too noisy probes); give --b-crit instead")
-        return b_crit, f"B_simple measured in {args.results}/noise.csv"
+        measured = measured_b_crit(args.results)
+        if measured is None:
+            raise _bad("results", f"{args.results} places no critical batch: no LR study in a results.csv whose "
+                                  "batches place B_crit, and no noise.csv (the answer's gradient-noise probes) with a "
+                                  "positive noise estimate (too few or too noisy probes); give --b-crit instead")
+        return measured
     return None
 
 

@@ -64,13 +64,12 @@ LAB_B_CRIT_RESULTS = {"lab GPT (ci size)": DATA / "reference-ci-gpt", "lab MLP (
 def b_crit_for(name: str, target_loss: float, work: P.Workload | None = None) -> tuple[float | None, str]:
     """(B_crit in the model's samples, where it comes from) for the time to the same loss: a transformer's from
     Kaplan et al.'s power law at `target_loss` nats per token (`noise_scale.language_model_b_crit`, in its sequences);
-    the lab's models (the GPT reads bytes, not GPT-2's tokens) their own measured B_simple. `work`: `workload(name)`
-    where the caller has it."""
+    the lab's models (the GPT reads bytes, not GPT-2's tokens) their own answers' (`predict.measured_b_crit`).
+    `work`: `workload(name)` where the caller has it."""
     if name in LAB_B_CRIT_RESULTS:
         path = LAB_B_CRIT_RESULTS[name]
-        measured = P.b_crit_from(path)
-        return measured, (f"B_simple measured in data/{path.name}/noise.csv" if measured is not None
-                          else f"no critical batch: data/{path.name} has no positive noise estimate")
+        measured = P.measured_b_crit(path, shown_as=f"data/{path.name}")
+        return measured or (None, f"no critical batch: data/{path.name} places none")
     work = work or workload(name)
     if not isinstance(work, P.TransformerWorkload):
         return None, "no critical batch for this model"

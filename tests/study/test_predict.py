@@ -753,10 +753,10 @@ def test_the_widgets_critical_batch_is_kaplans_for_a_transformer_and_the_lab_mod
     assert b == pytest.approx(P.language_model_b_crit(3.0, 4096)) and "Kaplan" in why and "4096 tokens" in why
     assert V.b_crit_for("layers=2,hidden=64,heads=4,seq=128", 3.0)[0] == pytest.approx(
         P.language_model_b_crit(3.0, 128))  # a shape typed in the box
-    mlp, why = V.b_crit_for("lab MLP (ci answer)", 3.0)  # the lab's models: their own answers' probes
-    assert mlp == P.b_crit_from("data/reference-ci") and "reference-ci/" in why
+    mlp, why = V.b_crit_for("lab MLP (ci answer)", 3.0)  # the lab's models: their own answers' LR study
+    assert (mlp, why) == P.measured_b_crit("data/reference-ci")
     gpt, why = V.b_crit_for("lab GPT (ci size)", 3.0)  # the GPT reads bytes, not GPT-2's tokens
-    assert gpt == P.b_crit_from("data/reference-ci-gpt") and "reference-ci-gpt" in why and gpt != mlp
+    assert (gpt, why) == P.measured_b_crit("data/reference-ci-gpt") and gpt != mlp
     widgets = dict(gpu="A100-80GB", gpus_per_node=8, nodes=1, intra="auto", inter_gbps=0.0, model="GPT-2 XL (1.5B)",
                    strategy="z3", micro_batch=2)
     card, _, summary = V.explore(**widgets, target_loss=3.0)
@@ -768,16 +768,41 @@ def test_the_widgets_critical_batch_is_kaplans_for_a_transformer_and_the_lab_mod
         V.explore(**widgets, b_crit=100.0, target_loss=3.0)
 
 
+def test_the_measured_critical_batch_is_the_lr_studys_fit_where_its_batches_place_it_else_b_simple(tmp_path):
+    """`measured_b_crit`: the fit of S(B) to the LR study's best steps (results.csv) where it is placed, the law the
+    time to the same loss is predicted with; else noise.csv's B_simple; the source says which."""
+    import shutil
+
+    import pandas as pd
+
+    from labkit.study.growth import critical_batch
+
+    reference = Path("data/reference-ci")
+    fit = critical_batch(pd.read_csv(reference / "results.csv"))
+    b, why = P.measured_b_crit(reference)
+    assert b == fit["b_crit"] and 276 < b < 660 and why.startswith("B_crit ~ 424 (90% bootstrap interval 276-660")
+    assert why.endswith("the LR study in data/reference-ci/results.csv")
+    shutil.copy(reference / "noise.csv", tmp_path)  # no results.csv: the noise scale
+    b_simple, why = P.measured_b_crit(tmp_path, shown_as="DIR")
+    assert b_simple == P.b_crit_from(reference) and 100 < b_simple < 170 and why == "B_simple measured in DIR/noise.csv"
+    results = pd.read_csv(reference / "results.csv")
+    study = results[results["lr_scaling"] != "none"]  # fewer batches: the fit no longer placed
+    study[study["global_batch"] <= 64].to_csv(tmp_path / "results.csv", index=False)
+    assert critical_batch(pd.read_csv(tmp_path / "results.csv")) is None or not critical_batch(
+        pd.read_csv(tmp_path / "results.csv"))["placement"]["placed"]
+    assert P.measured_b_crit(tmp_path)[0] == b_simple
+
+
 def test_a_results_folder_without_a_positive_critical_batch_is_refused(tmp_path, capsys):
     shape = ["predict", "--transformer", "layers=2,hidden=128,heads=2,seq=64", "--results", str(tmp_path)]
     assert main(shape) == 2
-    assert "no noise.csv" in capsys.readouterr().err
+    assert "places no critical batch: no LR study" in capsys.readouterr().err
     # one probe whose big-batch norm is above the small one's: tr(Sigma) < 0, no critical batch
     (tmp_path / "noise.csv").write_text("grad_norm_small_sq,grad_norm_big_sq,noise_b_small,noise_b_big\n"
                                         "9.0,9.5,8,16\n")
     assert P.b_crit_from(tmp_path) is None
     assert main(shape) == 2
-    assert "no positive critical batch" in capsys.readouterr().err
+    assert "with a positive noise estimate" in capsys.readouterr().err
 
 
 def test_the_basic_optimizer_sets_the_states_the_steps_traffic_and_its_peak():
