@@ -86,7 +86,7 @@ test: install
 	LABKIT_PROFILE=ci $(BIN)/python -m pytest -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile \
 		tests --nbval-lax notebooks
 
-# The tests that start no process (every one that does is marked slow: tests/conftest.py), under 2 minutes.
+# The tests that start no process (every one that does is marked slow: tests/conftest.py), 2-4 minutes here.
 test-fast: install
 	$(BIN)/python -m pytest -ra tests -m "not slow"
 

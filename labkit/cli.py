@@ -219,11 +219,11 @@ EPILOG = """examples:
   labkit run --script train.py --world-size 2 -- --deepspeed_config ds.json
   labkit export-metrics runs/<run> --tensorboard tb/ --csv csv/
   labkit answer --profile ci --model gpt --strict
-  labkit report data/reference-ci
+  labkit report runs/answer-ci
   labkit runs --format csv
-  labkit predict --transformer layers=48,hidden=1600,heads=16,seq=1024 --gpu V100-32GB --gpus-per-node 16 \
+  labkit predict --transformer layers=48,hidden=1600,heads=16,seq=1024 --gpu V100-32GB --gpus-per-node 16 \\
       --nodes 4 --intra nvswitch --inter-gbps 800 --stage 1 --micro-batch 8 --global-batch 2048 --format json
-  labkit predict --gpu A100-40GB --gpus-per-node 2 --stage 2 --micro-batch 4 --precision bf16 --offload-optimizer \
+  labkit predict --gpu A100-40GB --gpus-per-node 2 --stage 2 --micro-batch 4 --precision bf16 --offload-optimizer \\
       --transformer arch=qwen2,layers=36,hidden=2048,heads=16,kv_heads=2,ffn=11008,seq=512,vocab=151936,tied=1
   labkit predict --model my_pkg.train:build_model --data my_pkg.train:build_dataset --gpu H100-SXM --micro-batch 32
   labkit predict --from runs/<a 1-rank run> --world-size 2
@@ -281,8 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     answer = sub.add_parser("answer", **tail, help="batch-size sweep, max-batch search, time to target, report")
     # labkit.study.answer.PROFILES' names (not imported here: it pulls in pandas and the sweep).
     answer.add_argument("--profile", choices=("ci", "workshop", "full", "smoke"), default=None,
-                        help="default: LABKIT_PROFILE, else by device; workshop: one node of 16-24 GB GPUs; "
-                             "smoke: a minutes-long end-to-end check")
+                        help="default: LABKIT_PROFILE, else by device; workshop: one node of 12-70 GiB GPUs or one "
+                             "80 GB GPU; full: 2+ 80 GB GPUs; smoke: a minutes-long end-to-end check")
     answer.add_argument("--out", default=None, help="results + run directories (default: runs/answer-<profile>)")
     answer.add_argument("--parallel", type=int, default=None,
                         help="timed runs at once (default and maximum: as many as share no core or device)")

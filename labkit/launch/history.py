@@ -14,6 +14,7 @@ from labkit.launch.store import run_dirs
 COLUMNS = ("run_id", "status", "example", "stage", "offload_optimizer", "precision", "world_size", "micro_batch",
            "grad_accum", "global_batch", "steps_completed", "median_step_time_s", "samples_per_s",
            "final_loss", "time_to_target_s", "cause")
+INTEGER_COLUMNS = ("stage", "world_size", "micro_batch", "grad_accum", "global_batch", "steps_completed")
 
 
 def runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
@@ -44,7 +45,11 @@ def runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
         row["run_id"] = run_dir.name
         row["path"] = str(run_dir)
         rows.append(row)
-    return pd.DataFrame(rows, columns=[*COLUMNS, "path"])
+    table = pd.DataFrame(rows, columns=[*COLUMNS, "path"])
+    # counts stay integers where a row has none (plain PyTorch has no stage, a script no batch): 3, not 3.0
+    for column in INTEGER_COLUMNS:
+        table[column] = pd.to_numeric(table[column], errors="coerce").round().astype("Int64")
+    return table
 
 
 def recover_stale(root: str | os.PathLike | None = None) -> list[Path]:

@@ -861,18 +861,18 @@ def measured_b_crit(results_dir: str | os.PathLike, *, shown_as: str | None = No
     its batches place it: the law the time to the same loss is predicted with, fitted to the steps the lab measured;
     else B_simple, the pooled gradient noise scale of noise.csv (`b_crit_from`), McCandlish et al.'s estimate of it
     (B_simple ~ 133 against the fit's ~ 424 on data/reference-ci: the noise scale is not the critical batch itself).
-    `shown_as`: how the source names the directory (default: as given)."""
+    `shown_as`: how the source names the directory (default: as given; "": the files' names alone)."""
     import pandas as pd
 
     from labkit.study.growth import critical_batch
 
     results = Path(results_dir) / "results.csv"
-    shown = shown_as or str(results_dir)
+    shown = f"{results_dir}/" if shown_as is None else f"{shown_as}/" if shown_as else ""
     fit = critical_batch(pd.read_csv(results)) if results.is_file() else None
     if fit is not None and fit["placement"]["placed"]:
-        return float(fit["b_crit"]), f"{fit['placement']['text']}: the LR study in {shown}/results.csv"
+        return float(fit["b_crit"]), f"{fit['placement']['text']}: the LR study in {shown}results.csv"
     b_simple = b_crit_from(results_dir)
-    return None if b_simple is None else (b_simple, f"B_simple measured in {shown}/noise.csv")
+    return None if b_simple is None else (b_simple, f"B_simple measured in {shown}noise.csv")
 
 
 # -- the predicted answer card ---------------------------------------------------------------------------------
@@ -1074,13 +1074,13 @@ def report_section(results_dir: str | os.PathLike, *, precision: str = "bf16") -
     import html
 
     workload, micro = answer_workload(results_dir)
-    b_crit, b_crit_source = measured_b_crit(results_dir) or (None, "")
+    b_crit, b_crit_source = measured_b_crit(results_dir, shown_as="") or (None, "")  # the answer's own files
     parts = ["<section id='predicted-other-hardware'><h2>Predicted on other hardware (not measured)</h2>",
              "<p>What <code>labkit.study.predict</code> predicts for this answer's model "
              f"({html.escape(workload.name)}, "
              f"{workload.n_params:,} parameters, {precision}, ZeRO stage 0) on GPUs this machine does not have. "
              "Every number here is a <b>prediction</b> (docs/predict.md: the model, its sources, what it leaves out)"
-             + (f"; time to the same loss uses the measured {html.escape(b_crit_source)}" if b_crit else "")
+             + (f"; time to the same loss uses the answer's measured {html.escape(b_crit_source)}" if b_crit else "")
              + ".</p>"]
     for title, shape in REPORT_CLUSTERS:
         cluster = Cluster(gpu=find_gpu("A100-80GB"), intra="nvswitch", **shape)

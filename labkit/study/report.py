@@ -541,9 +541,11 @@ def build_report(results: pd.DataFrame, path: str | Path, *, maxbatch: pd.DataFr
         "</ul>",
     ]
     under = {f"Growing the batch by {words}": growth_sentences(results, way) for way, words in WAYS.items()}
-    for title, fig in figs:
+    for number, (title, fig) in enumerate(figs):
         parts.append(f"<h2>{html.escape(title)}</h2>")
-        parts.append(fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False}))
+        # a fixed id (plotly draws a random one): the same tables rebuild the same page
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False},
+                                 div_id=f"figure-{number}"))
         if under.get(title):
             parts.append("<ul>" + "".join(f"<li>{html.escape(s)}</li>" for s in under[title]) + "</ul>")
     parts += list(sections)  # ready-made HTML, e.g. labkit.study.predict.report_section

@@ -238,3 +238,24 @@ def test_ctrl_c_while_waiting_stops_the_runs_it_started(interrupted, entry):
     assert list(runs_root.iterdir())
     for run_dir in runs_root.iterdir():
         assert not run_processes(run_dir)
+
+
+def test_the_run_list_keeps_counts_integers_where_a_row_has_none(tmp_path):
+    """`labkit runs`: a plain-PyTorch run has no ZeRO stage; the stage column still reads 3, not 3.0, and the
+    missing one is empty (null in JSON), not NaN."""
+    from labkit.launch.history import INTEGER_COLUMNS, runs
+
+    for name, stage in (("a-torch", None), ("b-zero3", 3)):
+        run = tmp_path / name
+        run.mkdir()
+        config = {"example": "pytorch" if stage is None else "zero3", "stage": stage, "world_size": 1,
+                  "micro_batch": 32, "grad_accum": 1}
+        (run / "config.json").write_text(json.dumps(config))
+        (run / "summary.json").write_text(json.dumps({**config, "status": "finished", "global_batch": 32,
+                                                      "steps_completed": 5, "median_step_time_s": 0.01}))
+    table = runs(tmp_path)
+    assert all(str(table[c].dtype) == "Int64" for c in INTEGER_COLUMNS)
+    assert table["stage"].isna().tolist() == [True, False] and table["stage"].iloc[1] == 3
+    rows = json.loads(table.to_json(orient="records"))
+    assert rows[0]["stage"] is None and rows[1]["stage"] == 3 and rows[1]["global_batch"] == 32
+    assert " 3 " in table.to_string(index=False) and "3.0" not in table.to_string(index=False)

@@ -40,8 +40,8 @@ def test_every_2_rank_point_is_predicted(statistic):
 
 @pytest.mark.parametrize("data", [DATA, SECOND_PASS], ids=["predict-ci", "predict-ci-2"])
 def test_the_issues_goal_on_this_machine(data):
-    """A regression check on two committed passes, each with its own link fit (measured one after the other on the
-    quiet machine); a run's time is its steps x their mean step (docs/predict.md, "This machine")."""
+    """A regression check on two committed passes (measured one after the other on the quiet machine), both read with
+    the first's link grid; a run's time is its steps x their mean step (docs/predict.md, "This machine")."""
     errors = C.cpu_comparison(data, "mean", links=DATA / "links_grid.json")["error"].abs()
     assert errors.median() <= GOAL_MEDIAN and errors.max() <= GOAL_MAX
 
