@@ -171,7 +171,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     elif args.format == "json":
         sys.stdout.write(table.to_json(orient="records", indent=2) + "\n")
     else:
-        print(table.to_string(index=False) if len(table) else "no runs yet")
+        print(table.to_string(index=False, na_rep="") if len(table) else "no runs yet")
     return 0
 
 

@@ -439,11 +439,18 @@ def write_report(out: Path, results: pd.DataFrame, tables: dict[str, pd.DataFram
     maxbatch_table = pd.read_csv(out / "maxbatch.csv") if (out / "maxbatch.csv").is_file() else None
     probes = pd.read_csv(out / "maxbatch_probes.csv") if (out / "maxbatch_probes.csv").is_file() else None
     answer_card = card.build_card(results, maxbatch=maxbatch_table, noise=tables["noise"], machine=machine)
+    # the report first (written whole, atomically), then the card: a table the report cannot read leaves both as
+    # they were
+    report = build_report(results, out / "report.html", maxbatch=maxbatch_table, probes=probes,
+                          memory=tables["memory"], activation=tables["activation"], noise=tables["noise"],
+                          machine=machine, profile=dataclasses.asdict(profile), devices=devices, card=answer_card,
+                          sections=[checked, predicted_section(out)])
     say(f"answer card: {card.write_card(answer_card, out)}")
-    return build_report(results, out / "report.html", maxbatch=maxbatch_table, probes=probes,
-                        memory=tables["memory"], activation=tables["activation"], noise=tables["noise"],
-                        machine=machine, profile=dataclasses.asdict(profile), devices=devices, card=answer_card,
-                        sections=[checked, predicted_section(out)])
+    return report
+
+
+GPU_CHECK_WHY = ("the calibration models CPU ranks (labkit predict --from predicts GPU runs too, with a link fit of "
+                 "your GPUs: --links)")
 
 
 ANSWER_TABLES = ("results.csv", "machine.json", "memory.csv", "activation.csv", "noise.csv")
@@ -455,11 +462,12 @@ def rebuild_report(out: str | os.PathLike, *, say: Callable[[str], None] = lambd
     data/reference-*, which keeps no run directories. machine.json keeps when and how the numbers were measured and
     gains `report_regenerated`. The check on this machine is kept only where its runs and link fit are
     (`calibrate.kept_report_section`). FileNotFoundError / ValueError before anything is written."""
-    from labkit.runtime.devices import detect_devices
     from labkit.study import calibrate
     from labkit.study.report import require_growth
 
     out = Path(out)
+    if not out.is_dir():
+        raise FileNotFoundError(f"no such directory: {out}")
     missing = [name for name in ANSWER_TABLES if not (out / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{out} has no {', '.join(missing)}: not the results dir of a finished "
@@ -475,16 +483,19 @@ def rebuild_report(out: str | os.PathLike, *, say: Callable[[str], None] = lambd
     require_growth(results, dataclasses.asdict(profile))
     tables = {name: pd.read_csv(out / f"{name}.csv") for name in ("memory", "activation", "noise")}
     machine = {**machine, "report_regenerated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    checked = (calibrate.kept_report_section(out) if machine.get("accelerator") == "cpu"
-               else calibrate.no_check_section(GPU_CHECK_WHY))
-    report = write_report(out, results, tables, profile=profile, machine=machine, devices=detect_devices(),
-                          checked=checked, say=say)
+    if machine.get("accelerator") != "cpu":
+        checked = calibrate.no_check_section(GPU_CHECK_WHY)
+    else:
+        try:
+            checked = calibrate.kept_report_section(out)
+        except Exception as error:  # a run dir or links.json it cannot read: no check, said why
+            checked = calibrate.no_check_section(f"the kept runs or {calibrate.ANSWER_LINKS} could not be read "
+                                                 f"({type(error).__name__}: {error})")
+    # devices=None: the rebuilt page is read where it lands, so it is not compared with the machine rebuilding it
+    report = write_report(out, results, tables, profile=profile, machine=machine, devices=None, checked=checked,
+                          say=say)
     write_json_atomic(out / "machine.json", machine)
     return report
-
-
-GPU_CHECK_WHY = ("the calibration models CPU ranks (labkit predict --from predicts GPU runs too, with a link fit of "
-                 "your GPUs: --links)")
 
 
 def checked_section(out: str | os.PathLike, *, remeasure: bool, is_cpu: bool,
@@ -516,7 +527,7 @@ def predicted_section(out: str | os.PathLike) -> str:
 
     try:
         return predict.report_section(out)
-    except (ValueError, KeyError, OSError) as error:
+    except Exception as error:  # whatever the prediction meets, the measured report stays
         return ("<section id='predicted-other-hardware'><h2>Predicted on other hardware (not measured)</h2>"
                 f"<p>No prediction for this answer: {html.escape(f'{type(error).__name__}: {error}')}</p></section>")
 
@@ -591,8 +602,11 @@ def report_cli(args: Any) -> int:
     """Entry point of `python -m labkit report DIR`: 0, or 2 naming what is missing (nothing written)."""
     try:
         report = rebuild_report(args.results)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (FileNotFoundError, ValueError, KeyError, AttributeError, TypeError) as error:
+        # a missing table, or one that is not an answer's (a column missing): nothing was written
+        said = str(error) if isinstance(error, (FileNotFoundError, ValueError)) else (
+            f"{args.results}: a table is not an answer's ({type(error).__name__}: {error})")
+        print(f"error: {said}", file=sys.stderr)
         return 2
     print(f"report: {report}")
     print(f"answer card: {Path(args.results) / 'answer_card.json'}")

@@ -850,7 +850,8 @@ def kept_report_section(results_dir: str | os.PathLike) -> str:
                                 "run directories; data/predict-ci/ holds such a check, docs/predict.md)")
     if not (out / ANSWER_LINKS).is_file():
         return no_check_section(f"no link fit kept ({ANSWER_LINKS}), and a rebuilt report measures nothing: "
-                                "`labkit answer` on this results dir measures it")
+                                "`labkit answer --out` this results dir, with the profile and model its "
+                                "machine.json names, measures it")
     return report_section(out, dict(json.loads((out / ANSWER_LINKS).read_text())))
 
 

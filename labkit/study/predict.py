@@ -839,7 +839,7 @@ def steps_to_target(global_batch: float, b_crit: float, s_min: float = 1.0) -> f
     return s_min * (1.0 + b_crit / global_batch)
 
 
-def b_crit_from(results_dir: str | os.PathLike) -> float | None:
+def b_simple_from(results_dir: str | os.PathLike) -> float | None:
     """The lab's measured B_simple (pooled gradient noise scale over every probe of noise.csv), else None (no file,
     or an estimate not above 0: the pooled trace of the noise came out negative, which is no critical batch)."""
     import pandas as pd
@@ -859,7 +859,7 @@ def measured_b_crit(results_dir: str | os.PathLike, *, shown_as: str | None = No
     """(the critical batch an answer in `results_dir` measured, where it comes from), else None. First the LR study's
     fit of S(B) = S_min (1 + B_crit / B) to its best steps to the target (results.csv, `growth.critical_batch`) where
     its batches place it: the law the time to the same loss is predicted with, fitted to the steps the lab measured;
-    else B_simple, the pooled gradient noise scale of noise.csv (`b_crit_from`), McCandlish et al.'s estimate of it
+    else B_simple, the pooled gradient noise scale of noise.csv (`b_simple_from`), McCandlish et al.'s estimate of it
     (B_simple ~ 133 against the fit's ~ 424 on data/reference-ci: the noise scale is not the critical batch itself).
     `shown_as`: how the source names the directory (default: as given; "": the files' names alone)."""
     import pandas as pd
@@ -868,10 +868,13 @@ def measured_b_crit(results_dir: str | os.PathLike, *, shown_as: str | None = No
 
     results = Path(results_dir) / "results.csv"
     shown = f"{results_dir}/" if shown_as is None else f"{shown_as}/" if shown_as else ""
-    fit = critical_batch(pd.read_csv(results)) if results.is_file() else None
+    try:
+        fit = critical_batch(pd.read_csv(results)) if results.is_file() else None
+    except (KeyError, AttributeError, ValueError):  # a results.csv without an LR study's columns: none to fit
+        fit = None
     if fit is not None and fit["placement"]["placed"]:
         return float(fit["b_crit"]), f"{fit['placement']['text']}: the LR study in {shown}results.csv"
-    b_simple = b_crit_from(results_dir)
+    b_simple = b_simple_from(results_dir)
     return None if b_simple is None else (b_simple, f"B_simple measured in {shown}noise.csv")
 
 
@@ -1080,7 +1083,7 @@ def report_section(results_dir: str | os.PathLike, *, precision: str = "bf16") -
              f"({html.escape(workload.name)}, "
              f"{workload.n_params:,} parameters, {precision}, ZeRO stage 0) on GPUs this machine does not have. "
              "Every number here is a <b>prediction</b> (docs/predict.md: the model, its sources, what it leaves out)"
-             + (f"; time to the same loss uses the answer's measured {html.escape(b_crit_source)}" if b_crit else "")
+             + (f"; time to the same loss uses the answer's {html.escape(b_crit_source)}" if b_crit else "")
              + ".</p>"]
     for title, shape in REPORT_CLUSTERS:
         cluster = Cluster(gpu=find_gpu("A100-80GB"), intra="nvswitch", **shape)

@@ -573,7 +573,7 @@ def _header(machine: dict[str, Any] | None, profile: dict[str, Any] | None, resu
             bits.append(f"measured in {machine['answer_runtime_s']:.0f} s with {machine.get('launches', '?')} launches")
         if machine.get("report_regenerated"):
             rebuilt = html.escape(str(machine["report_regenerated"]))
-            bits.append(f"this report rebuilt from those measurements on {rebuilt} (nothing measured again)")
+            bits.append(f"this report rebuilt from those measurements on {rebuilt} (its sweep not measured again)")
     bits.append(f"{len(results)} sweep points")
     return "; ".join(bits)
 

@@ -784,12 +784,18 @@ def test_the_measured_critical_batch_is_the_lr_studys_fit_where_its_batches_plac
     assert why.endswith("the LR study in data/reference-ci/results.csv")
     shutil.copy(reference / "noise.csv", tmp_path)  # no results.csv: the noise scale
     b_simple, why = P.measured_b_crit(tmp_path, shown_as="DIR")
-    assert b_simple == P.b_crit_from(reference) and 100 < b_simple < 170 and why == "B_simple measured in DIR/noise.csv"
+    assert b_simple == P.b_simple_from(reference) and 100 < b_simple < 170
+    assert why == "B_simple measured in DIR/noise.csv"
     results = pd.read_csv(reference / "results.csv")
     study = results[results["lr_scaling"] != "none"]  # fewer batches: the fit no longer placed
     study[study["global_batch"] <= 64].to_csv(tmp_path / "results.csv", index=False)
     assert critical_batch(pd.read_csv(tmp_path / "results.csv")) is None or not critical_batch(
         pd.read_csv(tmp_path / "results.csv"))["placement"]["placed"]
+    assert P.measured_b_crit(tmp_path)[0] == b_simple
+    for broken in (results.drop(columns=["lr_scaling"]), results.drop(columns=["steps_to_target"])):
+        broken.to_csv(tmp_path / "results.csv", index=False)  # not an LR study's table: the noise scale, no error
+        assert P.measured_b_crit(tmp_path)[0] == b_simple
+    (tmp_path / "results.csv").write_text("")
     assert P.measured_b_crit(tmp_path)[0] == b_simple
 
 
@@ -800,7 +806,7 @@ def test_a_results_folder_without_a_positive_critical_batch_is_refused(tmp_path,
     # one probe whose big-batch norm is above the small one's: tr(Sigma) < 0, no critical batch
     (tmp_path / "noise.csv").write_text("grad_norm_small_sq,grad_norm_big_sq,noise_b_small,noise_b_big\n"
                                         "9.0,9.5,8,16\n")
-    assert P.b_crit_from(tmp_path) is None
+    assert P.b_simple_from(tmp_path) is None
     assert main(shape) == 2
     assert "with a positive noise estimate" in capsys.readouterr().err
 
@@ -968,7 +974,7 @@ def test_bad_strategy_precision_and_batch_are_refused():
 def test_steps_to_target_and_the_labs_measured_b_simple():
     assert P.steps_to_target(100, 100) == 2.0
     assert P.steps_to_target(1e9, 100) == pytest.approx(1.0)
-    b = P.b_crit_from("data/reference-ci")
+    b = P.b_simple_from("data/reference-ci")
     assert b is not None and 100 < b < 170  # README: B_simple ~ 133 pooled over the run
 
 
