@@ -410,7 +410,8 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     runtime = time.monotonic() - started
     launches = sweep.launched + sum(s.new_launches for s in searches)
     machine = {**machine_info(runtime), "load_average_at_start": load_before, "profile": profile_name,
-               "model": profile.model.get("model", "mlp"),
+               "model": profile.model.get("model", "mlp"), "data": profile.model.get("data"),
+               "loss": profile.model.get("loss"),
                "launches": launches, "parallel": parallel, "timed_parallel": parallel,
                "untimed_parallel": profile.parallel if is_cpu else 1,
                "timed_threads_per_rank": sorted({c.threads_per_rank for c in configs if c.threads_per_rank})}

@@ -1057,7 +1057,15 @@ def answer_workload(results_dir: str | os.PathLike) -> tuple[Workload, int]:
 
     machine = json.loads((Path(results_dir) / "machine.json").read_text())
     profile = PROFILES[machine.get("profile") or "ci"]
-    values = {**profile.model, **(GPT_MODELS.get(profile.name, {}) if machine.get("model") == "gpt" else {})}
+    model = machine.get("model") or "mlp"
+    if model in ("mlp", "gpt"):
+        values = {**profile.model, **(GPT_MODELS.get(profile.name, {}) if model == "gpt" else {})}
+    elif "data" not in machine:  # a model of yours, trained on data machine.json does not name
+        raise ValueError(f"{Path(results_dir) / 'machine.json'} names the model {model} but not the data and loss it "
+                         "trained on (an answer before 2026-11-30): predict it with `labkit predict --model "
+                         f"{model} --data ... --loss ...`")
+    else:  # a model of yours (`labkit answer --model`), with the profile's sizes and the data and loss it trained on
+        values = {**profile.model, "model": model, **{k: machine[k] for k in ("data", "loss") if machine.get(k)}}
     config = RunConfig.from_dict({"example": "deepspeed", **values})
     micro = 64
     results = Path(results_dir) / "results.csv"

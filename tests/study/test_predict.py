@@ -2307,3 +2307,25 @@ def test_the_gpu_figure_says_when_no_point_can_be_calibrated():
 def test_a_cluster_takes_names_for_its_links():
     with pytest.raises(ValueError, match="intra and host_cpu are names"):
         hw.Cluster(gpu=hw.gpu("A100-80GB"), intra=None)  # type: ignore[arg-type]
+
+
+def test_the_reports_prediction_is_for_the_model_the_answer_trained(tmp_path):
+    """An answer of your own model (`labkit answer --model pkg.mod:build_model`): the report's predicted section
+    counts that model with the data and loss machine.json names, not the lab's MLP; an older machine.json that names
+    the model but not its data gets no prediction, and says why."""
+    import shutil
+
+    from labkit.study.answer import predicted_section
+
+    shutil.copytree("data/reference-ci", tmp_path / "answer")
+    machine_path = tmp_path / "answer" / "machine.json"
+    machine = json.loads(machine_path.read_text())
+    assert P.answer_workload(tmp_path / "answer")[0].name == "mlp"
+    machine_path.write_text(json.dumps({**machine, "model": "tests.own_model:build_model", "data": "tests.own_model:build_dataset",
+                                        "loss": "tests.own_model:loss_fn"}))
+    work, _ = P.answer_workload(tmp_path / "answer")
+    hidden, inputs = 512, 100  # the ci profile's hidden width and the lab's default input size
+    assert work.name == "tests.own_model:build_model" and work.n_params == inputs * hidden + hidden + hidden + 1
+    machine_path.write_text(json.dumps({**machine, "model": "tests.own_model:build_model"}))
+    section = predicted_section(tmp_path / "answer")
+    assert "No prediction for this answer" in section and "not the data and loss it trained on" in section
