@@ -463,7 +463,6 @@ def rebuild_report(out: str | os.PathLike, *, say: Callable[[str], None] = lambd
     data/reference-*, which keeps no run directories. machine.json keeps when and how the numbers were measured and
     gains `report_regenerated`. The check on this machine is kept only where its runs and link fit are
     (`calibrate.kept_report_section`). FileNotFoundError / ValueError before anything is written."""
-    from labkit.study import calibrate
     from labkit.study.report import require_growth
 
     out = Path(out)
@@ -484,14 +483,7 @@ def rebuild_report(out: str | os.PathLike, *, say: Callable[[str], None] = lambd
     require_growth(results, dataclasses.asdict(profile))
     tables = {name: pd.read_csv(out / f"{name}.csv") for name in ("memory", "activation", "noise")}
     machine = {**machine, "report_regenerated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    if machine.get("accelerator") != "cpu":
-        checked = calibrate.no_check_section(GPU_CHECK_WHY)
-    else:
-        try:
-            checked = calibrate.kept_report_section(out)
-        except Exception as error:  # a run dir or links.json it cannot read: no check, said why
-            checked = calibrate.no_check_section(f"the kept runs or {calibrate.ANSWER_LINKS} could not be read "
-                                                 f"({type(error).__name__}: {error})")
+    checked = checked_section(out, remeasure=False, is_cpu=machine.get("accelerator") == "cpu", measure=False)
     # devices=None: the rebuilt page is read where it lands, so it is not compared with the machine rebuilding it
     report = write_report(out, results, tables, profile=profile, machine=machine, devices=None, checked=checked,
                           say=say)
@@ -499,17 +491,20 @@ def rebuild_report(out: str | os.PathLike, *, say: Callable[[str], None] = lambd
     return report
 
 
-def checked_section(out: str | os.PathLike, *, remeasure: bool, is_cpu: bool,
+def checked_section(out: str | os.PathLike, *, remeasure: bool, is_cpu: bool, measure: bool = True,
                     say: Callable[[str], None] = lambda _: None) -> str:
     """report.html's "the predictor checked on this machine" section: the ranks way's multi-rank points predicted
     from its 1-rank runs (labkit.study.calibrate.report_section; the link measured here again when the sweep ran
     anything new), or why there is none: the measured report is never lost to a check that cannot be made. CPU
-    answers only: the calibration models CPU ranks sharing cores, and its link benchmark computes on the host."""
+    answers only: the calibration models CPU ranks sharing cores, and its link benchmark computes on the host.
+    `measure` False (a rebuilt report): from the runs and link fit the results dir keeps, measuring nothing."""
     from labkit.study import calibrate
 
     if not is_cpu:
         return calibrate.no_check_section(GPU_CHECK_WHY)
     try:
+        if not measure:
+            return calibrate.kept_report_section(out)
         started = time.monotonic()
         fit = calibrate.answer_links(out, remeasure=remeasure)
         if fit is not None and remeasure:

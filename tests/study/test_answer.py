@@ -289,7 +289,7 @@ def test_answer_smoke_end_to_end(tmp_path):
     assert kept == section.split("</section>")[0] and "rebuilt from those measurements" in rebuilt
     (out / calibrate.ANSWER_LINKS).write_text("not json")  # a kept file it cannot read: no check, and why
     rebuilt = rebuild_report(out).read_text()
-    assert "could not be read (JSONDecodeError" in rebuilt[rebuilt.index("id='predicted-this-machine'"):]
+    assert "No check: JSONDecodeError" in rebuilt[rebuilt.index("id='predicted-this-machine'"):]
 
 
 def test_results_dir_for_reads_the_committed_reference_then_a_sweep_run_here(tmp_path, monkeypatch):

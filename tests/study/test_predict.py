@@ -2321,8 +2321,8 @@ def test_the_reports_prediction_is_for_the_model_the_answer_trained(tmp_path):
     machine_path = tmp_path / "answer" / "machine.json"
     machine = json.loads(machine_path.read_text())
     assert P.answer_workload(tmp_path / "answer")[0].name == "mlp"
-    machine_path.write_text(json.dumps({**machine, "model": "tests.own_model:build_model", "data": "tests.own_model:build_dataset",
-                                        "loss": "tests.own_model:loss_fn"}))
+    machine_path.write_text(json.dumps({**machine, "model": "tests.own_model:build_model",
+                                        "data": "tests.own_model:build_dataset", "loss": "tests.own_model:loss_fn"}))
     work, _ = P.answer_workload(tmp_path / "answer")
     hidden, inputs = 512, 100  # the ci profile's hidden width and the lab's default input size
     assert work.name == "tests.own_model:build_model" and work.n_params == inputs * hidden + hidden + hidden + 1
