@@ -478,7 +478,8 @@ def rebuild_report(out: str | os.PathLike, *, say: Callable[[str], None] = lambd
         raise ValueError(f"{out / 'machine.json'} names the profile {recorded!r}, not one of {', '.join(PROFILES)}: "
                          "the report is built with the profile the answer ran")
     model = machine.get("model")
-    profile = with_model(PROFILES[machine["profile"]], None if model in (None, "mlp") else model)
+    profile = with_model(PROFILES[machine["profile"]], None if model in (None, "mlp") else model, machine.get("data"),
+                         machine.get("loss"))
     results = pd.read_csv(out / "results.csv")
     require_growth(results, dataclasses.asdict(profile))
     tables = {name: pd.read_csv(out / f"{name}.csv") for name in ("memory", "activation", "noise")}

@@ -1053,20 +1053,18 @@ def answer_workload(results_dir: str | os.PathLike) -> tuple[Workload, int]:
     import json
 
     from labkit.core.config import RunConfig
-    from labkit.study.answer_profiles import GPT_MODELS, PROFILES
+    from labkit.study.answer_profiles import PROFILES, with_model
 
     machine = json.loads((Path(results_dir) / "machine.json").read_text())
-    profile = PROFILES[machine.get("profile") or "ci"]
     model = machine.get("model") or "mlp"
-    if model in ("mlp", "gpt"):
-        values = {**profile.model, **(GPT_MODELS.get(profile.name, {}) if model == "gpt" else {})}
-    elif "data" not in machine:  # a model of yours, trained on data machine.json does not name
+    if model not in ("mlp", "gpt") and "data" not in machine:  # a model of yours, trained on data not named
         raise ValueError(f"{Path(results_dir) / 'machine.json'} names the model {model} but not the data and loss it "
                          "trained on (an answer before 2026-11-30): predict it with `labkit predict --model "
                          f"{model} --data ... --loss ...`")
-    else:  # a model of yours (`labkit answer --model`), with the profile's sizes and the data and loss it trained on
-        values = {**profile.model, "model": model, **{k: machine[k] for k in ("data", "loss") if machine.get(k)}}
-    config = RunConfig.from_dict({"example": "deepspeed", **values})
+    # the model fields the answer trained with, as `labkit answer --model/--data/--loss` made them
+    profile = with_model(PROFILES[machine.get("profile") or "ci"], None if model == "mlp" else model,
+                         machine.get("data"), machine.get("loss"))
+    config = RunConfig.from_dict({"example": "deepspeed", **profile.model})
     micro = 64
     results = Path(results_dir) / "results.csv"
     if results.exists():
