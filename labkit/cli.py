@@ -305,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_cold_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cold", action="store_true",
                         help="launch every run through DeepSpeed's launcher, as `deepspeed` does (default: CPU runs "
-                             "fork their ranks from a process that imported torch and DeepSpeed once; LABKIT_WARM=0)")
+                             "fork their ranks from a process that imported torch and DeepSpeed once, GPU runs' "
+                             "supervisor starts their ranks itself; LABKIT_WARM=0)")
 
 
 def _add_predict_parser(predict: argparse.ArgumentParser) -> None:

@@ -2,7 +2,7 @@
 
 `Run.start` (and `labkit export`) build DeepSpeed's runner command (`labkit.launch.launcher.build_command`) and
 write it here once, with what the supervisor, `Run` and a job's start need to know of it as typed fields:
-the launcher, the hostfile, the master's address and port, what each rank runs, the warm or cold launch.
+the launcher, the hostfile, the master's address and port, what each rank runs, the warm, spawned or cold launch.
 They are read from those fields, never by parsing the command line back. launch.json is private (0600): `env`
 may hold variables the caller passed (`Run(env=...)`), which may be tokens.
 """
@@ -21,7 +21,7 @@ from labkit.launch.multinode import LAUNCHERS
 from labkit.launch.warm_launch import WarmSpec
 
 LAUNCH_FILE = "launch.json"
-LAUNCH_MODES = ("warm", "cold")
+LAUNCH_MODES = ("warm", "spawned", "cold")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +32,9 @@ class LaunchSpec:
     world_size: int  # ranks in all
     heartbeat_s: float  # a rank silent this long after its first step is hung
     startup_timeout_s: float  # the allowance before a rank's first step (process start, JIT op builds)
-    launch: str = "cold"  # "warm": the zygote forks the supervisor and the ranks (labkit.launch.zygote); "cold"
+    # "warm": the zygote forks the supervisor and the ranks (labkit.launch.zygote); "spawned": the supervisor starts
+    # each rank's guard itself, as launch.py would (GPU runs, labkit.launch.warm_launch); "cold": DeepSpeed's runner
+    launch: str = "cold"
     launcher: str = "pdsh"  # DeepSpeed's multi-node launcher: pdsh, openmpi or slurm (pdsh on one node)
     hostfile: str | None = None  # multi-node: the hostfile the runner reads; None: one node
     master_addr: str = "127.0.0.1"  # where rank 0 listens
@@ -73,9 +75,10 @@ class LaunchSpec:
         """Script mode (labkit.rank.script): the guard runs the learner's script on every rank."""
         return "--script" in self.module_args
 
-    def warm_launch(self) -> WarmSpec | None:
-        """What the supervisor forks the ranks with, for a warm launch; None for a cold one."""
-        if self.launch != "warm":
+    def forked_launch(self) -> WarmSpec | None:
+        """What the supervisor's own launcher starts the ranks with, for a warm or spawned launch; None for a cold
+        one (DeepSpeed's runner)."""
+        if self.launch == "cold":
             return None
         return WarmSpec(world_size=self.world_size, master_addr=self.master_addr, master_port=self.master_port,
                         worker_args=list(self.module_args))

@@ -31,7 +31,7 @@ from labkit.launch.launch_spec import LaunchSpec
 from labkit.launch.launcher import build_command, command_text
 from labkit.launch.store import new_run_dir
 from labkit.launch.summary import rank_records, summarize
-from labkit.launch.warm_launch import WARM_ENV, warm_spec
+from labkit.launch.warm_launch import WARM_ENV, spawn_spec, warm_spec
 from labkit.launch.zygote import ForkedSupervisor
 from labkit.runtime.devices import Devices, detect_devices
 
@@ -61,6 +61,18 @@ def run_name(config: RunConfig) -> str:
     return f"{config.example}{model}-{stage}{offload}-w{config.world_size}-b{config.global_batch}"
 
 
+def launch_mode(argv: list[str], devices: Devices, world_size: int, *, warm: bool) -> tuple[str, str]:
+    """(LaunchSpec.launch, what to say) for a launch command: unless `warm` is off (`--cold`), CPU runs of labkit's
+    worker on one node fork their ranks from the zygote ("warm") and GPU ones have the supervisor start them
+    ("spawned", labkit.launch.warm_launch: no fork after CUDA); multi-node and script runs use DeepSpeed's launcher.
+    Pure."""
+    if not warm:
+        return "cold", "cold"
+    if (warm_spec(argv) if devices.is_cpu else spawn_spec(argv, world_size)) is None:
+        return "cold", "cold: multi-node and script runs use DeepSpeed's own launcher"
+    return ("warm", "warm") if devices.is_cpu else ("spawned", "spawned")
+
+
 def warm_by_default() -> bool:
     """Runs launch warm unless LABKIT_WARM=0 (the CLI's --cold, the panel's "cold launch" box)."""
     return os.environ.get(WARM_ENV) != "0"
@@ -69,7 +81,7 @@ def warm_by_default() -> bool:
 def warm_up(env: dict[str, str] | None = None) -> zygote.Zygote | None:
     """Start this process's zygote now, in the background, so that the first warm run finds it preloaded, and lend
     it to the processes started from here (a notebook's `!labkit run`, the tests' CLI runs and kernels): the panel
-    calls it when shown, the test session at its start. Nothing on a GPU machine (GPU runs launch cold) or with warm
+    calls it when shown, the test session at its start. Nothing on a GPU machine (GPU runs launch spawned) or with warm
     launches off (None)."""
     base_env = {**os.environ, **(env or {})}
     if base_env.get(WARM_ENV) == "0" or not detect_devices().is_cpu:
@@ -88,12 +100,13 @@ class Run:
         """`out`: the run directory to use (must be empty or absent); else a new one under `root`.
         `launcher`: DeepSpeed's multi-node launcher of a run with a hostfile, pdsh or openmpi.
         `warm`: fork the ranks from this process's zygote (labkit.launch.zygote), which imported torch and
-        DeepSpeed once, instead of DeepSpeed's launcher starting four interpreters per rank; single-node CPU runs
-        of labkit's worker only, others launch cold. None: warm unless LABKIT_WARM=0 (`labkit run --cold`)."""
+        DeepSpeed once, instead of DeepSpeed's launcher starting four interpreters per rank (single-node CPU runs
+        of labkit's worker); on GPUs, have the supervisor start each rank's guard as launch.py would (`launch_mode`);
+        others launch cold. None: warm unless LABKIT_WARM=0 (`labkit run --cold`)."""
         self.config = config
         self.launcher = launcher
         self.warm = warm_by_default() if warm is None else warm
-        self.launch_mode: str | None = None  # after start(): "warm", or "cold" and why it was not warm
+        self.launch_mode: str | None = None  # after start(): "warm", "spawned", or "cold" and why
         self._out = Path(out) if out is not None else None
         self._root = root
         self._extra_env = env or {}
@@ -194,15 +207,15 @@ class Run:
         write_json_atomic(self.run_dir / "ds_config.json", self.config.ds_config())
         # Private: they hold the variables labkit and the caller (`env=`) set, which may be tokens.
         write_text_atomic(self.run_dir / "command.txt", command_text(argv, env, base_env) + "\n", private=True)
-        warm, self.launch_mode = self._launch_mode(argv, devices)
+        mode, self.launch_mode = launch_mode(argv, devices, self.config.world_size, warm=self.warm)
         # Only what labkit (and `env=`) set, never the whole environment (cloud keys, tokens): the
         # supervisor inherits the rest from this process.
         spec = LaunchSpec.from_command(argv, {k: v for k, v in env.items() if os.environ.get(k) != v},
                                        world_size=self.config.world_size, heartbeat_s=self.config.heartbeat_s,
                                        startup_timeout_s=self.config.startup_timeout_s,
-                                       launch="warm" if warm else "cold")
+                                       launch=mode)
         spec.write(self.run_dir)
-        if warm:
+        if mode == "warm":
             try:
                 self._supervisor = zygote.shared(env).supervise(self.run_dir, env, leases)
                 return self
@@ -216,16 +229,6 @@ class Run:
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 pass_fds=leases)
         return self
-
-    def _launch_mode(self, argv: list[str], devices: Devices) -> tuple[bool, str]:
-        """(warm or not, what to say): warm where asked and the ranks can be forked from the zygote."""
-        if not self.warm:
-            return False, "cold"
-        if not devices.is_cpu:
-            return False, "cold: GPU runs launch cold (forking after CUDA initialised is unsafe; untried on a GPU)"
-        if warm_spec(argv) is None:
-            return False, "cold: multi-node and script runs use DeepSpeed's own launcher"
-        return True, "warm"
 
     # -- watching ----------------------------------------------------------------------
     @property

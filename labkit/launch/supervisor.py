@@ -125,9 +125,9 @@ class Supervisor:
         self.world_size = spec.world_size
         self.heartbeat_s = spec.heartbeat_s
         self.startup_timeout_s = spec.startup_timeout_s
-        # A warm launch (labkit.launch.zygote forked this supervisor): the ranks are forked here, not started by
-        # DeepSpeed's runner.
-        self.warm = spec.warm_launch()
+        # A warm launch (labkit.launch.zygote forked this supervisor) or a spawned one (a GPU run): the ranks are
+        # started here, not by DeepSpeed's runner.
+        self.forked = spec.forked_launch()
         self.multi_node = spec.multi_node
         self.script_mode = spec.script  # labkit.rank.script: a learner's script on every rank
         # Multi-node: each rank's host as the hostfile names it, to name the node a rank died on.
@@ -156,8 +156,9 @@ class Supervisor:
         # Per-rank logs: the launcher's own option, inserted before the user module.
         argv.insert(argv.index("--module"), f"--enable_each_rank_log={self.run_dir / 'logs'}")
         self.launcher: subprocess.Popen | ForkedLauncher
-        if self.warm is not None:  # its ranks inherit the lease descriptors through the fork
-            self.launcher = ForkedLauncher(self.warm, self.env, self.run_dir / "logs", self.run_dir / "launcher.log")
+        if self.forked is not None:  # its ranks inherit the lease descriptors through the fork
+            self.launcher = ForkedLauncher(self.forked, self.env, self.run_dir / "logs",
+                                           self.run_dir / "launcher.log", spawn=self.spec.launch == "spawned")
             argv = self.launcher.args
         else:
             with open(self.run_dir / "launcher.log", "ab") as launcher_log:
@@ -168,7 +169,9 @@ class Supervisor:
                                                  # directory and pdsh `cd`s every node into it: the shared run dir.
                                                  cwd=self.run_dir if self.multi_node else None)
         self.started = time.monotonic()
-        log(f"{'warm launch (ranks forked from the zygote)' if self.warm else 'launcher'} pid "
+        how = {"warm": "warm launch (ranks forked from the zygote)", "spawned": "spawned launch (ranks started here)",
+               "cold": "launcher"}[self.spec.launch]
+        log(f"{how} pid "
             f"{self.launcher.pid}: {' '.join(argv)}")
         write_json_atomic(self.run_dir / "status.json", {
             "status": "running", "supervisor_pid": os.getpid(), "launcher_pid": self.launcher.pid,
@@ -316,7 +319,8 @@ class Supervisor:
             where = f" on node {self.hosts[rank]}" if rank < len(self.hosts) else ""
             return Outcome(status, f"rank {rank}{where}: {text}", rank)
         if launcher_code is not None:
-            who = "the warm launcher (labkit.launch.warm_launch)" if self.warm else "DeepSpeed launcher"
+            who = (f"the {self.spec.launch} launcher (labkit.launch.warm_launch)" if self.forked
+                   else "DeepSpeed launcher")
             return Outcome("failed", f"{who} exited with code {launcher_code} before every rank "
                            f"finished (last steps: {self.last_steps()}){self.failed_nodes()}; see launcher.log")
         if launch_py_died:

@@ -9,7 +9,11 @@ and the rank guard's part (each rank's exit status in `rank<N>.exit`). Each rank
 and `deepspeed.initialize`, its own memory from the fork on.
 
 Only single-node CPU runs of labkit's worker go warm: forking after CUDA initialised breaks the child, and
-no GPU has proven the zygote keeps none (the lab's GPU runs, script mode and multi-node keep the cold path).
+no GPU has proven the zygote keeps none. Single-node GPU runs of labkit's worker launch "spawned": the same
+launcher, forked from the supervisor (a fresh process that never touches CUDA), starts each rank as launch.py
+does, a fresh interpreter running the rank guard (`spawn=True`), and so skips the runner's and launch.py's two
+interpreter starts (~8 s a launch on an H100, data/reference-h100-80gb/README.md; 16.6 s against 26.3 s for a
+whole 5-step run on an H200, data/reference-h200/). Script mode and multi-node keep DeepSpeed's own launcher (cold).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WORKER_MODULE = "labkit.rank.worker"
+GUARD_MODULE = "labkit.rank.guard"  # what launch.py starts on every rank (labkit.launch.launcher.build_command)
 WARM_ENV = "LABKIT_WARM"  # "0": every run launches cold, through DeepSpeed's launcher (`labkit run --cold`)
 WARM_LAUNCH_TITLE = "labkit.launch.warm_launch"  # the forked launcher's process title, where launch.py's would be
 POLL_S = 0.05
@@ -46,20 +51,32 @@ class WarmSpec:
 def warm_spec(argv: list[str]) -> WarmSpec | None:
     """The warm launch of a launch command, None where the command must stay cold: a hostfile with hosts
     (multi-node), a script (script mode: the learner's own interpreter start is part of what it measures),
-    leased devices (GPU runs) or another launcher."""
-    if "--module" not in argv or "--num_gpus" not in argv or "--script" in argv:
+    leased devices (GPU runs: `spawn_spec`) or another launcher."""
+    if "--num_gpus" not in argv:
+        return None
+    return _single_node_spec(argv, int(argv[argv.index("--num_gpus") + 1]))
+
+
+def spawn_spec(argv: list[str], world_size: int) -> WarmSpec | None:
+    """The spawned launch of a GPU run's command (its leased devices in CUDA_VISIBLE_DEVICES, no --num_gpus):
+    None where it must stay cold, as `warm_spec`."""
+    if "--num_gpus" in argv:
+        return None
+    return _single_node_spec(argv, world_size)
+
+
+def _single_node_spec(argv: list[str], world_size: int) -> WarmSpec | None:
+    if "--module" not in argv or "--script" in argv:
         return None
     module_at = argv.index("--module")
-    if argv[module_at + 1] != "labkit.rank.guard":
+    if argv[module_at + 1] != GUARD_MODULE:
         return None
     from labkit.launch.launcher import is_multi_node
 
     if is_multi_node(argv):
         return None
-    return WarmSpec(world_size=int(argv[argv.index("--num_gpus") + 1]),
-                    master_addr=argv[argv.index("--master_addr") + 1],
-                    master_port=int(argv[argv.index("--master_port") + 1]),
-                    worker_args=argv[module_at + 2:])
+    return WarmSpec(world_size=world_size, master_addr=argv[argv.index("--master_addr") + 1],
+                    master_port=int(argv[argv.index("--master_port") + 1]), worker_args=argv[module_at + 2:])
 
 
 def rank_env(env: dict[str, str], spec: WarmSpec, rank: int) -> dict[str, str]:
@@ -70,11 +87,19 @@ def rank_env(env: dict[str, str], spec: WarmSpec, rank: int) -> dict[str, str]:
             "LOCAL_SIZE": str(spec.world_size), "RANK": str(rank), "LOCAL_RANK": str(rank)}
 
 
-def rank_argv(spec: WarmSpec, rank: int) -> list[str]:
-    """The command line a cold rank has (launch.py puts --local_rank before the script's arguments): the
-    forked rank takes it as its process title, so whatever finds a run's ranks by their command line
-    (the supervisor, `Run`, the tests) finds warm ones alike."""
-    return [sys.executable, "-u", "-m", WORKER_MODULE, f"--local_rank={rank}", *spec.worker_args]
+def rank_argv(spec: WarmSpec, rank: int, module: str = WORKER_MODULE) -> list[str]:
+    """The command line a cold rank's `module` has (launch.py puts --local_rank before the script's arguments):
+    the forked rank takes the worker's as its process title, so whatever finds a run's ranks by their command line
+    (the supervisor, `Run`, the tests) finds warm ones alike; a spawned rank runs the guard's."""
+    return [sys.executable, "-u", "-m", module, f"--local_rank={rank}", *spec.worker_args]
+
+
+def spawned_env(env: dict[str, str], spec: WarmSpec, rank: int, cwd: str) -> dict[str, str]:
+    """A spawned rank's environment: launch.py's (`rank_env`), with the working directory first on PYTHONPATH as
+    DeepSpeed's runner puts it (deepspeed/launcher/runner.py:585-589, 0.19.8)."""
+    out = rank_env(env, spec, rank)
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
+    return out
 
 
 def set_title(argv: list[str]) -> None:
@@ -86,9 +111,11 @@ def set_title(argv: list[str]) -> None:
 
 
 class ForkedLauncher:
-    """The warm launch's launcher process, with the part of `subprocess.Popen` the supervisor uses."""
+    """The warm or spawned launch's launcher process, with the part of `subprocess.Popen` the supervisor uses.
+    `spawn`: each rank a fresh interpreter running the guard (GPU runs), not a fork running the worker."""
 
-    def __init__(self, spec: WarmSpec, env: dict[str, str], log_dir: Path, launcher_log: Path):
+    def __init__(self, spec: WarmSpec, env: dict[str, str], log_dir: Path, launcher_log: Path, *,
+                 spawn: bool = False):
         self.args = [sys.executable, "-m", WARM_LAUNCH_TITLE, *spec.worker_args]
         self.returncode: int | None = None
         pid = os.fork()
@@ -96,7 +123,7 @@ class ForkedLauncher:
             code = 1
             try:
                 _redirect(launcher_log, append=True)
-                code = _launch(spec, env, log_dir, self.args)
+                code = _launch(spec, env, log_dir, self.args, spawn)
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -124,10 +151,11 @@ class ForkedLauncher:
         return self.returncode
 
 
-def _launch(spec: WarmSpec, env: dict[str, str], log_dir: Path, title: list[str]) -> int:
-    """launch.py's part: a session of its own (the supervisor signals the group), one forked rank per
-    local rank, each rank's exit recorded as the guard records it; a failed rank ends the others, as
-    launch.py's sigkill_handler does (launch.py:251-282, 0.19.8), and this exits with its code."""
+def _launch(spec: WarmSpec, env: dict[str, str], log_dir: Path, title: list[str], spawn: bool) -> int:
+    """launch.py's part: a session of its own (the supervisor signals the group), one rank per local rank
+    (forked, or `spawn`ed through the guard), each rank's exit recorded as the guard records it (a spawned
+    rank's guard records its own); a failed rank ends the others, as launch.py's sigkill_handler does
+    (launch.py:251-282, 0.19.8), and this exits with its code."""
     from labkit.core.files import write_json_atomic
 
     os.setsid()
@@ -147,10 +175,13 @@ def _launch(spec: WarmSpec, env: dict[str, str], log_dir: Path, title: list[str]
     prefix = time.strftime("%Y%m%d%H%M%S", time.localtime())  # launch.py's rank log names: <prefix>_rank<N>.log
     for rank in range(spec.world_size):
         pid = os.fork()
-        if pid == 0:
-            _rank(spec, rank_env(env, spec, rank), rank, log_dir / f"{prefix}_rank{rank}.log")  # never returns
+        if pid == 0:  # neither returns
+            log_file = log_dir / f"{prefix}_rank{rank}.log"
+            if spawn:
+                _spawn_rank(spec, spawned_env(env, spec, rank, os.getcwd()), rank, log_file)
+            _rank(spec, rank_env(env, spec, rank), rank, log_file)
         ranks[pid] = rank
-    print(f"forked ranks {sorted(ranks.values())} as pids {sorted(ranks)}", flush=True)
+    print(f"{'spawned' if spawn else 'forked'} ranks {sorted(ranks.values())} as pids {sorted(ranks)}", flush=True)
     code = 0
     while ranks:
         pid, status = os.wait()
@@ -158,7 +189,8 @@ def _launch(spec: WarmSpec, env: dict[str, str], log_dir: Path, title: list[str]
             continue
         rank = ranks.pop(pid)
         returncode = os.waitstatus_to_exitcode(status)
-        write_json_atomic(spec.run_dir / f"rank{rank}.exit", {"rank": rank, "pid": pid, "returncode": returncode})
+        if not spawn:
+            write_json_atomic(spec.run_dir / f"rank{rank}.exit", {"rank": rank, "pid": pid, "returncode": returncode})
         if returncode != 0 and code == 0:
             code = returncode if returncode > 0 else 128 - returncode
             print(f"rank {rank} exited with {returncode}: ending the others", flush=True)
@@ -191,6 +223,21 @@ def _rank(spec: WarmSpec, env: dict[str, str], rank: int, log_file: Path) -> Non
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _spawn_rank(spec: WarmSpec, env: dict[str, str], rank: int, log_file: Path) -> None:
+    """One rank as launch.py starts it (launch.py:223-245, 0.19.8): this forked child becomes a fresh interpreter
+    running the guard, with launch.py's environment and log. The guard starts the worker and records its exit."""
+    try:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(signum, signal.SIG_DFL)
+        _redirect(log_file, append=False)
+        argv = rank_argv(spec, rank, GUARD_MODULE)
+        os.execve(argv[0], argv, env)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(127)
 
 
 def _run_worker(args: list[str]) -> int:

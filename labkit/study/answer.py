@@ -39,7 +39,7 @@ from typing import Any
 
 import pandas as pd
 
-from labkit.core.config import RunConfig
+from labkit.core.config import ConfigError, RunConfig
 from labkit.core.files import read_json, write_json_atomic, write_text_atomic
 from labkit.core.schema import HOST_KEYS, STATE_KEYS, device_bytes
 
@@ -333,6 +333,14 @@ def _cpu_model() -> str:
 
 
 # -- the command -------------------------------------------------------------------------------
+def whole_dataset_points(configs: Sequence[RunConfig]) -> list[RunConfig]:
+    """The points whose global batch is labkit's whole training set or more: each step is then an epoch (full-batch
+    descent; with replacement, past it), which the held-out target measures as memorising, not as the batch's
+    effect (the workshop profile's old x16 accumulation on an H200: answer_profiles). A learner's own data
+    (`data=`) is theirs to size."""
+    return [c for c in configs if c.data is None and c.global_batch >= c.dataset_size]
+
+
 def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, parallel: int | None = None,
            progress: bool = True, model: str | None = None, data: str | None = None,
            loss: str | None = None) -> Path:
@@ -351,6 +359,12 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     out = Path(out) if out is not None else default_root() / f"answer-{profile.name}"
     devices = detect_devices()
     configs = points(profile)
+    whole = whole_dataset_points(configs)
+    if whole:
+        raise ConfigError("global_batch", "these points' global batch is the whole dataset "
+                          f"({configs[0].dataset_size} samples) or more, a step an epoch: "
+                          + ", ".join(f"{c.micro_batch} x {c.grad_accum} x {c.world_size} ranks" for c in whole)
+                          + "; give the profile a bigger dataset_size or a shorter accum_growth")
     # Timed points never share a core or a device: refused before anything launches.
     cores = os.cpu_count() or 1
     parallel = parallel or fair_parallel(configs, cores=cores, devices=devices.device_count, is_cpu=devices.is_cpu)

@@ -92,8 +92,8 @@ PROFILES: dict[str, AnswerProfile] = {
                "Untested: no run of this profile on such a GPU has been checked yet (labkit's GPU path was read, "
                "not run); treat this report as the first."),
     ),
-    # One node of 16-24 GB GPUs (T4, L4, A10G), and the reference run on one H100 (~12 min there: 19 sweep points
-    # and 2 searches of ~4 probes from the predicted boundary, at 22-28 s a launch measured on that H100).
+    # One node of 16-24 GB GPUs (T4, L4, A10G), and the reference run on one GPU (~9 min on an H200: 16 sweep points
+    # and 2 searches of ~4 probes from the predicted boundary, at 13-30 s a spawned launch measured there).
     # A 50.7M-parameter MLP (0.81 GB of model states at stage 0) with 100 inputs: activations (~41 KB a sample in
     # bf16) set the boundary, ~0.33M per rank on 16 GB and ~1.9M on 80 GB, where a probe's input batch is
     # still under 1 GB of host memory. Two global batches; the LR study at both.
@@ -105,6 +105,10 @@ PROFILES: dict[str, AnswerProfile] = {
         strategies=("torch", "z0", "z3", "z2-offload"),
         global_batches=(512, 4096),
         world_sizes=None,
+        # Accumulation x16 made the global batch 65,536 on any GPU count: the whole dataset, a step an epoch. On an
+        # H200 (data/reference-h200/) its held-out loss came to 0.87 by step 53 and then rose to 6.8 while the
+        # training loss went to 2e-7 (memorised): the target was never reached, at 50-107 s a point.
+        accum_growth=(1, 4),
         lr_study_strategy="z0",
         lr_study_batches=None,
         maxbatch_strategies=("torch", "z3"),
@@ -113,11 +117,11 @@ PROFILES: dict[str, AnswerProfile] = {
         cpu_budget_bytes=4_000_000_000,
         parallel=1,
         notes=("For one node of 16-24 GB GPUs (T4, L4, A10G); T4 has no bf16, so it runs fp32.",
-               "About 12 minutes on one H100 80GB (~27 launches at the 22-28 s each measured there, almost all "
-               "start-up); longer on T4s, whose steps take ~0.15 s at batch 4096.",
-               "Untested as an answer: on one H100 80GB (data/reference-h100-80gb/) `make gpu-check` and every "
-               "notebook passed, but this profile's answer finished only 3 of its 19 points there; "
-               "docs/answer.md has the figures."),
+               "About 9 minutes on one H200 (16 points at 13-30 s each, measured there with spawned launches, "
+               "and 2 searches of ~4 probes); longer on T4s, whose steps take ~0.15 s at batch 4096.",
+               "Untested as a whole answer: on one H100 80GB (data/reference-h100-80gb/) `make gpu-check` and "
+               "every notebook passed, and on one H200 (data/reference-h200/) 14 of its 16 points finished before "
+               "the device time ran out, with no max-batch search or report; docs/answer.md has the figures."),
     ),
     # End-to-end check of the command in a couple of minutes (tests, a quick look): a tiny MLP,
     # both growth ways, the LR study, no max-batch search. Its numbers answer nothing.

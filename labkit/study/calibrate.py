@@ -424,7 +424,10 @@ def gpu_comparison(data_root: str | os.PathLike) -> Any:
             continue
         workload, _ = P.answer_workload(folder)
         cluster = Cluster(gpu=find_gpu(preset))
-        finished = [r for r in pd.read_csv(results).itertuples() if r.status == "finished" and r.world_size == 1]
+        # One row per training: the LR study's runs at other learning rates time the same step again.
+        table = pd.read_csv(results)
+        table = table[(table["status"] == "finished") & (table["world_size"] == 1)]
+        finished = list(table.drop_duplicates(["strategy", "micro_batch", "grad_accum", "precision"]).itertuples())
         records = results.parent / "run-records"
         for row in finished:
             guess = P.predict(workload, cluster, strategy=row.strategy, micro_batch=int(row.micro_batch),

@@ -30,8 +30,8 @@ def test_a_one_node_command_gives_typed_fields_and_a_warm_launch_equal_to_the_ar
         "pdsh", None, False, "127.0.0.1", 29600, 2)
     assert (spec.module, spec.module_args, spec.script) == ("labkit.rank.guard",
                                                            ["--run-dir", str((tmp_path / "run").resolve())], False)
-    assert spec.warm_launch() == warm_spec(argv)  # what the supervisor forks, without parsing argv again
-    assert spec.replace(launch="cold").warm_launch() is None
+    assert spec.forked_launch() == warm_spec(argv)  # what the supervisor forks, without parsing argv again
+    assert spec.replace(launch="cold").forked_launch() is None
 
 
 def test_a_multi_node_and_a_script_command(tmp_path):

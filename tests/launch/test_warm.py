@@ -1,6 +1,7 @@
 """Warm launches (labkit.launch.zygote, labkit.launch.warm_launch): ranks forked from a process that imported torch
-and DeepSpeed once. The command they stand in for is built by the same pure function as a cold launch's; the
-runs are real: a finished run's records, a SIGKILLed rank named, Stop and the parent's death ending every process.
+and DeepSpeed once; and spawned ones (GPU runs): ranks the supervisor starts as launch.py would. The command they
+stand in for is built by the same pure function as a cold launch's; the runs are real: a finished run's records, a
+SIGKILLed rank named, Stop and the parent's death ending every process.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ import pytest
 
 from labkit import Run, RunConfig
 from labkit.core.records import rank_file, read_records
+from labkit.launch import run as run_module
 from labkit.launch import zygote
 from labkit.launch.admission import run_tree
 from labkit.launch.launcher import build_command, import_time_env
-from labkit.launch.warm_launch import rank_argv, rank_env, warm_spec
+from labkit.launch.run import launch_mode
+from labkit.launch.warm_launch import rank_argv, rank_env, spawn_spec, spawned_env, warm_spec
 from labkit.launch.zygote import SHARED_ENV, import_env
+from labkit.runtime.devices import Devices
 from tests.conftest import REPO, run_processes
 
 SMALL = dict(example="zero3", world_size=2, hidden=256, micro_batch=16, dataset_size=1024)
@@ -48,6 +52,37 @@ def test_a_single_node_run_of_labkits_worker_goes_warm_with_launch_pys_environme
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29600", "KEEP": "1"}
     # The title a forked rank takes is the command line launch.py would have given it.
     assert rank_argv(spec, 1)[1:] == ["-u", "-m", "labkit.rank.worker", "--local_rank=1", "--run-dir", "/tmp/some-run"]
+
+
+GPU = Devices("cuda", 2, 2, "nccl", True, True, "NVIDIA H100 80GB HBM3", 80 * 2**30)
+CPU = Devices("cpu", 1, 2, "gloo", True, False, "CPU", 2**30)
+
+
+def gpu_argv(**overrides) -> list[str]:
+    """A GPU run's command: its leased devices in CUDA_VISIBLE_DEVICES, no --num_gpus."""
+    config = RunConfig(**{**SMALL, "steps": 5, **overrides})
+    argv, _ = build_command(config, "/tmp/some-run", master_port=29600, base_env={}, accelerator="cuda",
+                            device_ids=["3", "5"])
+    return argv
+
+
+def test_gpu_runs_of_labkits_worker_launch_spawned_cpu_runs_warm_and_cold_means_deepspeeds_launcher(tmp_path):
+    assert launch_mode(gpu_argv(), GPU, 2, warm=True) == ("spawned", "spawned")
+    assert launch_mode(argv_of(), CPU, 2, warm=True) == ("warm", "warm")
+    assert launch_mode(gpu_argv(), GPU, 2, warm=False)[0] == launch_mode(argv_of(), CPU, 2, warm=False)[0] == "cold"
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    assert launch_mode(gpu_argv(script=str(script)), GPU, 2, warm=True)[0] == "cold"
+    assert spawn_spec(argv_of(), 2) is None  # a CPU command (--num_gpus) is never spawned
+    spec = spawn_spec(gpu_argv(), 2)
+    assert spec is not None and (spec.world_size, spec.master_port, spec.run_dir) == (2, 29600, Path("/tmp/some-run"))
+    # launch.py's command and environment for local rank 1, the working directory first on PYTHONPATH as
+    # DeepSpeed's runner puts it; the leased devices stay as build_command set them.
+    env = spawned_env({"PYTHONPATH": "/repo", "CUDA_VISIBLE_DEVICES": "3,5"}, spec, 1, "/work/here")
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["CUDA_VISIBLE_DEVICES"]) == ("1", "1", "2", "3,5")
+    assert env["PYTHONPATH"] == os.pathsep.join(["/work/here", "/repo"])
+    assert rank_argv(spec, 1, "labkit.rank.guard")[1:] == ["-u", "-m", "labkit.rank.guard", "--local_rank=1",
+                                                           "--run-dir", "/tmp/some-run"]
 
 
 def test_script_and_multi_node_runs_stay_cold(tmp_path):
@@ -99,6 +134,29 @@ def test_warm_runs_finish_name_a_killed_rank_and_stop_with_no_process_left(tmp_p
     assert killed.summary["failed_rank"] == 1 and "SIGKILL" in killed.cause, killed.cause
     assert json.loads((killed.run_dir / "rank1.exit").read_text())["returncode"] == -signal.SIGKILL
     assert run_processes(killed.run_dir) == []
+
+
+@pytest.mark.slow
+def test_spawned_ranks_run_the_guard_finish_and_a_killed_one_is_named(tmp_path, monkeypatch):
+    """The spawned launch on CPU ranks (the mode a GPU run takes; only the choice of mode is forced here)."""
+    monkeypatch.setattr(run_module, "launch_mode", lambda *_a, **_k: ("spawned", "spawned"))
+    finished = Run(RunConfig(**{**SMALL, "steps": 5}), root=tmp_path).start()
+    killed = Run(RunConfig(**{**SMALL, "steps": 100_000}), root=tmp_path,
+                 env={"LABKIT_FAULT": "kill@rank1:step3"}).start()
+    assert finished.wait(timeout=WAIT_S) == "finished", finished.cause
+    assert json.loads((finished.run_dir / "launch.json").read_text())["launch"] == "spawned"
+    assert "spawned launch" in (finished.run_dir / "supervisor.log").read_text()
+    assert "spawned ranks [0, 1]" in (finished.run_dir / "launcher.log").read_text()
+    for rank in range(2):
+        events = [r["event"] for r in read_records(rank_file(finished.run_dir, rank))]
+        assert events[0] == "start" and events[-1] == "done" and events.count("step") == 5
+        exit_info = json.loads((finished.run_dir / f"rank{rank}.exit").read_text())
+        # Written by the guard (the worker's pid, the one in its records), as on a cold launch.
+        assert exit_info["returncode"] == 0
+        assert exit_info["pid"] == read_records(rank_file(finished.run_dir, rank))[0]["pid"]
+    assert killed.wait(timeout=WAIT_S) == "failed"
+    assert killed.summary["failed_rank"] == 1 and "SIGKILL" in killed.cause, killed.cause
+    assert run_processes(killed.run_dir) == [] and run_processes(finished.run_dir) == []
 
 
 PARENT = """

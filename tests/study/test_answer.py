@@ -48,6 +48,35 @@ def test_answer_refuses_unfair_parallel_before_anything_starts(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_no_profiles_point_trains_on_the_whole_dataset_a_step_and_the_answer_refuses_one(tmp_path, monkeypatch):
+    """On an H200 the workshop profile's x16 accumulation made the global batch 65,536, its whole dataset: a step an
+    epoch, the held-out loss rose from 0.87 to 6.8 while the training loss went to 2e-7, the target never reached
+    (data/reference-h200/). No profile has such a point on the machines it is meant for; one is refused at once."""
+    import dataclasses
+
+    from labkit.runtime import devices as devices_module
+    from labkit.runtime.devices import Devices
+    from labkit.study import answer as answer_module
+    from labkit.study.answer_profiles import GPT_MODELS, with_model
+
+    for name, profile in answer_module.PROFILES.items():
+        for model in (None, "gpt") if name in GPT_MODELS else (None,):
+            sized = with_model(profile, model)
+            if profile.world_sizes is not None:  # CPU profiles: their own ranks
+                assert answer_module.whole_dataset_points(answer_module.points(sized)) == [], (name, model)
+                continue
+            for gpus in (1, 2, 4, 8):  # GPU profiles: every device of a node
+                stand_in = Devices("cuda", gpus, gpus, "nccl", True, True, "NVIDIA H200", 141 * 2**30)
+                monkeypatch.setattr(devices_module, "detect_devices", lambda d=stand_in: d)
+                assert answer_module.whole_dataset_points(answer_module.points(sized)) == [], (name, model, gpus)
+    monkeypatch.undo()
+    old = dataclasses.replace(answer_module.PROFILES["smoke"], accum_growth=(1, 2, 64))  # 8 x 64 x 2 = 1024
+    monkeypatch.setitem(answer_module.PROFILES, "smoke", old)
+    with pytest.raises(ConfigError, match=r"whole dataset \(1024 samples\) or more.*8 x 64 x 2 ranks"):
+        answer_module.answer("smoke", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 # -- three ways to grow the batch -------------------------------------------------------------------
 def test_ci_points_grow_the_batch_three_ways_and_share_a_point():
     from labkit.study.answer import PROFILES, growth_of, points

@@ -2284,7 +2284,8 @@ def test_link_and_host_names_read_in_any_case_as_gpu_names_do():
 def test_notebook_06s_gpu_answer_says_what_the_h100_runs_and_the_model_give():
     # the answer to "8x the micro-batch on an H100": the measured steps, the model from the config and the two
     # readings of the calibration (calibrate.gpu_comparison over data/reference-h100-80gb)
-    t = C.gpu_comparison(Path(__file__).resolve().parents[2] / "data")
+    table = C.gpu_comparison(Path(__file__).resolve().parents[2] / "data")
+    t = table[table["gpu"] == "H100-SXM"]
     torch_rows = t[t["strategy"] == "torch"].set_index("micro_batch")
     text = _notebook_06_text()
     small, big = torch_rows.loc[512], torch_rows.loc[4096]
@@ -2293,6 +2294,16 @@ def test_notebook_06s_gpu_answer_says_what_the_h100_runs_and_the_model_give():
             f"({big.predicted_s / small.predicted_s:.1f}x)") in text
     assert max(abs(small.calibrated_error), abs(big.calibrated_error)) < 0.02 and "each is within 2%" in text
     assert f"{small.if_the_miss_grows_error:+.0%} and {big.if_the_miss_grows_error:+.0%}" in text
+    # ... and the H200's runs (data/reference-h200/answer-partial), every strategy the answer ran there
+    h200 = table[table["gpu"] == "H200-SXM"]
+    calibrated = h200.dropna(subset=["calibrated_s"])
+    assert set(calibrated["strategy"]) == {"torch", "z0", "z3", "z2-offload"} and len(calibrated) == 8
+    assert f"every step there is {-h200.error.max():.0%} to {-h200.error.min():.0%} short" in text
+    assert calibrated.calibrated_error.abs().max() < 0.15 and "each of the 8 is within 15%" in text
+    grows = calibrated.if_the_miss_grows_error
+    assert f"as a slower device, {grows.min():+.0%} to {grows.max():+.0%}" in text
+    z3 = h200[(h200.strategy == "z3") & (h200.grad_accum == 1)].set_index("micro_batch").measured_s
+    assert f"{z3[512] * 1e3:.1f} ms at micro-batch 512 and {z3[4096] * 1e3:.1f} ms at 4096" in text
 
 
 def test_the_gpu_figure_says_when_no_point_can_be_calibrated():
@@ -2301,7 +2312,7 @@ def test_the_gpu_figure_says_when_no_point_can_be_calibrated():
 
     assert len(V.gpu_figure(t).data) == 4  # measured, from the config, the two readings
     with pytest.raises(ValueError, match="no GPU point here has a run of the same training"):
-        V.gpu_figure(t[t["strategy"] == "z0"])  # the ZeRO-0 point has no run at another micro-batch
+        V.gpu_figure(t[(t["strategy"] == "z0") & (t["gpu"] == "H100-SXM")])  # no run at another micro-batch
 
 
 def test_a_cluster_takes_names_for_its_links():

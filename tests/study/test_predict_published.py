@@ -348,14 +348,18 @@ def test_the_benchmark_checks_a_table_of_other_points(tmp_path, points):
     assert "ds-megatron-1.5b" in run.stdout and "ds-offload-10b" in run.stdout and "2 points" in run.stdout
     # the file's check alone: the checks that do not depend on it are not printed
     assert "GEMM roofline" not in run.stdout and "The lab's runs on a GPU" not in run.stdout
-    # ... which the benchmark without --points prints: the lab's own H100 points
-    # (data/reference-h100-80gb/answer-partial), each predicted from its config, and calibrated on the other run of
-    # its strategy where there is one (calibrate.gpu_comparison)
+    # ... which the benchmark without --points prints: the lab's own H100 and H200 points
+    # (data/reference-*/answer-partial), each predicted from its config, and calibrated on the other run of
+    # its strategy where there is one (calibrate.gpu_comparison), one row per training (not per learning rate)
     from labkit.study.calibrate import gpu_comparison
 
     gpu_rows = gpu_comparison(bench.parents[1] / "data")
-    assert list(gpu_rows["gpu"]) == ["H100-SXM"] * 3 and set(gpu_rows["strategy"]) == {"torch", "z0"}
-    assert list(gpu_rows["calibrated_on_micro_batch"].fillna(0)) == [4096, 512, 0]
+    h100 = gpu_rows[gpu_rows["gpu"] == "H100-SXM"]
+    assert len(h100) == 3 and set(h100["strategy"]) == {"torch", "z0"}
+    assert list(h100["calibrated_on_micro_batch"].fillna(0)) == [4096, 512, 0]
+    h200 = gpu_rows[gpu_rows["gpu"] == "H200-SXM"]
+    assert set(h200["strategy"]) == {"torch", "z0", "z2", "z3", "z2-offload"}
+    assert not h200.duplicated(["strategy", "micro_batch", "grad_accum"]).any()  # the LR study's reruns: once
     bad = _write(tmp_path, points, {"precision": "fp8"})
     run = subprocess.run([sys.executable, str(bench), "--points", str(bad)], capture_output=True, text=True,
                          timeout=300)
