@@ -281,6 +281,9 @@ def tree_rss(process: psutil.Process | None = None) -> int:
 def runs_module(cmdline: Sequence[str], module: str) -> bool:
     """Whether a command line is `python ... -m module ...` (DeepSpeed's launch.py names the rank guard
     too, as its `--module` argument: it is no guard)."""
+    from labkit.launch.proctree import arguments
+
+    cmdline = arguments(cmdline)
     return "-m" in cmdline and cmdline.index("-m") + 1 < len(cmdline) and cmdline[cmdline.index("-m") + 1] == module
 
 

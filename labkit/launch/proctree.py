@@ -1,7 +1,8 @@
 """A run's processes on this host: which they are, whether one is alive, and ending them.
 
-One run is a supervisor (`labkit.launch.supervisor`), a launcher (DeepSpeed's runner and launch.py, or the warm
-launch's forked launcher) in a process group of its own, and one guard and worker per rank (or one forked worker).
+One run is a supervisor (`labkit.launch.supervisor`), a launcher (DeepSpeed's runner and launch.py, or the warm and
+spawned launches' forked launcher) in a process group of its own, and one guard and worker per rank (or one forked
+worker).
 They are found three ways, each for a reason:
 
 - the supervisor's descendants (`descendants`): it is the subreaper of its tree, so orphaned ranks stay in it;
@@ -45,11 +46,18 @@ def alive(proc: psutil.Process) -> bool:
         return False
 
 
+def arguments(cmdline: Iterable[str]) -> list[str]:
+    """A process's arguments from psutil's `cmdline()`. A title set by setproctitle (a forked launcher or rank) over a
+    longer command line reads back as that title, spaces and all, in one argument followed by empty ones: split."""
+    args = [a for a in cmdline if a]
+    return args[0].split(" ") if len(args) == 1 else args
+
+
 def is_rank(proc: psutil.Process) -> bool:
     """A rank's guard or worker: the module run (`-m labkit.rank.worker`), not an argument (the launchers
     carry `--module labkit.rank.guard`)."""
     try:
-        cmdline = proc.cmdline()
+        cmdline = arguments(proc.cmdline())
     except psutil.Error:
         return False
     return any(a == "-m" and b in RANK_MODULES for a, b in itertools.pairwise(cmdline))
@@ -58,6 +66,7 @@ def is_rank(proc: psutil.Process) -> bool:
 def launched_for(cmdline: list[str], run_dir: str | os.PathLike) -> bool:
     """A launcher or rank process of the run in `run_dir` by its command line (not, say, a CLI that waits on
     it with --out): one of RUN_MODULES, with an argument that is the run directory or a path inside it."""
+    cmdline = arguments(cmdline)
     if not any(module in cmdline for module in RUN_MODULES):
         return False
     roots = {str(run_dir), str(Path(run_dir).resolve())}

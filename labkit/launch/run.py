@@ -74,7 +74,7 @@ def launch_mode(argv: list[str], devices: Devices, world_size: int, *, warm: boo
 
 
 def warm_by_default() -> bool:
-    """Runs launch warm unless LABKIT_WARM=0 (the CLI's --cold, the panel's "cold launch" box)."""
+    """Runs launch warm (on a GPU, spawned) unless LABKIT_WARM=0 (the CLI's --cold, the panel's "cold launch" box)."""
     return os.environ.get(WARM_ENV) != "0"
 
 

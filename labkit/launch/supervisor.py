@@ -3,7 +3,8 @@
     python -m labkit.launch.supervisor RUN_DIR --parent-pid PID [--lease-fds FD,FD]
 
 `labkit.launch.run.Run.start()` starts this in its own session (a warm launch: the zygote forks it, and it forks
-the ranks through `labkit.launch.warm_launch` instead of DeepSpeed's launcher). It exists because the
+the ranks through `labkit.launch.warm_launch` instead of DeepSpeed's launcher; a spawned one, on GPUs: it starts the
+ranks' guards through `labkit.launch.warm_launch`). It exists because the
 `deepspeed` launcher does not protect its children (measured with 0.19.8: signalling only
 its PID leaves the ranks running; it exits 0 when launch.py is SIGKILLed; a stuck rank
 hangs for 10 minutes). So this process:
@@ -239,7 +240,10 @@ class Supervisor:
     def launch_py_died(self) -> bool:
         """DeepSpeed's launch.py (the runner's child, the ranks' parent) is gone while the runner
         lives on: the runner only notices when it is next scheduled and exits 0 (0.19.8), which
-        took seconds on a loaded machine, while the orphaned ranks kept training."""
+        took seconds on a loaded machine, while the orphaned ranks kept training. A warm or spawned launch has no
+        launch.py: its launcher's own exit says it."""
+        if self.forked is not None:
+            return False
         if self.launch_py is None:
             try:
                 self.launch_py = next((c for c in psutil.Process(self.launcher.pid).children()
@@ -292,7 +296,10 @@ class Supervisor:
         evidence = []  # (knock_on, time, rank, status, cause)
         for state in self.ranks:
             info = self.exit_info(state.rank)
-            if state.error:
+            # A spawned rank's guard that died itself (its exit recorded by the launcher): its worker, orphaned, may
+            # still have logged the other ranks' teardown as its own error, a knock-on of this death.
+            guard_died = info is not None and info.get("recorded_by") == "launcher" and _failed_exit(info)
+            if state.error and not guard_died:
                 record = state.error
                 message = (record.get("message") or "").strip().splitlines()
                 text = f"{record['error_type']}: {message[0] if message else ''}".rstrip(": ")
@@ -310,6 +317,8 @@ class Supervisor:
                     if self.script_mode and status == "failed" and not last_exception_line(log_text) \
                             and info["returncode"] in TEARDOWN_SIGNALS:
                         text += self.script_abort_hint(state)
+                if guard_died:
+                    text = f"its rank guard (pid {info['pid']}) {text}"
                 evidence.append((is_knock_on(text), mtime, state.rank, status, text))
             elif state.vanished_at is not None:
                 evidence.append((False, time.time(), state.rank, "failed",

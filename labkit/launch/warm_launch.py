@@ -30,6 +30,8 @@ from pathlib import Path
 
 WORKER_MODULE = "labkit.rank.worker"
 GUARD_MODULE = "labkit.rank.guard"  # what launch.py starts on every rank (labkit.launch.launcher.build_command)
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"  # a spawned (GPU) run's leased devices, as build_command sets them
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 WARM_ENV = "LABKIT_WARM"  # "0": every run launches cold, through DeepSpeed's launcher (`labkit run --cold`)
 WARM_LAUNCH_TITLE = "labkit.launch.warm_launch"  # the forked launcher's process title, where launch.py's would be
 POLL_S = 0.05
@@ -94,11 +96,14 @@ def rank_argv(spec: WarmSpec, rank: int, module: str = WORKER_MODULE) -> list[st
     return [sys.executable, "-u", "-m", module, f"--local_rank={rank}", *spec.worker_args]
 
 
-def spawned_env(env: dict[str, str], spec: WarmSpec, rank: int, cwd: str) -> dict[str, str]:
-    """A spawned rank's environment: launch.py's (`rank_env`), with the working directory first on PYTHONPATH as
-    DeepSpeed's runner puts it (deepspeed/launcher/runner.py:585-589, 0.19.8)."""
+def spawned_env(env: dict[str, str], spec: WarmSpec, rank: int) -> dict[str, str]:
+    """A spawned rank's environment: launch.py's (`rank_env`), its devices in the order DeepSpeed's runner hands
+    them on (the leased ids sorted and unique: deepspeed/launcher/runner.py:289, 0.19.8), so that rank i gets the
+    same GPU as on a cold launch. (The runner's PYTHONPATH prefix, runner.py:585-589, is for multi-node only.)"""
     out = rank_env(env, spec, rank)
-    out["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
+    ids = out.get(VISIBLE_DEVICES, "").split(",")
+    if all(i.strip().isdigit() for i in ids):
+        out[VISIBLE_DEVICES] = ",".join(str(i) for i in sorted({int(i) for i in ids}))
     return out
 
 
@@ -174,13 +179,17 @@ def _launch(spec: WarmSpec, env: dict[str, str], log_dir: Path, title: list[str]
     log_dir.mkdir(parents=True, exist_ok=True)
     prefix = time.strftime("%Y%m%d%H%M%S", time.localtime())  # launch.py's rank log names: <prefix>_rank<N>.log
     for rank in range(spec.world_size):
+        # A stop arriving between the fork and `ranks[pid]` would miss the new rank, and in the child, before its
+        # handlers are reset, would be forwarded to its siblings only: held until both sides are ready.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         pid = os.fork()
-        if pid == 0:  # neither returns
+        if pid == 0:  # neither returns; each unblocks the stop signals once its own handlers are set
             log_file = log_dir / f"{prefix}_rank{rank}.log"
             if spawn:
-                _spawn_rank(spec, spawned_env(env, spec, rank, os.getcwd()), rank, log_file)
+                _spawn_rank(spec, spawned_env(env, spec, rank), rank, log_file)
             _rank(spec, rank_env(env, spec, rank), rank, log_file)
         ranks[pid] = rank
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     print(f"{'spawned' if spawn else 'forked'} ranks {sorted(ranks.values())} as pids {sorted(ranks)}", flush=True)
     code = 0
     while ranks:
@@ -189,8 +198,12 @@ def _launch(spec: WarmSpec, env: dict[str, str], log_dir: Path, title: list[str]
             continue
         rank = ranks.pop(pid)
         returncode = os.waitstatus_to_exitcode(status)
-        if not spawn:
-            write_json_atomic(spec.run_dir / f"rank{rank}.exit", {"rank": rank, "pid": pid, "returncode": returncode})
+        exit_file = spec.run_dir / f"rank{rank}.exit"
+        # A spawned rank's guard records its worker's exit; a guard that could not (killed, or its exec failed)
+        # is recorded here, so that the supervisor names the rank.
+        if not spawn or (returncode != 0 and not exit_file.exists()):
+            write_json_atomic(exit_file, {"rank": rank, "pid": pid, "returncode": returncode,
+                                          **({"recorded_by": "launcher"} if spawn else {})})
         if returncode != 0 and code == 0:
             code = returncode if returncode > 0 else 128 - returncode
             print(f"rank {rank} exited with {returncode}: ending the others", flush=True)
@@ -205,6 +218,7 @@ def _rank(spec: WarmSpec, env: dict[str, str], rank: int, log_file: Path) -> Non
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(signum, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by _launch around the fork
         os.environ.clear()
         os.environ.update(env)
         _redirect(log_file, append=False)
@@ -231,6 +245,7 @@ def _spawn_rank(spec: WarmSpec, env: dict[str, str], rank: int, log_file: Path) 
     try:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by _launch around the fork; kept by exec
         _redirect(log_file, append=False)
         argv = rank_argv(spec, rank, GUARD_MODULE)
         os.execve(argv[0], argv, env)

@@ -334,11 +334,12 @@ def _cpu_model() -> str:
 
 # -- the command -------------------------------------------------------------------------------
 def whole_dataset_points(configs: Sequence[RunConfig]) -> list[RunConfig]:
-    """The points whose global batch is labkit's whole training set or more: each step is then an epoch (full-batch
-    descent; with replacement, past it), which the held-out target measures as memorising, not as the batch's
-    effect (the workshop profile's old x16 accumulation on an H200: answer_profiles). A learner's own data
-    (`data=`) is theirs to size."""
-    return [c for c in configs if c.data is None and c.global_batch >= c.dataset_size]
+    """The points whose step reads labkit's whole training set or more: the global batch, or without a distributed
+    sampler (every rank reads all of it) a rank's micro-batches of a step. Each step is then an epoch (full-batch
+    descent; with replacement, past it): the workshop profile's old x16 accumulation on an H200 memorised instead of
+    reaching the held-out target (answer_profiles). A learner's own data (`data=`) is theirs to size."""
+    return [c for c in configs if c.data is None and (c.global_batch if c.distributed_sampler
+                                                      else c.micro_batch * c.grad_accum) >= c.dataset_size]
 
 
 def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, parallel: int | None = None,
@@ -361,10 +362,11 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     configs = points(profile)
     whole = whole_dataset_points(configs)
     if whole:
-        raise ConfigError("global_batch", "these points' global batch is the whole dataset "
-                          f"({configs[0].dataset_size} samples) or more, a step an epoch: "
+        raise ConfigError("global_batch", f"profile {profile.name!r}: these points' global batch is the whole "
+                          f"dataset ({whole[0].dataset_size} samples) or more, a step an epoch: "
                           + ", ".join(f"{c.micro_batch} x {c.grad_accum} x {c.world_size} ranks" for c in whole)
-                          + "; give the profile a bigger dataset_size or a shorter accum_growth")
+                          + "; give the profile (labkit/study/answer_profiles.py) a bigger dataset_size in its "
+                          "model or shorter accum_growth / lr_study_batches")
     # Timed points never share a core or a device: refused before anything launches.
     cores = os.cpu_count() or 1
     parallel = parallel or fair_parallel(configs, cores=cores, devices=devices.device_count, is_cpu=devices.is_cpu)

@@ -107,7 +107,7 @@ PROFILES: dict[str, AnswerProfile] = {
         world_sizes=None,
         # Accumulation x16 made the global batch 65,536 on any GPU count: the whole dataset, a step an epoch. On an
         # H200 (data/reference-h200/) its held-out loss came to 0.87 by step 53 and then rose to 6.8 while the
-        # training loss went to 2e-7 (memorised): the target was never reached, at 50-107 s a point.
+        # training loss went to 2e-7 (memorised): the target was never reached, at 56-107 s a point.
         accum_growth=(1, 4),
         lr_study_strategy="z0",
         lr_study_batches=None,

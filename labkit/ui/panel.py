@@ -175,9 +175,11 @@ class LabPanel:
         self.launch_button = W.Button(description="Launch", button_style="success", icon="play")
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
         # Cold: through DeepSpeed's launcher, every interpreter importing torch and DeepSpeed again (~8 s here), to
-        # compare with the default warm launch (labkit.launch.zygote).
+        # compare with the default warm launch (labkit.launch.zygote; on a GPU, spawned: labkit.launch.warm_launch).
         self.cold = W.Checkbox(value=not warm_by_default(), description="cold launch", indent=False,
-                               tooltip="launch as the deepspeed command does, without the preloaded zygote")
+                               tooltip="launch as the deepspeed command does, through DeepSpeed's runner and "
+                                       "launch.py (unticked: CPU ranks fork from a preloaded zygote, GPU ranks are "
+                                       "started by the run's supervisor)")
         self.status = W.HTML(value=status_line("created"))
         self.logs = W.Accordion(children=[])
         self.dashboard = Dashboard(refresh_s=refresh_s, on_tick=self._on_tick)
