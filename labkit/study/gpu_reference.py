@@ -9,7 +9,10 @@
 Each step writes into data/reference-<gpu-slug>/ (`gpu_slug`: "h100-80gb", "t4", "a10g-x4", ...) and records
 itself in steps.json (status, seconds, when); a step that passed is not run again (`--force` reruns it), so a
 step cut off by a time limit is simply called again. The answer is resumable on its own (its runs stay in
-runs/answer-workshop). machine.json names the device (written by `labkit answer`, and by this module before).
+runs/answer-workshop); an answer step that did not pass (a device call's time limit, Ctrl-C) copies what it
+measured so far into <out>/answer-partial/ (`keep_partial`: results.csv and each run's records), which
+`calibrate.gpu_comparison` reads. machine.json names the device (written by `labkit answer`, and by this module
+before).
 Notebook 04 reads data/reference-<gpu>/ on a machine with that GPU (`reference_dir`).
 
 `--jobs N` (notebooks): each notebook in its own pytest process, N at a time, each with its own device-lease
@@ -78,9 +81,37 @@ def step_commands(step: str, out: Path, python: str = sys.executable) -> list[li
         return [[python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-ra", "--nbval-lax",
                  "--junitxml", str(out / "notebooks-junit.xml"), *(f"notebooks/{n}.ipynb" for n in NOTEBOOKS)]]
     if step == "answer":
-        return [[python, "-m", "labkit", "answer", "--profile", PROFILE,
-                 "--out", str(REPO / "runs" / f"answer-{PROFILE}"), "--reference", str(out)]]
+        return [[python, "-m", "labkit", "answer", "--profile", PROFILE, "--out", str(ANSWER_DIR),
+                 "--reference", str(out)]]
     raise ValueError(f"unknown step {step!r}: one of {STEPS} or 'all'")
+
+
+ANSWER_DIR = REPO / "runs" / f"answer-{PROFILE}"
+# What answer-partial/run-records/ keeps of each run: its records and configs, not its rank logs (DeepSpeed's
+# output, megabytes) nor command.txt and launch.json (private: the caller's environment).
+RUN_RECORD_FILES = ("summary.json", "status.json", "supervisor.log", "launcher.log", "config.json", "ds_config.json",
+                    "point.json", "rank*.jsonl", "rank*.exit")
+
+
+def keep_partial(answer_dir: Path, out: Path) -> Path | None:
+    """Copy an unfinished answer's results.csv and its runs' records (RUN_RECORD_FILES) into <out>/answer-partial/,
+    replacing an older copy; None when it has no results.csv yet. What data/reference-*/answer-partial/ holds."""
+    import shutil
+
+    results = answer_dir / "results.csv"
+    if not results.is_file():
+        return None
+    partial = out / "answer-partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    (partial / "run-records").mkdir(parents=True)
+    shutil.copy2(results, partial / "results.csv")
+    for run in sorted(p for p in (answer_dir / "runs").glob("*") if p.is_dir()):
+        kept = partial / "run-records" / run.name
+        kept.mkdir()
+        for pattern in RUN_RECORD_FILES:
+            for file in run.glob(pattern):
+                shutil.copy2(file, kept / file.name)
+    return partial
 
 
 def run_command(command: list[str], env: dict[str, str], log: Any,
@@ -177,13 +208,25 @@ def run_step(step: str, out: Path, *, force: bool = False, jobs: int = 1) -> dic
         failed = [n for n, r in by_notebook.items() if r["status"] != "passed"]
         status = f"failed ({', '.join(failed)})" if failed else "passed"
     else:
-        with open(out / f"{step}.log", "w") as log:
-            for command in step_commands(step, out):
-                print(f"{step}: {' '.join(command)}", flush=True)
-                code = run_command(command, env, log)
-                if code != 0:
-                    status = f"failed (exit {code})"
-                    break
+        try:
+            with open(out / f"{step}.log", "w") as log:
+                for command in step_commands(step, out):
+                    print(f"{step}: {' '.join(command)}", flush=True)
+                    code = run_command(command, env, log)
+                    if code != 0:
+                        status = f"failed (exit {code})"
+                        break
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        finally:
+            if step == "answer" and status != "passed":
+                partial = keep_partial(ANSWER_DIR, out)
+                if partial is not None:
+                    print(f"answer: {status}; what it measured so far is in {partial}", flush=True)
+                    extra = {"partial": str(partial.relative_to(out))}
+                if status == "interrupted":
+                    _record(out, step, status, started, extra)
     record = _record(out, step, status, started, extra)
     print(f"{step}: {status} in {record['seconds']:.0f} s (log: {out / record['log']})", flush=True)
     return record

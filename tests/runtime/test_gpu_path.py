@@ -295,9 +295,37 @@ def test_reference_steps_are_resumable_and_separately_callable(tmp_path, monkeyp
     gpu_reference.run_step("check", tmp_path, force=True)
     assert ran == ["check", "check"]
     monkeypatch.setattr(gpu_reference, "step_commands", lambda step, out: [[sys.executable, "-c", "exit(3)"]])
-    assert gpu_reference.run_step("answer", tmp_path)["status"] == "failed (exit 3)"
+    # An answer that did not finish keeps what it measured: results.csv and each run's records, not its rank logs
+    # nor its private files (the H200's answer was copied so by hand, data/reference-h200/answer-partial).
+    answer_dir = tmp_path / "answer-workshop"
+    run = answer_dir / "runs" / "20261130-144731-pytorch-torch-w1-b512-9c76"
+    (run / "logs").mkdir(parents=True)
+    for name in ("summary.json", "rank0.jsonl", "rank0.exit", "config.json", "command.txt", "launch.json",
+                 "logs/20261130144731_rank0.log"):
+        (run / name).write_text(name)
+    (answer_dir / "results.csv").write_text("key,status\na,finished\n")
+    monkeypatch.setattr(gpu_reference, "ANSWER_DIR", answer_dir)
+    out = tmp_path / "reference"
+    out.mkdir()
+    record = gpu_reference.run_step("answer", out)
+    assert record["status"] == "failed (exit 3)" and record["partial"] == "answer-partial"
+    kept = out / "answer-partial"
+    assert (kept / "results.csv").read_text() == "key,status\na,finished\n"
+    assert sorted(f.name for f in (kept / "run-records" / run.name).iterdir()) == [
+        "config.json", "rank0.exit", "rank0.jsonl", "summary.json"]
+    assert json.loads((out / "steps.json").read_text())["answer"]["status"] == "failed (exit 3)"
+
+    def interrupted(*_args, **_kwargs):  # a device call's `timeout -s INT`, or Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpu_reference, "run_command", interrupted)
+    (answer_dir / "results.csv").write_text("key,status\na,finished\nb,finished\n")
+    with pytest.raises(KeyboardInterrupt):
+        gpu_reference.run_step("answer", out)
+    assert (kept / "results.csv").read_text().count("finished") == 2  # replaced by the newer table
+    assert json.loads((out / "steps.json").read_text())["answer"]["status"] == "interrupted"
     steps = json.loads((tmp_path / "steps.json").read_text())
-    assert steps["check"]["status"] == "passed" and steps["answer"]["status"] == "failed (exit 3)"
+    assert steps["check"]["status"] == "passed"
     assert gpu_reference.reference_dir(Devices("cpu", 1, 2, "gloo", True, False, "CPU", 2**30)) is None
 
 
