@@ -189,7 +189,8 @@ class RunConfig:
     heartbeat_s: float = setting(120.0, group="run control", bound="positive",
                                  help="a rank silent this long after its first step is reported hung")
     startup_timeout_s: float = setting(900.0, group="run control", bound="positive",
-                                       help="allowance for process start and DeepSpeed's JIT op builds")
+                                       help=("allowance before the first step (process start, distributed "
+                                             "init); time waiting on a JIT op build in progress is not counted"))
     device_memory_budget_bytes: int | None = setting(None, group="run control", bound="positive", help=(
         "emulated device capacity per rank (CPU); passing it is an out-of-memory failure"))
     telemetry: bool = setting(True, group="run control", help=(

@@ -60,7 +60,8 @@ GPU_GRACE_S = 15.0
 GPU_KILL_WAIT_S = 30.0
 DONE_GRACE_S = 3.0    # after every rank's done record, how long the launcher may take to exit
 OOM_WINDOW_S = 3.0    # an oom_kill count rise this close to a rank's SIGKILL makes it an OOM kill
-LOCK_POLL_S = 1.0     # before the first step: how often to look for stale op-build locks
+LOCK_POLL_S = 1.0     # before the first step: how often to look at op-build locks (stale ones are removed,
+                      # held ones are builds in progress: not a hang)
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -143,6 +144,10 @@ class Supervisor:
         self.grace_s, self.kill_wait_s = stop_timeouts(self.env.get("DS_ACCELERATOR"))
         self.lock_sweeper = StaleLockSweeper(self.env.get("TORCH_EXTENSIONS_DIR") or DEFAULT_EXTENSIONS_DIR)
         self.next_lock_poll = 0.0
+        # Before step 1, the time in which a live process held an op-build lock: the ranks wait on a build (a
+        # niced one on a busy machine took over 15 minutes), which the startup allowance does not count.
+        self.build_wait_s = 0.0
+        self.building_since: float | None = None  # the poll that last saw a build in progress
 
     # -- lifecycle ---------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -224,18 +229,30 @@ class Supervisor:
             hung = self.hung_ranks(now)
             if hung:
                 return Outcome("hung", hung, None)
-            self.clear_stale_build_locks(now)
+            self.watch_build_locks(now)
             time.sleep(POLL_S)
 
-    def clear_stale_build_locks(self, now: float) -> None:
+    def watch_build_locks(self, now: float) -> None:
         """Before the first step, every LOCK_POLL_S: remove op-build locks no process holds (an interrupted build
-        left them; the ranks would wait on them forever), with a line saying so (labkit.runtime.build_locks)."""
+        left them; the ranks would wait on them forever), with a line saying so (labkit.runtime.build_locks); and
+        count the time a live process holds one (a build in progress) as building, not as startup."""
         if any(state.last_step for state in self.ranks) or now < self.next_lock_poll:
             return
         self.next_lock_poll = now + LOCK_POLL_S
         for lock in self.lock_sweeper.poll(now):
             log(f"removed a stale build lock {lock.path} (no process held it: an interrupted build of op "
                 f"{lock.op} left it, and the ranks would have waited on it forever)")
+        if self.building_since is not None:
+            self.build_wait_s += now - self.building_since
+        held = self.lock_sweeper.held
+        if held and self.building_since is None:
+            log(f"waiting on a build: {'; '.join(lock.describe() for lock in held)} (not counted against the "
+                f"startup allowance of {self.startup_timeout_s:g} s)")
+        self.building_since = now if held else None
+
+    def building_s(self, now: float) -> float:
+        """How long the ranks have waited on op builds so far (labkit.runtime.build_locks)."""
+        return self.build_wait_s + (now - self.building_since if self.building_since is not None else 0.0)
 
     def launch_py_died(self) -> bool:
         """DeepSpeed's launch.py (the runner's child, the ranks' parent) is gone while the runner
@@ -390,15 +407,18 @@ class Supervisor:
             if state.done:
                 continue
             if state.last_step == 0:
-                # Process start, distributed init and JIT op builds come before step 1.
-                if now - self.started > self.startup_timeout_s:
+                # Process start, distributed init and JIT op builds come before step 1; a build in progress
+                # (its lock held by a live process) is progress, however slow the machine.
+                if now - self.started - self.building_s(now) > self.startup_timeout_s:
                     silent.append(state.rank)
             elif now - state.last_progress > self.heartbeat_s:
                 silent.append(state.rank)
         if not silent:
             return None
+        built = self.building_s(now)
+        builds = f", not counting {built:.0f} s of op builds" if built >= 1 else ""
         return (f"no progress from rank(s) {silent} within the heartbeat ({self.heartbeat_s:g} s; "
-                f"startup allowance {self.startup_timeout_s:g} s); last steps: {self.last_steps()}")
+                f"startup allowance {self.startup_timeout_s:g} s{builds}); last steps: {self.last_steps()}")
 
     # -- ending every process ----------------------------------------------------------
     def stop_remote_ranks(self) -> dict[str, str]:

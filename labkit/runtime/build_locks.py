@@ -90,15 +90,19 @@ def _open_files(targets: set[Path]) -> tuple[dict[Path, set[int]], bool]:
 @dataclass
 class StaleLockSweeper:
     """Removes the build locks under `extensions_dir` that no process holds, once each has looked stale on two
-    polls at least `confirm_s` apart. `poll()` returns the locks it removed (the caller says so)."""
+    polls at least `confirm_s` apart. `poll()` returns the locks it removed (the caller says so); `held` is the
+    locks a live process held at the last poll (builds in progress)."""
 
     extensions_dir: str | os.PathLike
     confirm_s: float = STALE_CONFIRM_S
+    held: list[BuildLock] = field(default_factory=list)
     _first_seen: dict[Path, float] = field(default_factory=dict)
 
     def poll(self, now: float | None = None) -> list[BuildLock]:
         now = time.monotonic() if now is None else now
-        stale = {lock.path: lock for lock in find_build_locks(self.extensions_dir) if lock.stale}
+        locks = find_build_locks(self.extensions_dir)
+        self.held = [lock for lock in locks if lock.holder_pids]
+        stale = {lock.path: lock for lock in locks if lock.stale}
         self._first_seen = {path: self._first_seen.get(path, now) for path in stale}
         removed = []
         for path, since in list(self._first_seen.items()):

@@ -80,3 +80,43 @@ def test_a_run_behind_a_stale_build_lock_removes_it_and_says_so(tmp_path, runs_r
         assert not lock.exists()
     finally:
         run.stop()
+
+
+@pytest.mark.slow
+def test_a_run_waiting_on_a_live_build_is_not_hung(tmp_path, runs_root, monkeypatch):
+    """CI's offline-install proof was reported hung at its 900 s startup allowance while its ranks waited on a
+    niced op build on a busy machine (and the kill left the lock stale). Time in which a live process holds the
+    lock is a build in progress: the run waits it out. Here the build (torch's FileBaton in another process)
+    holds the lock 1.5x the allowance, so a supervisor that counted it would report the run hung."""
+    import os
+    import shutil
+
+    from labkit import Run, RunConfig
+    from tests.conftest import REPO
+
+    source = os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    extensions = tmp_path / "torch_extensions"
+    shutil.copytree(source, extensions)
+    (extensions / "deepspeed_shm_comm").mkdir(exist_ok=True)
+    lock = extensions / "deepspeed_shm_comm" / "lock"
+    allowance_s, build_s = 20.0, 30.0
+    builder = subprocess.Popen([sys.executable, "-c", "import time\n"
+                                "from torch.utils.file_baton import FileBaton\n"
+                                f"baton = FileBaton({str(lock)!r})\n"
+                                "assert baton.try_acquire()\n"
+                                f"print('held', flush=True); time.sleep({build_s}); baton.release()"],
+                               stdout=subprocess.PIPE, text=True)
+    assert builder.stdout.readline().strip() == "held"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
+    run = Run(RunConfig(example="zero3", world_size=2, micro_batch=8, hidden=32, steps=2, dataset_size=256,
+                        startup_timeout_s=allowance_s)).start()
+    try:
+        assert run.wait(timeout=300) == "finished", run.cause
+        assert builder.wait(timeout=10) == 0  # the build ended on its own, holding the lock all along
+        log = (run.run_dir / "supervisor.log").read_text()
+        assert f"waiting on a build: DeepSpeed is building op deepspeed_shm_comm (process {builder.pid}" in log
+        assert "removed a stale build lock" not in log
+    finally:
+        run.stop()
+        builder.kill()
+        builder.wait()
