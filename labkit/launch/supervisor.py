@@ -144,8 +144,9 @@ class Supervisor:
         self.grace_s, self.kill_wait_s = stop_timeouts(self.env.get("DS_ACCELERATOR"))
         self.lock_sweeper = StaleLockSweeper(self.env.get("TORCH_EXTENSIONS_DIR") or DEFAULT_EXTENSIONS_DIR)
         self.next_lock_poll = 0.0
-        # Before step 1, the time in which a live process held an op-build lock: the ranks wait on a build (a
-        # niced one on a busy machine took over 15 minutes), which the startup allowance does not count.
+        # Before step 1, the time in which a live process held an op-build lock in the run's op cache: the ranks
+        # wait on a build (a niced one on a busy machine took over 15 minutes), which the startup allowance does not
+        # count. Any op's build counts: the ranks cannot be seen waiting on one lock rather than another.
         self.build_wait_s = 0.0
         self.building_since: float | None = None  # the poll that last saw a build in progress
 
