@@ -58,19 +58,10 @@ def test_the_sweeper_removes_a_lock_only_once_it_stayed_stale(tmp_path):
 def test_a_run_behind_a_stale_build_lock_removes_it_and_says_so(tmp_path, runs_root, monkeypatch):
     """A run named the stale lock in its progress line and then waited for ever. Its
     supervisor now removes a lock no process holds, with a line in supervisor.log, and the run trains."""
-    import os
-    import shutil
-
     from labkit import Run, RunConfig
-    from tests.conftest import REPO
 
-    source = os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    extensions = tmp_path / "torch_extensions"
-    shutil.copytree(source, extensions)  # the ops already built: only the lock stands in the way
-    (extensions / "deepspeed_shm_comm").mkdir(exist_ok=True)
-    lock = extensions / "deepspeed_shm_comm" / "lock"
+    lock = _shm_comm_lock_in_a_copy_of_the_op_cache(tmp_path, monkeypatch)
     lock.touch()
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
     run = Run(RunConfig(example="zero3", world_size=2, micro_batch=8, hidden=32, steps=2, dataset_size=256,
                         startup_timeout_s=240)).start()
     try:
@@ -88,17 +79,9 @@ def test_a_run_waiting_on_a_live_build_is_not_hung(tmp_path, runs_root, monkeypa
     niced op build on a busy machine (and the kill left the lock stale). Time in which a live process holds the
     lock is a build in progress: the run waits it out. Here the build (torch's FileBaton in another process)
     holds the lock 1.5x the allowance, so a supervisor that counted it would report the run hung."""
-    import os
-    import shutil
-
     from labkit import Run, RunConfig
-    from tests.conftest import REPO
 
-    source = os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    extensions = tmp_path / "torch_extensions"
-    shutil.copytree(source, extensions)
-    (extensions / "deepspeed_shm_comm").mkdir(exist_ok=True)
-    lock = extensions / "deepspeed_shm_comm" / "lock"
+    lock = _shm_comm_lock_in_a_copy_of_the_op_cache(tmp_path, monkeypatch)
     allowance_s, build_s = 20.0, 30.0
     builder = subprocess.Popen([sys.executable, "-c", "import time\n"
                                 "from torch.utils.file_baton import FileBaton\n"
@@ -107,7 +90,6 @@ def test_a_run_waiting_on_a_live_build_is_not_hung(tmp_path, runs_root, monkeypa
                                 f"print('held', flush=True); time.sleep({build_s}); baton.release()"],
                                stdout=subprocess.PIPE, text=True)
     assert builder.stdout.readline().strip() == "held"
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
     run = Run(RunConfig(example="zero3", world_size=2, micro_batch=8, hidden=32, steps=2, dataset_size=256,
                         startup_timeout_s=allowance_s)).start()
     try:
@@ -120,3 +102,19 @@ def test_a_run_waiting_on_a_live_build_is_not_hung(tmp_path, runs_root, monkeypa
         run.stop()
         builder.kill()
         builder.wait()
+
+
+def _shm_comm_lock_in_a_copy_of_the_op_cache(tmp_path, monkeypatch):
+    """The path of deepspeed_shm_comm's build lock in a copy of the built op cache, which this test's runs use: the
+    ops already built, only a lock there stands in the way (and no other test's runs wait on it)."""
+    import os
+    import shutil
+
+    from tests.conftest import REPO
+
+    source = os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    extensions = tmp_path / "torch_extensions"
+    shutil.copytree(source, extensions)
+    (extensions / "deepspeed_shm_comm").mkdir(exist_ok=True)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
+    return extensions / "deepspeed_shm_comm" / "lock"
