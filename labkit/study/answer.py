@@ -493,6 +493,10 @@ def rebuild_report(out: str | os.PathLike, *, say: Callable[[str], None] = lambd
         recorded = machine.get("profile") if isinstance(machine, dict) else None
         raise ValueError(f"{out / 'machine.json'} names the profile {recorded!r}, not one of {', '.join(PROFILES)}: "
                          "the report is built with the profile the answer ran")
+    if not machine.get("accelerator"):
+        # every answer writes it (cpu, cuda); without it the card would count GPUs and the check take a GPU's path
+        raise ValueError(f"{out / 'machine.json'} does not say which accelerator the answer ran on (`accelerator`: "
+                         "cpu, cuda, as `labkit answer` writes it): the report's card and check depend on it")
     model = machine.get("model")
     profile = with_model(PROFILES[machine["profile"]], None if model in (None, "mlp") else model, machine.get("data"),
                          machine.get("loss"))

@@ -369,6 +369,8 @@ def test_labkit_report_refuses_what_is_not_a_finished_answer_before_writing(tmp_
         "has no noise.csv: not the results dir of a finished `labkit answer`": lambda d: (d / "noise.csv").unlink(),
         "machine.json names the profile 'huge', not one of ci, ": lambda d: (d / "machine.json").write_text(
             json.dumps({**machine, "profile": "huge"})),
+        "does not say which accelerator the answer ran on": lambda d: (d / "machine.json").write_text(
+            json.dumps({k: v for k, v in machine.items() if k != "accelerator"})),
         "results.csv has no `growth` column": lambda d: results.drop(columns=["growth"]).to_csv(
             d / "results.csv", index=False),
         "a table is not an answer's (AttributeError: 'DataFrame' object has no attribute 'status')":
