@@ -59,6 +59,7 @@ import psutil
 
 from labkit.core.config import ConfigError, RunConfig
 from labkit.core.schema import host_bytes, state_bytes
+from labkit.launch.proctree import arguments
 
 MiB = 2**20
 MEMORY_LIMIT_ENV = "LABKIT_MEMORY_LIMIT_BYTES"
@@ -281,8 +282,6 @@ def tree_rss(process: psutil.Process | None = None) -> int:
 def runs_module(cmdline: Sequence[str], module: str) -> bool:
     """Whether a command line is `python ... -m module ...` (DeepSpeed's launch.py names the rank guard
     too, as its `--module` argument: it is no guard)."""
-    from labkit.launch.proctree import arguments
-
     cmdline = arguments(cmdline)
     return "-m" in cmdline and cmdline.index("-m") + 1 < len(cmdline) and cmdline[cmdline.index("-m") + 1] == module
 

@@ -178,8 +178,7 @@ class Supervisor:
         self.started = time.monotonic()
         how = {"warm": "warm launch (ranks forked from the zygote)", "spawned": "spawned launch (ranks started here)",
                "cold": "launcher"}[self.spec.launch]
-        log(f"{how} pid "
-            f"{self.launcher.pid}: {' '.join(argv)}")
+        log(f"{how} pid {self.launcher.pid}: {' '.join(argv)}")
         write_json_atomic(self.run_dir / "status.json", {
             "status": "running", "supervisor_pid": os.getpid(), "launcher_pid": self.launcher.pid,
             "pgid": self.launcher.pid, "started_at": time.time(), "host": host_identity()})
