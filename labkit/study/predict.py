@@ -1001,10 +1001,14 @@ def _stages_optimizer(strategy: str, chosen: str) -> str | None:
 def _deepspeed_line(workload: Workload, cluster: Cluster, micro_batch: int, precision: str, ckpt: bool,
                     strategy: str, zero: Mapping[str, Any] | None = None,
                     host_memory_gb_per_s: float | None = None, optimizer: str | None = None) -> str:
-    """Each ZeRO stage's step against stage 0's at `micro_batch` (in seconds where stage 0 does not fit there).
-    The `zero` settings apply to the card's own `strategy` (they were checked at its stage), the others run at
-    DeepSpeed's defaults; `host_memory_gb_per_s` to the offloaded one. A given `optimizer` steps every stage but the
-    offloaded one, whose modelled step is DeepSpeedCPUAdam's (`optimizer_for`)."""
+    """Each ZeRO strategy's step against stage 0's at `micro_batch` (in seconds where stage 0 does not fit there),
+    the strategies the measured card's line reads (growth.ZERO, both offloads: where nothing else fits, ZeRO-3 with
+    the optimizer offloaded often does). The `zero` settings apply to the card's own `strategy` (they were checked at
+    its stage), the others run at DeepSpeed's defaults; `host_memory_gb_per_s` to the offloaded ones. A given
+    `optimizer` steps every stage but the offloaded ones, whose modelled step is DeepSpeedCPUAdam's
+    (`optimizer_for`)."""
+    from labkit.study.growth import ZERO
+
     def one(s: str) -> Prediction:
         offloaded = STRATEGIES[s][1]
         return predict(workload, cluster, strategy=s, micro_batch=micro_batch, precision=precision,
@@ -1014,7 +1018,7 @@ def _deepspeed_line(workload: Workload, cluster: Cluster, micro_batch: int, prec
 
     base = one("z0")
     parts = []
-    for name in ("z1", "z2", "z3", "z2-offload"):
+    for name in ZERO:
         p = one(name)
         step = f"{p.step_time_s / base.step_time_s:.2f}x the step" if base.fits else f"{p.step_time_s:.3g} s per step"
         bound = f" (its step a lower bound; {p.step_time_s_if_nothing_hides:.3g} s with no communication hidden)"
@@ -1028,7 +1032,8 @@ def _deepspeed_line(workload: Workload, cluster: Cluster, micro_batch: int, prec
     if zero:
         head += f" (the zero settings given apply to {strategy} only)"
     if optimizer not in (None, "fused_adam"):
-        head += f" (every stage with {optimizer} but z2-offload, whose host steps with cpu_adam)"
+        offloaded = " and ".join(s for s in ZERO if STRATEGIES[s][1])
+        head += f" (every stage with {optimizer} but {offloaded}, whose host steps with cpu_adam)"
     return head + ": " + "; ".join(parts)
 
 

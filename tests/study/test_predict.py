@@ -20,7 +20,7 @@ from labkit.core import memory
 from labkit.core.config import RunConfig
 from labkit.runtime import hardware as hw
 from labkit.study import calibrate as C
-from labkit.study import flops, optimizer_bytes, shapes, zero3
+from labkit.study import flops, growth, optimizer_bytes, shapes, zero3
 from labkit.study import predict as P
 from labkit.study.predict_cli import format_table
 from labkit.study.verdict import verdict
@@ -854,7 +854,12 @@ def test_the_card_and_the_cli_carry_the_optimizer(capsys):
     cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=4)
     card = P.predicted_card(work, cluster, strategy="z2", micro_batch=4, precision="bf16", optimizer="torch_adam")
     assert card["predicted_for"]["optimizer"] == "torch_adam"
-    assert "every stage with torch_adam but z2-offload" in card["deepspeed"]
+    assert "every stage with torch_adam but z2-offload and z3-offload, whose host" in card["deepspeed"]
+    # every strategy the measured card's line reads, the offloaded ZeRO-3 too, at the offload's own optimizer
+    z3_offload = P.predict(work, cluster, strategy="z3-offload", micro_batch=4, precision="bf16")
+    assert re.findall(r"(?:: |; )(z\d(?:-offload)?) ", card["deepspeed"]) == list(growth.ZERO)
+    assert z3_offload.optimizer == "cpu_adam" and f"largest micro-batch {z3_offload.max_micro_batch}" in (
+        card["deepspeed"].rsplit("; ", 1)[1])
     # the line of stages steps every stage but the offloaded one with it: z1 against z0, both with torch's Adam
     z0, z1 = (P.predict(work, cluster, strategy=s, micro_batch=4, precision="bf16", optimizer="torch_adam")
               for s in ("z0", "z1"))
