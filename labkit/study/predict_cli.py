@@ -289,6 +289,9 @@ def _prediction(args: Any) -> dict[str, Any]:
                                 "labels)") from None
         out = pred.to_dict()
         out["model"], out["n_params"], out["precision"] = workload.name, workload.n_params, precision
+        if not pred.fits:  # what would: every strategy's largest micro-batch here (its censuses are cached)
+            out["max_micro_batch_by_strategy"] = _largest_by_strategy(
+                pred, workload, cluster, micro, accum, precision, args)
         if critical is not None:
             out["b_crit"], out["b_crit_source"] = critical
             out["steps_to_target_over_s_min"] = steps_to_target(pred.global_batch, critical[0])
@@ -298,6 +301,21 @@ def _prediction(args: Any) -> dict[str, Any]:
                                          host_memory_gb_per_s=args.host_memory_gb_per_s, zero=zero,
                                          optimizer=args.optimizer)
     return out
+
+
+def _largest_by_strategy(asked: Any, workload: Any, cluster: Any, micro: int, accum: int, precision: str,
+                         args: Any) -> dict[str, int]:
+    """Each strategy's largest micro-batch on the same cluster, for a prediction that does not fit: the asked one's
+    own, the others at DeepSpeed's defaults and their own default optimizer (`optimizer_for`)."""
+    from labkit.study.predict import STRATEGIES, predict
+
+    largest = {}
+    for name, (_, offloaded) in STRATEGIES.items():
+        largest[name] = asked.max_micro_batch if name == asked.strategy else predict(
+            workload, cluster, strategy=name, micro_batch=micro, grad_accum=accum, precision=precision,
+            activation_checkpointing=args.activation_checkpointing,
+            host_memory_gb_per_s=args.host_memory_gb_per_s if offloaded else None).max_micro_batch
+    return largest
 
 
 def _cli_from_run(args: Any) -> dict[str, Any]:
@@ -421,6 +439,11 @@ def format_table(out: dict[str, Any]) -> str:
         lines.append("  predicted two ways: the run was slower than the model; step_time_s reads the difference as "
                      "fixed work (launches, Python), step_time_s_if_the_miss_grows as a device slower than its "
                      "roofline")
+    largest = out.get("max_micro_batch_by_strategy")
+    if largest:
+        fitting = [f"{name} {m}" for name, m in largest.items() if m > 0]
+        lines.append("  predicted not to fit; the largest micro-batch per strategy on this cluster: "
+                     + (", ".join(fitting) + " (the others none)" if fitting else "none fits"))
     if out.get("zero"):
         lines.append("  with zero_optimization " + ", ".join(f"{k}={v}" for k, v in out["zero"].items()))
     if out.get("strategy") == "torch":  # what plain PyTorch is predicted as
