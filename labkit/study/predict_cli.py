@@ -442,8 +442,9 @@ def format_table(out: dict[str, Any]) -> str:
     largest = out.get("max_micro_batch_by_strategy")
     if largest:
         fitting = [f"{name} {m}" for name, m in largest.items() if m > 0]
-        lines.append("  predicted not to fit; the largest micro-batch per strategy on this cluster: "
-                     + (", ".join(fitting) + " (the others none)" if fitting else "none fits"))
+        rest = " (the others none)" if len(fitting) < len(largest) else ""
+        lines.append(f"  predicted not to fit at micro-batch {out['micro_batch']}; the largest micro-batch per "
+                     f"strategy on this cluster: " + (", ".join(fitting) + rest if fitting else "none fits"))
     if out.get("zero"):
         lines.append("  with zero_optimization " + ", ".join(f"{k}={v}" for k, v in out["zero"].items()))
     if out.get("strategy") == "torch":  # what plain PyTorch is predicted as

@@ -852,7 +852,7 @@ def test_the_basic_optimizer_sets_the_states_the_steps_traffic_and_its_peak():
 def test_a_prediction_that_does_not_fit_says_which_strategies_would(capsys):
     """GPT-2 XL (1.5B) on 4 T4s: stage 0's states, 16 B per parameter (25 GB), do not fit a T4's 15 GB, and
     without activation checkpointing only ZeRO-3 with its optimizer offloaded does. Each strategy's largest
-    micro-batch is printed, as `predict` gives it, and only where the asked one does not fit."""
+    micro-batch is printed, as `predict` gives it, and only where the asked one does not fit (at its micro-batch)."""
     argv = ["predict", "--transformer", "layers=48,hidden=1600,heads=25,seq=1024", "--gpu", "T4", "--gpus-per-node",
             "4", "--precision", "fp16", "--micro-batch", "1"]
     assert main([*argv, "--stage", "0", "--format", "json"]) == 0
@@ -864,10 +864,13 @@ def test_a_prediction_that_does_not_fit_says_which_strategies_would(capsys):
     assert expected["z0"] == expected["z3"] == 0 < expected["z3-offload"]  # here only the offloaded ZeRO-3 fits
     assert main([*argv, "--stage", "0"]) == 0
     fitting = ", ".join(f"{s} {m}" for s, m in expected.items() if m)
-    assert (f"  predicted not to fit; the largest micro-batch per strategy on this cluster: {fitting} (the others "
-            "none)\n") in capsys.readouterr().out
+    assert (f"  predicted not to fit at micro-batch 1; the largest micro-batch per strategy on this cluster: "
+            f"{fitting} (the others none)\n") in capsys.readouterr().out
     assert main([*argv, "--stage", "3", "--offload-optimizer", "--format", "json"]) == 0  # it fits: no such key
     assert "max_micro_batch_by_strategy" not in json.loads(capsys.readouterr().out)
+    assert main([*argv[:-1], "2", "--stage", "3", "--offload-optimizer", "--format", "json"]) == 0  # 2: too many
+    out = json.loads(capsys.readouterr().out)
+    assert not out["fits"] and out["max_micro_batch"] == out["max_micro_batch_by_strategy"]["z3-offload"] == 1
 
 
 def test_the_card_and_the_cli_carry_the_optimizer(capsys):
