@@ -850,7 +850,7 @@ def test_the_basic_optimizer_sets_the_states_the_steps_traffic_and_its_peak():
 
 
 def test_a_prediction_that_does_not_fit_says_which_strategies_would(capsys):
-    """GPT-2 XL (1.5B) on 4 T4s: stage 0's states, 16 B per parameter (25 GB), do not fit a T4's 15 GB, and
+    """GPT-2 XL (1.5B) on 4 T4s: stage 0's states, 16 B per parameter (25 GB), do not fit a T4's 14.75 GiB, and
     without activation checkpointing only ZeRO-3 with its optimizer offloaded does. Each strategy's largest
     micro-batch is printed, as `predict` gives it, and only where the asked one does not fit (at its micro-batch)."""
     argv = ["predict", "--transformer", "layers=48,hidden=1600,heads=25,seq=1024", "--gpu", "T4", "--gpus-per-node",
@@ -884,7 +884,7 @@ def test_the_card_and_the_cli_carry_the_optimizer(capsys):
     assert re.findall(r"(?:: |; )(z\d(?:-offload)?) ", card["deepspeed"]) == list(growth.ZERO)
     assert z3_offload.optimizer == "cpu_adam" and f"largest micro-batch {z3_offload.max_micro_batch}" in (
         card["deepspeed"].rsplit("; ", 1)[1])
-    # the line of stages steps every stage but the offloaded one with it: z1 against z0, both with torch's Adam
+    # the line of stages steps every stage but the offloaded ones with it: z1 against z0, both with torch's Adam
     z0, z1 = (P.predict(work, cluster, strategy=s, micro_batch=4, precision="bf16", optimizer="torch_adam")
               for s in ("z0", "z1"))
     assert f"z1 {z1.step_time_s / z0.step_time_s:.2f}x the step" in card["deepspeed"]
