@@ -291,7 +291,11 @@ def _prediction(args: Any) -> dict[str, Any]:
         out["model"], out["n_params"], out["precision"] = workload.name, workload.n_params, precision
         if not pred.fits:  # what would: every strategy's largest micro-batch here (its censuses are cached)
             out["max_micro_batch_by_strategy"] = _largest_by_strategy(
-                pred, workload, cluster, micro, accum, precision, args)
+                pred, workload, cluster, micro, accum, precision, args, zero,
+                checkpointed=args.activation_checkpointing)
+            if shape is not None and not args.activation_checkpointing:  # the other way to fit: recompute activations
+                out["max_micro_batch_by_strategy_with_activation_checkpointing"] = _largest_by_strategy(
+                    pred, workload, cluster, micro, accum, precision, args, zero, checkpointed=True)
         if critical is not None:
             out["b_crit"], out["b_crit_source"] = critical
             out["steps_to_target_over_s_min"] = steps_to_target(pred.global_batch, critical[0])
@@ -304,17 +308,23 @@ def _prediction(args: Any) -> dict[str, Any]:
 
 
 def _largest_by_strategy(asked: Any, workload: Any, cluster: Any, micro: int, accum: int, precision: str,
-                         args: Any) -> dict[str, int]:
-    """Each strategy's largest micro-batch on the same cluster, for a prediction that does not fit: the asked one's
-    own, the others at DeepSpeed's defaults and their own default optimizer (`optimizer_for`)."""
+                         args: Any, zero: dict[str, Any], *, checkpointed: bool) -> dict[str, int]:
+    """Each strategy's largest micro-batch on the same cluster, activations checkpointed or not, for a prediction
+    that does not fit: the asked one with its own settings (--zero, --optimizer), the others at DeepSpeed's defaults
+    and their own default optimizer (`optimizer_for`)."""
     from labkit.study.predict import STRATEGIES, predict
 
     largest = {}
     for name, (_, offloaded) in STRATEGIES.items():
-        largest[name] = asked.max_micro_batch if name == asked.strategy else predict(
+        own = name == asked.strategy
+        if own and checkpointed == bool(args.activation_checkpointing):
+            largest[name] = asked.max_micro_batch  # the prediction already made
+            continue
+        largest[name] = predict(
             workload, cluster, strategy=name, micro_batch=micro, grad_accum=accum, precision=precision,
-            activation_checkpointing=args.activation_checkpointing,
-            host_memory_gb_per_s=args.host_memory_gb_per_s if offloaded else None).max_micro_batch
+            activation_checkpointing=checkpointed,
+            host_memory_gb_per_s=args.host_memory_gb_per_s if offloaded else None,
+            zero=zero if own else None, optimizer=args.optimizer if own else None).max_micro_batch
     return largest
 
 
@@ -415,6 +425,13 @@ def _from_gpu_run(args: Any, run: Any) -> dict[str, Any]:
         raise _bad("from_run", why) from None
 
 
+def _fitting(largest: dict[str, int]) -> str:
+    """"z2-offload 1, z3-offload 3 (the others none)": the strategies that fit, with their largest micro-batch."""
+    fitting = [f"{name} {m}" for name, m in largest.items() if m > 0]
+    rest = " (the others none)" if len(fitting) < len(largest) else ""
+    return ", ".join(fitting) + rest if fitting else "none fits"
+
+
 def format_table(out: dict[str, Any]) -> str:
     """The JSON as lines a person reads, every number labelled predicted."""
     lines = [f"PREDICTED ({out.get('hardware') or 'calibrated on ' + str(out.get('calibrated_from'))})"]
@@ -441,10 +458,12 @@ def format_table(out: dict[str, Any]) -> str:
                      "roofline")
     largest = out.get("max_micro_batch_by_strategy")
     if largest:
-        fitting = [f"{name} {m}" for name, m in largest.items() if m > 0]
-        rest = " (the others none)" if len(fitting) < len(largest) else ""
         lines.append(f"  predicted not to fit at micro-batch {out['micro_batch']}; the largest micro-batch per "
-                     f"strategy on this cluster: " + (", ".join(fitting) + rest if fitting else "none fits"))
+                     f"strategy on this cluster: " + _fitting(largest))
+    checkpointed = out.get("max_micro_batch_by_strategy_with_activation_checkpointing")
+    if checkpointed:
+        lines.append("  predicted with --activation-checkpointing (a recomputed forward per micro-step): "
+                     + _fitting(checkpointed))
     if out.get("zero"):
         lines.append("  with zero_optimization " + ", ".join(f"{k}={v}" for k, v in out["zero"].items()))
     if out.get("strategy") == "torch":  # what plain PyTorch is predicted as

@@ -852,7 +852,8 @@ def test_the_basic_optimizer_sets_the_states_the_steps_traffic_and_its_peak():
 def test_a_prediction_that_does_not_fit_says_which_strategies_would(capsys):
     """GPT-2 XL (1.5B) on 4 T4s: stage 0's states, 16 B per parameter (25 GB), do not fit a T4's 14.75 GiB, and
     without activation checkpointing only ZeRO-3 with its optimizer offloaded does. Each strategy's largest
-    micro-batch is printed, as `predict` gives it, and only where the asked one does not fit (at its micro-batch)."""
+    micro-batch is printed, as `predict` gives it, and only where the asked one does not fit (at its micro-batch);
+    with activations checkpointed too, where they were not."""
     argv = ["predict", "--transformer", "layers=48,hidden=1600,heads=25,seq=1024", "--gpu", "T4", "--gpus-per-node",
             "4", "--precision", "fp16", "--micro-batch", "1"]
     assert main([*argv, "--stage", "0", "--format", "json"]) == 0
@@ -864,10 +865,25 @@ def test_a_prediction_that_does_not_fit_says_which_strategies_would(capsys):
     assert expected["z0"] == expected["z3"] == 0 < expected["z3-offload"]  # here only the offloaded ZeRO-3 fits
     assert main([*argv, "--stage", "0"]) == 0
     fitting = ", ".join(f"{s} {m}" for s, m in expected.items() if m)
+    table = capsys.readouterr().out
     assert (f"  predicted not to fit at micro-batch 1; the largest micro-batch per strategy on this cluster: "
-            f"{fitting} (the others none)\n") in capsys.readouterr().out
-    assert main([*argv, "--stage", "3", "--offload-optimizer", "--format", "json"]) == 0  # it fits: no such key
-    assert "max_micro_batch_by_strategy" not in json.loads(capsys.readouterr().out)
+            f"{fitting} (the others none)\n") in table
+    # the other way to fit, recomputing activations: every strategy again, checkpointed, as `predict` gives it
+    checkpointed = {s: P.predict(work, cluster, strategy=s, micro_batch=1, precision="fp16",
+                                 activation_checkpointing=True).max_micro_batch for s in P.STRATEGIES}
+    assert out["max_micro_batch_by_strategy_with_activation_checkpointing"] == checkpointed
+    assert checkpointed["z1"] > 0 and checkpointed["z3-offload"] > expected["z3-offload"]  # more fit, and larger
+    fitting = ", ".join(f"{s} {m}" for s, m in checkpointed.items() if m)
+    assert (f"  predicted with --activation-checkpointing (a recomputed forward per micro-step): {fitting} (the "
+            f"others none)\n") in table
+    assert main([*argv, "--stage", "0", "--activation-checkpointing", "--format", "json"]) == 0  # asked: no repeat
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_micro_batch_by_strategy"] == checkpointed
+    assert "max_micro_batch_by_strategy_with_activation_checkpointing" not in out
+    assert main([*argv, "--stage", "3", "--offload-optimizer", "--format", "json"]) == 0  # it fits: no such keys
+    out = json.loads(capsys.readouterr().out)
+    assert "max_micro_batch_by_strategy" not in out
+    assert "max_micro_batch_by_strategy_with_activation_checkpointing" not in out
     assert main([*argv[:-1], "2", "--stage", "3", "--offload-optimizer", "--format", "json"]) == 0  # 2: too many
     out = json.loads(capsys.readouterr().out)
     assert not out["fits"] and out["max_micro_batch"] == out["max_micro_batch_by_strategy"]["z3-offload"] == 1
