@@ -234,9 +234,22 @@ def explore(*, gpu: str, gpus_per_node: int, nodes: int, intra: str, inter_gbps:
                + (f": the optimizer step alone needs {one.step_peak_bytes / 1e9:.1f} GB of the "
                   f"{one.usable_memory_bytes / 1e9:.1f} GB a process can use"
                   if one.step_peak_bytes > one.usable_memory_bytes else "")
+               + _if_checkpointed(one, work, cluster, precision, activation_checkpointing)
                + (f". To the same loss: B_crit {b_crit:,.0f} samples ({why})" if b_crit is not None else "")
                + "".join(f". Caveat: {text}" for text in one.caveats))
     return card_table(card), parts, summary
+
+
+def _if_checkpointed(one: P.Prediction, work: P.Workload, cluster: Cluster, precision: str,
+                     checkpointed: bool) -> str:
+    """For a transformer step that does not fit without activation checkpointing: how far it fits with it (the
+    other way to fit, as `labkit predict`'s max_micro_batch_by_strategy_with_activation_checkpointing says)."""
+    if one.fits or checkpointed or not isinstance(work, P.TransformerWorkload):  # the lab's models do not checkpoint
+        return ""
+    largest = P.predict(work, cluster, strategy=one.strategy, micro_batch=one.micro_batch, precision=precision,
+                        activation_checkpointing=True).max_micro_batch
+    return (f". With activation checkpointing (a recomputed forward per micro-step) it is predicted to fit up to "
+            f"micro-batch {largest}" if largest else ". It does not fit with activation checkpointing either")
 
 
 def controls() -> dict[str, Any]:

@@ -720,14 +720,23 @@ def test_the_widgets_card_says_why_a_way_has_no_verdict_and_the_bars_which_strat
 
     widgets = dict(gpu="T4", gpus_per_node=4, nodes=2, intra="auto", inter_gbps=100, model="GPT-2 XL (1.5B)",
                    micro_batch=4, target_loss=3.0)
-    card, parts, _ = V.explore(**widgets, strategy="z3")
+    card, parts, summary = V.explore(**widgets, strategy="z3")
     assert (card[["per_step", "per_epoch", "to_target"]] == "-").all().all()  # GPT-2 XL does not fit a T4 ...
+    cluster = hw.Cluster(gpu=hw.gpu("T4"), gpus_per_node=4, nodes=2, inter_gbps=100)
+    checkpointed_z3 = P.predict(P.TransformerWorkload(GPT2_XL), cluster, strategy="z3", micro_batch=4,
+                                precision="fp16", activation_checkpointing=True)
+    assert checkpointed_z3.max_micro_batch >= 4 and (  # ... and the summary says how far it would with recomputing
+        "With activation checkpointing (a recomputed forward per micro-step) it is predicted to fit up to micro-batch "
+        f"{checkpointed_z3.max_micro_batch}.") in summary
     assert card.set_index("way").loc["micro_batch", "no verdict because"].startswith("does not fit")
     assert not parts.set_index("strategy").loc["ZeRO-3", "fits"]
     figure = V.parts_figure(parts, "T4")
     assert "ZeRO-3<br>(does not fit)" in list(figure.data[0].x)  # ... and its bar says so
-    checkpointed, parts, _ = V.explore(**widgets, strategy="z3", activation_checkpointing=True)
+    checkpointed, parts, summary = V.explore(**widgets, strategy="z3", activation_checkpointing=True)
     assert parts.set_index("strategy").loc["ZeRO-3", "fits"]  # ... unless the blocks are recomputed
+    assert "With activation checkpointing" not in summary
+    alone = {**widgets, "gpus_per_node": 1, "nodes": 1}  # ZeRO-0's 16 B per parameter: 25 GB, recomputing or not
+    assert "It does not fit with activation checkpointing either" in V.explore(**alone, strategy="z0")[2]
     assert (checkpointed.set_index("way").loc["micro_batch", ["per_step", "per_epoch", "to_target"]] != "-").all()
     assert checkpointed.set_index("way").loc["micro_batch", "no verdict because"] == ""
     one = V.explore(**{**widgets, "gpus_per_node": 1, "nodes": 1}, strategy="z3", activation_checkpointing=True)[0]
