@@ -93,4 +93,13 @@ def deepspeed_checked(ds_config: dict[str, Any], world_size: int) -> Any:
     checked._configure_train_batch_size()
     checked._do_sanity_check()
     checked.keys_read = frozenset(tracked.read)
+    # The optimizer's name is checked by the engine, not the config (deepspeed/runtime/engine.py:2016-2019 and
+    # `_is_supported_optimizer`, :1985-1986, 0.19.8): a rank would fail its assertion after the launch.
+    name = checked.optimizer_name
+    if name is not None and name not in ds.DEEPSPEED_OPTIMIZERS:
+        import torch
+
+        if getattr(torch.optim, name, None) is None:
+            raise ValueError(f"optimizer type {name!r} is not a supported DeepSpeed optimizer: one of "
+                             f"{', '.join(ds.DEEPSPEED_OPTIMIZERS)} or a torch.optim class name")
     return checked

@@ -118,12 +118,13 @@ class Estimate:
     """What one run will hold at its peak, and what it occupies, before it starts."""
 
     ranks: int            # rank processes on this machine
-    rank_bytes: int       # each: base RSS + model states + activations (on CPU)
+    rank_bytes: int       # each: base RSS + model states + activations (on CPU) + the built-in data
     launcher_bytes: int   # supervisor, DeepSpeed's runner and launch.py, the rank guards
     cpu_ranks: int = 0    # rank processes on the cores (CPU ranks), 0 for GPU ranks
     threads: int = 0      # their OpenMP threads
     devices: int = 0      # device leases it takes (GPUs, emulated slots)
     states_known: bool = True  # False: a model labkit cannot count before it has run once (base alone)
+    data_bytes: int = 0   # of rank_bytes: the data each rank generates (`data_bytes`)
 
     @property
     def total_bytes(self) -> int:
@@ -131,7 +132,9 @@ class Estimate:
 
     def describe(self) -> str:
         known = "" if self.states_known else ", model states unknown until it has run once"
-        return (f"{gb(self.total_bytes)} ({self.ranks} rank(s) x {self.rank_bytes / MiB:,.0f} MiB + launcher "
+        data = (f", of which the generated data {self.data_bytes / MiB:,.0f} MiB"
+                if self.data_bytes * 2 > self.rank_bytes else "")  # said where it is most of a rank
+        return (f"{gb(self.total_bytes)} ({self.ranks} rank(s) x {self.rank_bytes / MiB:,.0f} MiB{data} + launcher "
                 f"{self.launcher_bytes / MiB:,.0f} MiB{known})")
 
 
@@ -160,6 +163,22 @@ def builtin_model_facts(config: RunConfig) -> ModelFacts | None:
     return ModelFacts(n_params_mlp(config.input_size, config.hidden, config.depth, config.output_size), per_sample)
 
 
+def data_bytes(config: RunConfig) -> int:
+    """The lab's MLP data, which every rank generates in its own memory (labkit.models.data): the training inputs
+    (fp32) and labels (int64) it holds, plus at the larger of two moments what it holds beside them: the teacher's
+    activations while labelling them (inputs @ w1, its tanh, @ w2), or the training inputs drawn again to reach
+    the teacher's weights for the held-out set (`make_eval_set`), with that set. 0 for other data (not counted)."""
+    if config.model != "mlp" or config.data or config.script:
+        return 0
+    from labkit.models.data import TEACHER_HIDDEN
+
+    samples, width = config.dataset_size, config.input_size
+    held = samples * (4 * width + 8)
+    labelling = samples * 4 * (2 * TEACHER_HIDDEN + config.output_size)
+    evaluation = samples * 4 * width + config.eval_samples * (4 * width + 8)
+    return held + max(labelling, evaluation)
+
+
 def estimate(config: RunConfig, *, rank_base_bytes: int, launcher_bytes: int, model: ModelFacts | None,
              is_cpu: bool = True, cores: int = 1, leases_devices: bool = False) -> Estimate:
     """The estimate of `config` on a machine whose rank base and launcher bytes are the ones given (pure).
@@ -183,7 +202,8 @@ def estimate(config: RunConfig, *, rank_base_bytes: int, launcher_bytes: int, mo
         states = predicted["host_bytes"] + (predicted["device_bytes"] if is_cpu else 0)
     if is_cpu and model is not None and model.activation_bytes_per_sample is not None:
         activations = math.ceil(model.activation_bytes_per_sample * config.micro_batch)
-    return Estimate(ranks=config.world_size, rank_bytes=rank_base_bytes + states + activations,
+    data = data_bytes(config)
+    return Estimate(ranks=config.world_size, rank_bytes=rank_base_bytes + states + activations + data, data_bytes=data,
                     launcher_bytes=launcher_bytes + config.world_size * GUARD_BYTES,
                     cpu_ranks=config.world_size if is_cpu else 0,
                     threads=threads_per_rank(config, cores) * config.world_size if is_cpu else 0,
@@ -424,8 +444,8 @@ def refusal(candidate: Estimate, room: int, label: str, where: str = "") -> NotE
     return NotEnoughMemory(
         f"{label} needs {gb(candidate.total_bytes)} but at most {gb(room)} is available to runs on this machine"
         f"{f' ({where})' if where else ''}: estimate {candidate.describe()}. Fewer ranks (world_size), a smaller "
-        f"model or micro-batch, or optimizer offload on a GPU make it smaller", needed_bytes=candidate.total_bytes,
-        available_bytes=room)
+        f"model, micro-batch or dataset_size, or optimizer offload on a GPU make it smaller",
+        needed_bytes=candidate.total_bytes, available_bytes=room)
 
 
 # -- what this machine has learned ----------------------------------------------------------------
@@ -494,7 +514,7 @@ class LearnedMemory:
             if not peak or values.get("param_bytes") is None:
                 continue
             on_host = host_bytes(values) if not is_cpu else state_bytes(values)
-            self.rank_base.append(int(peak - on_host - (activation if is_cpu else 0)))
+            self.rank_base.append(int(peak - on_host - (activation if is_cpu else 0) - data_bytes(config)))
             activation_seen = max(activation_seen, activation)
             learned = True
         if launcher_peak_bytes:

@@ -57,6 +57,12 @@ def test_deepspeed_itself_decides_which_top_level_keys_it_reads(tmp_path):
     # ... and a removed feature gets DeepSpeed's own explanation.
     with pytest.raises(ConfigError, match="Apex AMP integration has been removed"):
         RunConfig(example="zero3", ds_overrides={"amp": {"enabled": True}})
+    # The optimizer's name, which the engine checks on every rank after the launch (audit: "Adamm" ran 30 s and
+    # failed), is checked here: DeepSpeed's own names and torch.optim's classes pass.
+    with pytest.raises(ConfigError, match=r"optimizer type 'Adamm' is not a supported DeepSpeed optimizer"):
+        RunConfig(example="zero3", ds_overrides={"optimizer": {"type": "Adamm", "params": {"lr": 1e-3}}})
+    for name in ("Adam", "adamw", "SGD", "RMSprop"):
+        RunConfig(example="zero3", ds_overrides={"optimizer": {"type": name, "params": {"lr": 1e-3}}})
     # Overrides that could not reach anything are refused too.
     with pytest.raises(ConfigError, match="plain PyTorch example has none"):
         RunConfig(example="pytorch", ds_overrides={"gradient_clipping": 1.0})

@@ -53,10 +53,31 @@ def test_estimate_adds_the_memory_models_states_activations_base_and_launchers()
                                       persistent_params=memory.mlp_persistent_params(100, 1024, 2, 10))
     # The worker counted 276,484 saved bytes for this micro-batch of 32 (ci machine, 2026-11-24).
     assert abs(32 * facts.activation_bytes_per_sample - 276_484) < 100
-    assert got.rank_bytes == 400 * MiB + states["device_bytes"] + states["host_bytes"] + 276_480
+    assert got.rank_bytes == (400 * MiB + states["device_bytes"] + states["host_bytes"] + 276_480
+                              + admission.data_bytes(config))
     assert got.launcher_bytes == 600 * MiB + 2 * admission.GUARD_BYTES
     assert got.total_bytes == 2 * got.rank_bytes + got.launcher_bytes
     assert (got.ranks, got.cpu_ranks, got.threads, got.devices) == (2, 2, 2, 0)  # 1 thread per rank, 2 cores
+
+
+def test_every_rank_is_estimated_with_the_data_it_generates():
+    """A dataset far beyond the host's memory (audit: `--dataset-size 1e14` launched, then ran out of memory) is
+    refused up front: each rank holds its generated inputs and labels, counted as the tensors it builds."""
+    from labkit.models.data import TEACHER_HIDDEN, make_dataset
+
+    small = RunConfig(example="deepspeed", dataset_size=1000, input_size=20, output_size=3, eval_samples=10)
+    held = sum(t.nbytes for t in make_dataset(1000, 20, 3, 0).tensors)
+    assert held == 1000 * (4 * 20 + 8)  # + at its largest moment, 20 inputs wide, the teacher's activations:
+    assert admission.data_bytes(small) == held + 1000 * 4 * (2 * TEACHER_HIDDEN + 3)
+    huge = RunConfig(example="deepspeed", dataset_size=10**14)
+    facts = admission.builtin_model_facts(huge)
+    got = estimate(huge, rank_base_bytes=0, launcher_bytes=0, model=facts)
+    assert got.rank_bytes > 10**14 * 4 * huge.input_size and got.data_bytes == admission.data_bytes(huge)
+    assert "of which the generated data" in got.describe()  # where it is most of a rank, said
+    assert "dataset_size" in str(admission.refusal(got, 10**9, "this run"))  # and what makes it smaller
+    assert estimate(huge, rank_base_bytes=0, launcher_bytes=0, model=facts, is_cpu=False).rank_bytes > 4 * 10**16
+    yours = RunConfig(example="deepspeed", dataset_size=10**14, model="gpt", input_size=64)
+    assert admission.data_bytes(yours) == 0  # not the lab's MLP data: not counted
 
 
 def test_an_sgd_run_is_estimated_without_adams_moments():
@@ -74,9 +95,11 @@ def test_on_a_gpu_only_what_offload_keeps_on_the_host_counts():
     facts = admission.builtin_model_facts(config)
     gpu = estimate(config, rank_base_bytes=0, launcher_bytes=0, model=facts, is_cpu=False, leases_devices=True)
     host = memory.model_state_bytes(facts.n_params, 2, 1, config.precision, True)["host_bytes"]
-    assert gpu.rank_bytes == host > 0 and gpu.cpu_ranks == gpu.threads == 0 and gpu.devices == 1
+    assert gpu.rank_bytes == host + admission.data_bytes(config)  # the data is the host's on a GPU too
+    assert host > 0 and gpu.cpu_ranks == gpu.threads == 0 and gpu.devices == 1
     plain = RunConfig(example="zero3", world_size=1, hidden=1024, depth=2)
-    assert estimate(plain, rank_base_bytes=5, launcher_bytes=0, model=facts, is_cpu=False).rank_bytes == 5
+    assert estimate(plain, rank_base_bytes=5, launcher_bytes=0, model=facts, is_cpu=False).rank_bytes == (
+        5 + admission.data_bytes(plain))
 
 
 def test_a_model_labkit_cannot_count_is_estimated_from_what_its_last_run_taught(tmp_path):
@@ -105,11 +128,12 @@ def test_learned_figures_are_the_largest_of_the_last_observations_and_survive_a_
     assert learned.observe(config, {"per_rank": ranks}, is_cpu=True, launcher_peak_bytes=700 * MiB)
     learned.save()
     again = LearnedMemory.load(path)  # what a new kernel reads
-    assert again.rank_base_bytes == 501 * MiB - 6 * MiB  # peak less the states and activations it measured
+    data = admission.data_bytes(config)
+    assert again.rank_base_bytes == 501 * MiB - 6 * MiB - data  # peak less the states, activations and data it held
     assert again.launcher_bytes == 700 * MiB - 2 * admission.GUARD_BYTES
     for _ in range(admission.KEEP):
         again.observe(config, {"per_rank": {"0": {**ranks["0"], "peak_rss_bytes": 300 * MiB}}}, is_cpu=True)
-    assert again.rank_base_bytes == 300 * MiB - 6 * MiB  # the old, larger one has aged out
+    assert again.rank_base_bytes == 300 * MiB - 6 * MiB - data  # the old, larger one has aged out
     script = RunConfig(example="zero3", world_size=1, script=str(REPO / "tests" / "scripts" / "ds_train.py"))
     assert not again.observe(script, {"per_rank": ranks}, is_cpu=True)  # a script's states are unknown
 
