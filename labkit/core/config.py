@@ -166,8 +166,8 @@ class RunConfig:
         "(unset: the example's preset)"))
     offload_optimizer: bool | None = setting(None, group="strategy", help=(
         "optimizer state and step on the CPU (ZeRO stages 1-3; unset: the example's preset)"))
-    precision: Literal["fp32", "bf16", "fp16"] = setting("fp32", group="strategy",
-                                                         help="fp32, bf16 or fp16 (fp16 needs a GPU)")
+    precision: Literal["fp32", "bf16", "fp16"] = setting("fp32", group="strategy", help=(
+        "fp32, bf16 or fp16 (refused before launch where DeepSpeed's accelerator lacks it)"))
     ds_overrides: dict[str, Any] = setting(default_factory=dict, group="strategy", cli=False, help=(  # noqa: RUF009
         'extra DeepSpeed config, e.g. {"gradient_clipping": 1.0} (checked by DeepSpeed\'s own config; '
         "a key it never reads is refused)"))
