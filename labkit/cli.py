@@ -21,11 +21,23 @@ from labkit.core.config import FIELDS, GROUPS, ConfigError, RunConfig
 from labkit.runtime.ops import OPTIMIZER_IMPLS
 
 _SLURM_FLAGS = ("nodes", "partition", "time", "gpus_per_node", "account")  # labkit.launch.export.SlurmOptions
+# What a script run (--script) takes from labkit's config: its ranks, where and with how many threads they run,
+# the progress bar's length and when a rank counts as hung. The learner's script builds its own model, data, batch,
+# optimizer and DeepSpeed config, and labkit's worker (telemetry, evaluation, census, memory budget) does not run.
+_SCRIPT_FIELDS = ("world_size", "hostfile", "threads_per_rank", "steps", "heartbeat_s", "startup_timeout_s",
+                  "comms_log")  # comms_log: RunConfig refuses it in script mode, saying why
 
 
 def flag(name: str) -> str:
     """The CLI's flag for RunConfig field `name`: --micro-batch for micro_batch."""
     return "--" + name.replace("_", "-")
+
+
+def _given_flag(name: str, value: Any) -> str:
+    """The flag as it was typed for RunConfig field `name` set to `value`: --no-telemetry for telemetry False."""
+    spec = FIELDS[name]
+    negated = spec.kind is bool and value is False and (spec.optional or bool(spec.default))
+    return "--no-" + name.replace("_", "-") if negated else flag(name)
 
 
 def _flag_help(name: str) -> str:
@@ -66,6 +78,15 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.example is None and not script:
         raise ConfigError("example", f"--example is required ({', '.join(FIELDS['example'].choices or ())}), "
                           "or --script")
+    if script:
+        ignored = [name for name, spec in FIELDS.items()
+                   if spec.cli and name not in _SCRIPT_FIELDS and getattr(args, name, None) is not None]
+        if ignored:
+            given = ", ".join(_given_flag(name, getattr(args, name)) for name in ignored)
+            raise ConfigError(ignored[0], f"{given}: script mode runs the learner's script, "
+                              "which builds its own model, data, batch, optimizer and DeepSpeed config; labkit's "
+                              f"{'flag' if len(ignored) == 1 else 'flags'} would have no effect (set "
+                              f"{'it' if len(ignored) == 1 else 'them'} in the script or its ds_config)")
     values: dict[str, Any] = {"example": args.example or "zero3"}
     if script:
         values.update(script=script, script_args=list(getattr(args, "script_args", None) or []))
@@ -91,6 +112,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from labkit.launch.run import Run
 
     config = config_from_args(args)
+    if args.out is not None:  # before admission, which may wait for memory: a bad --out is refused at once
+        from labkit.launch.store import check_output_dir
+
+        out = check_output_dir(args.out, "--out")
+        if out.is_dir() and any(out.iterdir()):
+            raise ConfigError("out", f"--out directory {out} is not empty")
     admission = Admission.here()
     estimate, decision = admission.admit_alone(config, "this run")  # NotEnoughMemory: exit 2, with the figures
     if not decision.admit:  # other programs hold the memory now
@@ -140,10 +167,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a self-contained job directory for DeepSpeed's multi-node launcher (labkit.launch.export)."""
     from labkit.core.config import without_local_device_checks
-    from labkit.launch.export import SlurmOptions, write_job
+    from labkit.launch.export import SlurmOptions, check_master_port, write_job
+    from labkit.launch.store import check_output_dir
 
     with without_local_device_checks():  # a login node need not have the cluster's GPUs
         config = config_from_args(args)
+    check_master_port(args.master_port)
+    check_output_dir(args.out, "--out")
     given = {name: getattr(args, name) for name in _SLURM_FLAGS if getattr(args, name) is not None}
     slurm = SlurmOptions(**given) if args.launcher == "slurm" else None
     if given and slurm is None:
@@ -164,6 +194,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     from labkit.launch.history import recover_stale, runs
 
+    # A --root given is the store the user means: missing or a file, it is a typo, not "no runs yet" (as the
+    # default root is before the first run).
+    if args.root is not None and not (args.root.strip() and Path(args.root).is_dir()):  # "": not the cwd
+        what = ("is an empty path" if not args.root.strip() else "is a file, not a run store"
+                if Path(args.root).exists() else "does not exist")
+        raise ConfigError("root", f"--root {args.root!r} {what}: name the run store's directory (default: "
+                          "LABKIT_RUNS_DIR, else runs/)")
     recover_stale(args.root)  # runs whose supervisor died: end what it left, so none is listed as running
     table = runs(args.root)
     if args.format == "csv":
@@ -177,12 +214,20 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 def cmd_export_metrics(args: argparse.Namespace) -> int:
     """A finished run's per-step records as TensorBoard event files and/or CSV (labkit.launch.export_metrics)."""
-    from labkit.launch.export_metrics import to_csv, to_tensorboard
+    from labkit.launch.export_metrics import rank_ids, to_csv, to_tensorboard
+    from labkit.launch.store import check_output_dir
 
     if not (args.tensorboard or args.csv):
         raise ConfigError("export-metrics", "name at least one of --tensorboard DIR, --csv DIR")
+    if not args.run.strip():
+        raise ConfigError("run", "the run directory is an empty path: name runs/<run>")
     if not Path(args.run).is_dir():
         raise ConfigError("run", f"no such run directory: {args.run}")
+    if not rank_ids(args.run):
+        raise ConfigError("run", f"{args.run} is not a run directory: it holds no rank records (rank<N>.jsonl)")
+    for name in ("tensorboard", "csv"):  # before anything is written: no output dir is left behind
+        if getattr(args, name) is not None:
+            check_output_dir(getattr(args, name), f"--{name}")
     written = (to_tensorboard(args.run, args.tensorboard) if args.tensorboard else []) + \
         (to_csv(args.run, args.csv) if args.csv else [])
     for path in written:

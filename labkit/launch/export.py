@@ -170,6 +170,12 @@ def slurm_placeholder_hostfile(nodes: int, ranks_per_node: int) -> str:
             + "".join(f"allocation-node-{i} slots={ranks_per_node}\n" for i in range(nodes)))
 
 
+def check_master_port(master_port: int | None) -> None:
+    """Refuse a rendezvous port that is no TCP port (None: the default, chosen by write_job)."""
+    if master_port is not None and not 1 <= master_port <= 65535:
+        raise ConfigError("master_port", f"--master-port must be a TCP port, 1-65535, got {master_port}")
+
+
 def write_job(config: RunConfig, out: str | os.PathLike, *, launcher: str = "pdsh",
               master_port: int | None = None, master_addr: str | None = None,
               slurm: SlurmOptions | None = None) -> list[str]:
@@ -177,6 +183,7 @@ def write_job(config: RunConfig, out: str | os.PathLike, *, launcher: str = "pds
     for Slurm (`slurm`: its #SBATCH options), whose nodes are the allocation's."""
     if launcher not in LAUNCHERS:
         raise ConfigError("launcher", f"must be one of {LAUNCHERS}, got {launcher!r}")
+    check_master_port(master_port)
     if launcher == "slurm" and config.hostfile:
         raise ConfigError("hostfile", "Slurm chooses the nodes: drop --hostfile and give --nodes (the ranks are "
                           "split evenly between them)")

@@ -15,8 +15,13 @@ from pathlib import Path
 from labkit.core.records import rank_file, read_records
 
 
+def rank_ids(run_dir: str | os.PathLike) -> list[int]:
+    """The ranks whose records (rank<N>.jsonl) `run_dir` holds; none: it is not a run directory."""
+    return sorted(int(p.stem[4:]) for p in Path(run_dir).glob("rank*.jsonl") if p.stem[4:].isdigit())
+
+
 def _steps_by_rank(run_dir: Path) -> dict[int, list[dict]]:
-    ranks = sorted(int(p.stem[4:]) for p in run_dir.glob("rank*.jsonl") if p.stem[4:].isdigit())
+    ranks = rank_ids(run_dir)
     if not ranks:
         raise FileNotFoundError(f"{run_dir} holds no rank records (rank<N>.jsonl)")
     return {rank: [r for r in read_records(rank_file(run_dir, rank)) if r.get("event") == "step"] for rank in ranks}
@@ -43,9 +48,10 @@ def to_tensorboard(run_dir: str | os.PathLike, out: str | os.PathLike) -> list[P
 
 
 def to_csv(run_dir: str | os.PathLike, out: str | os.PathLike) -> list[Path]:
+    by_rank = _steps_by_rank(Path(run_dir))  # before the output dir is made: not a run, nothing is left behind
     Path(out).mkdir(parents=True, exist_ok=True)
     written = []
-    for rank, steps in _steps_by_rank(Path(run_dir)).items():
+    for rank, steps in by_rank.items():
         columns = ["step", *sorted({k for r in steps for k in _numeric(r)})]
         path = Path(out) / f"rank{rank}.csv"
         with path.open("w", newline="") as handle:

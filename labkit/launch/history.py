@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -22,8 +23,11 @@ def runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
     a run whose supervisor died is listed "failed" with that cause; `recover_stale` ends what it left."""
     rows = []
     for run_dir in run_dirs(root):
-        summary = read_json(run_dir / "summary.json")
-        config = read_json(run_dir / "config.json") or {}
+        summary, config = read_json(run_dir / "summary.json"), read_json(run_dir / "config.json") or {}
+        unreadable = _not_an_object(config=config, summary=summary)
+        if unreadable:  # listed and marked, not read: one such run must not break the whole list
+            summary = {"status": "unreadable", "cause": unreadable, **(config if isinstance(config, dict) else {})}
+            config = {}
         if summary is None:
             status, cause = "running" if (run_dir / "status.json").exists() else "created", None
             if _unsummarised(run_dir, summary, config):
@@ -59,10 +63,20 @@ def recover_stale(root: str | os.PathLike | None = None) -> list[Path]:
 
     recovered = []
     for run_dir in run_dirs(root):
-        if _unsummarised(run_dir, read_json(run_dir / "summary.json"), read_json(run_dir / "config.json")) \
+        summary, config = read_json(run_dir / "summary.json"), read_json(run_dir / "config.json")
+        if not _not_an_object(config=config, summary=summary) and _unsummarised(run_dir, summary, config) \
                 and Run.load(run_dir).recover():
             recovered.append(run_dir)
     return recovered
+
+
+def _not_an_object(**files: Any) -> str | None:
+    """Why a run's config.json or summary.json (as read_json read them, by name) is not one: valid JSON, but not
+    an object (a list, a number); else None. Empty, truncated or null files read as absent (read_json: None)."""
+    for name, value in files.items():
+        if value is not None and not isinstance(value, dict):
+            return f"{name}.json is not a JSON object (a {type(value).__name__})"
+    return None
 
 
 def _unsummarised(run_dir: Path, summary: dict | None, config: dict | None) -> bool:

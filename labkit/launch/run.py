@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from labkit.core.config import RunConfig, hostfile_slots
+from labkit.core.config import ConfigError, RunConfig, hostfile_slots
 from labkit.core.files import read_json, write_json_atomic, write_text_atomic
 from labkit.core.records import RecordTail, rank_file
 from labkit.launch import device_lease, proctree, zygote
 from labkit.launch.launch_spec import LaunchSpec
 from labkit.launch.launcher import build_command, command_text
-from labkit.launch.store import new_run_dir
+from labkit.launch.store import check_output_dir, new_run_dir
 from labkit.launch.summary import rank_records, summarize
 from labkit.launch.warm_launch import WARM_ENV, spawn_spec, warm_spec
 from labkit.launch.zygote import ForkedSupervisor
@@ -146,6 +146,8 @@ class Run:
             from labkit.launch.multinode import check_run_launcher
 
             check_run_launcher(self.launcher, self.config.hostfile, base_env.get("PATH", ""))
+        if self._out is not None:
+            check_output_dir(self._out, "--out")  # a file there, or a path that cannot be made: before any lease
         devices = detect_devices()
         # Refuses busy GPUs before anything is written; takes free ones, not always the first N.
         kind, candidates, count = self._lease_plan(devices, base_env)
@@ -174,7 +176,10 @@ class Run:
     def _launch(self, devices: Devices, base_env: dict[str, str], leases: list[int], device_ids: list[str],
                 port: int) -> Run:
         if self._out is not None:
-            self._out.mkdir(parents=True, exist_ok=True)
+            try:
+                self._out.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # made a file or unmakeable since start()'s check
+                raise ConfigError("out", f"--out {self._out} cannot be made: {exc.strerror or exc}") from None
             if any(self._out.iterdir()):
                 raise FileExistsError(f"--out directory {self._out} is not empty")
             self.run_dir = self._out

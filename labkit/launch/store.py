@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,3 +43,34 @@ def run_dirs(root: str | os.PathLike | None = None) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if (p / "config.json").is_file())
+
+
+def check_output_dir(path: str | os.PathLike, flag: str) -> Path:
+    """Refuse, before anything is written or launched, an output directory that cannot be one: an empty path (it
+    would be the working directory), an existing file, a path under a file, or one where no directory can be made
+    (a read-only or pseudo filesystem, no permission). ConfigError naming `flag` (`--out`, `--csv`, ...). Nothing
+    is left behind: the probe directory made in the nearest existing directory is removed."""
+    from labkit.core.config import ConfigError
+
+    name = flag.lstrip("-").replace("-", "_")
+    if not str(path).strip():
+        raise ConfigError(name, f"{flag} is an empty path: name a directory")
+    path = Path(path)
+    here = path.absolute()
+    for candidate in (here, *here.parents):
+        if candidate.is_dir():
+            base = candidate
+            break
+        if os.path.lexists(candidate):
+            what = "is a file, not a directory" if candidate.exists() else "is a broken symbolic link"
+            raise ConfigError(name, f"{flag} {path} {what}" if candidate == here
+                              else f"{flag} {path} cannot be made: {candidate} {what}")
+    else:  # pragma: no cover: the root is a directory
+        base = Path(here.anchor)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".labkit-probe-", dir=base))
+    except OSError as exc:
+        where = "written in" if base == here else "made"
+        raise ConfigError(name, f"{flag} {path} cannot be {where}: no directory can be created in {base} "
+                          f"({exc.strerror or exc})") from None
+    return path

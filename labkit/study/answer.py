@@ -26,6 +26,7 @@ answer_card.json, report.html, and the run directories under runs/. Re-running r
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import platform
 import shutil
@@ -352,6 +353,9 @@ def answer(profile_name: str = "ci", out: str | os.PathLike | None = None, *, pa
     from labkit.study import maxbatch
     from labkit.study.sweep import check_fair, fair_parallel, point_key
 
+    if parallel is not None and parallel < 1:
+        raise ConfigError("parallel", f"must be at least 1 (timed runs at once), got {parallel}; None: the most "
+                          "the machine allows")
     profile = with_model(PROFILES[profile_name], model, data, loss)
     if profile.name != profile_name:
         from labkit.models.builders import check_importable
@@ -488,11 +492,10 @@ def rebuild_report(out: str | os.PathLike, *, say: Callable[[str], None] = lambd
     if missing:
         raise FileNotFoundError(f"{out} has no {', '.join(missing)}: not the results dir of a finished "
                                 "`labkit answer` (or data/reference-*)")
-    machine = read_json(out / "machine.json")
-    if not isinstance(machine, dict) or machine.get("profile") not in PROFILES:
-        recorded = machine.get("profile") if isinstance(machine, dict) else None
-        raise ValueError(f"{out / 'machine.json'} names the profile {recorded!r}, not one of {', '.join(PROFILES)}: "
-                         "the report is built with the profile the answer ran")
+    machine = _read_machine(out / "machine.json")
+    if machine.get("profile") not in PROFILES:
+        raise ValueError(f"{out / 'machine.json'} names the profile {machine.get('profile')!r}, not one of "
+                         f"{', '.join(PROFILES)}: the report is built with the profile the answer ran")
     if not machine.get("accelerator"):
         # every answer writes it (cpu, cuda); without it the card would count GPUs and the check take a GPU's path
         raise ValueError(f"{out / 'machine.json'} does not say which accelerator the answer ran on (`accelerator`: "
@@ -500,9 +503,9 @@ def rebuild_report(out: str | os.PathLike, *, say: Callable[[str], None] = lambd
     model = machine.get("model")
     profile = with_model(PROFILES[machine["profile"]], None if model in (None, "mlp") else model, machine.get("data"),
                          machine.get("loss"))
-    results = pd.read_csv(out / "results.csv")
+    results = _read_table(out / "results.csv")
     require_growth(results, dataclasses.asdict(profile))
-    tables = {name: pd.read_csv(out / f"{name}.csv") for name in ("memory", "activation", "noise")}
+    tables = {name: _read_table(out / f"{name}.csv") for name in ("memory", "activation", "noise")}
     machine = {**machine, "report_regenerated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     checked = checked_section(out, remeasure=False, is_cpu=machine.get("accelerator") == "cpu", measure=False)
     # devices=None: the rebuilt page is read where it lands, so it is not compared with the machine rebuilding it
@@ -510,6 +513,27 @@ def rebuild_report(out: str | os.PathLike, *, say: Callable[[str], None] = lambd
                           say=say)
     write_json_atomic(out / "machine.json", machine)
     return report
+
+
+def _read_machine(path: Path) -> dict[str, Any]:
+    """An answer's machine.json, or ValueError naming it: not JSON (malformed, binary) or not a JSON object."""
+    try:
+        machine = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is malformed: not JSON ({error})") from None
+    if not isinstance(machine, dict):
+        raise ValueError(f"{path} is malformed: a JSON {type(machine).__name__}, not the object `labkit answer` "
+                         "writes")
+    return machine
+
+
+def _read_table(path: Path) -> pd.DataFrame:
+    """One of an answer's CSV tables, or ValueError naming it: empty, binary or not CSV."""
+    try:
+        return pd.read_csv(path)
+    except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as error:
+        what = "empty" if isinstance(error, pd.errors.EmptyDataError) else "not a CSV table"
+        raise ValueError(f"{path} is {what} ({type(error).__name__}: {error})") from None
 
 
 def checked_section(out: str | os.PathLike, *, remeasure: bool, is_cpu: bool, measure: bool = True,
@@ -594,9 +618,17 @@ def publish(out: str | os.PathLike, reference: str | os.PathLike) -> list[Path]:
 
 def cli(args: Any) -> int:
     """Entry point of `python -m labkit answer` (labkit.cli parses the arguments)."""
-    from labkit.launch.store import default_root
+    from labkit.launch.store import check_output_dir, default_root
     from labkit.runtime.profiles import current_profile
 
+    # Refused at once, before the profile and the devices load and long before the sweep ends (--reference is
+    # first written then).
+    if args.parallel is not None and args.parallel < 1:
+        raise ConfigError("parallel", f"--parallel must be at least 1 (timed runs at once), got {args.parallel}; "
+                          "leave it out for the most the machine allows")
+    for flag in ("out", "reference"):
+        if getattr(args, flag, None) is not None:
+            check_output_dir(getattr(args, flag), f"--{flag}")
     profile = args.profile or current_profile()
     model, data, loss = (getattr(args, k, None) for k in ("model", "data", "loss"))
     name = with_model(PROFILES[profile], model, data, loss).name

@@ -377,6 +377,14 @@ def test_labkit_report_refuses_what_is_not_a_finished_answer_before_writing(tmp_
             lambda d: results.drop(columns=["status"]).to_csv(d / "results.csv", index=False),
         "a table is not an answer's (": lambda d: (d / "activation.csv").write_text("a,b\n1,2\n"),
         "no such directory": lambda d: shutil.rmtree(d),
+        # The file named: these said only "No columns to parse from file", "'utf-8' codec can't decode ...", and
+        # "machine.json names the profile None".
+        "results.csv is empty (EmptyDataError": lambda d: (d / "results.csv").write_text(""),
+        "results.csv is not a CSV table (UnicodeDecodeError": lambda d: (d / "results.csv").write_bytes(
+            b"\xff\xfe\x00\x01status\n\xff"),
+        "noise.csv is empty (EmptyDataError": lambda d: (d / "noise.csv").write_text(""),
+        "machine.json is malformed: not JSON (": lambda d: (d / "machine.json").write_text('{"profile": "ci",'),
+        "machine.json is malformed: a JSON list": lambda d: (d / "machine.json").write_text("[1]"),
     }
     for n, (message, breakage) in enumerate(breakages.items()):
         copy = tmp_path / str(n)
@@ -386,6 +394,43 @@ def test_labkit_report_refuses_what_is_not_a_finished_answer_before_writing(tmp_
         assert main(["report", str(copy)]) == 2
         assert message in capsys.readouterr().err
         assert ({p.name: p.read_bytes() for p in copy.iterdir()} if copy.exists() else {}) == before
+
+
+def test_labkit_answer_refuses_bad_parallel_out_and_reference_before_the_sweep(tmp_path, capsys, monkeypatch):
+    """`--parallel 0` / `-1` started the full sweep (0 read as the default, -1 as 1); `--reference` at a file, or
+    where no directory can be made, failed only after every point was measured (publish() makes it last); `--out`
+    at a file said "[Errno 17] File exists" naming no flag, after the devices loaded. Now exit 2 at once."""
+    from labkit.cli import main
+    from labkit.study import answer as answer_module
+
+    def no_sweep(*_args, **_kwargs):
+        raise AssertionError("the sweep started")
+
+    the_answer = answer_module.answer
+    monkeypatch.setattr(answer_module, "answer", no_sweep)
+    a_file = tmp_path / "reference.csv"
+    a_file.write_text("kept")
+    cases = {
+        ("--parallel", "0"): "error: parallel: --parallel must be at least 1 (timed runs at once), got 0",
+        ("--parallel", "-1"): "error: parallel: --parallel must be at least 1 (timed runs at once), got -1",
+        ("--reference", str(a_file)): f"error: reference: --reference {a_file} is a file, not a directory",
+        ("--reference", str(a_file / "sub")): f"error: reference: --reference {a_file / 'sub'} cannot be made: "
+                                              f"{a_file} is a file, not a directory",
+        ("--reference", "/proc/labkit-no-such/ref"): "error: reference: --reference /proc/labkit-no-such/ref cannot "
+                                                     "be made: no directory can be created in /proc",
+        ("--out", str(a_file)): f"error: out: --out {a_file} is a file, not a directory",
+    }
+    for args, message in cases.items():
+        assert main(["answer", "--profile", "ci", "--out", str(tmp_path / "out"), *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    assert a_file.read_text() == "kept" and not (tmp_path / "out").exists()
+    # The Python API too: 0 is no longer "the default".
+    from labkit.runtime import devices
+
+    monkeypatch.setattr(devices, "detect_devices", no_sweep)
+    with pytest.raises(ConfigError, match="parallel: must be at least 1"):
+        the_answer("ci", tmp_path / "out", parallel=0)
 
 
 def test_a_rebuilt_reports_check_says_what_it_lacks(tmp_path):

@@ -1,0 +1,166 @@
+"""Bad input to `labkit run`, `export`, `export-metrics` and `runs`: exit 2 with a message that names the flag or the
+file, before anything launches or is written (tests/launch/test_faults.py has the RunConfig fields' refusals). All
+in-process, all refused before a launch: no process starts."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from labkit import cli
+
+
+def _refused(argv: list[str], capsys) -> str:
+    """`labkit <argv>`'s stderr, after asserting it exited 2 with one `error:` line and no traceback."""
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and re.search(r"^error: \S", err, re.MULTILINE), err
+    return err
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch) -> Path:
+    """The run store the refused commands would write into: it must stay absent."""
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
+    return tmp_path / "runs"
+
+
+def test_run_out_under_a_file_or_unmakeable_is_refused_naming_out(tmp_path, store, capsys, monkeypatch):
+    """`--out` under a file, at a file, or where no directory can be made: NotADirectoryError / FileNotFoundError
+    tracebacks (exit 1) after admission, or "[Errno 17] File exists" naming no flag; now exit 2 naming --out, before
+    admission is even asked."""
+    from labkit.launch import admission
+
+    def no_admission(*_args, **_kwargs):
+        raise AssertionError("admission asked before --out was checked")
+
+    monkeypatch.setattr(admission.Admission, "here", classmethod(no_admission))
+    a_file = tmp_path / "summary.json"
+    a_file.write_text("{}")
+    cases = {str(a_file / "sub"): f"--out {a_file / 'sub'} cannot be made: {a_file} is a file, not a directory",
+             str(a_file): f"--out {a_file} is a file, not a directory",
+             "/proc/labkit-no-such/x": "--out /proc/labkit-no-such/x cannot be made: no directory can be created in",
+             "": "--out is an empty path"}
+    for out, message in cases.items():
+        err = _refused(["run", "--example", "deepspeed", "--hidden", "16", "--steps", "3", "--out", out], capsys)
+        assert f"error: out: {message}" in err, err
+    assert a_file.read_text() == "{}" and not store.exists()
+
+
+def test_run_refuses_flags_that_script_mode_ignores(tmp_path, store, capsys):
+    """`--script` runs the learner's script, which builds its own model, data, batch and DeepSpeed config: labkit's
+    --stage, --micro-batch, --precision, ... were accepted, recorded in config.json and had no effect."""
+    script = tmp_path / "train.py"
+    script.write_text("print('trained')\n")
+    ignored = {"--stage": "2", "--micro-batch": "8", "--precision": "bf16", "--offload-optimizer": None,
+               "--hidden": "64", "--lr": "0.1", "--example": "zero3", "--target-loss": "1.0",
+               "--no-telemetry": None, "--device-memory-budget-bytes": "1000000"}
+    for name, value in ignored.items():
+        err = _refused(["run", "--script", str(script), name, *([value] if value else []), "--steps", "1"], capsys)
+        field = name.removeprefix("--no-").removeprefix("--").replace("-", "_")
+        assert f"error: {field}: {name}: script mode runs the learner's script" in err, err
+        assert "flag would have no effect" in err, err
+    err = _refused(["run", "--script", str(script), "--stage", "2", "--micro-batch", "8"], capsys)
+    assert "--micro-batch, --stage: script mode" in err and "flags would have no effect" in err, err
+    assert not store.exists()
+    # What script mode does use is taken (the config only: nothing launched here).
+    args = cli.build_parser().parse_args(["run", "--script", str(script), "--world-size", "2", "--steps", "7",
+                                          "--threads-per-rank", "1", "--heartbeat-s", "30",
+                                          "--startup-timeout-s", "60"])
+    config = cli.config_from_args(args)
+    assert (config.script, config.world_size, config.steps, config.threads_per_rank) == (str(script), 2, 7, 1)
+
+
+@pytest.mark.parametrize("port", ["70000", "0", "-1"])
+def test_export_refuses_a_master_port_outside_1_to_65535(port, tmp_path, capsys):
+    """`export --master-port 70000` wrote MASTER_PORT=70000 into launch.json and .deepspeed_env, exit 0."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\n")
+    out = tmp_path / "job"
+    err = _refused(["export", "--example", "zero3", "--world-size", "1", "--hostfile", str(hostfile),
+                    "--master-port", port, "--out", str(out)], capsys)
+    assert f"error: master_port: --master-port must be a TCP port, 1-65535, got {port}" in err, err
+    assert not out.exists()
+
+
+def test_export_out_at_a_file_is_refused_naming_out(tmp_path, capsys):
+    """"[Errno 17] File exists: '<path>'" named no flag."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\n")
+    err = _refused(["export", "--example", "zero3", "--world-size", "1", "--hostfile", str(hostfile),
+                    "--out", str(hostfile)], capsys)
+    assert f"error: out: --out {hostfile} is a file, not a directory" in err, err
+
+
+def _a_run(run_dir: Path) -> Path:
+    """A run directory with one rank's records: what export-metrics reads."""
+    run_dir.mkdir()
+    (run_dir / "rank0.jsonl").write_text(json.dumps({"event": "step", "step": 1, "loss": 2.0}) + "\n")
+    return run_dir
+
+
+def test_export_metrics_refuses_what_is_not_a_run_and_outputs_at_files_leaving_nothing(tmp_path, capsys):
+    """A folder that is not a run: FileNotFoundError traceback (exit 1), after the --csv dir was made, and left
+    empty; --tensorboard at a file: NotADirectoryError from inside TensorBoard; --csv at a file: "[Errno 17]"."""
+    from labkit.launch.export_metrics import to_csv
+
+    (tmp_path / "empty").mkdir()
+    a_file = tmp_path / "summary.json"
+    a_file.write_text("{}")
+    run = _a_run(tmp_path / "run")
+    csv_out = tmp_path / "csv"
+    cases = {
+        (str(tmp_path / "empty"), "--csv", str(csv_out)):
+            f"error: run: {tmp_path / 'empty'} is not a run directory: it holds no rank records",
+        ("", "--csv", str(csv_out)): "error: run: the run directory is an empty path",
+        (str(run), "--tensorboard", str(a_file)): f"error: tensorboard: --tensorboard {a_file} is a file",
+        (str(run), "--csv", str(a_file)): f"error: csv: --csv {a_file} is a file",
+        (str(run), "--csv", str(a_file / "sub")): f"error: csv: --csv {a_file / 'sub'} cannot be made: {a_file} is",
+    }
+    for (run_dir, flag, out), message in cases.items():
+        assert message in _refused(["export-metrics", run_dir, flag, out], capsys)
+    assert not csv_out.exists() and a_file.read_text() == "{}"
+    with pytest.raises(FileNotFoundError, match="holds no rank records"):  # the library: no output dir made either
+        to_csv(tmp_path / "empty", csv_out)
+    assert not csv_out.exists()
+    assert cli.main(["export-metrics", str(run), "--csv", str(csv_out)]) == 0
+    assert (csv_out / "rank0.csv").read_text().splitlines() == ["step,loss", "1,2.0"]
+
+
+def test_runs_root_given_and_missing_or_a_file_is_refused(tmp_path, capsys, monkeypatch):
+    """`runs --root <typo>` said "no runs yet", exit 0; the default root missing still does."""
+    a_file = tmp_path / "summary.json"
+    a_file.write_text("{}")
+    for root, what in ((tmp_path / "nonexist", "does not exist"), (a_file, "is a file, not a run store"),
+                       ("", "is an empty path")):
+        err = _refused(["runs", "--root", str(root)], capsys)
+        assert f"error: root: --root {str(root)!r} {what}" in err, err
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "no-runs-yet"))
+    assert cli.main(["runs"]) == 0
+    assert "no runs yet" in capsys.readouterr().out
+
+
+def test_runs_lists_a_run_whose_summary_or_config_is_a_json_list_as_unreadable(tmp_path, capsys):
+    """One run dir whose summary.json or config.json is a JSON list broke the whole listing (AttributeError)."""
+    from labkit.launch.history import recover_stale, runs
+
+    config = {"example": "zero3", "stage": 3, "world_size": 1, "micro_batch": 32, "grad_accum": 1}
+    for name, files in {"a-good": {"config.json": config, "summary.json": {**config, "status": "finished"}},
+                        "b-list-summary": {"config.json": config, "summary.json": [1, 2]},
+                        # status.json: a started run without a summary, which recover_stale would reopen
+                        "c-list-config": {"config.json": ["zero3"], "status.json": {"status": "running"}}}.items():
+        (tmp_path / name).mkdir()
+        for file, value in files.items():
+            (tmp_path / name / file).write_text(json.dumps(value))
+    assert recover_stale(tmp_path) == []
+    table = runs(tmp_path).set_index("run_id")
+    assert table.loc["a-good", "status"] == "finished"
+    assert table.loc["b-list-summary", "status"] == "unreadable"
+    assert table.loc["b-list-summary", "cause"] == "summary.json is not a JSON object (a list)"
+    assert table.loc["c-list-config", "cause"] == "config.json is not a JSON object (a list)"
+    assert cli.main(["runs", "--root", str(tmp_path)]) == 0
+    assert "summary.json is not a JSON object" in capsys.readouterr().out
