@@ -63,9 +63,21 @@ def read_run(run_dir: str | os.PathLike, statistic: str = "mean") -> MeasuredRun
     path = Path(run_dir)
     if not (path / "config.json").exists():
         raise ValueError(f"not a labkit run directory (no config.json): {run_dir}")
-    config = json.loads((path / "config.json").read_text())
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError as exc:  # malformed JSON, or not text: said with the file, not as a bare parser message
+        raise ValueError(f"{path / 'config.json'} does not read as JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / 'config.json'} is not a run's config (a JSON object), but a "
+                         f"{type(config).__name__}")
+    missing = [key for key in ("world_size", "micro_batch") if key not in config]  # what calibrating reads first
+    if missing:
+        raise ValueError(f"{path / 'config.json'} has no {' or '.join(missing)}: not a labkit run's config")
     steps = [r for r in read_records(path / "rank0.jsonl") if r.get("event") == "step" and "forward_s" in r]
     steps = steps[SKIP_STEPS:] if len(steps) > SKIP_STEPS + 2 else steps
+    if not steps and config.get("script"):  # a script of yours times its own steps, not labkit's phases
+        raise ValueError(f"{run_dir} ran a script of yours ({config['script']}), whose steps have no phase times: "
+                         "--from calibrates on a run of labkit's examples (--example)")
     if not steps:
         raise ValueError(f"{run_dir} has no per-step records with phase times (a run with telemetry on is needed)")
 

@@ -841,7 +841,8 @@ def steps_to_target(global_batch: float, b_crit: float, s_min: float = 1.0) -> f
 
 def b_simple_from(results_dir: str | os.PathLike) -> float | None:
     """The lab's measured B_simple (pooled gradient noise scale over every probe of noise.csv), else None (no file,
-    or an estimate not above 0: the pooled trace of the noise came out negative, which is no critical batch)."""
+    or an estimate not above 0: the pooled trace of the noise came out negative, which is no critical batch); a
+    ValueError naming the file where it does not read or lacks the probes' columns."""
     import pandas as pd
 
     from labkit.study.noise_scale import aggregate
@@ -849,9 +850,15 @@ def b_simple_from(results_dir: str | os.PathLike) -> float | None:
     path = Path(results_dir) / "noise.csv"
     if not path.exists():
         return None
-    noise = pd.read_csv(path)
-    pooled = aggregate(noise[["grad_norm_small_sq", "grad_norm_big_sq", "noise_b_small", "noise_b_big"]]
-                       .itertuples(index=False, name=None))
+    columns = ["grad_norm_small_sq", "grad_norm_big_sq", "noise_b_small", "noise_b_big"]
+    try:
+        noise = pd.read_csv(path)
+    except (OSError, ValueError) as exc:  # empty (pandas' EmptyDataError is a ValueError), not CSV, not text
+        raise ValueError(f"{path} does not read as the answer's gradient-noise probes ({exc})") from None
+    missing = [c for c in columns if c not in noise.columns]
+    if missing:  # a ValueError naming the file, not pandas' KeyError listing the columns
+        raise ValueError(f"{path} lacks the gradient-noise probes' columns: {', '.join(missing)}")
+    pooled = aggregate(noise[columns].itertuples(index=False, name=None))
     return None if pooled is None or pooled.b_simple is None or pooled.b_simple <= 0 else pooled.b_simple
 
 

@@ -154,6 +154,14 @@ def _lab_model(args: Any) -> RunConfig:
     return RunConfig.from_dict(values)
 
 
+def _refuse_uncountable(exc: Exception, micro: int | None) -> None:
+    """Refuse, naming --micro-batch, one whose tensors PyTorch cannot size: their elements or bytes overflow its
+    64-bit sizes (a RuntimeError, or a TypeError past 2**63) while counting on the meta device. Others pass."""
+    if micro is not None and isinstance(exc, (RuntimeError, TypeError)) and "overflow" in str(exc).lower():
+        raise _bad("micro_batch", f"--micro-batch {micro} is too large to count: its tensors' sizes overflow "
+                                  "PyTorch's 64-bit sizes") from None
+
+
 def _workload(model: Transformer | RunConfig) -> Workload:
     from labkit.models import builders
     from labkit.study.predict import TransformerWorkload, lab_workload
@@ -214,7 +222,10 @@ def _b_crit(args: Any, shape: Transformer | None) -> tuple[float, str] | None:
             raise _bad("results", f"no such results directory: {args.results}")
         from labkit.study.predict import measured_b_crit
 
-        measured = measured_b_crit(args.results)
+        try:
+            measured = measured_b_crit(args.results)
+        except ValueError as exc:  # a noise.csv that does not read or lacks the probes' columns: named
+            raise _bad("results", str(exc)) from None
         if measured is None:
             raise _bad("results", f"{args.results} places no critical batch: no LR study in a results.csv whose "
                                   "batches place B_crit, and no noise.csv (the answer's gradient-noise probes) with a "
@@ -280,6 +291,9 @@ def _prediction(args: Any) -> dict[str, Any]:
                                optimizer=args.optimizer)
             except ValueError as exc:
                 raise _bad("predict", str(exc)) from None
+            except (RuntimeError, TypeError) as exc:
+                _refuse_uncountable(exc, micro)
+                raise
         except Exception as exc:  # a model of yours this process cannot import, build or run
             if args.model is None or args.model in ("mlp", "gpt") or isinstance(exc, SystemExit):
                 raise
@@ -334,11 +348,15 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
 
     if not args.from_run or not Path(args.from_run).is_dir():
         raise _bad("from_run", f"no such run directory: {args.from_run}")
+    if not (Path(args.from_run) / "config.json").exists():
+        raise _bad("from_run", f"not a labkit run directory (no config.json): {args.from_run}")
+    # finished first: a run that failed (out of memory, say) is told so, not that it has no step records
+    accelerator = _check_calibratable(Path(args.from_run))
     try:
         run = read_run(args.from_run, "mean")
     except ValueError as exc:
         raise _bad("from_run", str(exc)) from None
-    accelerator = _check_calibratable(Path(args.from_run))
+    _check_run_config(run)
     stage = args.stage
     if stage == 0 and run.offload:
         raise _bad("stage", "the run offloads its optimizer: stage 0 cannot")
@@ -346,8 +364,14 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
         return _from_gpu_run(args, read_run(args.from_run, "median"))  # the answer's statistic for GPU steps
     if args.gpu is not None:
         raise _bad("gpu", "--gpu names a GPU run's kind; this run's ranks ran on this machine's CPU")
+    _check_run_config(run, args)
     if args.links:
         text = _links_json(args.links)
+        # a fit has its "fits" per op, or the timed calls it is fitted from ("raw"): any other JSON (a model's
+        # config.json, say) is not one, rather than a fit summarised by the wrong statistic
+        if not isinstance(text, dict) or not (isinstance(text.get("fits"), dict) or text.get("raw")):
+            raise _bad("links", f"{args.links} is not a link fit (`labkit.study.predict.link_fit_json`: its \"fits\" "
+                                "per op, or the timed calls they are fitted from, \"raw\")")
         try:
             fit = link_fits(text, "mean")  # the run's steps: their mean
         except (ValueError, KeyError, TypeError) as exc:
@@ -358,8 +382,41 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
         # the link as training meets it at several settings of the compute before each call, read at the run's own
         # compute per collective, every call summarised as the run's steps are (their mean)
         fit = link_fits(comms.measure_training_links(world_size=max(2, args.world_size or run.world_size)), "mean")
-    return calibrated(run, fit, world_size=args.world_size, micro_batch=args.micro_batch, stage=stage,
-                      threads_per_rank=args.threads_per_rank)
+    try:
+        return calibrated(run, fit, world_size=args.world_size, micro_batch=args.micro_batch, stage=stage,
+                          threads_per_rank=args.threads_per_rank)
+    except (RuntimeError, TypeError) as exc:
+        _refuse_uncountable(exc, args.micro_batch)
+        raise
+
+
+# The flags --from changes a CPU run's config with, as `calibrated` sets them
+FLAGS_INTO_THE_RUN = ("world_size", "micro_batch", "stage", "threads_per_rank")
+
+
+def _check_run_config(run: Any, args: Any = None) -> None:
+    """The run's config.json read as labkit reads a config (a value of the wrong type is the run's, not a flag's);
+    with `args`, then at the flags' --world-size, --micro-batch, --stage and --threads-per-rank, each named where
+    the config refuses them (--world-size 100000 leaves each rank no sample of the run's dataset: the flag's)."""
+    from labkit.core.config import RunConfig, without_local_device_checks
+
+    own = {k: v for k, v in run.config.items() if k in RunConfig.__dataclass_fields__}
+    given = {name: getattr(args, name) for name in FLAGS_INTO_THE_RUN if getattr(args, name, None) is not None}
+    with without_local_device_checks():  # the run's machine, not necessarily this one
+        try:
+            RunConfig.from_dict(own)
+        except (ValueError, TypeError) as exc:  # ConfigError, or a check meeting a value of the wrong type
+            raise _bad("from_run", f"{Path(run.run_dir) / 'config.json'}: {exc}") from None
+        if not given:
+            return
+        try:
+            RunConfig.from_dict({**own, **given})
+        except (ValueError, TypeError) as exc:
+            field = getattr(exc, "field", None)
+            named = [field] if field in given else list(given)  # the flag the refusal names, else all given
+            flags = " ".join(f"--{name.replace('_', '-')} {given[name]}" for name in named)
+            why = str(exc).removeprefix(f"{field}: ") if field else str(exc)
+            raise _bad(named[0], f"{flags} does not fit the run's config: {why}") from None
 
 
 def _links_json(path: str) -> Any:
@@ -421,6 +478,7 @@ def _from_gpu_run(args: Any, run: Any) -> dict[str, Any]:
         return calibrated_gpu(run, gpu=args.gpu, world_size=args.world_size, micro_batch=args.micro_batch,
                               stage=args.stage, links=links)
     except (ValueError, KeyError, TypeError) as exc:  # a config.json that lacks a field or is not an object too
+        _refuse_uncountable(exc, args.micro_batch)  # not the config's: a --micro-batch past PyTorch's sizes
         why = str(exc) if isinstance(exc, ValueError) else f"{run.run_dir}'s config: {type(exc).__name__}: {exc}"
         raise _bad("from_run", why) from None
 

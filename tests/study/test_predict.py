@@ -808,6 +808,16 @@ def test_the_measured_critical_batch_is_the_lr_studys_fit_where_its_batches_plac
     assert P.measured_b_crit(tmp_path)[0] == b_simple
 
 
+def test_a_results_folder_whose_noise_csv_does_not_read_is_refused_naming_it(tmp_path, capsys):
+    shape = ["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", "--results", str(tmp_path)]
+    for text, says in (("", "does not read as the answer's gradient-noise probes"),
+                       ("a,b\n1,2\n", "lacks the gradient-noise probes' columns: grad_norm_small_sq")):
+        (tmp_path / "noise.csv").write_text(text)
+        assert main(shape) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: results: {tmp_path / 'noise.csv'} ") and says in err
+
+
 def test_a_results_folder_without_a_positive_critical_batch_is_refused(tmp_path, capsys):
     shape = ["predict", "--transformer", "layers=2,hidden=128,heads=2,seq=64", "--results", str(tmp_path)]
     assert main(shape) == 2
@@ -1378,6 +1388,39 @@ def test_from_a_run_on_the_command_line_labels_the_measured_step_measured(tmp_pa
     assert "is not JSON" in capsys.readouterr().err
 
 
+def test_from_a_run_whose_files_do_not_read_exits_2_naming_the_file_or_flag(tmp_path, capsys):
+    (tmp_path / "rank0.jsonl").write_text("".join(json.dumps(
+        {"event": "step", "step": i, "forward_s": 0.001, "backward_s": 0.002, "optimizer_s": 0.0005,
+         "step_time_s": 0.0035}) + "\n" for i in range(10)))
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "finished"}))
+    links = tmp_path / "links.json"
+    links.write_text(json.dumps(FIT))
+    argv = ["predict", "--from", str(tmp_path), "--links", str(links)]
+    config = tmp_path / "config.json"
+    for text, says in (("{bad", f"from_run: {config} does not read as JSON"),
+                       ("[1, 2]", f"from_run: {config} is not a run's config (a JSON object)"),
+                       (json.dumps({k: v for k, v in CONFIG.items() if k != "world_size"}),
+                        f"from_run: {config} has no world_size"),
+                       # the run's value, not a --micro-batch given
+                       (json.dumps({**CONFIG, "micro_batch": "64"}), f"from_run: {config}: micro_batch: must be")):
+        config.write_text(text)
+        assert main(argv) == 2
+        assert capsys.readouterr().err.startswith(f"error: {says}")
+    config.write_text(json.dumps({**CONFIG, "dataset_size": 8192}))
+    # 100000 ranks leave each no sample of the run's dataset: the flag given is named, not the run's micro_batch
+    assert main([*argv, "--world-size", "100000"]) == 2
+    assert capsys.readouterr().err.startswith("error: world_size: --world-size 100000 does not fit the run's config")
+    hf = tmp_path / "hf.json"
+    hf.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))  # JSON, but a model's config, not a link fit
+    assert main(["predict", "--from", str(tmp_path), "--links", str(hf)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: links: {hf} is not a link fit (`labkit")  # not its statistic
+    # a run that ran out of memory (no step records) did not finish: said so, not that it lacks step records
+    (tmp_path / "rank0.jsonl").write_text("")
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "oom"}))
+    assert main(argv) == 2
+    assert "did not finish (its summary.json says 'oom'" in capsys.readouterr().err
+
+
 H100_RUNS = Path(__file__).resolve().parents[2] / "data" / "reference-h100-80gb" / "answer-partial" / "run-records"
 
 
@@ -1548,6 +1591,17 @@ def test_a_huge_micro_batch_is_counted_as_shapes_not_built():
     work = P.ModuleWorkload(RunConfig.from_dict({**CONFIG, "example": "deepspeed"}))
     small, huge = work.census(64, "fp32"), work.census(10**8, "fp32")
     assert huge.flops() == pytest.approx(small.flops() * 10**8 / 64, rel=1e-6)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--transformer", "layers=2,hidden=64,heads=4,seq=32", "--micro-batch", str(10**13)],  # logits' bytes past 2**63
+    ["--transformer", "layers=2,hidden=64,heads=4,seq=32", "--micro-batch", str(10**20)],  # itself past 2**63
+    # --from a GPU run: the micro-batch's, not "the run's config: TypeError"
+    ["--from", str(next(H100_RUNS.glob("*-pytorch-torch-w1-b512-*"))), "--gpu", "H100", "--micro-batch", str(10**20)],
+])
+def test_a_micro_batch_too_large_to_count_exits_2_naming_it(capsys, argv):
+    assert main(["predict", *argv]) == 2  # not PyTorch's overflow as a traceback
+    assert f"--micro-batch {argv[-1]} is too large to count" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # the `labkit` script in a process of its own, from the learner's directory
