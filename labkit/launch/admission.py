@@ -570,7 +570,14 @@ class Admission:
 
     def check_alone(self, candidate: Estimate, label: str) -> None:
         """Raise NotEnoughMemory if `candidate` needs more than this machine (or the simulated limit) could give
-        it with nothing else of ours running (`room_bytes`)."""
+        it with nothing else of ours running (`room_bytes`), and ConfigError if it leases more devices than there
+        are."""
+        if self.devices is not None and candidate.devices > self.devices:  # no lease would ever come free
+            from labkit.core.config import ConfigError
+
+            where = "LABKIT_EMULATED_DEVICES slots" if self.is_cpu else "GPUs"
+            raise ConfigError("world_size", f"{label} leases {candidate.devices} devices, one per rank, but this "
+                              f"machine has {self.devices} {where}: fewer ranks (world_size)")
         room, where = room_bytes(vm_total=psutil.virtual_memory().total, limit=memory_limit(), tree_rss=tree_rss())
         error = refusal(candidate, room, label, where)
         if error is not None:

@@ -373,6 +373,19 @@ def test_runs_wait_for_device_leases_instead_of_failing(runs_root, monkeypatch):
     assert spans(runs["a"])[1] < spans(runs["b"])[0]
 
 
+def test_a_run_leasing_more_devices_than_there_are_is_refused_not_left_waiting(tmp_path, monkeypatch, capsys):
+    """Two ranks on one emulated slot: no lease would ever come free (audit: "waiting for devices" forever)."""
+    from labkit.cli import main
+    from labkit.launch import device_lease
+
+    monkeypatch.setenv(device_lease.EMULATED_DEVICES_ENV, "1")
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
+    assert main(["run", "--example", "deepspeed", "--world-size", "2", "--steps", "2", "--hidden", "16"]) == 2
+    assert ("error: world_size: this run leases 2 devices, one per rank, but this machine has 1 "
+            "LABKIT_EMULATED_DEVICES slots") in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # nothing written, nothing launched
+
+
 @pytest.mark.slow
 def test_cli_refuses_a_run_that_cannot_fit_with_exit_2_and_the_figures(tmp_path):
     out = tmp_path / "run"
