@@ -109,9 +109,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from labkit.launch.admission import Admission
     from labkit.launch.phase import RunProgress, run_label
-    from labkit.launch.run import Run
+    from labkit.launch.run import Run, warm_by_default
 
     config = config_from_args(args)
+    warm_by_default()  # a LABKIT_WARM it does not understand: refused at once, not after admission's wait
     if args.out is not None:  # before admission, which may wait for memory: a bad --out is refused at once
         from labkit.launch.store import check_output_dir
 
@@ -201,6 +202,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
                 if Path(args.root).exists() else "does not exist")
         raise ConfigError("root", f"--root {args.root!r} {what}: name the run store's directory (default: "
                           "LABKIT_RUNS_DIR, else runs/)")
+    from labkit.launch.store import RUNS_DIR_ENV, default_root
+
+    # LABKIT_RUNS_DIR is the store the user means, as --root: a file, or a path under one, is refused by
+    # default_root; missing, it is a typo too.
+    named = os.environ.get(RUNS_DIR_ENV) if args.root is None else None
+    if named and not default_root().exists():
+        raise ConfigError(RUNS_DIR_ENV, f"{RUNS_DIR_ENV}={named!r} does not exist: name the run store's directory, "
+                          "or unset it for runs/")
     recover_stale(args.root)  # runs whose supervisor died: end what it left, so none is listed as running
     table = runs(args.root)
     if args.format == "csv":

@@ -17,6 +17,7 @@ import contextvars
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,17 +39,55 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# What a host name or ssh alias can hold: letters, digits, '.', '_', '-', and ':', '[', ']', '%' for IPv6 addresses,
+# '@' for user@host. Never a leading '-': the name reaches ssh and pdsh as an argument, where it would be an option.
+_HOST_NAME = re.compile(r"[A-Za-z0-9._:%@\[\]][A-Za-z0-9._:%@\[\]-]*")
+_HOSTFILE_LINE = re.compile(r"(\S+)\s+slots=(\S*)(.*)")  # DeepSpeed's pattern, the slots' token whole
+
+
+def _check_hostfile_lines(path: str | os.PathLike, lines: list[str]) -> None:
+    """What DeepSpeed's lenient parser would take but no launcher should: an option-looking or malformed host name,
+    `slots=2abc` (DeepSpeed reads 2), text after the slots (Open MPI reads the file itself). ConfigError naming the
+    line. Lines DeepSpeed's pattern does not match are its parser's to refuse."""
+    for number, raw in enumerate(lines, 1):
+        line = raw.strip()
+        match = _HOSTFILE_LINE.fullmatch(line)
+        if line.startswith("#") or not match:
+            continue
+        host, count, rest = match.groups()
+        where = f"{path} line {number} ({line!r})"
+        if not _HOST_NAME.fullmatch(host):
+            why = "begins with '-' (ssh and pdsh would read it as an option)" if host.startswith("-") \
+                else "has characters no host name or ssh alias has"
+            raise ConfigError("hostfile", f"{where}: host name {host!r} {why}")
+        if not count.isdigit():
+            raise ConfigError("hostfile", f"{where}: slots={count} is not a whole number "
+                              "(expected 'hostname slots=N')")
+        if rest.strip() and not rest.strip().startswith("#"):
+            raise ConfigError("hostfile", f"{where}: unexpected {rest.strip()!r} after slots={count} "
+                              "(expected 'hostname slots=N', optionally followed by a # comment)")
+
+
 def hostfile_slots(path: str | os.PathLike) -> dict[str, int]:
     """Parse a DeepSpeed hostfile ("hostname slots=N" per line, # comments) with DeepSpeed's own
-    parser (`deepspeed.launcher.runner.fetch_hostfile`): what labkit checks is what the launcher reads."""
+    parser (`deepspeed.launcher.runner.fetch_hostfile`): what labkit checks is what the launcher reads. Host names
+    and slot counts DeepSpeed would take leniently are refused first (`_check_hostfile_lines`)."""
+    if Path(path).is_dir():
+        raise ConfigError("hostfile", f"{path} is a directory, not a hostfile (expected 'hostname slots=N' lines)")
     if not Path(path).is_file():
         raise ConfigError("hostfile", f"no such file: {path}")
     from deepspeed.launcher.runner import fetch_hostfile
 
     try:
+        with open(path) as handle:
+            _check_hostfile_lines(path, handle.readlines())
         slots = dict(fetch_hostfile(str(path)) or {})
-    except ValueError as exc:
+    except ValueError as exc:  # UnicodeDecodeError too (a binary file); ConfigError is raised as is
+        if isinstance(exc, ConfigError):
+            raise
         raise ConfigError("hostfile", f"{path}: {exc} (expected 'hostname slots=N' lines)") from None
+    except OSError as exc:
+        raise ConfigError("hostfile", f"{path} cannot be read: {exc.strerror or exc}") from None
     bad = [host for host, count in slots.items() if count <= 0]
     _require(not bad, "hostfile", f"{path}: hosts {bad} have no slots (expected 'hostname slots=N' with N > 0)")
     return slots

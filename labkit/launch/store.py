@@ -19,11 +19,18 @@ import tempfile
 import time
 from pathlib import Path
 
+RUNS_DIR_ENV = "LABKIT_RUNS_DIR"
+
 
 def default_root() -> Path:
-    """LABKIT_RUNS_DIR, else runs/ in the project checkout (notebooks and CLI share it), else ./runs."""
-    if os.environ.get("LABKIT_RUNS_DIR"):
-        return Path(os.environ["LABKIT_RUNS_DIR"])
+    """LABKIT_RUNS_DIR, else runs/ in the project checkout (notebooks and CLI share it), else ./runs.
+    LABKIT_RUNS_DIR naming a file, a path under a file, or one where no directory can be made: ConfigError naming
+    the variable (`check_output_dir`), before a run writes or launches anything. Missing is fine: a run makes it."""
+    if os.environ.get(RUNS_DIR_ENV):
+        root = Path(os.environ[RUNS_DIR_ENV])
+        if not root.is_dir():  # an existing store is taken as it is, without a probe per call
+            check_output_dir(root, RUNS_DIR_ENV)
+        return root
     checkout = Path(__file__).resolve().parents[2]
     if (checkout / "pyproject.toml").is_file():
         return checkout / "runs"

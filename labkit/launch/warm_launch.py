@@ -32,7 +32,8 @@ WORKER_MODULE = "labkit.rank.worker"
 GUARD_MODULE = "labkit.rank.guard"  # what launch.py starts on every rank (labkit.launch.launcher.build_command)
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"  # a spawned (GPU) run's leased devices, as build_command sets them
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
-WARM_ENV = "LABKIT_WARM"  # "0": every run launches cold, through DeepSpeed's launcher (`labkit run --cold`)
+WARM_ENV = "LABKIT_WARM"  # "0" (false, no, off): every run launches cold, through DeepSpeed's launcher (`labkit run
+# --cold`); labkit.launch.run.warm_setting reads it
 WARM_LAUNCH_TITLE = "labkit.launch.warm_launch"  # the forked launcher's process title, where launch.py's would be
 POLL_S = 0.05
 

@@ -32,10 +32,14 @@ def default_profile(devices: Devices) -> str:
 
 
 def current_profile() -> str:
+    """LABKIT_PROFILE, else `default_profile` of this machine's devices. A value that is no profile: ConfigError (a
+    ValueError) naming the variable and the profiles, which `labkit answer` turns into exit 2."""
     chosen = os.environ.get("LABKIT_PROFILE")
     if chosen:
         if chosen not in PROFILE_NAMES:
-            raise ValueError(f"LABKIT_PROFILE must be one of {PROFILE_NAMES}, got {chosen!r}")
+            from labkit.core.config import ConfigError
+
+            raise ConfigError("LABKIT_PROFILE", f"must be one of {', '.join(PROFILE_NAMES)}, got {chosen!r}")
         return chosen
     from labkit.runtime.devices import detect_devices
 

@@ -596,6 +596,21 @@ def partition_ranks(stage: int | None, world_size: int) -> int:
     return world_size if stage is not None and stage >= 1 else 1
 
 
+
+def too_large_to_count(exc: BaseException, given: str) -> str | None:
+    """Why an input cannot be counted, naming `given` (what the user chose, as they chose it: the shape's fields and
+    the micro-batch): PyTorch's 64-bit sizes overflow while counting on the meta device (a RuntimeError, an
+    OverflowError, or a TypeError past 2**63: a huge hidden, seq or micro-batch), or this machine's memory runs out
+    building the model's trace (MemoryError: an absurd layer count). None for any other error. `labkit predict` and
+    notebook 06's `explore` refuse with it (ConfigError, ValueError)."""
+    if isinstance(exc, MemoryError):
+        return (f"{given} is too large to count: the shape's trace (a record per module and parameter of every "
+                "layer) does not fit in this machine's memory")
+    if isinstance(exc, (RuntimeError, TypeError, OverflowError)) and ("overflow" in str(exc).lower()
+                                                                      or isinstance(exc, OverflowError)):
+        return f"{given} is too large to count: its tensors' sizes overflow PyTorch's 64-bit sizes"
+    return None
+
 def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch: int, grad_accum: int = 1,
             precision: str = "fp16", activation_checkpointing: bool = False,
             host_memory_gb_per_s: float | None = None, zero: Mapping[str, Any] | None = None,

@@ -154,12 +154,22 @@ def _lab_model(args: Any) -> RunConfig:
     return RunConfig.from_dict(values)
 
 
-def _refuse_uncountable(exc: Exception, micro: int | None) -> None:
-    """Refuse, naming --micro-batch, one whose tensors PyTorch cannot size: their elements or bytes overflow its
-    64-bit sizes (a RuntimeError, or a TypeError past 2**63) while counting on the meta device. Others pass."""
-    if micro is not None and isinstance(exc, (RuntimeError, TypeError)) and "overflow" in str(exc).lower():
-        raise _bad("micro_batch", f"--micro-batch {micro} is too large to count: its tensors' sizes overflow "
-                                  "PyTorch's 64-bit sizes") from None
+def _refuse_uncountable(exc: BaseException, given: str | None, field_name: str = "micro_batch") -> None:
+    """Refuse, naming what the user gave (`given`: the flags as typed, such as "--micro-batch 10**20" or
+    "--transformer ... with --micro-batch 1"), an input too large to count: PyTorch's 64-bit sizes overflow on the
+    meta device, or the memory runs out building the trace (labkit.study.predict.too_large_to_count). Others pass;
+    so does everything when `given` is None (nothing the user gave is to blame)."""
+    if given is None:
+        return
+    from labkit.study.predict import too_large_to_count
+
+    reason = too_large_to_count(exc, given)
+    if reason is not None:
+        raise _bad(field_name, reason) from None
+
+
+def _given_micro(micro_batch: int | None) -> str | None:
+    return None if micro_batch is None else f"--micro-batch {micro_batch}"
 
 
 def _workload(model: Transformer | RunConfig) -> Workload:
@@ -282,6 +292,9 @@ def _prediction(args: Any) -> dict[str, Any]:
         zero = _zero(args, strategy)
         from labkit.study.predict import predict, predicted_card, steps_to_target  # torch, DeepSpeed: after the flags
 
+        # What the user gave, for an input too large to count: the shape as typed, and the micro-batch
+        given_micro = _given_micro(args.micro_batch) or f"micro-batch {micro} (the default)"
+        given = f"--transformer {args.transformer} with {given_micro}" if shape else given_micro
         try:
             workload = _workload(model)  # its own ConfigErrors name their flag
             try:
@@ -291,10 +304,8 @@ def _prediction(args: Any) -> dict[str, Any]:
                                optimizer=args.optimizer)
             except ValueError as exc:
                 raise _bad("predict", str(exc)) from None
-            except (RuntimeError, TypeError) as exc:
-                _refuse_uncountable(exc, micro)
-                raise
         except Exception as exc:  # a model of yours this process cannot import, build or run
+            _refuse_uncountable(exc, given, "transformer" if shape else "micro_batch")  # PyTorch's sizes, memory
             if args.model is None or args.model in ("mlp", "gpt") or isinstance(exc, SystemExit):
                 raise
             raise _bad("model", f"counting {args.model} on the meta device failed ({type(exc).__name__}: {exc}); "
@@ -386,7 +397,7 @@ def _cli_from_run(args: Any) -> dict[str, Any]:
         return calibrated(run, fit, world_size=args.world_size, micro_batch=args.micro_batch, stage=stage,
                           threads_per_rank=args.threads_per_rank)
     except (RuntimeError, TypeError) as exc:
-        _refuse_uncountable(exc, args.micro_batch)
+        _refuse_uncountable(exc, _given_micro(args.micro_batch))
         raise
 
 
@@ -478,7 +489,7 @@ def _from_gpu_run(args: Any, run: Any) -> dict[str, Any]:
         return calibrated_gpu(run, gpu=args.gpu, world_size=args.world_size, micro_batch=args.micro_batch,
                               stage=args.stage, links=links)
     except (ValueError, KeyError, TypeError) as exc:  # a config.json that lacks a field or is not an object too
-        _refuse_uncountable(exc, args.micro_batch)  # not the config's: a --micro-batch past PyTorch's sizes
+        _refuse_uncountable(exc, _given_micro(args.micro_batch))  # not the config's: past PyTorch's sizes
         why = str(exc) if isinstance(exc, ValueError) else f"{run.run_dir}'s config: {type(exc).__name__}: {exc}"
         raise _bad("from_run", why) from None
 

@@ -205,7 +205,21 @@ def explore(*, gpu: str, gpus_per_node: int, nodes: int, intra: str, inter_gbps:
     """What the widgets show: the predicted card (both ways to grow the batch, and accumulation), the strategies'
     stacked parts, and a one-line summary. The time to the same loss takes `b_crit`, or `b_crit_for(model,
     target_loss)`; neither: no verdict to the same loss. Raises ValueError with the reason for a choice that cannot
-    be."""
+    be, and for a model or micro-batch too large to count (`predict.too_large_to_count`)."""
+    try:
+        return _explore(gpu=gpu, gpus_per_node=gpus_per_node, nodes=nodes, intra=intra, inter_gbps=inter_gbps,
+                        model=model, strategy=strategy, micro_batch=micro_batch, precision=precision, b_crit=b_crit,
+                        target_loss=target_loss, activation_checkpointing=activation_checkpointing)
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as exc:  # PyTorch's sizes, or the trace's memory
+        reason = P.too_large_to_count(exc, f"model {model!r} with micro_batch {micro_batch}")
+        if reason is None:
+            raise
+        raise ValueError(reason) from None
+
+
+def _explore(*, gpu: str, gpus_per_node: int, nodes: int, intra: str, inter_gbps: float, model: str,
+             strategy: str, micro_batch: int, precision: str, b_crit: float | None, target_loss: float | None,
+             activation_checkpointing: bool) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     if b_crit is not None and target_loss is not None:
         raise ValueError("give b_crit or target_loss, not both")
     why = "given" if b_crit is not None else None

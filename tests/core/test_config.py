@@ -116,3 +116,32 @@ def test_hostfile_slots_must_match_world_size(tmp_path):
     hostfile.write_text("node-a slots=two\n")
     with pytest.raises(ConfigError, match="hostname slots=N"):
         RunConfig(example="zero3", world_size=2, hostfile=str(hostfile))
+
+
+@pytest.mark.parametrize("line, said", [
+    ("-oProxyCommand=touch_/tmp/pwn slots=2", "line 2 .*begins with '-'"),
+    ("node;rm slots=2", "line 2 .*characters no host name"),
+    ("node,b slots=2", "line 2 .*characters no host name"),
+    ("node-b slots=2abc", r"line 2 .*slots=2abc is not a whole number"),
+    ("node-b slots=2 max_slots=1", "line 2 .*unexpected 'max_slots=1'"),
+])
+def test_hostfile_refuses_what_deepspeeds_parser_takes_leniently(tmp_path, line, said):
+    """DeepSpeed's pattern takes any leading token as the host (an option for ssh and pdsh when it begins with
+    '-') and reads `slots=2abc` as 2: refused, naming the line."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"node-a slots=2\n{line}\n")
+    with pytest.raises(ConfigError, match=said) as info:
+        RunConfig(example="zero3", world_size=4, hostfile=str(hostfile))
+    assert info.value.field == "hostfile" and str(hostfile) in str(info.value)
+
+
+def test_hostfile_that_is_a_directory_is_named_so(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory, not a hostfile"):
+        RunConfig(example="zero3", world_size=2, hostfile=str(tmp_path))
+
+
+def test_hostfile_names_people_use_are_accepted(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the cluster\nnode-a.example.org slots=1\nuser@gpu_2 slots=1 # ssh alias\n"
+                        "10.0.0.3 slots=1\n[fe80::1%eth0] slots=1\n")
+    assert RunConfig(example="zero3", world_size=4, hostfile=str(hostfile)).world_size == 4

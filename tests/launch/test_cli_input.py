@@ -51,6 +51,21 @@ def test_run_out_under_a_file_or_unmakeable_is_refused_naming_out(tmp_path, stor
     assert a_file.read_text() == "{}" and not store.exists()
 
 
+
+def test_run_refuses_a_labkit_warm_it_does_not_understand_before_admission(store, capsys, monkeypatch):
+    """`LABKIT_WARM=false` launched warm (only "0" was cold); a value that is no yes or no is now refused naming the
+    variable, before admission (which may wait for memory) is asked."""
+    from labkit.launch import admission
+
+    def no_admission(*_args, **_kwargs):
+        raise AssertionError("admission asked before LABKIT_WARM was checked")
+
+    monkeypatch.setattr(admission.Admission, "here", classmethod(no_admission))
+    monkeypatch.setenv("LABKIT_WARM", "maybe")
+    err = _refused(["run", "--example", "deepspeed", "--hidden", "16", "--steps", "3"], capsys)
+    assert "error: LABKIT_WARM: must be 0 (cold launches; also false, no, off) or 1" in err and "'maybe'" in err, err
+    assert not store.exists()
+
 def test_run_refuses_flags_that_script_mode_ignores(tmp_path, store, capsys):
     """`--script` runs the learner's script, which builds its own model, data, batch and DeepSpeed config: labkit's
     --stage, --micro-batch, --precision, ... were accepted, recorded in config.json and had no effect."""
@@ -140,8 +155,50 @@ def test_runs_root_given_and_missing_or_a_file_is_refused(tmp_path, capsys, monk
         err = _refused(["runs", "--root", str(root)], capsys)
         assert f"error: root: --root {str(root)!r} {what}" in err, err
     monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "no-runs-yet"))
+    (tmp_path / "no-runs-yet").mkdir()
     assert cli.main(["runs"]) == 0
     assert "no runs yet" in capsys.readouterr().out
+
+
+def test_runs_dir_variable_at_a_file_or_missing_is_refused_naming_it(tmp_path, capsys, monkeypatch):
+    """`LABKIT_RUNS_DIR=<a file or a typo> labkit runs` said "no runs yet", exit 0: the variable names the store
+    the user means, as --root does. (Unset, the default runs/ missing is still "no runs yet".)"""
+    a_file = tmp_path / "summary.json"
+    a_file.write_text("{}")
+    for root, message in ((tmp_path / "nonexist", f"LABKIT_RUNS_DIR={str(tmp_path / 'nonexist')!r} does not exist"),
+                          (a_file, f"LABKIT_RUNS_DIR {a_file} is a file, not a directory"),
+                          (a_file / "sub", f"LABKIT_RUNS_DIR {a_file / 'sub'} cannot be made: {a_file} is a file")):
+        monkeypatch.setenv("LABKIT_RUNS_DIR", str(root))
+        err = _refused(["runs"], capsys)
+        assert f"error: LABKIT_RUNS_DIR: {message}" in err, err
+    assert a_file.read_text() == "{}"
+
+
+def test_run_with_the_runs_dir_variable_at_a_file_or_unmakeable_is_refused_before_launching(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """`LABKIT_RUNS_DIR=<a file> labkit run` failed with NotADirectoryError (.admission/vm.json) after 3.5 s, and
+    `=/proc/nope` with FileNotFoundError: exit 2 naming the variable, nothing launched. Missing is fine (made)."""
+    from labkit.launch import device_lease
+
+    def no_launch(*_args, **_kwargs):
+        raise AssertionError("devices leased: the run was launching")
+
+    monkeypatch.setattr(device_lease, "take_free", no_launch)
+    a_file = tmp_path / "afile"
+    a_file.write_text("kept")
+    cases = {str(a_file): f"LABKIT_RUNS_DIR {a_file} is a file, not a directory",
+             str(a_file / "runs"): f"LABKIT_RUNS_DIR {a_file / 'runs'} cannot be made: {a_file} is a file",
+             "/proc/labkit-no-such": "LABKIT_RUNS_DIR /proc/labkit-no-such cannot be made: no directory can be "
+                                     "created in /proc"}
+    for root, message in cases.items():
+        monkeypatch.setenv("LABKIT_RUNS_DIR", root)
+        err = _refused(["run", "--example", "deepspeed", "--hidden", "16", "--steps", "3"], capsys)
+        assert f"error: LABKIT_RUNS_DIR: {message}" in err, err
+    assert a_file.read_text() == "kept"
+    from labkit.launch.store import default_root
+
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "new" / "runs"))  # missing: a run makes it
+    assert default_root() == tmp_path / "new" / "runs" and not (tmp_path / "new").exists()
 
 
 def test_runs_lists_a_run_whose_summary_or_config_is_a_json_list_as_unreadable(tmp_path, capsys):

@@ -86,6 +86,23 @@ def test_gpu_runs_of_labkits_worker_launch_spawned_cpu_runs_warm_and_cold_means_
                                                            "--run-dir", "/tmp/some-run"]
 
 
+
+def test_labkit_warm_false_off_and_no_mean_cold_and_a_value_it_does_not_understand_is_refused(monkeypatch):
+    """Only "0" meant cold: LABKIT_WARM=false launched warm, silently. The usual spellings now read as they say,
+    and anything else is refused naming the variable before a Run exists."""
+    from labkit.core.config import ConfigError
+
+    for value in ("0", "false", "False", "no", "OFF", " off "):
+        monkeypatch.setenv("LABKIT_WARM", value)
+        assert not Run(RunConfig(**SMALL)).warm, value
+    for value in ("1", "true", "yes", "on", ""):
+        monkeypatch.setenv("LABKIT_WARM", value)
+        assert Run(RunConfig(**SMALL)).warm, value
+    monkeypatch.setenv("LABKIT_WARM", "cold")
+    with pytest.raises(ConfigError, match=r"LABKIT_WARM: must be 0 .* got 'cold'"):
+        Run(RunConfig(**SMALL))
+    assert run_module.warm_setting({"LABKIT_WARM": "off"}) is False  # warm_up reads a run's environment
+
 def test_script_and_multi_node_runs_stay_cold(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")

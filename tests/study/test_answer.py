@@ -433,6 +433,23 @@ def test_labkit_answer_refuses_bad_parallel_out_and_reference_before_the_sweep(t
         the_answer("ci", tmp_path / "out", parallel=0)
 
 
+
+def test_labkit_answer_refuses_an_unknown_labkit_profile_naming_it(tmp_path, capsys, monkeypatch):
+    """`LABKIT_PROFILE=bogus labkit answer` raised a ValueError traceback (exit 1): now exit 2 naming the variable
+    and the profiles, before the sweep."""
+    from labkit.cli import main
+    from labkit.study import answer as answer_module
+
+    def no_sweep(*_args, **_kwargs):
+        raise AssertionError("the sweep started")
+
+    monkeypatch.setattr(answer_module, "answer", no_sweep)
+    monkeypatch.setenv("LABKIT_PROFILE", "bogus")
+    assert main(["answer", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "error: LABKIT_PROFILE: must be one of ci, workshop, full, got 'bogus'" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
 def test_a_rebuilt_reports_check_says_what_it_lacks(tmp_path):
     """The check on this machine in a rebuilt report (`calibrate.kept_report_section`) measures nothing: without the
     ranks way's runs, or with them but no link fit kept, it says which; an answer without a ranks way says that."""

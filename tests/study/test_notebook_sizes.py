@@ -152,7 +152,7 @@ def test_labkit_profile_workshop_is_accepted(monkeypatch):
     monkeypatch.setenv("LABKIT_PROFILE", "workshop")
     assert current_profile() == "workshop" and PROFILES == ("ci", "workshop", "full")
     monkeypatch.setenv("LABKIT_PROFILE", "huge")
-    with pytest.raises(ValueError, match="LABKIT_PROFILE must be one of"):
+    with pytest.raises(ValueError, match="LABKIT_PROFILE: must be one of ci, workshop, full, got 'huge'"):
         current_profile()
 
 

@@ -1604,6 +1604,38 @@ def test_a_micro_batch_too_large_to_count_exits_2_naming_it(capsys, argv):
     assert f"--micro-batch {argv[-1]} is too large to count" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("shape, says", [
+    ("layers=2,hidden=4000000000,heads=4,seq=128", "its tensors' sizes overflow"),
+    ("layers=2,hidden=64,heads=4,seq=1000000000000", "its tensors' sizes overflow"),
+    (f"layers={10**18},hidden=64,heads=4,seq=128", "does not fit in this machine's memory"),  # MemoryError
+])
+def test_a_transformer_too_large_to_count_exits_2_naming_the_shape_not_the_micro_batch(capsys, shape, says):
+    """A huge hidden or seq blamed "--micro-batch 1", a flag not given; a huge layer count was a MemoryError
+    traceback. Now the shape as typed is named, with the default micro-batch said to be the default."""
+    assert main(["predict", "--transformer", shape]) == 2
+    err = capsys.readouterr().err
+    assert (f"error: transformer: --transformer {shape} with micro-batch 1 (the default) is too large to count: "
+            in err and says in err and "Traceback" not in err), err
+
+
+@pytest.mark.parametrize("model, micro_batch, says", [
+    ("layers=2,hidden=64,heads=4,seq=128", 10**12, "its tensors' sizes overflow"),
+    ("layers=2,hidden=4000000000,heads=4,seq=128", 4, "its tensors' sizes overflow"),
+    ("layers=2,hidden=64,heads=4,seq=1000000000000", 4, "its tensors' sizes overflow"),
+    (f"layers={10**18},hidden=64,heads=4,seq=128", 4, "does not fit in this machine's memory"),
+])
+def test_the_notebooks_widget_refuses_a_model_or_micro_batch_too_large_to_count(model, micro_batch, says):
+    """notebook 06's `explore` raised torch's "Storage size calculation overflowed" (or a MemoryError), which its
+    widget, catching ValueError, showed as a traceback: now a ValueError naming the model and the micro-batch."""
+    from labkit.study import predict_views as V
+
+    widgets = dict(gpu="A100-80GB", gpus_per_node=8, nodes=1, intra="auto", inter_gbps=0, strategy="z2")
+    with pytest.raises(ValueError, match=re.escape(f"model {model!r} with micro_batch {micro_batch} is too large "
+                                                   "to count: ")) as info:
+        V.explore(model=model, micro_batch=micro_batch, **widgets)
+    assert says in str(info.value)
+
+
 @pytest.mark.slow  # the `labkit` script in a process of its own, from the learner's directory
 def test_your_own_model_beside_you_is_counted_by_the_labkit_script(tmp_path):
     import subprocess
