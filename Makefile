@@ -8,6 +8,19 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 LAB_PORT ?= 8888
 
+# Bad input is refused when make reads this file, before any prerequisite (install, ops, lint) runs, for a goal
+# named on the command line: `$(call matches,VALUE,extended regex)` is "yes" when the whole value matches.
+goal = $(filter $(1),$(MAKECMDGOALS))
+matches = $(shell printf '%s\n' '$(1)' | grep -Exq '$(2)' && echo yes)
+ifneq ($(call goal,lab),)
+ifneq ($(call matches,$(LAB_PORT),[1-9][0-9]*),yes)
+$(error LAB_PORT=$(LAB_PORT): must be a TCP port, 1 to 65535)
+endif
+ifneq ($(shell test '$(LAB_PORT)' -le 65535 && echo yes),yes)
+$(error LAB_PORT=$(LAB_PORT): must be a TCP port, 1 to 65535)
+endif
+endif
+
 # NGC and cloud deep-learning images ship their own CUDA torch: the venv keeps it (labkit/runtime/node_venv.py:
 # --system-site-packages, or a .pth to the node's own venv when PYTHON is itself a venv), and only the other
 # tested versions in constraints.txt apply. Elsewhere torch comes from PyPI at the tested version.
@@ -38,6 +51,17 @@ $(STAMP): pyproject.toml | $(BIN)/python
 # E.g. make wheelhouse WHEEL_PYTHON=3.12 EXTRAS=notebooks NODE_PACKAGES=node-freeze.txt
 WHEELHOUSE_DIR ?= $(or $(WHEELHOUSE),wheelhouse)
 WHEEL_PYTHON ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+# Before `install`, and before the module deletes the old wheels (it checks them again, with labkit's Python range).
+ifneq ($(call goal,wheelhouse),)
+ifneq ($(call matches,$(WHEEL_PYTHON),[0-9]\.[0-9][0-9]?),yes)
+$(error WHEEL_PYTHON=$(WHEEL_PYTHON): must be the node's CPython as major.minor, e.g. 3.12)
+endif
+ifneq ($(NODE_PACKAGES),)
+ifneq ($(shell test -f '$(NODE_PACKAGES)' && test -r '$(NODE_PACKAGES)' && echo yes),yes)
+$(error NODE_PACKAGES=$(NODE_PACKAGES): no such readable file (the node's `pip list --format=freeze`, or names one a line))
+endif
+endif
+endif
 wheelhouse: install
 	$(BIN)/python -m labkit.runtime.wheelhouse --out $(WHEELHOUSE_DIR) --python $(WHEEL_PYTHON) --extras '$(EXTRAS)' \
 		$(if $(NODE_PACKAGES),--node-packages $(NODE_PACKAGES)) $(if $(WITH_TORCH),--with-torch)
@@ -81,6 +105,11 @@ lint: install
 # third of the time (its runs wait on imports, launches and sleeps); two keep both busy. The 25 slowest tests are
 # listed at the end: where the suite's time goes, in every CI log.
 TEST_WORKERS ?= 2
+ifneq ($(call goal,test),)
+ifneq ($(call matches,$(TEST_WORKERS),[0-9]+|auto|logical),yes)
+$(error TEST_WORKERS=$(TEST_WORKERS): must be a number of pytest-xdist workers, 0 or more (0: none), auto or logical)
+endif
+endif
 test: install
 	$(MAKE) --no-print-directory -j2 ops lint
 	LABKIT_PROFILE=ci $(BIN)/python -m pytest -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile \
@@ -113,6 +142,14 @@ gpu-check: install
 # (each resumable), or all. JOBS=N: N notebooks at once, sharing the GPUs (their timings then are not one run's).
 STEP ?= all
 JOBS ?= 1
+ifneq ($(call goal,gpu-reference),)
+ifneq ($(call matches,$(STEP),check|notebooks|answer|all),yes)
+$(error STEP=$(STEP): must be check, notebooks, answer or all)
+endif
+ifneq ($(call matches,$(JOBS),[1-9][0-9]*),yes)
+$(error JOBS=$(JOBS): must be a number of notebooks at once, 1 or more)
+endif
+endif
 gpu-reference: ops
 	$(BIN)/python -m labkit.study.gpu_reference $(STEP) --jobs $(JOBS)
 

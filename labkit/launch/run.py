@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +74,26 @@ def launch_mode(argv: list[str], devices: Devices, world_size: int, *, warm: boo
     return ("warm", "warm") if devices.is_cpu else ("spawned", "spawned")
 
 
+COLD_WORDS = ("0", "false", "no", "off")  # LABKIT_WARM's spellings of "cold" (any case)
+WARM_WORDS = ("", "1", "true", "yes", "on")
+
+
+def warm_setting(env: Mapping[str, str] | None = None) -> bool:
+    """LABKIT_WARM in `env` (default os.environ): unset or 1/true/yes/on: warm; 0/false/no/off: cold. Anything else
+    is a ConfigError naming the variable, rather than silently warm."""
+    value = (os.environ if env is None else env).get(WARM_ENV)
+    if value is None or value.strip().lower() in WARM_WORDS:
+        return True
+    if value.strip().lower() in COLD_WORDS:
+        return False
+    raise ConfigError(WARM_ENV, f"must be 0 (cold launches; also false, no, off) or 1 (warm; also true, yes, on), "
+                      f"got {value!r}")
+
+
 def warm_by_default() -> bool:
-    """Runs launch warm (on a GPU, spawned) unless LABKIT_WARM=0 (the CLI's --cold, the panel's "cold launch" box)."""
-    return os.environ.get(WARM_ENV) != "0"
+    """Runs launch warm (on a GPU, spawned) unless LABKIT_WARM=0 (or false, no, off: `warm_setting`; the CLI's --cold,
+    the panel's "cold launch" box)."""
+    return warm_setting()
 
 
 def warm_up(env: dict[str, str] | None = None) -> zygote.Zygote | None:
@@ -84,13 +102,31 @@ def warm_up(env: dict[str, str] | None = None) -> zygote.Zygote | None:
     calls it when shown, the test session at its start. Nothing on a GPU machine (GPU runs launch spawned) or with warm
     launches off (None)."""
     base_env = {**os.environ, **(env or {})}
-    if base_env.get(WARM_ENV) == "0" or not detect_devices().is_cpu:
+    if not warm_setting(base_env) or not detect_devices().is_cpu:
         return None
     # A run's whole environment, not only what the imports fix: the zygote loads the built ops, and a PATH with
     # another ninja first would make torch rebuild them (labkit.launch.launcher.build_command).
     _, run_env = build_command(RunConfig(example="zero3", world_size=1), Path(tempfile.gettempdir()), master_port=0,
                                base_env=base_env, accelerator="cpu")
     return zygote.share(run_env)
+
+
+def check_env(env: Any) -> dict[str, str]:
+    """`env` (what a Run or the panel adds to the ranks' environment) as a dict of str to str, or a ConfigError naming
+    `env` and the culprit: a variable's name non-empty, without "=" or NUL; its value a string without NUL. Pure."""
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise ConfigError("env", f"must be a dict of variable names to strings, got {type(env).__name__}")
+    for name, value in env.items():
+        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+            raise ConfigError("env", f"{name!r} is not a variable name (a non-empty string without '=')")
+        if not isinstance(value, str):
+            raise ConfigError("env", f"{name}={value!r}: the value must be a string (an environment holds only "
+                              f"strings), got {type(value).__name__}")
+        if "\0" in value:
+            raise ConfigError("env", f"{name}={value!r}: the value holds a NUL character")
+    return dict(env)
 
 
 class Run:
@@ -102,14 +138,14 @@ class Run:
         `warm`: fork the ranks from this process's zygote (labkit.launch.zygote), which imported torch and
         DeepSpeed once, instead of DeepSpeed's launcher starting four interpreters per rank (single-node CPU runs
         of labkit's worker); on GPUs, have the supervisor start each rank's guard as launch.py would (`launch_mode`);
-        others launch cold. None: warm unless LABKIT_WARM=0 (`labkit run --cold`)."""
+        others launch cold. None: warm unless LABKIT_WARM=0 (`labkit run --cold`; `warm_setting`)."""
         self.config = config
         self.launcher = launcher
         self.warm = warm_by_default() if warm is None else warm
         self.launch_mode: str | None = None  # after start(): "warm", "spawned", or "cold" and why
         self._out = Path(out) if out is not None else None
         self._root = root
-        self._extra_env = env or {}
+        self._extra_env = check_env(env)  # before anything is written: a ConfigError naming env
         self.run_dir: Path | None = None
         self._supervisor: subprocess.Popen | ForkedSupervisor | None = None
         self._stop_requested = False

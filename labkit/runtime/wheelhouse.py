@@ -95,6 +95,39 @@ def read_node_packages(path: Path | None) -> dict[str, str | None]:
     return found
 
 
+def check_inputs(out: Path, python: str, node_file: Path | None) -> dict[str, str | None]:
+    """The node's packages (`read_node_packages`), after checking every input `build` takes from the user, before
+    it deletes, builds or downloads anything: `python` is major.minor of a CPython labkit supports, `node_file`
+    reads, `out` is a folder or can be one. ValueError naming the flag and the make variable that sets it."""
+    if not re.fullmatch(r"\d\.\d{1,2}", python):
+        raise ValueError(f"--python (make's WHEEL_PYTHON) {python!r}: must be the node's CPython as major.minor, "
+                         "e.g. 3.12")
+    pyproject = REPO / "pyproject.toml"
+    if pyproject.is_file():
+        import tomllib
+
+        from packaging.specifiers import SpecifierSet
+
+        supported = tomllib.loads(pyproject.read_text())["project"].get("requires-python")
+        if supported and Version(python) not in SpecifierSet(supported):
+            raise ValueError(f"--python (make's WHEEL_PYTHON) {python!r}: labkit needs Python {supported}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out (make's WHEELHOUSE_DIR) {str(out)!r}: not a folder")
+    if node_file is None:
+        return {}
+    where = f"--node-packages (make's NODE_PACKAGES) {str(node_file)!r}"
+    if not node_file.is_file():
+        raise ValueError(f"{where}: {'a folder, not a file' if node_file.is_dir() else 'no such file'} (the node's "
+                         "`pip list --format=freeze`, or names one a line)")
+    try:
+        return read_node_packages(node_file)
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{where}: not a text file (the node's `pip list --format=freeze`, or names one "
+                         "a line)") from None
+
+
 def node_satisfies(name: str, node: dict[str, str | None], specifiers: list[Requirement], wheel: Wheel | None) -> bool:
     """Whether the node's own copy of `name` can stand in for the wheel (module doc: the pruning rule)."""
     if name not in node:
@@ -156,9 +189,10 @@ def pip(*args: str, env: dict[str, str] | None = None) -> None:
 
 def build(out: Path, *, python: str, platforms: tuple[str, ...], extras: list[str], node_file: Path | None,
           with_torch: bool) -> list[Path]:
-    """Fill `out` (module doc); returns the wheels kept."""
+    """Fill `out` (module doc); returns the wheels kept. Its inputs are checked first (`check_inputs`)."""
     import os
 
+    node = check_inputs(out, python, node_file)  # before the old wheels go and anything is built
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.whl"):
         old.unlink()
@@ -187,8 +221,7 @@ def build(out: Path, *, python: str, platforms: tuple[str, ...], extras: list[st
     wheels = {w.name: w for w in map(read_wheel, out.glob("*.whl"))}
     roots = [Requirement(f"labkit[{','.join(extras)}]" if extras else "labkit"),
              *map(Requirement, BUILD_REQUIREMENTS)]
-    keep, from_node = keep_closure(roots, wheels, read_node_packages(node_file), target_environment(python),
-                                   with_torch=with_torch)
+    keep, from_node = keep_closure(roots, wheels, node, target_environment(python), with_torch=with_torch)
     # Build requirements are installed into pip's isolated build environment, which never sees the node's
     # packages: always carried.
     for requirement in map(Requirement, BUILD_REQUIREMENTS):
@@ -225,6 +258,11 @@ def main() -> int:
     parser.add_argument("--with-torch", action="store_true", help="carry torch too (default: the node's own)")
     args = parser.parse_args()
     extras = [e.strip() for e in args.extras.split(",") if e.strip()]
+    try:
+        check_inputs(args.out, args.python, args.node_packages)
+    except ValueError as exc:
+        print(f"wheelhouse: {exc}", file=sys.stderr)
+        return 2
     build(args.out, python=args.python, platforms=tuple(args.platform or X86_64_PLATFORMS), extras=extras,
           node_file=args.node_packages, with_torch=args.with_torch)
     return 0

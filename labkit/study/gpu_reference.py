@@ -258,12 +258,19 @@ def write_machine(out: Path, devices: Devices) -> None:
                                 "torch": torch.__version__, "cpu_cores": os.cpu_count()}, indent=1) + "\n")
 
 
+def _jobs(text: str) -> int:
+    """--jobs: a whole number of notebooks at once, 1 or more (0 and -1 were taken as 1)."""
+    if not re.fullmatch(r"[0-9]+", text.strip()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a number of notebooks at once, 1 or more, got {text!r}")
+    return int(text)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("step", choices=(*STEPS, "all"))
     parser.add_argument("--force", action="store_true", help="run a step again even if it passed")
     parser.add_argument("--out", type=Path, default=None, help="default: data/reference-<gpu-slug>")
-    parser.add_argument("--jobs", type=int, default=1,
+    parser.add_argument("--jobs", type=_jobs, default=1,
                         help="notebooks: this many at once, sharing the GPUs (module doc); default 1")
     args = parser.parse_args()
     from labkit.runtime.devices import detect_devices

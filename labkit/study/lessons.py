@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import html
+import numbers
 import re
 import subprocess
 import sys
@@ -424,16 +425,34 @@ def epoch_progress(runs: Mapping[str, Run]) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
+def _count(name: str, value: Any, minimum: int = 1) -> int:
+    """`value` as an int of at least `minimum`, else a ValueError naming the argument `name` and its range (the
+    lesson helpers take sizes a learner edits in a notebook)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
 def sampler_overlap(dataset_size: int, micro_batch: int, world_size: int, steps: int = 4,
                     seed: int = 0) -> pd.DataFrame:
     """What the ranks read, sampled with the worker's own `labkit.models.data.make_sampler` (no run):
     per data-loading mode and step, how many distinct samples the global batch of
     `world_size` micro-batches holds. Modes: a DistributedSampler; no sampler, each rank its
-    own seed (the seed text's loader in labkit); no sampler with the same seed on every rank."""
+    own seed (the seed text's loader in labkit); no sampler with the same seed on every rank.
+    The dataset must hold `steps` global batches (a DistributedSampler's shard is dataset_size / world_size)."""
     from torch.utils.data import BatchSampler
 
     from labkit.models.data import make_dataset, make_sampler
 
+    micro_batch, world_size, steps = (_count(name, value) for name, value in
+                                      (("micro_batch", micro_batch), ("world_size", world_size), ("steps", steps)))
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    needed = micro_batch * world_size * steps
+    if _count("dataset_size", dataset_size) < needed:
+        raise ValueError(f"dataset_size must be >= micro_batch x world_size x steps = {micro_batch} x {world_size} "
+                         f"x {steps} = {needed} (each rank's shard must hold {steps} micro-batches), "
+                         f"got {dataset_size!r}")
     dataset = make_dataset(dataset_size, 1, 2, seed)
     modes = {"DistributedSampler": dict(distributed_sampler=True),
              "no sampler, seed per rank": dict(distributed_sampler=False),
@@ -461,6 +480,8 @@ def deepspeed_loader_shards(dataset_size: int, world_size: int, micro_batch: int
 
     from labkit.models.data import make_dataset
 
+    dataset_size, world_size, micro_batch = (_count(name, value) for name, value in (
+        ("dataset_size", dataset_size), ("world_size", world_size), ("micro_batch", micro_batch)))
     dataset = make_dataset(dataset_size, 1, 2, 0)
     shards = {}
     for rank in range(world_size):
@@ -812,14 +833,27 @@ class _DataParallelGroup:
         return self.world_size
 
 
+# The batch keys DeepSpeedConfig derives the triplet from (it does arithmetic on them, unchecked).
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
 def deepspeed_batch_check(ds_config: dict[str, Any], world_size: int) -> str:
     """What DeepSpeed's own config parser makes of a config's batch keys on `world_size` ranks.
 
     Builds `deepspeed.runtime.config.DeepSpeedConfig` in this process, telling it the
     data-parallel size instead of starting ranks. Returns the derived triplet, or the
-    assertion DeepSpeed would stop every rank with after they had started.
+    assertion DeepSpeed would stop every rank with after they had started. A batch key that is not an integer,
+    or `world_size` below 1, is a ValueError (DeepSpeed would fail on it with a TypeError or ZeroDivisionError).
     """
     from unittest import mock
+
+    if not isinstance(ds_config, Mapping):
+        raise ValueError(f"ds_config must be a dict (a DeepSpeed config), got {type(ds_config).__name__}")
+    world_size = _count("world_size", world_size)
+    for key in BATCH_KEYS:
+        value = ds_config.get(key)
+        if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
+            raise ValueError(f"ds_config[{key!r}] must be an integer (or absent), got {value!r}")
 
     from deepspeed.runtime.config import DeepSpeedConfig
 

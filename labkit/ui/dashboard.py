@@ -511,6 +511,16 @@ def _plotly_trace(trace: TraceData):
     return kind(name=trace.name, x=trace.x, y=trace.y, **trace.style)
 
 
+def check_refresh_s(refresh_s: Any) -> float:
+    """The update thread's poll interval: a positive number of seconds (0 polled the rank files in a busy loop),
+    else a ValueError naming `refresh_s`. Pure."""
+    if isinstance(refresh_s, bool) or not isinstance(refresh_s, (int, float)) or not math.isfinite(refresh_s) \
+            or refresh_s <= 0:
+        raise ValueError(f"refresh_s must be a positive number of seconds (how often the charts poll the run), "
+                         f"got {refresh_s!r}")
+    return float(refresh_s)
+
+
 class Dashboard:
     """Four live FigureWidgets for one run at a time, plus overlays of past runs.
 
@@ -525,7 +535,7 @@ class Dashboard:
                  on_tick: Callable[[Any, RunSeries, bool, str | None], None] | None = None):
         import ipywidgets as W
 
-        self.refresh_s = refresh_s
+        self.refresh_s = check_refresh_s(refresh_s)
         self.max_points = max_points
         self.on_tick = on_tick
         self.starting_timeout_s = STARTING_TIMEOUT_S

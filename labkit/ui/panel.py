@@ -16,6 +16,7 @@ restart shows the same history.
 from __future__ import annotations
 
 import html
+import numbers
 import os
 import threading
 import time
@@ -26,14 +27,18 @@ from labkit.core.model_specs import MODELS
 from labkit.core.records import rank_log, read_end
 from labkit.launch.admission import Admission
 from labkit.launch.history import COLUMNS, recover_stale, runs
-from labkit.launch.run import FINAL_STATUSES, Run, warm_by_default, warm_up
-from labkit.ui.dashboard import REFRESH_S, Dashboard, RunSeries
+from labkit.launch.run import FINAL_STATUSES, Run, check_env, warm_by_default, warm_up
+from labkit.ui.dashboard import REFRESH_S, Dashboard, RunSeries, check_refresh_s
 
 LOG_REFRESH_S = 1.0    # log tails are re-read at most this often
 LOG_LINES = 40
 # Dropdowns cannot show None as a chosen value (it means "nothing selected"): "preset" stands
 # for RunConfig's None, "use the example's preset".
 PRESET = "preset"
+# The RunConfig fields the panel has a control for (LabPanel.controls), in its order.
+CONTROLLED = ("example", "stage", "offload_optimizer", "precision", "world_size", "micro_batch", "grad_accum", "steps",
+              "hidden", "depth", "lr", "lr_scaling", "base_batch", "model", "data", "loss")
+LR_BOX = (1e-9, 10.0)  # what the LR box holds: it would clamp a default outside, so LabPanel refuses one
 
 
 def _preset(value: Any) -> Any:
@@ -49,6 +54,22 @@ def dropdown_options(name: str) -> list[tuple[str, Any]]:
     assert values is not None, f"{name} has no fixed set of values"
     options = [({False: "off", True: "on"}[v] if spec.kind is bool else str(v), v) for v in values]
     return [(PRESET, PRESET), *options] if spec.optional else options
+
+
+def control_problem(name: str, value: Any) -> str | None:
+    """Why the control of RunConfig field `name` cannot hold `value` (a LabPanel default), or None. A dropdown holds
+    only its choices and a text box only text; an integer box holds any integer (RunConfig's bounds are shown in
+    the message area, as for a value typed in), but not text or a fraction it would round; the LR box holds `LR_BOX`
+    and would clamp anything else. "must be ..., got ...", as RunConfig says it. Pure."""
+    spec = FIELDS[name]
+    if name == "lr":
+        low, high = LR_BOX
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return None if number and low <= value <= high else \
+            f"must be a number from {low:g} to {high:g} (the LR box's range), got {value!r}"
+    if spec.kind is int and spec.choices is None:
+        return None if isinstance(value, numbers.Integral) and not isinstance(value, bool) else spec.problem(value)
+    return spec.problem(value)
 
 
 def status_line(status: str, *, step: int = 0, steps: int = 0, run_id: str = "",
@@ -117,7 +138,14 @@ class LabPanel:
         unknown = sorted(set(defaults) - set(FIELDS))
         if unknown:
             raise TypeError(f"LabPanel got unknown RunConfig field(s) {unknown}")
-        self.env = env
+        # What no control could show, and what the panel itself takes: refused before anything is built or written
+        # (ConfigError or ValueError naming it); what a control shows, RunConfig judges in the message area.
+        for name, value in defaults.items():
+            problem = control_problem(name, value) if name in CONTROLLED else None
+            if problem:
+                raise ConfigError(name, problem)
+        self.env = check_env(env)
+        check_refresh_s(refresh_s)
         self.root = root
         self.run: Run | None = None
         self._stopping: Run | None = None  # the run Stop was pressed for, until it is done
@@ -155,7 +183,7 @@ class LabPanel:
             # What this machine can host: one rank per GPU, or per core on CPU (RunConfig checks it).
             **{name: intbox(name) for name in ("world_size", "micro_batch", "grad_accum", "steps", "hidden",
                                                "depth")},
-            "lr": W.BoundedFloatText(value=values["lr"], min=1e-9, max=10.0, step=1e-4, **described("lr")),
+            "lr": W.BoundedFloatText(value=values["lr"], min=LR_BOX[0], max=LR_BOX[1], step=1e-4, **described("lr")),
             "lr_scaling": dropdown("lr_scaling"),
             "base_batch": intbox("base_batch"),
             # What is trained (labkit.models.builders): a built-in name or the learner's import strings. Launch
@@ -168,6 +196,7 @@ class LabPanel:
             "loss": W.Text(value=values["loss"] or "", layout=W.Layout(width="520px"),
                            placeholder="package.module:loss_fn (default: cross-entropy)", **described("loss")),
         }
+        assert tuple(self.controls) == CONTROLLED, "CONTROLLED lists the controls"
         self._extra = {k: v for k, v in defaults.items() if k not in self.controls}
 
         self.derived = W.HTML()   # global batch and peak LR of the current choice

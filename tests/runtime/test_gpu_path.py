@@ -372,3 +372,15 @@ sys.exit(3 if name == "b" and not os.path.exists(os.path.join(out, "fixed")) els
         (tmp_path / f"{name}.start").touch()
     assert gpu_reference.run_step("notebooks", tmp_path, jobs=3)["status"] == "passed"
     assert (tmp_path / "ran").read_text().split() == ["b"]  # only the one that had failed ran again
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1", "abc"])
+def test_reference_jobs_below_one_is_refused_not_taken_as_one(jobs, monkeypatch, capsys):
+    """`make gpu-reference JOBS=0` ran one notebook at a time, silently."""
+    from labkit.study import gpu_reference
+
+    monkeypatch.setattr("sys.argv", ["gpu_reference", "notebooks", "--jobs", jobs])
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_reference.main()
+    assert exit_info.value.code == 2
+    assert f"--jobs: must be a number of notebooks at once, 1 or more, got '{jobs}'" in capsys.readouterr().err

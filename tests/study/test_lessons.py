@@ -43,6 +43,33 @@ def test_deepspeed_training_data_loader_shards():
     assert (shards["samples per epoch"] == 25).all() and (shards["shared with another rank"] == 0).all()
 
 
+@pytest.mark.parametrize("call,message", [
+    # A dataset smaller than micro-batch x ranks x steps: a bare StopIteration before.
+    (lambda: lessons.sampler_overlap(16, 64, 2), r"dataset_size must be >= micro_batch x world_size x steps = "
+                                                r"64 x 2 x 4 = 512 .*got 16"),
+    (lambda: lessons.sampler_overlap(256, 16, 0), r"world_size must be an integer >= 1, got 0"),  # rows of zeros
+    (lambda: lessons.sampler_overlap(256, 16, -2), r"world_size must be an integer >= 1, got -2"),
+    (lambda: lessons.sampler_overlap(256, 0, 2), r"micro_batch must be an integer >= 1, got 0"),
+    (lambda: lessons.sampler_overlap(256, 16, 2, steps=0), r"steps must be an integer >= 1, got 0"),
+    (lambda: lessons.sampler_overlap("256", 16, 2), r"dataset_size must be an integer >= 1, got '256'"),
+    (lambda: lessons.deepspeed_loader_shards(1024, 0, 8), r"world_size must be an integer >= 1, got 0"),  # KeyError
+    (lambda: lessons.deepspeed_loader_shards(100, 4, 0), r"micro_batch must be an integer >= 1, got 0"),  # ZeroDiv.
+    (lambda: lessons.deepspeed_loader_shards(0, 4, 5), r"dataset_size must be an integer >= 1, got 0"),  # zeros
+    (lambda: lessons.deepspeed_batch_check({"train_batch_size": "64"}, 1),  # DeepSpeed's TypeError before
+     r"ds_config\['train_batch_size'\] must be an integer \(or absent\), got '64'"),
+    (lambda: lessons.deepspeed_batch_check({"train_batch_size": 64}, 0), r"world_size must be an integer >= 1, got 0"),
+])
+def test_lesson_helpers_refuse_sizes_out_of_range_naming_the_argument(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_lesson_helpers_take_the_smallest_sizes_in_range():
+    assert len(lessons.sampler_overlap(16, 4, 2, steps=2)) == 6  # exactly 2 global batches: 3 modes x 2 steps
+    assert lessons.deepspeed_batch_check({"train_batch_size": 64, "train_micro_batch_size_per_gpu": None}, 1) \
+        .startswith("DeepSpeed accepts it")
+
+
 def test_check_prints_or_raises_in_the_ci_profile(capsys, monkeypatch):
     monkeypatch.setenv("LABKIT_PROFILE", "ci")
     lessons.check(True, "it holds")

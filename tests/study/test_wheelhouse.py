@@ -94,6 +94,41 @@ def test_wheelhouse_keeps_what_the_node_lacks_and_no_more(tmp_path: Path):
     assert "nbval" not in keep_all and {"pandas", "numpy", "tzdata"} <= keep_all
 
 
+@pytest.mark.parametrize("python,node,message", [
+    ("3.12", "typo.txt", r"--node-packages \(make's NODE_PACKAGES\) '.*typo.txt': no such file"),
+    ("3.12", ".", r"--node-packages \(make's NODE_PACKAGES\) '.*': a folder, not a file"),
+    ("3.12", "binary.txt", r"NODE_PACKAGES\) '.*binary.txt': not a text file"),
+    ("abc", None, r"--python \(make's WHEEL_PYTHON\) 'abc': must be the node's CPython as major.minor, e.g. 3.12"),
+    ("3.12.1", None, r"WHEEL_PYTHON\) '3.12.1': must be .* major.minor"),
+    ("2.9", None, r"WHEEL_PYTHON\) '2.9': labkit needs Python >=3.11"),
+])
+def test_wheelhouse_refuses_bad_inputs_before_it_deletes_or_builds_anything(tmp_path: Path, python, node, message):
+    """A typo in NODE_PACKAGES was read only after minutes of building and downloading, and after the old wheels in
+    --out were deleted; WHEEL_PYTHON was not checked at all."""
+    from labkit.runtime.wheelhouse import build
+
+    out = tmp_path / "wheelhouse"
+    out.mkdir()
+    (out / "kept-1.0-py3-none-any.whl").write_bytes(b"an earlier wheelhouse's wheel")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00torch")
+    with pytest.raises(ValueError, match=message):
+        build(out, python=python, platforms=("manylinux_2_28_x86_64",), extras=[],
+              node_file=None if node is None else tmp_path / node, with_torch=False)
+    assert [p.name for p in out.iterdir()] == ["kept-1.0-py3-none-any.whl"]
+
+
+def test_python_m_wheelhouse_exits_2_naming_the_make_variable(tmp_path: Path, monkeypatch, capsys):
+    from labkit.runtime.wheelhouse import main
+
+    out = tmp_path / "wheelhouse"
+    monkeypatch.setattr(sys, "argv", ["wheelhouse", "--out", str(out), "--python", "3.12",
+                                      "--node-packages", str(tmp_path / "typo")])
+    assert main() == 2
+    err = capsys.readouterr().err
+    assert err.startswith("wheelhouse: --node-packages (make's NODE_PACKAGES)") and "no such file" in err
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_make_wheelhouse_for_a_node_writes_the_wheels_and_a_manifest(tmp_path: Path):
     """A real `python -m labkit.runtime.wheelhouse` (PyPI reachable here): labkit and DeepSpeed built, the rest

@@ -24,6 +24,7 @@ import pytest
 import labkit.ui.dashboard
 import labkit.ui.panel
 from labkit import RunConfig
+from labkit.core.config import ConfigError
 from labkit.core.files import write_json_atomic
 from labkit.launch.run import Run, run_name
 from labkit.launch.store import new_run_dir
@@ -462,6 +463,60 @@ def test_a_world_size_above_the_machine_shows_the_config_error(runs_root):
     assert panel.controls["world_size"].value == too_many  # kept as asked, not clamped to the maximum
     assert plain(panel.message).startswith(f"⚠ world_size: {too_many} ranks requested but this machine has")
     assert panel.launch() is None and not runs_root.exists()
+
+
+@pytest.mark.parametrize("defaults,message", [
+    # A dropdown cannot hold it: traitlets' "Invalid selection: value not found" named no field.
+    ({"example": "bogus"}, "example: must be one of ('pytorch', 'deepspeed', 'offload', 'zero3'), got 'bogus'"),
+    ({"stage": 7}, "stage: must be one of (0, 1, 2, 3) or None, got 7"),
+    ({"precision": "fp8"}, "precision: must be one of ('fp32', 'bf16', 'fp16'), got 'fp8'"),
+    ({"offload_optimizer": "yes"}, "offload_optimizer: must be True or False or None, got 'yes'"),
+    # An integer box cannot hold text, and would round a fraction.
+    ({"micro_batch": "abc"}, "micro_batch: must be a positive integer, got 'abc'"),
+    ({"steps": 2.5}, "steps: must be a positive integer, got 2.5"),
+    # The LR box clamped these to 1e-09 and 10 without a word.
+    ({"lr": 0.0}, "lr: must be a number from 1e-09 to 10 (the LR box's range), got 0.0"),
+    ({"lr": -1.0}, "lr: must be a number from 1e-09 to 10 (the LR box's range), got -1.0"),
+    ({"lr": 100.0}, "lr: must be a number from 1e-09 to 10 (the LR box's range), got 100.0"),
+    ({"model": 3}, "model: must be a string, got 3"),
+])
+def test_a_default_no_control_can_hold_is_refused_naming_the_field(runs_root, defaults, message):
+    with pytest.raises(ConfigError) as info:
+        LabPanel(**defaults)
+    assert str(info.value) == message and info.value.field == next(iter(defaults))
+    assert not runs_root.exists() and dashboard_threads() == []
+
+
+def test_defaults_the_controls_hold_are_kept_as_given(runs_root):
+    panel = LabPanel(lr=10.0, world_size=0)  # the LR box's top; an int box shows 0 and the message says why
+    assert panel.controls["lr"].value == 10.0 and panel.controls["world_size"].value == 0
+    assert plain(panel.message).startswith("⚠ world_size:")
+
+
+@pytest.mark.parametrize("refresh_s", [0, -1, float("nan"), "1"])
+def test_a_refresh_interval_that_is_not_positive_is_refused(runs_root, refresh_s):
+    """refresh_s=0 polled the rank files in a busy loop for the whole run."""
+    with pytest.raises(ValueError, match=r"^refresh_s must be a positive number of seconds .*, got "):
+        LabPanel(refresh_s=refresh_s)
+    with pytest.raises(ValueError, match=r"^refresh_s must be a positive number of seconds"):
+        Dashboard(refresh_s=refresh_s)
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"FOO": 1}, "env: FOO=1: the value must be a string (an environment holds only strings), got int"),
+    ({"": "x"}, "env: '' is not a variable name (a non-empty string without '=')"),
+    ({"A=B": "x"}, "env: 'A=B' is not a variable name"),
+    (["FOO=1"], "env: must be a dict of variable names to strings, got list"),
+])
+def test_an_env_that_is_not_strings_is_refused_naming_env_before_anything_is_written(runs_root, env, message):
+    """LabPanel(env={"FOO": 1}).launch() showed a TypeError naming nothing, after writing a run directory that
+    `labkit runs` then listed as "created" forever."""
+    with pytest.raises(ConfigError) as info:
+        LabPanel(env=env, world_size=2, micro_batch=32)
+    assert str(info.value).startswith(message) and info.value.field == "env"
+    with pytest.raises(ConfigError, match=r"^env: "):
+        Run(config(), env=env)  # the Python API, too
+    assert not runs_root.exists()
 
 
 @pytest.mark.parametrize("changes,field", [
