@@ -175,6 +175,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     check_master_port(args.master_port)
     check_output_dir(args.out, "--out")
+    from labkit.launch.environment import check_environment
+
+    check_environment(os.environ, paths=False)  # what .deepspeed_env carries to the cluster: refused here
     given = {name: getattr(args, name) for name in _SLURM_FLAGS if getattr(args, name) is not None}
     slurm = SlurmOptions(**given) if args.launcher == "slurm" else None
     if given and slurm is None:

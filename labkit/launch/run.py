@@ -178,6 +178,9 @@ class Run:
 
             check_importable(self.config)  # a bad import string fails here, before anything is launched
         base_env = {**os.environ, **self._extra_env}
+        from labkit.launch.environment import check_environment
+
+        check_environment(base_env)  # LABKIT_FAULT, TORCH_EXTENSIONS_DIR, ...: refused here, not in a rank
         if self.config.hostfile or self.launcher != "pdsh":
             from labkit.launch.multinode import check_run_launcher
 

@@ -31,16 +31,21 @@ def default_profile(devices: Devices) -> str:
     return "workshop"
 
 
+def check_profile(chosen: str) -> str:
+    """`chosen` (LABKIT_PROFILE's value) if it names a profile, else a ConfigError naming the variable."""
+    if chosen not in PROFILE_NAMES:
+        from labkit.core.config import ConfigError
+
+        raise ConfigError("LABKIT_PROFILE", f"must be one of {', '.join(PROFILE_NAMES)}, got {chosen!r}")
+    return chosen
+
+
 def current_profile() -> str:
     """LABKIT_PROFILE, else `default_profile` of this machine's devices. A value that is no profile: ConfigError (a
     ValueError) naming the variable and the profiles, which `labkit answer` turns into exit 2."""
     chosen = os.environ.get("LABKIT_PROFILE")
     if chosen:
-        if chosen not in PROFILE_NAMES:
-            from labkit.core.config import ConfigError
-
-            raise ConfigError("LABKIT_PROFILE", f"must be one of {', '.join(PROFILE_NAMES)}, got {chosen!r}")
-        return chosen
+        return check_profile(chosen)
     from labkit.runtime.devices import detect_devices
 
     return default_profile(detect_devices())

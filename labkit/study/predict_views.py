@@ -222,6 +222,8 @@ def _explore(*, gpu: str, gpus_per_node: int, nodes: int, intra: str, inter_gbps
              activation_checkpointing: bool) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     if b_crit is not None and target_loss is not None:
         raise ValueError("give b_crit or target_loss, not both")
+    if not isinstance(activation_checkpointing, bool):  # "no" would read as True
+        raise ValueError(f"activation_checkpointing must be True or False, got {activation_checkpointing!r}")
     why = "given" if b_crit is not None else None
     kind = find_gpu(gpu)
     if precision == "bf16" and not kind.peak_flops.get("bf16"):

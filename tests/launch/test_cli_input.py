@@ -221,3 +221,33 @@ def test_runs_lists_a_run_whose_summary_or_config_is_a_json_list_as_unreadable(t
     assert table.loc["c-list-config", "cause"] == "config.json is not a JSON object (a list)"
     assert cli.main(["runs", "--root", str(tmp_path)]) == 0
     assert "summary.json is not a JSON object" in capsys.readouterr().out
+
+
+def test_run_and_export_refuse_the_variables_a_rank_would_fail_on(tmp_path, store, capsys, monkeypatch):
+    """`LABKIT_FAULT=bogus` and `TORCH_EXTENSIONS_DIR` at a file launched and failed in the rank after 17-19 s;
+    `export` copied bad LABKIT_* values into the job's .deepspeed_env with exit 0. Now refused before either, naming
+    the variable (`labkit.launch.environment.check_environment`)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("kept")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\n")
+    job = tmp_path / "job"
+    run = ["run", "--example", "deepspeed", "--hidden", "16", "--steps", "3"]
+    export = ["export", "--example", "zero3", "--world-size", "1", "--hostfile", str(hostfile), "--out", str(job)]
+    cases = {("LABKIT_FAULT", "bogus"): "error: LABKIT_FAULT: cannot parse 'bogus'",
+             ("LABKIT_MEMORY_LIMIT_BYTES", "abc"): "error: LABKIT_MEMORY_LIMIT_BYTES: must be a number of bytes",
+             ("LABKIT_EMULATED_DEVICES", "two"): "error: LABKIT_EMULATED_DEVICES: must be a positive integer",
+             ("LABKIT_PROFILE", "bogus"): "error: LABKIT_PROFILE: must be one of"}
+    for (name, value), message in cases.items():
+        with monkeypatch.context() as patched:
+            patched.setenv(name, value)
+            for argv in (run, export):
+                assert message in _refused(argv, capsys)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(a_file))
+    err = _refused(run, capsys)
+    assert f"error: TORCH_EXTENSIONS_DIR: TORCH_EXTENSIONS_DIR {a_file} is a file, not a directory" in err, err
+    assert not store.exists() and not job.exists() and a_file.read_text() == "kept"
+    # an exported job's directories are the cluster's: not checked on the login node
+    from labkit.launch.environment import check_environment
+
+    check_environment({"TORCH_EXTENSIONS_DIR": str(a_file)}, paths=False)

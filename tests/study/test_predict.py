@@ -1634,6 +1634,8 @@ def test_the_notebooks_widget_refuses_a_model_or_micro_batch_too_large_to_count(
                                                    "to count: ")) as info:
         V.explore(model=model, micro_batch=micro_batch, **widgets)
     assert says in str(info.value)
+    with pytest.raises(ValueError, match="activation_checkpointing must be True or False, got 'no'"):
+        V.explore(model="GPT-2 small (124M)", micro_batch=1, activation_checkpointing="no", **widgets)
 
 
 @pytest.mark.slow  # the `labkit` script in a process of its own, from the learner's directory
