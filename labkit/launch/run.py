@@ -111,7 +111,7 @@ def warm_up(env: dict[str, str] | None = None) -> zygote.Zygote | None:
     return zygote.share(run_env)
 
 
-def check_env(env: Any) -> dict[str, str]:
+def check_extra_env(env: Any) -> dict[str, str]:
     """`env` (what a Run or the panel adds to the ranks' environment) as a dict of str to str, or a ConfigError naming
     `env` and the culprit: a variable's name non-empty, without "=" or NUL; its value a string without NUL. Pure."""
     if env is None:
@@ -145,7 +145,7 @@ class Run:
         self.launch_mode: str | None = None  # after start(): "warm", "spawned", or "cold" and why
         self._out = Path(out) if out is not None else None
         self._root = root
-        self._extra_env = check_env(env)  # before anything is written: a ConfigError naming env
+        self._extra_env = check_extra_env(env)  # before anything is written: a ConfigError naming env
         self.run_dir: Path | None = None
         self._supervisor: subprocess.Popen | ForkedSupervisor | None = None
         self._stop_requested = False

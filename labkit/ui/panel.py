@@ -27,7 +27,7 @@ from labkit.core.model_specs import MODELS
 from labkit.core.records import rank_log, read_end
 from labkit.launch.admission import Admission
 from labkit.launch.history import COLUMNS, recover_stale, runs
-from labkit.launch.run import FINAL_STATUSES, Run, check_env, warm_by_default, warm_up
+from labkit.launch.run import FINAL_STATUSES, Run, check_extra_env, warm_by_default, warm_up
 from labkit.ui.dashboard import REFRESH_S, Dashboard, RunSeries, check_refresh_s
 
 LOG_REFRESH_S = 1.0    # log tails are re-read at most this often
@@ -144,7 +144,7 @@ class LabPanel:
             problem = control_problem(name, value) if name in CONTROLLED else None
             if problem:
                 raise ConfigError(name, problem)
-        self.env = check_env(env)
+        self.env = check_extra_env(env)
         check_refresh_s(refresh_s)
         self.root = root
         self.run: Run | None = None
