@@ -108,11 +108,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from labkit.launch.admission import Admission
+    from labkit.launch.environment import check_environment
     from labkit.launch.phase import RunProgress, run_label
-    from labkit.launch.run import Run, warm_by_default
+    from labkit.launch.run import Run
 
     config = config_from_args(args)
-    warm_by_default()  # a LABKIT_WARM it does not understand: refused at once, not after admission's wait
+    # LABKIT_WARM, LABKIT_FAULT, ...: refused at once, not after admission's wait (Run.start checks them again)
+    check_environment(os.environ, paths=not (config.hostfile or args.launcher != "pdsh"))
     if args.out is not None:  # before admission, which may wait for memory: a bad --out is refused at once
         from labkit.launch.store import check_output_dir
 
@@ -168,12 +170,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a self-contained job directory for DeepSpeed's multi-node launcher (labkit.launch.export)."""
     from labkit.core.config import without_local_device_checks
-    from labkit.launch.export import SlurmOptions, check_master_port, write_job
+    from labkit.launch.export import SlurmOptions, write_job
     from labkit.launch.store import check_output_dir
 
     with without_local_device_checks():  # a login node need not have the cluster's GPUs
         config = config_from_args(args)
-    check_master_port(args.master_port)
     check_output_dir(args.out, "--out")
     from labkit.launch.environment import check_environment
 
@@ -205,14 +206,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
                 if Path(args.root).exists() else "does not exist")
         raise ConfigError("root", f"--root {args.root!r} {what}: name the run store's directory (default: "
                           "LABKIT_RUNS_DIR, else runs/)")
-    from labkit.launch.store import RUNS_DIR_ENV, default_root
+    from labkit.launch.store import default_root
 
-    # LABKIT_RUNS_DIR is the store the user means, as --root: a file, or a path under one, is refused by
-    # default_root; missing, it is a typo too.
-    named = os.environ.get(RUNS_DIR_ENV) if args.root is None else None
-    if named and not default_root().exists():
-        raise ConfigError(RUNS_DIR_ENV, f"{RUNS_DIR_ENV}={named!r} does not exist: name the run store's directory, "
-                          "or unset it for runs/")
+    default_root()  # a LABKIT_RUNS_DIR at a file, or under one, is refused there; missing, it holds no runs yet
     recover_stale(args.root)  # runs whose supervisor died: end what it left, so none is listed as running
     table = runs(args.root)
     if args.format == "csv":

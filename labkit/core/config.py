@@ -42,19 +42,19 @@ PRESETS: dict[str, dict[str, Any]] = {
 # What a host name or ssh alias can hold: letters, digits, '.', '_', '-', and ':', '[', ']', '%' for IPv6 addresses,
 # '@' for user@host. Never a leading '-': the name reaches ssh and pdsh as an argument, where it would be an option.
 _HOST_NAME = re.compile(r"[A-Za-z0-9._:%@\[\]][A-Za-z0-9._:%@\[\]-]*")
-_HOSTFILE_LINE = re.compile(r"(\S+)\s+slots=(\S*)(.*)")  # DeepSpeed's pattern, the slots' token whole
+_HOSTFILE_LINE = re.compile(r"(\S+)\s+slots=(\S*).*")  # DeepSpeed's pattern, the slots' token whole
 
 
 def _check_hostfile_lines(path: str | os.PathLike, lines: list[str]) -> None:
     """What DeepSpeed's lenient parser would take but no launcher should: an option-looking or malformed host name,
-    `slots=2abc` (DeepSpeed reads 2), text after the slots (Open MPI reads the file itself). ConfigError naming the
-    line. Lines DeepSpeed's pattern does not match are its parser's to refuse."""
+    `slots=2abc` (DeepSpeed reads 2). ConfigError naming the line. What follows the slots is left (Open MPI reads the
+    file itself: `max_slots=8`), as are lines DeepSpeed's pattern does not match (its parser's to refuse)."""
     for number, raw in enumerate(lines, 1):
-        line = raw.strip()
+        line = raw.split("#", 1)[0].strip()  # a comment, after a space or not
         match = _HOSTFILE_LINE.fullmatch(line)
-        if line.startswith("#") or not match:
+        if not match:
             continue
-        host, count, rest = match.groups()
+        host, count = match.groups()
         where = f"{path} line {number} ({line!r})"
         if not _HOST_NAME.fullmatch(host):
             why = "begins with '-' (ssh and pdsh would read it as an option)" if host.startswith("-") \
@@ -63,9 +63,6 @@ def _check_hostfile_lines(path: str | os.PathLike, lines: list[str]) -> None:
         if not count.isdigit():
             raise ConfigError("hostfile", f"{where}: slots={count} is not a whole number "
                               "(expected 'hostname slots=N')")
-        if rest.strip() and not rest.strip().startswith("#"):
-            raise ConfigError("hostfile", f"{where}: unexpected {rest.strip()!r} after slots={count} "
-                              "(expected 'hostname slots=N', optionally followed by a # comment)")
 
 
 def hostfile_slots(path: str | os.PathLike) -> dict[str, int]:

@@ -166,8 +166,9 @@ def builtin_model_facts(config: RunConfig) -> ModelFacts | None:
 def data_bytes(config: RunConfig) -> int:
     """The lab's MLP data, which every rank generates in its own memory (labkit.models.data): the training inputs
     (fp32) and labels (int64) it holds, plus at the larger of two moments what it holds beside them: the teacher's
-    activations while labelling them (inputs @ w1, its tanh, @ w2), or the training inputs drawn again to reach
-    the teacher's weights for the held-out set (`make_eval_set`), with that set. 0 for other data (not counted)."""
+    activations while labelling them (inputs @ w1, its tanh, @ w2), or, where the run evaluates (`eval_every`), the
+    training inputs drawn again to reach the teacher's weights for the held-out set (`make_eval_set`), with that set.
+    0 for other data (not counted)."""
     if config.model != "mlp" or config.data or config.script:
         return 0
     from labkit.models.data import TEACHER_HIDDEN
@@ -175,7 +176,7 @@ def data_bytes(config: RunConfig) -> int:
     samples, width = config.dataset_size, config.input_size
     held = samples * (4 * width + 8)
     labelling = samples * 4 * (2 * TEACHER_HIDDEN + config.output_size)
-    evaluation = samples * 4 * width + config.eval_samples * (4 * width + 8)
+    evaluation = samples * 4 * width + config.eval_samples * (4 * width + 8) if config.eval_every else 0
     return held + max(labelling, evaluation)
 
 
@@ -444,7 +445,8 @@ def refusal(candidate: Estimate, room: int, label: str, where: str = "") -> NotE
     return NotEnoughMemory(
         f"{label} needs {gb(candidate.total_bytes)} but at most {gb(room)} is available to runs on this machine"
         f"{f' ({where})' if where else ''}: estimate {candidate.describe()}. Fewer ranks (world_size), a smaller "
-        f"model, micro-batch or dataset_size, or optimizer offload on a GPU make it smaller",
+        f"model{', micro-batch or dataset_size' if candidate.data_bytes else ' or micro-batch'}, or optimizer "
+        f"offload on a GPU make it smaller",
         needed_bytes=candidate.total_bytes, available_bytes=room)
 
 

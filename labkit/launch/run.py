@@ -180,8 +180,10 @@ class Run:
         base_env = {**os.environ, **self._extra_env}
         from labkit.launch.environment import check_environment
 
-        check_environment(base_env)  # LABKIT_FAULT, TORCH_EXTENSIONS_DIR, ...: refused here, not in a rank
-        if self.config.hostfile or self.launcher != "pdsh":
+        multinode = bool(self.config.hostfile) or self.launcher != "pdsh"
+        # LABKIT_FAULT, TORCH_EXTENSIONS_DIR, ...: refused here, not in a rank; a multi-node run's paths are the nodes'
+        check_environment(base_env, paths=not multinode)
+        if multinode:
             from labkit.launch.multinode import check_run_launcher
 
             check_run_launcher(self.launcher, self.config.hostfile, base_env.get("PATH", ""))

@@ -77,7 +77,15 @@ def test_every_rank_is_estimated_with_the_data_it_generates():
     assert "dataset_size" in str(admission.refusal(got, 10**9, "this run"))  # and what makes it smaller
     assert estimate(huge, rank_base_bytes=0, launcher_bytes=0, model=facts, is_cpu=False).rank_bytes > 4 * 10**16
     yours = RunConfig(example="deepspeed", dataset_size=10**14, model="gpt", input_size=64)
-    assert admission.data_bytes(yours) == 0  # not the lab's MLP data: not counted
+    assert admission.data_bytes(yours) == 0  # not the lab's MLP data: not counted ...
+    refused = estimate(yours, rank_base_bytes=10**12, launcher_bytes=0, model=None)
+    assert "dataset_size" not in str(admission.refusal(refused, 10**9, "this run"))  # ... nor offered as a remedy
+    # 4,096 inputs wide, the inputs drawn again for the held-out set outweigh the teacher's activations: counted
+    # where the run evaluates (`eval_every`), which is where the worker makes that set (rank/evaluation.py)
+    wide = dict(example="deepspeed", dataset_size=1000, input_size=4096, output_size=3, eval_samples=10)
+    held = 1000 * (4 * 4096 + 8)
+    assert admission.data_bytes(RunConfig(**wide)) == held + 1000 * 4 * (2 * TEACHER_HIDDEN + 3)
+    assert admission.data_bytes(RunConfig(**wide, eval_every=5)) == held + 1000 * 4 * 4096 + 10 * (4 * 4096 + 8)
 
 
 def test_an_sgd_run_is_estimated_without_adams_moments():

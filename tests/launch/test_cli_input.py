@@ -160,13 +160,16 @@ def test_runs_root_given_and_missing_or_a_file_is_refused(tmp_path, capsys, monk
     assert "no runs yet" in capsys.readouterr().out
 
 
-def test_runs_dir_variable_at_a_file_or_missing_is_refused_naming_it(tmp_path, capsys, monkeypatch):
-    """`LABKIT_RUNS_DIR=<a file or a typo> labkit runs` said "no runs yet", exit 0: the variable names the store
-    the user means, as --root does. (Unset, the default runs/ missing is still "no runs yet".)"""
+def test_runs_dir_variable_at_a_file_is_refused_naming_it_and_missing_holds_no_runs_yet(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """`LABKIT_RUNS_DIR=<a file> labkit runs` said "no runs yet", exit 0: now refused naming the variable. A store
+    not made yet (the variable set in a shell profile before the first run) holds no runs yet, as runs/ does."""
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "not-made-yet"))
+    assert cli.main(["runs"]) == 0 and "no runs yet" in capsys.readouterr().out
+    assert not (tmp_path / "not-made-yet").exists()
     a_file = tmp_path / "summary.json"
     a_file.write_text("{}")
-    for root, message in ((tmp_path / "nonexist", f"LABKIT_RUNS_DIR={str(tmp_path / 'nonexist')!r} does not exist"),
-                          (a_file, f"LABKIT_RUNS_DIR {a_file} is a file, not a directory"),
+    for root, message in ((a_file, f"LABKIT_RUNS_DIR {a_file} is a file, not a directory"),
                           (a_file / "sub", f"LABKIT_RUNS_DIR {a_file / 'sub'} cannot be made: {a_file} is a file")):
         monkeypatch.setenv("LABKIT_RUNS_DIR", str(root))
         err = _refused(["runs"], capsys)

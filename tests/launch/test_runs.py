@@ -22,6 +22,7 @@ import pytest
 
 from labkit import RunConfig, load_run
 from labkit.core.records import rank_file, read_records
+from labkit.launch.run import warm_setting
 from tests.conftest import REPO, run_processes, run_together
 
 SMALL = dict(hidden=512, depth=2, micro_batch=32, dataset_size=2048)
@@ -75,7 +76,7 @@ def test_cli_runs_each_example(example, cli_runs):
 def test_cli_runs_launch_warm_unless_told_cold(example, cli_runs):
     out = cli_runs[example][1]
     launch = json.loads((out / "launch.json").read_text())["launch"]
-    cold = "--cold" in EXAMPLES[example] or os.environ.get("LABKIT_WARM") == "0"
+    cold = "--cold" in EXAMPLES[example] or not warm_setting()
     assert launch == ("cold" if cold else "warm")
     # A cold run's tree is DeepSpeed's launcher's; a warm one's has none of it (labkit.launch.warm_launch).
     assert ("deepspeed.launcher.runner" in (out / "supervisor.log").read_text()) == cold
