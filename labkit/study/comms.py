@@ -554,7 +554,7 @@ def persistent_elements(modules: Sequence[Sequence[int]], **zero_settings: Any) 
                if keep)
 
 
-def _gathered(numels: Iterable[int], world_size: int) -> int:
+def gathered_elements(numels: Iterable[int], world_size: int) -> int:
     """Elements of a ZeRO-3 all-gather's output: each parameter's partition is ceil(n / N) elements
     (partition_parameters.py:1690-1699), N of them."""
     return world_size * sum(math.ceil(n / world_size) for n in numels)
@@ -579,13 +579,14 @@ def _stage3_gathers(modules: Sequence[Sequence[int]] | None, n_params: int, pers
         window = min(prefetch, int(cfg.max_live_parameters))
         mass = n_params - persistent_params
         regather = 0 if 0 < mass < window else round(mass * max(0, n_params - reuse / 2) / n_params)
-        return (_split(_gathered([mass], world_size), prefetch),
-                _split(_gathered([regather], world_size), prefetch) if regather else [],
+        return (_split(gathered_elements([mass], world_size), prefetch),
+                _split(gathered_elements([regather], world_size), prefetch) if regather else [],
                 [persistent_params] if persistent_params else [])
     if trace is None:
         trace = zero3.ModuleTrace.from_layout(modules or [], tied_head)
     r = zero3.replay(trace, **_zero3_settings(cfg))
-    return ([_gathered(c, world_size) for c in r.forward_calls], [_gathered(c, world_size) for c in r.backward_calls],
+    return ([gathered_elements(c, world_size) for c in r.forward_calls],
+            [gathered_elements(c, world_size) for c in r.backward_calls],
             [trace.numels[p] for p in sorted(r.persistent)])
 
 
@@ -633,14 +634,14 @@ def _stage3(out: list[Collective], modules: Sequence[Sequence[int]] | None, n_pa
     elements = 0
     for n in numels:
         if elements + n > bucket and elements > 0:
-            calls.append(_gathered(current, world_size))
+            calls.append(gathered_elements(current, world_size))
             current, elements = [], 0
         current.append(n)
         elements += n
     if modules is None:  # one tensor: a call per bucket
-        calls = _split(_gathered(numels, world_size), bucket)
+        calls = _split(gathered_elements(numels, world_size), bucket)
     elif current:
-        calls.append(_gathered(current, world_size))
+        calls.append(gathered_elements(current, world_size))
     # The last bucket is reduced when the backward has ended (engine.py:3086): it cannot hide.
     for part, hides in ((calls[:-1], bool(cfg.overlap_comm)), (calls[-1:], False)):
         _emit(out, (c * size for c in part), op="reduce_scatter", per="micro_step", grad_accum=grad_accum,
@@ -658,7 +659,7 @@ def _stage3(out: list[Collective], modules: Sequence[Sequence[int]] | None, n_pa
           source=SRC + f"runtime/zero/stage3.py:{line}")
     # After the step the persistent parameters are gathered again from their updated shards, one call each
     # (stage3.py:2841 -> partition_parameters.py:2073).
-    _emit(out, (_gathered([n], world_size) * size for n in persistent), op="all_gather", per="step",
+    _emit(out, (gathered_elements([n], world_size) * size for n in persistent), op="all_gather", per="step",
           grad_accum=grad_accum, phase="optimizer", dtype=precision, overlappable=False,
           what="persistent parameters", caller="_allgather_params_coalesced",
           source=SRC + "runtime/zero/stage3.py:2841 -> partition_parameters.py:2073")

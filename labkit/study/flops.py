@@ -300,20 +300,28 @@ def count(step: Callable[[], torch.Tensor], params: list[torch.nn.Parameter] | N
             census.saved_bytes += tensor.untyped_storage().nbytes()
         return tensor
 
+    with recording(census, cuda_dropout) as recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step()
+        recorder.phase = "backward"
+        loss.backward()
+    return census
+
+
+@contextlib.contextmanager
+def recording(census: Census, cuda_dropout: bool = True) -> Iterator[_Recorder]:
+    """Every op run inside goes into `census` (its `forward` list until the recorder's `phase` is set to
+    "backward"), a fused attention and, with `cuda_dropout`, dropout as a GPU runs them (`count`)."""
     recorder = _Recorder(census)
     routed = _FusedSdpa(recorder, cuda_dropout)
     torch.nn.functional.scaled_dot_product_attention = routed.sdpa
     if cuda_dropout:
         torch.nn.functional.dropout = _fused_dropout
     try:
-        with recorder, routed, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = step()
-            recorder.phase = "backward"
-            loss.backward()
+        with recorder, routed:
+            yield recorder
     finally:
         torch.nn.functional.scaled_dot_product_attention = _SDPA
         torch.nn.functional.dropout = _DROPOUT
-    return census
 
 
 def attention_work(a: Attention) -> float:

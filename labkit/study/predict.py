@@ -10,7 +10,8 @@ learner can see (docs/predict.md states the model, its sources and what it leave
   source lines there), timed with an alpha-beta ring over the slowest link each collective crosses
   (`labkit.runtime.hardware.Cluster.bus_bytes_per_s`); what DeepSpeed can overlap (`Collective.overlappable`)
   hides behind the compute of the phase it runs in, which runs OVERLAP_COMPUTE_SLOWDOWN slower meanwhile; the rest
-  is exposed;
+  is exposed. ZeRO-3 across GPUs is played hook by hook instead (`labkit.study.zero3_overlap`): each module's compute
+  waits for the gather that took its parameters, and the gathers and reduce-scatters share one NCCL stream;
 * offload: gradients down in fp32 and parameters up in the training dtype over the GPU's PCIe link, and CPU
   Adam's pass over the rank's fp32 states in host memory;
 * memory: `labkit.core.memory` for the model states plus the activations counted on the meta device: fits
@@ -26,7 +27,7 @@ import dataclasses
 import functools
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -203,6 +204,9 @@ class Workload(Protocol):
 
     def zero3_trace(self) -> Any: ...  # ZeRO-3's module trace, every hook (zero3.ModuleTrace)
 
+    def zero3_timeline(self, micro_batch: int, precision: str) -> tuple[Any, list[Any]]: ...  # the trace with the
+    # step's ops between its hooks (zero3_overlap.recorded)
+
     def recomputed_modules(self) -> tuple[int, int]: ...
 
     def modules_before_blocks(self) -> int: ...
@@ -242,6 +246,9 @@ class TransformerWorkload:
 
     def zero3_trace(self) -> Any:
         return self.shape.zero3_trace()
+
+    def zero3_timeline(self, micro_batch: int, precision: str) -> tuple[Any, list[Any]]:
+        return self.shape.zero3_timeline(micro_batch, precision)
 
     def recomputed_modules(self) -> tuple[int, int]:
         return self.shape.recomputed_modules()
@@ -316,35 +323,49 @@ class ModuleWorkload:
         unfused: calibrate's predictions of runs here)."""
         key = (micro_batch, precision, cuda)
         if key not in self._cache:
-            import torch
-            from torch.utils.data import default_collate
-
-            from labkit.models import builders
-
-            dataset = builders.build_dataset(self.config)
-            one = default_collate([dataset[0]])
-            dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
-            loss_fn = builders.loss_function(self.config)
-
-            def census_on(device: str) -> flops.Census:
-                with torch.device(device), torch.random.fork_rng(devices=[]):
-                    model = builders.build_model(self.config).to(dtype)
-                # the micro-batch as shapes only on the meta device: a batch of a billion samples (or of images) is
-                # counted without the host memory it would fill; on the CPU, the first sample repeated
-                batch = ([torch.empty((micro_batch, *t.shape[1:]), dtype=t.dtype, device="meta") for t in one]
-                         if device == "meta" else default_collate([dataset[0]] * micro_batch))
-                inputs, labels = (t.to(dtype) if t.is_floating_point() else t for t in batch)
-                return flops.module_census(model, lambda: loss_fn(model, inputs, labels).float(), cuda)
-
-            try:
-                self._cache[key] = census_on("meta")
-            except RuntimeError as exc:
-                # A model whose forward reads a value (Hugging Face's packed-sequence check calls .item()) cannot
-                # run on the meta device: count it on a real CPU copy instead (the lab's models are small).
-                if "meta" not in str(exc):
-                    raise
-                self._cache[key] = census_on("cpu")
+            self._cache[key] = self._counted(micro_batch, precision,
+                                             lambda model, step: flops.module_census(model, step, cuda))
         return self._cache[key]
+
+    def zero3_timeline(self, micro_batch: int, precision: str) -> tuple[Any, list[Any]]:
+        key = ("zero3_timeline", micro_batch, precision)
+        if key not in self._cache:
+            from labkit.study import zero3_overlap
+
+            self._cache[key] = self._counted(micro_batch, precision, zero3_overlap.recorded)
+        return self._cache[key]
+
+    def _counted(self, micro_batch: int, precision: str, count: Callable[[Any, Callable[[], Any]], Any]) -> Any:
+        """`count(model, step)` of the model in `precision`, `step()` its loss on `micro_batch` samples: on the meta
+        device, or on a CPU copy where its forward reads a value."""
+        import torch
+        from torch.utils.data import default_collate
+
+        from labkit.models import builders
+
+        dataset = builders.build_dataset(self.config)
+        one = default_collate([dataset[0]])
+        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+        loss_fn = builders.loss_function(self.config)
+
+        def count_on(device: str) -> Any:
+            with torch.device(device), torch.random.fork_rng(devices=[]):
+                model = builders.build_model(self.config).to(dtype)
+            # the micro-batch as shapes only on the meta device: a batch of a billion samples (or of images) is
+            # counted without the host memory it would fill; on the CPU, the first sample repeated
+            batch = ([torch.empty((micro_batch, *t.shape[1:]), dtype=t.dtype, device="meta") for t in one]
+                     if device == "meta" else default_collate([dataset[0]] * micro_batch))
+            inputs, labels = (t.to(dtype) if t.is_floating_point() else t for t in batch)
+            return count(model, lambda: loss_fn(model, inputs, labels).float())
+
+        try:
+            return count_on("meta")
+        except RuntimeError as exc:
+            # A model whose forward reads a value (Hugging Face's packed-sequence check calls .item()) cannot
+            # run on the meta device: count it on a real CPU copy instead (the lab's models are small).
+            if "meta" not in str(exc):
+                raise
+            return count_on("cpu")
 
     def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts:
         if checkpointing:
@@ -664,9 +685,14 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     compute_s = grad_accum * (costs.forward_s + costs.backward_s) + optimizer_s
     rows = collective_rows(stage, workload, n, precision=precision, grad_accum=grad_accum, offload_optimizer=offload,
                            zero=zero)
-    comm = comm_time(rows, links or ClusterLinks(cluster), n, grad_accum=grad_accum,
+    link = links or ClusterLinks(cluster)
+    comm = comm_time(rows, link, n, grad_accum=grad_accum,
                      hide_behind={"forward": costs.forward_s, "backward": costs.backward_s},
                      slowdown=OVERLAP_COMPUTE_SLOWDOWN, device=on_gpu)
+    if stage == 3 and n > 1:  # what the gathers and the reduce-scatters hide, hook by hook (zero3_overlap)
+        comm = CommTime(comm.total_s, zero3_exposed_s(workload, rows, link, gpu, n, micro_batch=micro_batch,
+                                                      precision=precision, grad_accum=grad_accum, zero=zero,
+                                                      offload=offload, phases=costs, on_gpu=on_gpu), comm.rows)
     offload_transfer_s, offload_host_s = _offload_s(stage, offload, owned, grad_accum, cluster, precision,
                                                     host_memory_gb_per_s)
     offload_transfer_s *= cal.optimizer_factor
@@ -697,6 +723,41 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
                   + f"; memory: {gpu.memory_source}"
                   + (f"; calibrated on {cal.source}" if calibration else ""),
         zero=dict(zero or {}), collectives=comm.rows, caveats=caveats(stage, n))
+
+
+def zero3_exposed_s(workload: Workload, rows: list[Any], links: Any, gpu: GPU, world_size: int, *, micro_batch: int,
+                    precision: str, grad_accum: int, zero: Mapping[str, Any] | None, offload: bool,
+                    phases: PhaseCosts, on_gpu: dict[str, float]) -> float:
+    """Seconds of ZeRO-3's communication exposed per optimizer step: the gathers and the reduce-scatters that run
+    while the backward goes on, played hook by hook on the compute and NCCL streams' clocks (`zero3_overlap`, its
+    stretches timed by this GPU's roofline and scaled to the phases as they run, `phases`, and as the device's own
+    compute, `on_gpu`), every micro-step; the rest of `rows` (the last gradient bucket, the optimizer step's
+    collectives) as `comm_time` exposes them."""
+    from labkit.study import comms, zero3_overlap
+
+    settings = dict(zero or {})
+    cfg = comms.check_zero_settings(3, settings, offload)
+    trace, ops = workload.zero3_timeline(micro_batch, precision)
+    size = comms.DTYPE_BYTES[precision]
+
+    def gather_s(call: Sequence[int]) -> float:
+        output = comms.gathered_elements(call, world_size) * size
+        return float(links.seconds("all_gather", comms.ring_factor("all_gather", world_size) * output, world_size))
+
+    steps = zero3_overlap.fetches(trace, zero3.replay(trace, **settings),
+                                  [flops.op_seconds(op, gpu, precision) for op in ops], gather_s)
+    played = [c for c in rows if c.phase in ("forward", "backward") and c.per == "micro_step"
+              and (c.op == "all_gather" or (c.op == "reduce_scatter" and c.overlappable))]
+    scatters = [float(links.seconds(c.op, comms.ring_bytes_sent(c, world_size), world_size))
+                for c in played if c.op == "reduce_scatter" for _ in range(c.count)]
+    micro = zero3_overlap.micro_step_s(steps, forward_s=phases.forward_s, backward_s=phases.backward_s,
+                                       device_forward_s=on_gpu["forward"], device_backward_s=on_gpu["backward"],
+                                       reduce_scatters_s=scatters, bucket_elements=int(cfg.reduce_bucket_size),
+                                       slowdown=OVERLAP_COMPUTE_SLOWDOWN)
+    rest = comm_time([c for c in rows if c not in played], links, world_size, grad_accum=grad_accum,
+                     hide_behind={"forward": phases.forward_s, "backward": phases.backward_s},
+                     slowdown=OVERLAP_COMPUTE_SLOWDOWN, device=on_gpu)
+    return rest.exposed_s + grad_accum * micro.exposed_s
 
 
 def _offload_s(stage: int | None, offload: bool, owned: float, grad_accum: int, cluster: Cluster, precision: str,

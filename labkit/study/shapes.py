@@ -172,6 +172,15 @@ class Transformer:
         hooks repeated `layers` times."""
         return _zero3_trace(self)
 
+    def zero3_timeline(self, micro_batch: int, dtype: str) -> tuple[Any, list[Any]]:
+        """ZeRO-3's module trace at `micro_batch` sequences in `dtype` ("fp32", "fp16", "bf16") with every op of the
+        step (`zero3_overlap.recorded` on the one-layer model; its block's hooks, with their ops, repeated `layers`
+        times)."""
+        from labkit.study import zero3
+
+        trace, ops = _one_layer_timeline(dataclasses.replace(self, layers=1), micro_batch, dtype)
+        return zero3.repeat_blocks(trace, self.layers, _BLOCK), ops
+
     def persistent_params(self, threshold: int = 100_000) -> int:
         """Elements of the tensors ZeRO-3 keeps whole (each <= param_persistence_threshold): biases and norms."""
         return sum(n for module in self.module_layout() for n in module if n <= threshold)
@@ -319,6 +328,19 @@ def _one_layer_trace(shape: Transformer) -> Any:
     model = build(shape, 1, torch.float32)
     ids = torch.zeros(1, min(8, shape.seq), dtype=torch.long, device="meta")
     return zero3.record(model, lambda: model(input_ids=ids, labels=ids).loss)
+
+
+@functools.lru_cache(maxsize=64)
+def _one_layer_timeline(shape: Transformer, micro_batch: int, dtype: str) -> tuple[Any, list[Any]]:
+    """The one-layer model's trace with its ops (`zero3_overlap.recorded`) on the meta device, at `micro_batch` x seq
+    tokens, its loss computed as `flops.transformer_costs` counts it."""
+    import torch
+
+    from labkit.study import zero3_overlap
+
+    model = build(shape, 1, {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype])
+    ids = torch.zeros(micro_batch, shape.seq, dtype=torch.long, device="meta")
+    return zero3_overlap.recorded(model, lambda: model(input_ids=ids, labels=ids).loss)
 
 
 def build(shape: Transformer, layers: int, dtype: Any) -> Any:

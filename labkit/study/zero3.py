@@ -58,6 +58,9 @@ class ModuleTrace:
     external_if_persistent: frozenset[tuple[int, int]] = frozenset()
     returned: frozenset[int] = frozenset()   # parameters a module returned: DeepSpeed flags them `is_external_param`
                                              # and no release frees them until the optimizer step (:386, :528)
+    # Where `record` was given a `mark` (the ops recorded so far, `zero3_overlap`): for each event of the forward
+    # and then the backward, the ops [start, end) from it to the next event (the last one's to the backward's end)
+    spans: tuple[tuple[int, int], ...] = ()
 
     def hooked_modules(self) -> tuple[float, float]:
         """(parameter-holding, parameter-free) modules per micro-step as ZeRO-3's host costs count them
@@ -100,7 +103,7 @@ def _mirror(forward: Sequence[Event]) -> tuple[Event, ...]:
     return tuple((not fetch, m) for fetch, m in reversed(forward))
 
 
-def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
+def record(model: Any, run_step: Callable[[], Any], mark: Callable[[], int] | None = None) -> ModuleTrace:
     """The trace of `model` (on any device, the meta device too) from `run_step()`, which returns the loss: its
     forward and its backward run with DeepSpeed's hooks' mechanics on every module, logging where DeepSpeed would
     fetch and release (parameter_offload.py, 0.19.8):
@@ -119,7 +122,8 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
     So the backward's order is autograd's own, and outputs the loss does not use fetch nothing. The step runs twice:
     a forward whose modules differ between steps (DeepSpeed then records its trace again, :195-219, and never
     prefetches) is refused. The parameters' `.grad` are left as they were; anything else the step changes (running
-    statistics, the random state) is not restored."""
+    statistics, the random state) is not restored. `mark()`, where given, says how many ops were recorded so far (a
+    census's, `zero3_overlap`): the trace's `spans` then say which ops of the first step ran after each event."""
     import torch
     from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
     from deepspeed.runtime.zero.utils import apply_to_tensors_only
@@ -141,6 +145,12 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
     traced: list[str] = []
     owns: list[tuple[int, ...]] = []
     events: list[Event] = []
+    marks: list[int] = []  # mark() at each event
+
+    def log(event: Event) -> None:
+        events.append(event)
+        marks.append(mark() if mark else 0)
+
     pending_fetches: dict[int, int] = collections.defaultdict(int)  # applied_pre_backward_ref_cnt
     grads_remaining: dict[int, int] = collections.defaultdict(int)  # ds_grads_remaining
     # External parameters by module key (id), registered by the user (register_external_parameter) or in the
@@ -163,7 +173,7 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:
             if pending_fetches[ctx.m] > 0:
-                events.append((True, ctx.m))
+                log((True, ctx.m))
                 pending_fetches[ctx.m] -= 1
             return None, grad
 
@@ -177,7 +187,7 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
         def backward(ctx: Any, grad: Any) -> Any:
             grads_remaining[ctx.m] -= 1
             if grads_remaining[ctx.m] == 0:
-                events.append((False, ctx.m))
+                log((False, ctx.m))
             return None, grad
 
     def read(param: Any) -> None:  # ZeROOrderedDict.__getitem__ (:58-93)
@@ -195,7 +205,7 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
             owns.append(tuple(sorted(own_ids[key])))
         m = index[key]
         stack.append(key)
-        events.append((True, m))
+        log((True, m))
         grads_remaining[m] = 0
 
         def wrap(x: Any) -> Any:
@@ -216,7 +226,7 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
                     registry[key].discard(p)
                     returned.add(p)
         m = index[key]
-        events.append((False, m))
+        log((False, m))
         return apply_to_tensors_only(lambda x: PreBackward.apply(m, x), output)
 
     class Reads(dict):  # a module's parameters, noticing a read (DeepSpeed's ZeROOrderedDict)
@@ -236,6 +246,7 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
 
     grads = [(p, p.grad) for p in model.parameters()]
     steps = []
+    spans: tuple[tuple[int, int], ...] = ()
     try:
         hook(model)
         for module in model.modules():
@@ -245,6 +256,7 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
             for p, _ in grads:
                 p.grad = None
             events.clear()
+            marks.clear()
             with torch.enable_grad():
                 loss = run_step()
                 turn = len(events)
@@ -254,6 +266,9 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
                 recording[0] = False
                 loss.backward()
             steps.append((tuple(events[:turn]), tuple(events[turn:])))
+            if mark and not spans:  # the first step's
+                ends = [*marks[1:], mark()]
+                spans = tuple(zip(marks, ends, strict=True))
         ungraded = frozenset(ids[id(p)] for p, _ in grads if p.grad is None)
     finally:
         for h in handles:
@@ -276,7 +291,7 @@ def record(model: Any, run_step: Callable[[], Any]) -> ModuleTrace:
                          if p not in own_ids[key])
 
     return ModuleTrace(tuple(numels), tuple(owns), steps[0][0], steps[0][1], tuple(traced), ungraded,
-                       registered(False), registered(True), frozenset(returned))
+                       registered(False), registered(True), frozenset(returned), spans)
 
 
 def _outputs(output: Any) -> list[Any]:
@@ -325,24 +340,29 @@ def repeat_blocks(trace: ModuleTrace, layers: int,
             owns.append(tuple(renumber(p, layer) for p in own))
             names.append(block.sub(_layer_name(layer), trace.names[m]) if inside[m] else trace.names[m])
 
-    def expand(events: Sequence[Event]) -> tuple[Event, ...]:
-        out: list[Event] = []
+    def expand(events: Sequence[Event], forward: bool) -> tuple[tuple[Event, int], ...]:
+        """The events of `layers` blocks, each with the index of the recorded event it copies."""
+        out: list[tuple[Event, int]] = []
         k = 0
         while k < len(events):
             if not inside[events[k][1]]:
-                out.append((events[k][0], copies[events[k][1], 0]))
+                out.append(((events[k][0], copies[events[k][1], 0]), k))
                 k += 1
                 continue
             end = k
             while end < len(events) and inside[events[end][1]]:
                 end += 1
-            stretch = events[k:end]
             if any(inside[m] for _, m in events[end:]):
                 raise ValueError("a block's hooks are split by another module's: cannot repeat the block")
-            order = range(layers) if events is trace.forward else range(layers - 1, -1, -1)
-            out.extend((fetch, copies[m, layer]) for layer in order for fetch, m in stretch)
+            order = range(layers) if forward else range(layers - 1, -1, -1)
+            out.extend(((events[j][0], copies[events[j][1], layer]), j) for layer in order for j in range(k, end))
             k = end
         return tuple(out)
+
+    forward, backward = expand(trace.forward, True), expand(trace.backward, False)
+    # each copy keeps the ops of the event it copies (the last block's span ends where the recorded block's did)
+    spans = (tuple(trace.spans[j] for _, j in forward) + tuple(trace.spans[len(trace.forward) + j] for _, j in backward)
+             if trace.spans else ())
 
     ungraded = frozenset(renumber(p, layer) for p in trace.ungraded
                          for layer in (range(layers) if first <= p < first + width else (0,)))
@@ -353,10 +373,11 @@ def repeat_blocks(trace: ModuleTrace, layers: int,
         return frozenset((copies[m, layer], renumber(p, layer)) for m, p in pairs
                          for layer in (range(layers) if inside[m] else (0,)))
 
-    return ModuleTrace(tuple(numels), tuple(owns), expand(trace.forward), expand(trace.backward), tuple(names),
-                       ungraded, external(trace.external_if_partitioned), external(trace.external_if_persistent),
+    return ModuleTrace(tuple(numels), tuple(owns), tuple(e for e, _ in forward), tuple(e for e, _ in backward),
+                       tuple(names), ungraded, external(trace.external_if_partitioned),
+                       external(trace.external_if_persistent),
                        frozenset(renumber(p, layer) for p in trace.returned
-                                 for layer in (range(layers) if first <= p < first + width else (0,))))
+                                 for layer in (range(layers) if first <= p < first + width else (0,))), spans)
 
 
 def _layer_name(layer: int) -> Callable[[re.Match[str]], str]:
@@ -386,6 +407,10 @@ class Replay:
                                      # itself or by an earlier prefetch): the host work of the gather path
     gathered_params_fetched: int     # the partitioned parameters those fetches hold, summed
     persistent: frozenset[int]       # the persistent parameters' ids
+    # per fetch (the trace's fetch events in order, the forward's then the backward's): the element counts its own
+    # gather call takes (none where everything was resident or in flight), its prefetch call's, and the calls it
+    # waits on (those that took its module's parameters, by their number in the order the calls were made)
+    fetches: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
 
 
 def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
@@ -423,12 +448,16 @@ def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
     turn_resident = 0
     gathering = gathered_fetched = 0
     fresh: set[tuple[int, int]] = set()  # (parameter, the step of its next use) gathered for that use
+    fetches: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
+    call_of: dict[int, int] = {}  # parameter -> the number of the call that gathered it last
     step = 0
 
     def gather(params: Sequence[int], forward: bool) -> list[int]:  # __all_gather_params_ (:582-600): one call
         nonlocal available
         todo = [p for p in params if p not in gathered and p not in persistent]
         if todo:
+            for p in todo:
+                call_of[p] = len(calls[True]) + len(calls[False])
             calls[forward].append([numels[p] for p in todo])
             gathered.update(todo)
             available += sum(numels[p] for p in todo)
@@ -444,8 +473,10 @@ def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
         if fetch:  # _fetch_sub_module_impl (:349-487)
             if turn is None and not forward and any(p not in persistent for p in own):
                 turn = step
+            fetched: list[int] = []
             if any(p not in gathered and p not in persistent for p in own):  # :365-381
-                gather(own, forward)
+                fetched = gather(own, forward)
+            waits = tuple(sorted({call_of[p] for p in own if p in inflight or p in fetched}))
             inflight.difference_update(own)  # waited on (:384-410): AVAILABLE
             if any((p, step) in fresh for p in own):
                 gathering += 1
@@ -456,9 +487,9 @@ def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
             for _ in [p for p in own if fetched_for[p] < step]:
                 p, used_at = queue.popleft()
                 fetched_for[p] = used_at
+            batch: list[int] = []
             if bucket > 0:  # prefetch (:452-485): at most one bucket, within the live-parameter limit
                 room = min(limit - available, bucket)
-                batch: list[int] = []
                 numel = 0
                 while queue and numel < room:
                     p, used_at = queue.popleft()
@@ -467,7 +498,9 @@ def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
                         numel += numels[p]
                     fetched_for[p] = max(fetched_for[p], used_at)
                 if batch:
-                    inflight.update(gather(batch, forward))
+                    batch = gather(batch, forward)
+                    inflight.update(batch)
+            fetches.append((tuple(numels[p] for p in fetched), tuple(numels[p] for p in batch), waits))
             step += 1
             if turn == step - 1:
                 turn_resident = available
@@ -484,7 +517,8 @@ def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
                 if p in gathered and p not in inflight and not active[p]:  # __release_param (:624-631): AVAILABLE
                     gathered.discard(p)
                     available -= numels[p]
-    return Replay(calls[True], calls[False], turn_resident, gathering, gathered_fetched, frozenset(persistent))
+    return Replay(calls[True], calls[False], turn_resident, gathering, gathered_fetched, frozenset(persistent),
+                  tuple(fetches))
 
 
 def record_lab_model(config: Any) -> ModuleTrace:
