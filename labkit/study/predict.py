@@ -728,11 +728,11 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
 def zero3_exposed_s(workload: Workload, rows: list[Any], links: Any, gpu: GPU, world_size: int, *, micro_batch: int,
                     precision: str, grad_accum: int, zero: Mapping[str, Any] | None, offload: bool,
                     phases: PhaseCosts, on_gpu: dict[str, float]) -> float:
-    """Seconds of ZeRO-3's communication exposed per optimizer step: the gathers and the reduce-scatters that run
-    while the backward goes on, played hook by hook on the compute and NCCL streams' clocks (`zero3_overlap`, its
-    stretches timed by this GPU's roofline and scaled to the phases as they run, `phases`, and as the device's own
-    compute, `on_gpu`), every micro-step; the rest of `rows` (the last gradient bucket, the optimizer step's
-    collectives) as `comm_time` exposes them."""
+    """Seconds of ZeRO-3's communication exposed per optimizer step: the gathers and the gradients' reduce-scatters
+    played hook by hook on the compute and NCCL streams' clocks every micro-step (`zero3_overlap`: its stretches
+    timed by this GPU's roofline and scaled to the phases as they run, `phases`, and to the device's own compute,
+    `on_gpu`; its buckets DeepSpeed's flush rule over the gradients in the order they complete); the optimizer step's
+    collectives in `rows` as `comm_time` exposes them."""
     from labkit.study import comms, zero3_overlap
 
     settings = dict(zero or {})
@@ -740,24 +740,26 @@ def zero3_exposed_s(workload: Workload, rows: list[Any], links: Any, gpu: GPU, w
     trace, ops = workload.zero3_timeline(micro_batch, precision)
     size = comms.DTYPE_BYTES[precision]
 
-    def gather_s(call: Sequence[int]) -> float:
-        output = comms.gathered_elements(call, world_size) * size
-        return float(links.seconds("all_gather", comms.ring_factor("all_gather", world_size) * output, world_size))
+    def call_s(op: str, numels: Sequence[int]) -> float:  # one call over parameters (or gradients) of `numels`
+        moved = comms.ring_factor(op, world_size) * comms.gathered_elements(numels, world_size) * size
+        return float(links.seconds(op, moved, world_size))
 
     steps = zero3_overlap.fetches(trace, zero3.replay(trace, **settings),
-                                  [flops.op_seconds(op, gpu, precision) for op in ops], gather_s)
-    played = [c for c in rows if c.phase in ("forward", "backward") and c.per == "micro_step"
-              and (c.op == "all_gather" or (c.op == "reduce_scatter" and c.overlappable))]
-    scatters = [float(links.seconds(c.op, comms.ring_bytes_sent(c, world_size), world_size))
-                for c in played if c.op == "reduce_scatter" for _ in range(c.count)]
+                                  [flops.op_seconds(op, gpu, precision) for op in ops],
+                                  lambda call: call_s("all_gather", call))
     micro = zero3_overlap.micro_step_s(steps, forward_s=phases.forward_s, backward_s=phases.backward_s,
                                        device_forward_s=on_gpu["forward"], device_backward_s=on_gpu["backward"],
-                                       reduce_scatters_s=scatters, bucket_elements=int(cfg.reduce_bucket_size),
+                                       bucket_elements=int(cfg.reduce_bucket_size),
+                                       scatter_s=lambda bucket: call_s("reduce_scatter", bucket),
                                        slowdown=OVERLAP_COMPUTE_SLOWDOWN)
-    rest = comm_time([c for c in rows if c not in played], links, world_size, grad_accum=grad_accum,
-                     hide_behind={"forward": phases.forward_s, "backward": phases.backward_s},
-                     slowdown=OVERLAP_COMPUTE_SLOWDOWN, device=on_gpu)
-    return rest.exposed_s + grad_accum * micro.exposed_s
+    rest = [c for c in rows if c.phase == "optimizer"]
+    if len(rest) + sum(c.op in ("all_gather", "reduce_scatter") and c.per == "micro_step" for c in rows) != len(rows):
+        raise ValueError("a ZeRO-3 collective neither played nor of the optimizer step: comms and zero3_exposed_s "
+                         "disagree")
+    exposed = comm_time(rest, links, world_size, grad_accum=grad_accum,
+                        hide_behind={"forward": phases.forward_s, "backward": phases.backward_s},
+                        slowdown=OVERLAP_COMPUTE_SLOWDOWN, device=on_gpu).exposed_s
+    return exposed + grad_accum * micro.exposed_s
 
 
 def _offload_s(stage: int | None, offload: bool, owned: float, grad_accum: int, cluster: Cluster, precision: str,

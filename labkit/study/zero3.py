@@ -61,6 +61,7 @@ class ModuleTrace:
     # Where `record` was given a `mark` (the ops recorded so far, `zero3_overlap`): for each event of the forward
     # and then the backward, the ops [start, end) from it to the next event (the last one's to the backward's end)
     spans: tuple[tuple[int, int], ...] = ()
+    backward_from: int = 0  # the op where the backward began (`loss.backward()`), in the same count
 
     def hooked_modules(self) -> tuple[float, float]:
         """(parameter-holding, parameter-free) modules per micro-step as ZeRO-3's host costs count them
@@ -247,6 +248,7 @@ def record(model: Any, run_step: Callable[[], Any], mark: Callable[[], int] | No
     grads = [(p, p.grad) for p in model.parameters()]
     steps = []
     spans: tuple[tuple[int, int], ...] = ()
+    backward_from = 0
     try:
         hook(model)
         for module in model.modules():
@@ -264,11 +266,12 @@ def record(model: Any, run_step: Callable[[], Any], mark: Callable[[], int] | No
                     raise ValueError("the step's loss needs a gradient (parameters to train, not under "
                                      "inference_mode)")
                 recording[0] = False
+                started = mark() if mark else 0
                 loss.backward()
             steps.append((tuple(events[:turn]), tuple(events[turn:])))
             if mark and not spans:  # the first step's
                 ends = [*marks[1:], mark()]
-                spans = tuple(zip(marks, ends, strict=True))
+                spans, backward_from = tuple(zip(marks, ends, strict=True)), started
         ungraded = frozenset(ids[id(p)] for p, _ in grads if p.grad is None)
     finally:
         for h in handles:
@@ -291,7 +294,7 @@ def record(model: Any, run_step: Callable[[], Any], mark: Callable[[], int] | No
                          if p not in own_ids[key])
 
     return ModuleTrace(tuple(numels), tuple(owns), steps[0][0], steps[0][1], tuple(traced), ungraded,
-                       registered(False), registered(True), frozenset(returned), spans)
+                       registered(False), registered(True), frozenset(returned), spans, backward_from)
 
 
 def _outputs(output: Any) -> list[Any]:
@@ -377,7 +380,8 @@ def repeat_blocks(trace: ModuleTrace, layers: int,
                        tuple(names), ungraded, external(trace.external_if_partitioned),
                        external(trace.external_if_persistent),
                        frozenset(renumber(p, layer) for p in trace.returned
-                                 for layer in (range(layers) if first <= p < first + width else (0,))), spans)
+                                 for layer in (range(layers) if first <= p < first + width else (0,))), spans,
+                       trace.backward_from)
 
 
 def _layer_name(layer: int) -> Callable[[re.Match[str]], str]:
@@ -408,8 +412,8 @@ class Replay:
     gathered_params_fetched: int     # the partitioned parameters those fetches hold, summed
     persistent: frozenset[int]       # the persistent parameters' ids
     # per fetch (the trace's fetch events in order, the forward's then the backward's): the element counts its own
-    # gather call takes (none where everything was resident or in flight), its prefetch call's, and the calls it
-    # waits on (those that took its module's parameters, by their number in the order the calls were made)
+    # gather call takes (none where everything was resident or in flight), its prefetch call's, and for each of its
+    # parameters it waits on the call that took it (by the calls' number in the order they were made)
     fetches: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
 
 
@@ -476,7 +480,7 @@ def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
             fetched: list[int] = []
             if any(p not in gathered and p not in persistent for p in own):  # :365-381
                 fetched = gather(own, forward)
-            waits = tuple(sorted({call_of[p] for p in own if p in inflight or p in fetched}))
+            waits = tuple(call_of[p] for p in own if p in inflight or p in fetched)  # one per parameter waited on
             inflight.difference_update(own)  # waited on (:384-410): AVAILABLE
             if any((p, step) in fresh for p in own):
                 gathering += 1

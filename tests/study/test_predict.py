@@ -2291,10 +2291,6 @@ def test_zero3s_communication_is_played_hook_by_hook_across_gpus():
               and (r["op"] == "all_gather" or r["overlappable"])]
     rest = sum(r["seconds_per_step"] for r in z3.collectives if r not in played)
     assert z3.exposed_comm_s > rest  # the last bucket and the step's collectives, and more: the first gather at least
-    # without prefetching each module's gather is waited on as it is issued: more of them is exposed
-    eager = P.predict(work, cluster, strategy="z3", micro_batch=16, precision="bf16",
-                      zero={"stage3_prefetch_bucket_size": 0})
-    assert eager.exposed_comm_s > z3.exposed_comm_s
     # the same model across 2 nodes: slower calls, more of them past the compute
     nodes = P.predict(work, hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8, nodes=2, inter_gbps=100),
                       strategy="z3", micro_batch=16, precision="bf16")

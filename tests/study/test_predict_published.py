@@ -70,15 +70,15 @@ def test_eq3_reads_the_zeropp_tutorials_log_and_counts_passes_as_its_source_did(
 
 
 # Met since 2026-11-30, thinly: 19.1% over 46 points. It was 25.7% over the 43 before three held-out, compute-bound
-# points of BigScience's 1B3 on 8 V100s (data/published/README.md, source 11) came in within 7% (22.0% since ZeRO-3's
+# points of BigScience's 1B3 on 8 V100s (data/published/README.md, source 11) came in within 7% (26.8% since ZeRO-3's
 # communication is played hook by hook, 2026-12-01); the median sits in a gap of the sorted errors (16.9% and 21.3%,
-# then 22.0%, 27.3%): three more points past 25% would fail it again.
+# then 26.8%, 28.1%): two more points past 25% would fail it again.
 def test_the_issues_median_goal_on_the_published_points(comparison):
     assert comparison["error"].abs().median() <= GOAL_MEDIAN
 
 
 @pytest.mark.xfail(strict=True, reason="the model does not reach the issue's goal for every point (<= 40%; it "
-                                       "reaches 193%, 25 of 46 points within 25%, 34 within 40%). Over 40%: ZeRO-3 "
+                                       "reaches 193%, 24 of 46 points within 25%, 34 within 40%). Over 40%: ZeRO-3 "
                                        "at 640-2240 A100s (SC21) and at micro-batch 1 on 16 V100 (autotuning), both "
                                        "with DeepSpeed's ZeRO-3 before v0.6.0 (a device synchronize per fetch, "
                                        "rewritten in #1453); ZeRO-3 on 384 V100 at 400-800 Gb/s (the ZeRO++ blog; "
@@ -111,7 +111,7 @@ ZERO3_BEFORE_0_6 = ("megatron-sc21", "deepspeedexamples-autotuning")
 def test_where_the_model_hides_communication_the_published_runs_hid_less(comparison, points):
     """What predict.ZERO3_CAVEAT says of step_time_s_if_nothing_hides: where the model hides communication behind
     compute (ZeRO-3 across GPUs alone, in the published set), DeepSpeed 0.6 and later's runs were within 18% of the
-    same step with none hidden, where the prediction misses them by up to 52%. Not the model: a check of it."""
+    same step with none hidden, where the prediction misses them by up to 66%. Not the model: a check of it."""
     hides = comparison[comparison["predicted_if_nothing_hides"] != comparison["predicted"]]
     zero3 = comparison[comparison["strategy"].str.startswith("z3") & (comparison["gpus"] > 1)]
     assert set(hides["point_id"]) == set(zero3["point_id"])
@@ -120,7 +120,7 @@ def test_where_the_model_hides_communication_the_published_runs_hid_less(compari
     assert len(later) == 11 and later["source"].nunique() == 3 and later["gpu"].nunique() == 3 and len(before) == 7
     assert later["error_if_nothing_hides"].abs().max() <= 0.18
     # docs/predict.md's table: median / max |error|, predicted and with nothing hidden
-    for rows, figures in ((later, (0.308, 0.522, 0.120, 0.177)), (before, (0.916, 1.932, 0.587, 1.591))):
+    for rows, figures in ((later, (0.321, 0.658, 0.120, 0.177)), (before, (0.973, 1.932, 0.587, 1.591))):
         errors, nothing = rows["error"].abs(), rows["error_if_nothing_hides"].abs()
         assert [errors.median(), errors.max(), nothing.median(), nothing.max()] == pytest.approx(figures, abs=0.001)
     # only where the network bounds the step (100 Gb/s between nodes) is the prediction the nearer of the two

@@ -14,13 +14,14 @@ SHAPE = flops.Transformer.parse("layers=3,hidden=64,heads=4,seq=16,vocab=100")
 
 
 def stretch(compute: float, *, gather: float | None = None, prefetch: float | None = None,
-            waits: tuple[int, ...] = (), ready: int = 0) -> Fetch:
-    return Fetch(gather, prefetch, waits, compute, 0.0, ready)
+            waits: tuple[int, ...] = (), ready: tuple[int, ...] = (), backward: float = 0.0) -> Fetch:
+    return Fetch(gather, prefetch, waits, compute, backward, ready)
 
 
 def play(steps: list[Fetch], **kwargs) -> float:
-    forward = sum(s.forward_s for s in steps)
-    kwargs = {"forward_s": forward, "backward_s": 0.0, "device_forward_s": forward, "device_backward_s": 0.0,
+    forward, backward = sum(s.forward_s for s in steps), sum(s.backward_s for s in steps)
+    kwargs = {"forward_s": forward, "backward_s": backward, "device_forward_s": forward,
+              "device_backward_s": backward, "bucket_elements": 10, "scatter_s": lambda bucket: sum(bucket) / 10,
               **kwargs}
     return zero3_overlap.micro_step_s(steps, **kwargs).exposed_s
 
@@ -38,12 +39,16 @@ def test_calls_run_one_after_the_other_on_the_groups_nccl_stream():
     # two prefetches queued at the first hook: the second finishes after both, 4 s in
     steps = [stretch(1.0, prefetch=2.0), stretch(1.0, prefetch=2.0), stretch(1.0, waits=(1,))]
     assert play(steps) == pytest.approx(2.0)
-    # a reduce-scatter issued once its bucket's gradients are ready queues before a later gather
-    rs = [stretch(1.0, ready=10), stretch(1.0, prefetch=1.0), stretch(0.5, waits=(0,))]
-    assert play(rs) == pytest.approx(0.0)
-    assert play(rs, reduce_scatters_s=[3.0], bucket_elements=10) == pytest.approx(3.0)  # 1 + 3 + 1 = 5 vs 2.5
-    # one issued after the last stretch makes the micro-step end when it does
-    assert play([stretch(1.0, ready=10)], reduce_scatters_s=[2.0], bucket_elements=10) == pytest.approx(2.0)
+    # a full bucket is reduce-scattered when the next gradient would overflow it, on the same stream as the gathers:
+    # here (6 + 6 elements, a bucket of 10) after the first stretch, 1.2 s before the prefetch can start
+    rs = [stretch(0.0, backward=1.0, ready=(6, 6)), stretch(0.0, backward=1.0, prefetch=1.0),
+          stretch(0.0, backward=0.5, waits=(0,))]
+    # the first bucket's 1.2 s end 2.2 s in, the prefetch 3.2 s in (the third stretch waits for it), and the last
+    # bucket (the second 6, flushed when the backward ends at 3.7 s) 4.9 s in: 2.5 s of compute, 2.4 s exposed
+    assert play(rs, scatter_s=lambda bucket: 2 * sum(bucket) / 10) == pytest.approx(4.9 - 2.5)
+    # gradients that fit one bucket go once, when the backward ends
+    assert play([stretch(0.0, backward=1.0, ready=(4, 4))]) == pytest.approx(0.8)
+    assert play([stretch(0.0, backward=1.0, ready=(4, 4, 4)), stretch(0.0, backward=1.0)]) == pytest.approx(0.4)
 
 
 def test_compute_beside_communication_is_slowed_as_predict_slows_a_phase():
@@ -54,6 +59,15 @@ def test_compute_beside_communication_is_slowed_as_predict_slows_a_phase():
     assert play([stretch(1.0, prefetch=2.0), stretch(0.0, waits=(0,))], slowdown=k) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="slowdown"):
         play([stretch(1.0)], slowdown=0.5)
+
+
+def test_a_micro_step_the_stretches_cannot_share_is_refused():
+    with pytest.raises(ValueError, match="at least one fetch"):
+        zero3_overlap.micro_step_s([], forward_s=1.0, backward_s=1.0, device_forward_s=1.0, device_backward_s=1.0)
+    with pytest.raises(ValueError, match=r"backward takes 1\.0 s but its stretches have no work"):
+        play([stretch(1.0)], backward_s=1.0)
+    with pytest.raises(ValueError, match="bucket_elements > 0"):
+        play([stretch(0.0, backward=1.0, ready=(4,))], bucket_elements=0)
 
 
 def test_where_the_host_bounds_the_phase_a_call_is_issued_when_the_device_gets_there():
@@ -75,21 +89,31 @@ def test_the_stretches_are_the_steps_ops_between_hooks_and_the_waits_the_calls_t
     inside = ops[trace.spans[0][0]:trace.spans[-1][1]]
     assert sum(op.flops for op in inside) == pytest.approx(census.flops())
     replay = zero3.replay(trace, stage3_prefetch_bucket_size=3_000, stage3_param_persistence_threshold=100)
-    calls = iter(range(10**6))
-    for own, ahead, waits in replay.fetches:  # the calls in the order they were made: own, then prefetch
-        ids_own = next(calls) if own else None
-        if ids_own is not None:
-            assert ids_own in waits  # a module's own gather is waited on at once
+    issued = 0  # calls made so far, numbered as micro_step_s numbers them: a fetch's own call, then its prefetch
+    calls = [*replay.forward_calls, *replay.backward_calls]
+    waited = set()
+    for own, ahead, waits in replay.fetches:
+        if own:
+            assert list(own) == calls[issued] and issued in waits  # a module's own gather is waited on at once
+            issued += 1
+        assert all(w < issued for w in waits)  # only calls already made
+        waited.update(waits)
         if ahead:
-            next(calls)
-        assert all(w <= (ids_own if ids_own is not None else 10**6) for w in waits)
-    assert sum(1 for own, _, _ in replay.fetches if own) + sum(1 for _, a, _ in replay.fetches if a) == \
-        len(replay.forward_calls) + len(replay.backward_calls)
+            assert list(ahead) == calls[issued]
+            issued += 1
+    assert issued == len(calls) and waited == set(range(issued))  # every call is waited on by some fetch
     steps = zero3_overlap.fetches(trace, replay, [op.flops for op in ops], lambda call: float(sum(call)))
     assert len(steps) == len(replay.fetches)
-    assert sum(s.forward_s + s.backward_s for s in steps) == pytest.approx(census.flops())
-    # every gradient is ready once in the backward, the parameters' elements
-    assert sum(s.ready_elements for s in steps) == sum(trace.numels)
+    assert sum(s.forward_s for s in steps) == pytest.approx(census.flops("forward"))
+    assert sum(s.backward_s for s in steps) == pytest.approx(census.flops("backward"))
+    # the forward's stretches do no backward work but the last one (it runs into the loss's backward), the
+    # backward's no forward work; gradients complete in the backward's stretches only, each once
+    turn = sum(fetch for fetch, _ in trace.forward)
+    assert all(s.backward_s == 0 for s in steps[:turn - 1]) and all(s.forward_s == 0 for s in steps[turn:])
+    assert not any(s.ready for s in steps[:turn - 1])
+    assert sorted(n for s in steps for n in s.ready) == sorted(trace.numels)
+    # the embedding's gradient last (the tied head's too: the same parameter), the LM head's module first
+    assert steps[-1].ready[-1] == trace.numels[0] == SHAPE.vocab * SHAPE.hidden
 
 
 def test_a_transformers_stretches_are_its_one_block_stretches_repeated():
@@ -117,3 +141,21 @@ def test_fetches_refuses_a_trace_without_its_ops_or_a_replay_of_another():
     other = flops.Transformer.parse("layers=2,hidden=64,heads=4,seq=16,vocab=100").zero3_trace()
     with pytest.raises(ValueError, match="another trace"):
         zero3_overlap.fetches(timed, zero3.replay(other), [0.0] * len(ops), lambda call: 1.0)
+
+
+@pytest.mark.parametrize("bucket", [20_000, 500_000_000])
+def test_the_played_buckets_are_the_reduce_scatters_comms_counts(bucket):
+    """The gradients the stretches complete, bucketed by DeepSpeed's flush rule as the play issues them, are the
+    reduce-scatter calls comms.collectives counts for the same model (checked there against DeepSpeed's log)."""
+    from labkit.study import comms
+
+    trace, ops = SHAPE.zero3_timeline(2, "fp32")
+    steps = zero3_overlap.fetches(trace, zero3.replay(trace), [op.flops for op in ops], lambda call: 1.0)
+    played: list[list[int]] = []
+    total = sum(s.forward_s + s.backward_s for s in steps)
+    zero3_overlap.micro_step_s(steps, forward_s=total, backward_s=0.0, device_forward_s=total, device_backward_s=0.0,
+                               bucket_elements=bucket, scatter_s=lambda b: played.append(list(b)) or 0.0)
+    rows = comms.collectives(3, sum(trace.numels), 4, precision="fp32", modules=SHAPE.module_layout(),
+                             trace=SHAPE.zero3_trace(), reduce_bucket_size=bucket)
+    scatters = sorted(c.bytes for c in rows if c.op == "reduce_scatter" for _ in range(c.count))
+    assert sorted(comms.gathered_elements(b, 4) * 4 for b in played) == scatters
