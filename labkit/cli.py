@@ -107,7 +107,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from labkit.launch.admission import Admission
+    from labkit.launch.admission import Admission, oversubscribed
     from labkit.launch.environment import check_environment
     from labkit.launch.phase import RunProgress, run_label
     from labkit.launch.run import Run
@@ -123,6 +123,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError("out", f"--out directory {out} is not empty")
     admission = Admission.here()
     estimate, decision = admission.admit_alone(config, "this run")  # NotEnoughMemory: exit 2, with the figures
+    if admission.is_cpu and (warning := oversubscribed(estimate, admission.cores)):
+        print(f"warning: {warning}", file=sys.stderr)
     if not decision.admit:  # other programs hold the memory now
         print(f"{decision.describe()}; waiting for other programs to free it (Ctrl-C gives up)", file=sys.stderr)
         try:

@@ -438,6 +438,16 @@ def admit_from(queue: Sequence[Estimate], running: Sequence[tuple[Estimate, int]
     return len(queue), None
 
 
+def oversubscribed(candidate: Estimate, cores: int) -> str | None:
+    """A warning for a run whose own OpenMP threads exceed the cores (a `threads_per_rank` set too high: the
+    default never does), or None. A warning, not a refusal: that slowness is something a learner may want to see."""
+    if candidate.threads <= THREADS_PER_CORE * cores:
+        return None
+    return (f"{candidate.threads} OpenMP threads ({candidate.cpu_ranks} rank(s) x threads_per_rank) on {cores} "
+            f"core(s): threads beyond the cores spin-wait on each other (on the lab's 2-core machine a 1-rank step "
+            f"took 37x longer with 4 threads on its 2 cores); leave threads_per_rank out for cores / ranks")
+
+
 def refusal(candidate: Estimate, room: int, label: str, where: str = "") -> NotEnoughMemory | None:
     """The error for a run that needs more than `room_bytes` (pure), or None when it can fit."""
     if candidate.total_bytes <= room:

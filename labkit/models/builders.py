@@ -89,6 +89,14 @@ def _mtimes(files: list[str]) -> dict[str, int]:
     return times
 
 
+def _findable(top_level: str, paths: list[str]) -> bool:
+    """Whether a top-level module is built in, already imported or found on `paths` (found, not run)."""
+    from importlib.machinery import PathFinder
+
+    return (top_level in sys.builtin_module_names or top_level in sys.modules
+            or PathFinder.find_spec(top_level, [p or "." for p in paths]) is not None)
+
+
 def check_importable(config: RunConfig, *, timeout_s: float = 300.0) -> None:
     """Import every model/data/loss string in a child process, as a rank will; raise a
     ConfigError naming the field when one fails. A child, so a broken module can neither
@@ -105,8 +113,14 @@ def check_importable(config: RunConfig, *, timeout_s: float = 300.0) -> None:
     # The ranks' import path: this labkit's package root first (labkit.launch.launcher), then the
     # inherited PYTHONPATH; the working directory, like `python -m` in the ranks.
     package_root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
-                                                        if p)}
+    pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    # A top-level module found nowhere the child could look is refused here, without the child's seconds
+    # of importing torch and the other strings' modules.
+    for field_name, spec in wanted:
+        top = spec.partition(":")[0].split(".")[0]
+        if not _findable(top, [os.getcwd(), *pythonpath.split(os.pathsep), *sys.path]):
+            raise ConfigError(field_name, f"cannot import {spec}: ModuleNotFoundError: No module named {top!r}")
+    env = {**os.environ, "PYTHONPATH": pythonpath}
     done = subprocess.run([sys.executable, "-c", _CHECK_SCRIPT, json.dumps(dict(wanted))], env=env,
                           capture_output=True, text=True, timeout=timeout_s)
     try:

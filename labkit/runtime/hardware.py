@@ -607,6 +607,9 @@ def intra_link(name: str, gpu_kind: GPU, gpus_per_node: int = 1) -> Link:
 # The most GPUs one node of these presets holds: 16 (NVIDIA DGX-2 and HGX-2, 16 V100 over NVSwitch; HGX A100 16-GPU);
 # DGX A100 and H100 hold 8. More in one node is a typo (1000 "GPUs per node"), not a machine.
 MAX_GPUS_PER_NODE = 16
+# The most nodes a cluster may have: 65,536 (over a million GPUs at 16 per node). The largest GPU clusters reported
+# by 2025 hold ~10^5 GPUs; a million nodes is a typo, and the prediction's time grows with the ranks.
+MAX_NODES = 65_536
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -628,6 +631,9 @@ class Cluster:
         object.__setattr__(self, "host_cpu", self.host_cpu.strip().lower())
         if self.gpus_per_node < 1 or self.nodes < 1:
             raise ValueError("gpus_per_node and nodes must be >= 1")
+        if self.nodes > MAX_NODES:
+            raise ValueError(f"{self.nodes:,} nodes: at most {MAX_NODES:,} (over a million GPUs at {MAX_GPUS_PER_NODE} "
+                             "per node, ten times the largest clusters reported)")
         if self.gpus_per_node > MAX_GPUS_PER_NODE:
             raise ValueError(f"{self.gpus_per_node} GPUs per node: the largest node is {MAX_GPUS_PER_NODE} GPUs "
                              "(DGX-2, HGX A100 16-GPU); more GPUs are more --nodes")

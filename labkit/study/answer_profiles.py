@@ -194,5 +194,6 @@ def with_model(profile: AnswerProfile, model: str | None = None, data: str | Non
     elif model is not None:
         fields["model"] = model
     fields.update({k: v for k, v in (("data", data), ("loss", loss)) if v is not None})
-    suffix = fields["model"].split(":")[0].split(".")[-1]
+    # The built-in MLP's profiles name no model (RunConfig's default): its own data or loss is still the MLP.
+    suffix = fields.get("model", "mlp").split(":")[0].split(".")[-1]
     return dataclasses.replace(profile, name=f"{profile.name}-{suffix}", model=fields, **settings)

@@ -21,6 +21,10 @@ ATTENTIONS = ("eager", "sdpa")  # the scores materialised, or torch's fused scal
 # llama: LlamaForCausalLM (RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, no biases);
 # qwen2: Qwen2ForCausalLM (llama's, with biases on the query, key and value projections).
 ARCHS = ("gpt2", "llama", "qwen2")
+# The deepest transformer published: DeepNet's 1,000 layers (Wang et al., "DeepNet: Scaling Transformers to 1,000
+# Layers", 2022). Deeper is a typo (layers=1e6 for hidden=1e6), and the trace grows with depth: 1,000 layers take
+# ~19 s to predict on this lab's 2-core CI machine, 100,000 layers minutes and GBs.
+MAX_LAYERS = 1000
 _BLOCK = re.compile(r"(^|\.)(h|layers)\.0(\.|$)")  # a module inside the first decoder block of the built model
 
 
@@ -70,6 +74,9 @@ class Transformer:
         for name in ("layers", "hidden", "heads", "seq", "vocab", "kv_heads", "ffn"):
             if getattr(self, name) < 1:
                 raise ValueError(f"transformer {name} must be >= 1")
+        if self.layers > MAX_LAYERS:
+            raise ValueError(f"transformer layers ({self.layers:,}) must be at most {MAX_LAYERS:,}, the deepest "
+                             "published transformer (DeepNet's); today's LLMs have 24-128")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
         if not gpt2 and (self.hidden // self.heads) % 2:

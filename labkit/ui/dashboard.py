@@ -46,6 +46,7 @@ STEP_KEYS = ("step", "time_s", "samples_per_s", "step_time_s", "loss", "rss_byte
 CHARTS = ("throughput", "memory", "state", "loss")
 DEFAULT_MAX_POINTS = 2000
 REFRESH_S = 0.25       # 4 Hz (>= 2 Hz wanted): the thread polls the rank files this often (replots on new records)
+MIN_REFRESH_S = 0.01   # 100 Hz: faster is a busy loop reading the rank files on the cores the ranks train on
 JOIN_TIMEOUT_S = 10.0  # close() waits this long for the update thread's current tick
 # A reloaded run (no supervisor handle) reads "starting" until its supervisor writes status.json,
 # which it does within seconds of starting; still "starting" after this long, it died first.
@@ -512,12 +513,12 @@ def _plotly_trace(trace: TraceData):
 
 
 def check_refresh_s(refresh_s: Any) -> float:
-    """The update thread's poll interval: a positive number of seconds (0 polled the rank files in a busy loop),
-    else a ValueError naming `refresh_s`. Pure."""
+    """The update thread's poll interval: at least MIN_REFRESH_S seconds (0 or 1e-6 polled the rank files in a busy
+    loop), else a ValueError naming `refresh_s`. Pure."""
     if isinstance(refresh_s, bool) or not isinstance(refresh_s, (int, float)) or not math.isfinite(refresh_s) \
-            or refresh_s <= 0:
-        raise ValueError(f"refresh_s must be a positive number of seconds (how often the charts poll the run), "
-                         f"got {refresh_s!r}")
+            or refresh_s < MIN_REFRESH_S:
+        raise ValueError(f"refresh_s must be a number of seconds of at least {MIN_REFRESH_S} (how often the charts "
+                         f"poll the run), got {refresh_s!r}")
     return float(refresh_s)
 
 

@@ -227,6 +227,22 @@ def test_runs_that_overlap_get_their_share_of_the_cores(cores, ranks, threads):
         assert started == min(len(ranks), cores)
 
 
+@pytest.mark.parametrize(("world_size", "threads_per_rank", "cores", "warned"), [
+    (1, None, 2, False), (2, None, 2, False), (1, 2, 2, False),  # the default never oversubscribes
+    (1, 1000, 2, True), (2, 2, 2, True), (2, 2, 4, False),
+])
+def test_a_run_whose_own_threads_exceed_the_cores_is_warned_not_refused(world_size, threads_per_rank, cores,
+                                                                        warned):
+    config = RunConfig(example="deepspeed", world_size=world_size, threads_per_rank=threads_per_rank,
+                       max_world_size=2)
+    said = admission.oversubscribed(estimate(config, rank_base_bytes=MiB, launcher_bytes=0, model=None,
+                                             cores=cores), cores)
+    assert (said is not None) == warned
+    if warned:
+        assert said.startswith(f"{world_size * threads_per_rank} OpenMP threads ({world_size} rank(s) x "
+                               f"threads_per_rank) on {cores} core(s)") and "leave threads_per_rank out" in said
+
+
 def test_the_admission_counts_the_cores_this_process_may_use(monkeypatch):
     # A container's cpuset or a Slurm job's share: the ranks' default threads count those cores, so must the share.
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
@@ -322,7 +338,10 @@ def test_two_runs_that_fit_only_one_at_a_time_run_one_after_the_other(runs_root,
     assert first[1] < second[0], (first, second)  # never overlapping
     assert "waiting for memory: needs" in stream.getvalue()
     learned = json.loads(next((runs_root / ".admission").glob("*.json")).read_text())
-    assert len(learned["rank_base_bytes"]) == 2 and len(learned["launcher_bytes"]) == 2  # one of each per run
+    # One of each per run. It failed once in CI (2026-12-01: one rank base learned, not reproduced): the summaries'
+    # per-rank figures say which run taught nothing, and why (no peak_rss_bytes or param_bytes).
+    per_rank = {label: (run.summary or {}).get("per_rank") for label, run in runs.items()}
+    assert len(learned["rank_base_bytes"]) == 2 and len(learned["launcher_bytes"]) == 2, (learned, per_rank)
 
 
 def test_a_run_that_cannot_fit_alone_is_refused_before_anything_launches(runs_root, monkeypatch):

@@ -54,6 +54,22 @@ def test_unimportable_strings_fail_before_launch(fields, field_name, words, runs
     assert run.run_dir is None and not runs_root.exists()  # nothing launched, nothing written
 
 
+def test_a_module_found_nowhere_is_refused_without_the_child(monkeypatch):
+    """The child imports torch and every string's module (seconds); a missing top-level module needs none of it."""
+    from labkit.models import builders
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("the child was started")
+
+    monkeypatch.setattr(builders.subprocess, "run", no_child)
+    config = RunConfig(example="zero3", model="gpt", data="no_such_top_level_module.sub:build_dataset")
+    with pytest.raises(ConfigError) as error:
+        builders.check_importable(config)
+    assert error.value.field == "data"
+    assert str(error.value).endswith("cannot import no_such_top_level_module.sub:build_dataset: "
+                                     "ModuleNotFoundError: No module named 'no_such_top_level_module'")
+
+
 @pytest.mark.slow
 def test_a_module_edited_after_its_check_is_checked_again(tmp_path, monkeypatch):
     """A learner's module passes, then they break it in the notebook: the next launch's check sees it."""
@@ -61,8 +77,9 @@ def test_a_module_edited_after_its_check_is_checked_again(tmp_path, monkeypatch)
 
     module = tmp_path / "edited_model.py"
     module.write_text("def build_model(config):\n    raise NotImplementedError\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the child's import path, as the ranks' would be
+    # On the child's import path only, as the ranks' would be (not this process's sys.path): the quick
+    # look for a missing module must look there too.
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     config = RunConfig(example="zero3", model="edited_model:build_model", data=OWN["data"])
     check_importable(config)
     module.write_text("def build_model(config):\n    return undefined_name(\n")  # a syntax error
@@ -200,6 +217,12 @@ def test_answer_switches_to_gpt_with_one_parameter():
         with_model(PROFILES["workshop"], "gpt")
     own = with_model(PROFILES["ci"], OWN["model"], OWN["data"], OWN["loss"])
     assert all(c.data == OWN["data"] and c.loss == OWN["loss"] for c in points(own))
+    # The MLP on the learner's data or loss: its own results directory, the MLP's settings otherwise.
+    for data, loss in ((OWN["data"], None), (None, OWN["loss"])):
+        mlp = with_model(PROFILES["ci"], data=data, loss=loss)
+        assert mlp.name == "ci-mlp" and all(c.model == "mlp" and c.hidden == PROFILES["ci"].model["hidden"]
+                                            for c in points(mlp))
+        assert all(c.data == data and c.loss == loss for c in points(mlp))
 
 
 @pytest.mark.slow

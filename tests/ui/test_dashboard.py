@@ -493,13 +493,14 @@ def test_defaults_the_controls_hold_are_kept_as_given(runs_root):
     assert plain(panel.message).startswith("⚠ world_size:")
 
 
-@pytest.mark.parametrize("refresh_s", [0, -1, float("nan"), "1"])
-def test_a_refresh_interval_that_is_not_positive_is_refused(runs_root, refresh_s):
-    """refresh_s=0 polled the rank files in a busy loop for the whole run."""
-    with pytest.raises(ValueError, match=r"^refresh_s must be a positive number of seconds .*, got "):
+@pytest.mark.parametrize("refresh_s", [0, -1, 1e-6, 0.009, float("nan"), "1"])
+def test_a_refresh_interval_below_a_hundredth_of_a_second_is_refused(runs_root, refresh_s):
+    """refresh_s=0 (or 1e-6) polled the rank files in a busy loop for the whole run."""
+    with pytest.raises(ValueError, match=r"^refresh_s must be a number of seconds of at least 0.01 .*, got "):
         LabPanel(refresh_s=refresh_s)
-    with pytest.raises(ValueError, match=r"^refresh_s must be a positive number of seconds"):
+    with pytest.raises(ValueError, match=r"^refresh_s must be a number of seconds of at least 0.01"):
         Dashboard(refresh_s=refresh_s)
+    assert Dashboard(refresh_s=0.01).refresh_s == 0.01
 
 
 @pytest.mark.parametrize("env,message", [
