@@ -439,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     script_args = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     args.script_args = script_args
+    if script_args and not getattr(args, "script", None):  # else dropped without a word
+        print(f"error: script_args: the arguments after '--' ({' '.join(script_args)}) are a --script's, and "
+              "no --script was given", file=sys.stderr)
+        return 2
     if getattr(args, "cold", False):
         os.environ["LABKIT_WARM"] = "0"  # labkit.launch.run.warm_by_default; the sweep's runs too
     try:

@@ -18,13 +18,16 @@ def rank_file(run_dir: str | os.PathLike, rank: int) -> Path:
 
 
 def parse_lines(data: bytes) -> list[dict[str, Any]]:
-    """The JSON records of complete lines; a line cut short by a kill is skipped."""
+    """The JSON records (objects) of complete lines; a line cut short by a kill, or anything else that is not a
+    JSON object (bytes that do not decode, a list), is skipped."""
     records = []
     for line in data.splitlines():
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
 
 
@@ -52,10 +55,11 @@ def rank_logs_text(run_dir: str | os.PathLike, rank: int) -> str:
 
 
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All complete records of a rank file (for a finished run, or a one-off look)."""
+    """All complete records of a rank file (for a finished run, or a one-off look); none if it is absent or
+    not a file."""
     try:
         return parse_lines(Path(path).read_bytes())
-    except FileNotFoundError:
+    except (FileNotFoundError, IsADirectoryError):
         return []
 
 

@@ -24,7 +24,9 @@ def _steps_by_rank(run_dir: Path) -> dict[int, list[dict]]:
     ranks = rank_ids(run_dir)
     if not ranks:
         raise FileNotFoundError(f"{run_dir} holds no rank records (rank<N>.jsonl)")
-    return {rank: [r for r in read_records(rank_file(run_dir, rank)) if r.get("event") == "step"] for rank in ranks}
+    # A step record is one with an integer step (the global step TensorBoard plots at): a damaged line is skipped.
+    return {rank: [r for r in read_records(rank_file(run_dir, rank))
+                   if r.get("event") == "step" and type(r.get("step")) is int] for rank in ranks}
 
 
 def _numeric(record: dict) -> dict[str, float]:

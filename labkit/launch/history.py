@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,9 @@ def runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
                 run = Run.load(run_dir)
                 if run.lost:
                     status, cause = run.status, run.cause
-            summary = {"status": status, "cause": cause, **config,
-                       "global_batch": config.get("micro_batch", 0) * config.get("grad_accum", 0)
-                       * config.get("world_size", 0)}
+            factors = [config.get(k) for k in ("micro_batch", "grad_accum", "world_size")]
+            summary = {"status": status, "cause": cause, **config,  # a damaged config's batch is not multiplied
+                       "global_batch": math.prod(factors) if all(type(f) is int for f in factors) else None}
         if config.get("script"):
             # A learner's script: labkit's batch and strategy fields say nothing about it.
             from labkit.launch.summary import NOT_FOR_SCRIPTS

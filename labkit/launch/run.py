@@ -329,11 +329,16 @@ class Run:
             return summary.get("cause")
         return LOST_CAUSE if self._supervisor_lost() else None
 
+    def _status_file(self) -> dict[str, Any]:
+        """The supervisor's status.json: {} when absent or not an object (a damaged file must not break a listing)."""
+        status = read_json(self.run_dir / "status.json") if self.run_dir else None
+        return status if isinstance(status, dict) else {}
+
     def _supervisor_pid(self) -> int | None:
         if self._supervisor is not None:
             return self._supervisor.pid
-        status = read_json(self.run_dir / "status.json") if self.run_dir else None
-        return status.get("supervisor_pid") if status else None
+        pid = self._status_file().get("supervisor_pid")
+        return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
 
     def _supervisor_alive(self) -> bool:
         if self._supervisor is not None:
@@ -346,8 +351,8 @@ class Run:
         if self.run_dir is None or self.summary or self._supervisor_alive():
             return False
         if self._supervisor is None:
-            status = read_json(self.run_dir / "status.json") or {}
-            if status.get("supervisor_pid") is None:
+            status = self._status_file()
+            if self._supervisor_pid() is None:
                 return False  # a reloaded run whose supervisor has not written status.json yet
             from labkit.launch.supervisor import host_identity
 
@@ -442,7 +447,7 @@ class Run:
 
     def _recover_from_dead_supervisor(self, kill_supervisor: bool = False) -> None:
         """End what the supervisor left running and write the summary it could not write."""
-        status = read_json(self._dir / "status.json") or {}
+        status = self._status_file()
         groups = []
         # The launcher's group id comes from a file that may be days old: only a group one of this run's
         # processes is in.

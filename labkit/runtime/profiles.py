@@ -36,7 +36,9 @@ def check_profile(chosen: str) -> str:
     if chosen not in PROFILE_NAMES:
         from labkit.core.config import ConfigError
 
-        raise ConfigError("LABKIT_PROFILE", f"must be one of {', '.join(PROFILE_NAMES)}, got {chosen!r}")
+        smoke = ("; smoke is `labkit answer --profile smoke`'s alone (the notebooks have no smoke size)"
+                 if chosen == "smoke" else "")
+        raise ConfigError("LABKIT_PROFILE", f"must be one of {', '.join(PROFILE_NAMES)}, got {chosen!r}{smoke}")
     return chosen
 
 

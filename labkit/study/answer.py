@@ -618,11 +618,13 @@ def publish(out: str | os.PathLike, reference: str | os.PathLike) -> list[Path]:
 
 def cli(args: Any) -> int:
     """Entry point of `python -m labkit answer` (labkit.cli parses the arguments)."""
+    from labkit.launch.environment import check_environment
     from labkit.launch.store import check_output_dir, default_root
     from labkit.runtime.profiles import current_profile
 
     # Refused at once, before the profile and the devices load and long before the sweep ends (--reference is
-    # first written then).
+    # first written then); the variables before the output directory is made.
+    check_environment(os.environ)
     if args.parallel is not None and args.parallel < 1:
         raise ConfigError("parallel", f"--parallel must be at least 1 (timed runs at once), got {args.parallel}; "
                           "leave it out for the most the machine allows")

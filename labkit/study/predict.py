@@ -936,7 +936,11 @@ def b_simple_from(results_dir: str | os.PathLike) -> float | None:
     missing = [c for c in columns if c not in noise.columns]
     if missing:  # a ValueError naming the file, not pandas' KeyError listing the columns
         raise ValueError(f"{path} lacks the gradient-noise probes' columns: {', '.join(missing)}")
-    pooled = aggregate(noise[columns].itertuples(index=False, name=None))
+    numbers = noise[columns].apply(pd.to_numeric, errors="coerce")
+    unread = [c for c in columns if numbers[c].isna().any()]
+    if unread:  # text or blank cells: named with the file, not a comparison's TypeError or "b_small nan"
+        raise ValueError(f"{path}: {', '.join(unread)} must be numbers in every row")
+    pooled = aggregate(numbers.itertuples(index=False, name=None))
     return None if pooled is None or pooled.b_simple is None or pooled.b_simple <= 0 else pooled.b_simple
 
 

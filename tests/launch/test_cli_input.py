@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from labkit import cli
@@ -224,6 +225,59 @@ def test_runs_lists_a_run_whose_summary_or_config_is_a_json_list_as_unreadable(t
     assert table.loc["c-list-config", "cause"] == "config.json is not a JSON object (a list)"
     assert cli.main(["runs", "--root", str(tmp_path)]) == 0
     assert "summary.json is not a JSON object" in capsys.readouterr().out
+
+
+def test_runs_lists_runs_whose_files_are_damaged_otherwise(tmp_path, capsys):
+    """A binary config.json or summary.json (UnicodeDecodeError), a summary.json that is a directory, a config whose
+    batch is null or a string (TypeError), a status.json that is a list or names no integer pid (AttributeError,
+    TypeError): each broke the whole listing. Each is listed now, the good run beside them."""
+    from labkit.launch.history import recover_stale, runs
+
+    config = {"example": "zero3", "stage": 3, "world_size": 1, "micro_batch": 32, "grad_accum": 1}
+    binary = b"\xff\xfe\x00junk"
+    cases = {"a-good": {"config.json": config, "summary.json": {**config, "status": "finished"}},
+             "b-binary-config": {"config.json": binary},
+             "c-binary-summary": {"config.json": config, "summary.json": binary},
+             "d-summary-directory": {"config.json": config, "summary.json": None},
+             "e-null-batch": {"config.json": {**config, "micro_batch": None}, "status.json": {"status": "running"}},
+             "f-string-batch": {"config.json": {**config, "micro_batch": "4"}},
+             "g-list-status": {"config.json": config, "status.json": [1]},
+             "h-string-pid": {"config.json": config, "status.json": {"supervisor_pid": "abc"}}}
+    for name, files in cases.items():
+        (tmp_path / name).mkdir()
+        for file, value in files.items():
+            path = tmp_path / name / file
+            if value is None:
+                path.mkdir()
+            elif isinstance(value, bytes):
+                path.write_bytes(value)
+            else:
+                path.write_text(json.dumps(value))
+    assert recover_stale(tmp_path) == []
+    table = runs(tmp_path).set_index("run_id")
+    assert list(table.index) == list(cases) and table.loc["a-good", "status"] == "finished"
+    assert table.loc["g-list-status", "global_batch"] == 32 and pd.isna(table.loc["f-string-batch", "global_batch"])
+    assert cli.main(["runs", "--root", str(tmp_path)]) == 0
+    assert "h-string-pid" in capsys.readouterr().out
+
+
+def test_arguments_after_a_double_dash_without_a_script_are_refused(capsys):
+    """`labkit run --example zero3 -- --foo` dropped --foo without a word: they are a script's arguments."""
+    assert cli.main(["run", "--example", "zero3", "--", "--foo"]) == 2
+    assert ("error: script_args: the arguments after '--' (--foo) are a --script's, and no --script was given"
+            in capsys.readouterr().err)
+
+
+def test_answer_refuses_a_bad_variable_before_it_makes_its_directory(tmp_path, monkeypatch, capsys):
+    """`labkit answer` made runs/answer-<profile>/ and announced its sweep before LABKIT_WARM=maybe was refused."""
+    monkeypatch.setenv("LABKIT_WARM", "maybe")
+    out = tmp_path / "answer"
+    assert cli.main(["answer", "--profile", "smoke", "--out", str(out)]) == 2
+    assert "error: LABKIT_WARM" in capsys.readouterr().err and not out.exists()
+    monkeypatch.setenv("LABKIT_WARM", "1")
+    monkeypatch.setenv("LABKIT_PROFILE", "smoke")
+    assert cli.main(["answer", "--out", str(out)]) == 2
+    assert "smoke is `labkit answer --profile smoke`'s alone" in capsys.readouterr().err and not out.exists()
 
 
 def test_run_and_export_refuse_the_variables_a_rank_would_fail_on(tmp_path, store, capsys, monkeypatch):

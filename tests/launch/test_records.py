@@ -103,3 +103,23 @@ def test_the_cli_progress_loop_reads_only_new_bytes(tmp_path, monkeypatch, capsy
     line = len(json.dumps({"event": "step", "rank": 0, "step": steps, "time_s": 0.1 * steps, "step_time_s": 0.1,
                            "samples_per_s": 320.0, "loss": 1.0})) + 1
     assert max(reads) <= 2 * line  # one poll: one new record (the first: start and ready)
+
+
+def test_damaged_lines_and_files_read_as_no_records(tmp_path):
+    """Bytes that do not decode (UnicodeDecodeError) and a line that is JSON but no object (a list: AttributeError
+    in every reader) broke export-metrics and predict --from; a rank file that is a directory, likewise."""
+    from labkit.core.records import parse_lines
+    from labkit.launch.export_metrics import to_csv
+
+    good = {"event": "step", "step": 1, "loss": 2.0}
+    data = b"\n".join([b"\xff\xfe junk", b"[1, 2]", b"7", json.dumps(good).encode(),
+                       json.dumps({"event": "step", "loss": 1.0}).encode(),  # no step: no row to plot it at
+                       json.dumps({"event": "step", "step": "x"}).encode(), b""])
+    assert parse_lines(data) == [good, {"event": "step", "loss": 1.0}, {"event": "step", "step": "x"}]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rank_file(run_dir, 0).write_bytes(data)
+    (written,) = to_csv(run_dir, tmp_path / "csv")
+    assert written.read_text().splitlines() == ["step,loss", "1,2.0"]
+    rank_file(run_dir, 1).mkdir()
+    assert read_records(rank_file(run_dir, 1)) == []

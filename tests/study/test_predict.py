@@ -811,11 +811,16 @@ def test_the_measured_critical_batch_is_the_lr_studys_fit_where_its_batches_plac
 def test_a_results_folder_whose_noise_csv_does_not_read_is_refused_naming_it(tmp_path, capsys):
     shape = ["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", "--results", str(tmp_path)]
     for text, says in (("", "does not read as the answer's gradient-noise probes"),
-                       ("a,b\n1,2\n", "lacks the gradient-noise probes' columns: grad_norm_small_sq")):
+                       ("a,b\n1,2\n", "lacks the gradient-noise probes' columns: grad_norm_small_sq"),
+                       # text (a TypeError in the pooling) and blank cells ("need 0 < b_small < b_big, got nan")
+                       ("grad_norm_small_sq,grad_norm_big_sq,noise_b_small,noise_b_big\nabc,def,x,y\n",
+                        ": grad_norm_small_sq, grad_norm_big_sq, noise_b_small, noise_b_big must be numbers"),
+                       ("grad_norm_small_sq,grad_norm_big_sq,noise_b_small,noise_b_big\n9.0,8.0,,\n",
+                        ": noise_b_small, noise_b_big must be numbers in every row")):
         (tmp_path / "noise.csv").write_text(text)
         assert main(shape) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"error: results: {tmp_path / 'noise.csv'} ") and says in err
+        assert err.startswith(f"error: results: {tmp_path / 'noise.csv'}") and says in err
 
 
 def test_a_results_folder_without_a_positive_critical_batch_is_refused(tmp_path, capsys):
