@@ -123,7 +123,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError("out", f"--out directory {out} is not empty")
     admission = Admission.here()
     estimate, decision = admission.admit_alone(config, "this run")  # NotEnoughMemory: exit 2, with the figures
-    if admission.is_cpu and (warning := oversubscribed(estimate, admission.cores)):
+    if admission.is_cpu and (warning := oversubscribed(config, estimate, admission.cores)):
         print(f"warning: {warning}", file=sys.stderr)
     if not decision.admit:  # other programs hold the memory now
         print(f"{decision.describe()}; waiting for other programs to free it (Ctrl-C gives up)", file=sys.stderr)

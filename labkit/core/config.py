@@ -347,6 +347,11 @@ class RunConfig:
 
             raise ConfigError("ds_overrides", f"DeepSpeed {deepspeed.__version__}'s config never reads {unread}: "
                               "it would ignore them silently")
+        from labkit.core.ds_config import mistyped
+
+        wrong = mistyped(self.ds_overrides, checked.key_defaults)
+        if wrong:
+            raise ConfigError("ds_overrides", "; ".join(wrong))
 
     # -- derived values ------------------------------------------------------------------
     @property

@@ -54,6 +54,7 @@ class _KeysRead(dict):
     def __init__(self, config: dict[str, Any]):
         super().__init__(config)
         self.read: set[str] = set()
+        self.defaults: dict[str, Any] = {}  # key -> the default DeepSpeed's `get` gave it (its kind of value)
 
     def __getitem__(self, key: Any) -> Any:
         self.read.add(key)
@@ -61,6 +62,8 @@ class _KeysRead(dict):
 
     def get(self, key: Any, default: Any = None) -> Any:
         self.read.add(key)
+        if default is not None:
+            self.defaults.setdefault(key, default)
         return super().get(key, default)
 
     def __contains__(self, key: object) -> bool:
@@ -72,6 +75,30 @@ class _KeysRead(dict):
 
     def __copy__(self) -> _KeysRead:
         return self  # DeepSpeedConfig copies the dict before reading it: keep one record
+
+
+def mistyped(overrides: dict[str, Any], defaults: dict[str, Any]) -> list[str]:
+    """The top-level overrides whose value is not of the kind of DeepSpeed's default for the key (a bool for a
+    switch, a number for a number, a string for a string): DeepSpeed's scalar getters take any value
+    (`get_scalar_param`, deepspeed/runtime/config_utils.py:193-194, 0.19.8), and a rank fails on it after the launch
+    (`"gradient_clipping": "abc"` at `gradient_clipping() > 0.0`) or reads it wrong (`"wall_clock_breakdown":
+    "false"` is true). One line per key."""
+    said = []
+    for key, value in overrides.items():
+        default = defaults.get(key)
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, (int, float)):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif isinstance(default, str):
+            ok = isinstance(value, str)
+        else:  # no default, or a structure: DeepSpeed's own models check those
+            continue
+        if not ok:
+            kind = "true or false" if isinstance(default, bool) else (
+                "a number" if isinstance(default, (int, float)) else "a string")
+            said.append(f"{key} must be {kind} (DeepSpeed's default: {default!r}), got {value!r}")
+    return said
 
 
 def deepspeed_checked(ds_config: dict[str, Any], world_size: int) -> Any:
@@ -93,6 +120,7 @@ def deepspeed_checked(ds_config: dict[str, Any], world_size: int) -> Any:
     checked._configure_train_batch_size()
     checked._do_sanity_check()
     checked.keys_read = frozenset(tracked.read)
+    checked.key_defaults = dict(tracked.defaults)
     # The optimizer's name is checked by the engine, not the config (deepspeed/runtime/engine.py:2016-2019 and
     # `_is_supported_optimizer`, :1985-1986, 0.19.8): a rank would fail its assertion after the launch.
     name = checked.optimizer_name

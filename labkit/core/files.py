@@ -45,9 +45,9 @@ def write_json_atomic(path: str | os.PathLike, data: Any, *, private: bool = Fal
 
 
 def read_json(path: str | os.PathLike) -> Any | None:
-    """The file's JSON value; None when it is absent or does not read as JSON (empty, truncated, binary, a
-    directory): a damaged run file reads as missing rather than breaking whatever lists the runs."""
+    """The file's JSON value; None when it is absent or its bytes are not JSON (empty, truncated, binary). Other
+    OSErrors (a directory, a permission, an I/O error) are raised: the caller says what it could not read."""
     try:
         return json.loads(Path(path).read_text())
-    except (OSError, ValueError):  # ValueError: JSONDecodeError and UnicodeDecodeError
+    except (FileNotFoundError, ValueError):  # ValueError: JSONDecodeError and UnicodeDecodeError
         return None

@@ -438,14 +438,16 @@ def admit_from(queue: Sequence[Estimate], running: Sequence[tuple[Estimate, int]
     return len(queue), None
 
 
-def oversubscribed(candidate: Estimate, cores: int) -> str | None:
-    """A warning for a run whose own OpenMP threads exceed the cores (a `threads_per_rank` set too high: the
-    default never does), or None. A warning, not a refusal: that slowness is something a learner may want to see."""
-    if candidate.threads <= THREADS_PER_CORE * cores:
+def oversubscribed(config: RunConfig, candidate: Estimate, cores: int) -> str | None:
+    """A warning for a run on this machine whose `threads_per_rank`, as set, puts more OpenMP threads than cores on
+    it, or None (the default, cores / ranks, is not the learner's choice; a multi-node run's ranks are the nodes').
+    A warning, not a refusal: that slowness is something a learner may want to see."""
+    if config.threads_per_rank is None or config.hostfile or candidate.threads <= THREADS_PER_CORE * cores:
         return None
-    return (f"{candidate.threads} OpenMP threads ({candidate.cpu_ranks} rank(s) x threads_per_rank) on {cores} "
-            f"core(s): threads beyond the cores spin-wait on each other (on the lab's 2-core machine a 1-rank step "
-            f"took 37x longer with 4 threads on its 2 cores); leave threads_per_rank out for cores / ranks")
+    return (f"threads_per_rank {config.threads_per_rank} x {candidate.cpu_ranks} rank(s) = {candidate.threads} "
+            f"OpenMP threads on {cores} core(s): threads beyond the cores spin-wait on each other (on the lab's "
+            f"2-core machine a 1-rank step of 3.2 ms took 120 ms with a second such run beside it, 4 threads on 2 "
+            f"cores: docs/laptop.md); leave threads_per_rank out for cores / ranks")
 
 
 def refusal(candidate: Estimate, room: int, label: str, where: str = "") -> NotEnoughMemory | None:

@@ -24,8 +24,8 @@ def runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
     a run whose supervisor died is listed "failed" with that cause; `recover_stale` ends what it left."""
     rows = []
     for run_dir in run_dirs(root):
-        summary, config = read_json(run_dir / "summary.json"), read_json(run_dir / "config.json") or {}
-        unreadable = _not_an_object(config=config, summary=summary)
+        summary, config, unreadable = _read(run_dir)
+        config = config or {}
         if unreadable:  # listed and marked, not read: one such run must not break the whole list
             summary = {"status": "unreadable", "cause": unreadable, **(config if isinstance(config, dict) else {})}
             config = {}
@@ -64,20 +64,32 @@ def recover_stale(root: str | os.PathLike | None = None) -> list[Path]:
 
     recovered = []
     for run_dir in run_dirs(root):
-        summary, config = read_json(run_dir / "summary.json"), read_json(run_dir / "config.json")
-        if not _not_an_object(config=config, summary=summary) and _unsummarised(run_dir, summary, config) \
-                and Run.load(run_dir).recover():
+        summary, config, unreadable = _read(run_dir)
+        # A damaged summary.json is not replaced by a "supervisor died" one: it is listed as unreadable instead.
+        if not unreadable and _unsummarised(run_dir, summary, config) and Run.load(run_dir).recover():
             recovered.append(run_dir)
     return recovered
 
 
-def _not_an_object(**files: Any) -> str | None:
-    """Why a run's config.json or summary.json (as read_json read them, by name) is not one: valid JSON, but not
-    an object (a list, a number); else None. Empty, truncated or null files read as absent (read_json: None)."""
-    for name, value in files.items():
-        if value is not None and not isinstance(value, dict):
-            return f"{name}.json is not a JSON object (a {type(value).__name__})"
-    return None
+def _read(run_dir: Path) -> tuple[Any, Any, str | None]:
+    """A run's summary.json and config.json (None where absent), and why they do not read as a run's, else None:
+    a file there that does not read (a directory, a permission), holds no JSON (binary, truncated) or JSON that is
+    not an object (a list, a number)."""
+    values: dict[str, Any] = {}
+    problems = []
+    for name in ("summary", "config"):
+        path = run_dir / f"{name}.json"
+        try:
+            values[name] = read_json(path)
+        except OSError as exc:
+            values[name] = None
+            problems.append(f"{name}.json does not read ({exc.strerror or type(exc).__name__})")
+            continue
+        if values[name] is None and path.exists():
+            problems.append(f"{name}.json holds no JSON object (empty, truncated, binary or null)")
+        elif values[name] is not None and not isinstance(values[name], dict):
+            problems.append(f"{name}.json is not a JSON object (a {type(values[name]).__name__})")
+    return values["summary"], values["config"], "; ".join(problems) or None
 
 
 def _unsummarised(run_dir: Path, summary: dict | None, config: dict | None) -> bool:

@@ -330,8 +330,12 @@ class Run:
         return LOST_CAUSE if self._supervisor_lost() else None
 
     def _status_file(self) -> dict[str, Any]:
-        """The supervisor's status.json: {} when absent or not an object (a damaged file must not break a listing)."""
-        status = read_json(self.run_dir / "status.json") if self.run_dir else None
+        """The supervisor's status.json: {} when absent, unreadable or not an object (a damaged file must not break a
+        listing)."""
+        try:
+            status = read_json(self.run_dir / "status.json") if self.run_dir else None
+        except OSError:  # a directory, a permission
+            return {}
         return status if isinstance(status, dict) else {}
 
     def _supervisor_pid(self) -> int | None:

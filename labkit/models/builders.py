@@ -29,6 +29,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from labkit.core.model_specs import MODELS
@@ -90,11 +91,29 @@ def _mtimes(files: list[str]) -> dict[str, int]:
 
 
 def _findable(top_level: str, paths: list[str]) -> bool:
-    """Whether a top-level module is built in, already imported or found on `paths` (found, not run)."""
+    """Whether the child could import a top-level module, as far as this process can tell without running it:
+    True when it is built in or already imported, on `paths` (the child's path and this process's), or found by any
+    finder of sys.meta_path (an editable install's, an import hook's; the child's site installs the same ones), and
+    when a sitecustomize or usercustomize on `paths` could install a finder only the child has."""
     from importlib.machinery import PathFinder
 
-    return (top_level in sys.builtin_module_names or top_level in sys.modules
-            or PathFinder.find_spec(top_level, [p or "." for p in paths]) is not None)
+    if top_level in sys.builtin_module_names or top_level in sys.modules:
+        return True
+    importlib.invalidate_caches()  # a module written a moment ago (a notebook's %%writefile)
+    entries = [p or "." for p in paths]
+    if PathFinder.find_spec(top_level, entries) is not None:
+        return True
+    if any(Path(entry, f"{name}.py").exists() for entry in entries for name in ("sitecustomize", "usercustomize")):
+        return True
+    for finder in sys.meta_path:
+        if finder is PathFinder or not hasattr(finder, "find_spec"):
+            continue
+        try:
+            if finder.find_spec(top_level, None) is not None:
+                return True
+        except Exception:  # a third-party finder that fails here: let the child decide
+            return True
+    return False
 
 
 def check_importable(config: RunConfig, *, timeout_s: float = 300.0) -> None:
@@ -103,7 +122,6 @@ def check_importable(config: RunConfig, *, timeout_s: float = 300.0) -> None:
     crash nor pollute this (notebook) process. A set of strings that passed is checked again
     only once one of its modules' files changes."""
     import os
-    from pathlib import Path
 
     from labkit.core.config import ConfigError
 
@@ -164,8 +182,6 @@ def default_loss(model: Any, inputs: torch.Tensor, labels: torch.Tensor) -> torc
 def monitor_paths(ds_config: dict[str, Any], run_dir: Any) -> dict[str, Any]:
     """DeepSpeed's file monitors (tensorboard, csv_monitor) write into the run directory's
     `monitor/` unless the config names an output_path."""
-    from pathlib import Path
-
     out = dict(ds_config)
     for key in ("tensorboard", "csv_monitor"):
         if isinstance(out.get(key), dict) and out[key].get("enabled") and not out[key].get("output_path"):

@@ -36,8 +36,8 @@ def check_profile(chosen: str) -> str:
     if chosen not in PROFILE_NAMES:
         from labkit.core.config import ConfigError
 
-        smoke = ("; smoke is `labkit answer --profile smoke`'s alone (the notebooks have no smoke size)"
-                 if chosen == "smoke" else "")
+        smoke = ("; smoke is `labkit answer`'s alone, the notebooks have no smoke size: unset LABKIT_PROFILE and "
+                 "run `labkit answer --profile smoke`" if chosen == "smoke" else "")
         raise ConfigError("LABKIT_PROFILE", f"must be one of {', '.join(PROFILE_NAMES)}, got {chosen!r}{smoke}")
     return chosen
 

@@ -194,6 +194,8 @@ def with_model(profile: AnswerProfile, model: str | None = None, data: str | Non
     elif model is not None:
         fields["model"] = model
     fields.update({k: v for k, v in (("data", data), ("loss", loss)) if v is not None})
-    # The built-in MLP's profiles name no model (RunConfig's default): its own data or loss is still the MLP.
-    suffix = fields.get("model", "mlp").split(":")[0].split(".")[-1]
+    suffix = fields["model"].split(":")[0].split(".")[-1] if "model" in fields else (
+        # The built-in MLP's profiles name no model (RunConfig's default): on the learner's data or loss it is still
+        # the MLP, in a directory of its own per data and loss (their import strings, ':' as '.').
+        "-".join(["mlp", *(spec.replace(":", ".") for spec in (data, loss) if spec)]))
     return dataclasses.replace(profile, name=f"{profile.name}-{suffix}", model=fields, **settings)

@@ -622,7 +622,8 @@ def too_large_to_count(exc: BaseException, given: str) -> str | None:
     """Why an input cannot be counted, naming `given` (what the user chose, as they chose it: the shape's fields and
     the micro-batch): PyTorch's 64-bit sizes overflow while counting on the meta device (a RuntimeError, an
     OverflowError, or a TypeError past 2**63: a huge hidden, seq or micro-batch), or this machine's memory runs out
-    building the model's trace (MemoryError: an absurd layer count). None for any other error. `labkit predict` and
+    building the model's trace (MemoryError; the layer count that once did it, 10^18, is now refused by
+    `shapes.MAX_LAYERS`, so this is for a machine with little memory). None for any other error. `labkit predict` and
     notebook 06's `explore` refuse with it (ConfigError, ValueError)."""
     if isinstance(exc, MemoryError):
         return (f"{given} is too large to count: the shape's trace (a record per module and parameter of every "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from labkit.core.config import ConfigError, RunConfig
@@ -63,6 +65,16 @@ def test_deepspeed_itself_decides_which_top_level_keys_it_reads(tmp_path):
         RunConfig(example="zero3", ds_overrides={"optimizer": {"type": "Adamm", "params": {"lr": 1e-3}}})
     for name in ("Adam", "adamw", "SGD", "RMSprop"):
         RunConfig(example="zero3", ds_overrides={"optimizer": {"type": name, "params": {"lr": 1e-3}}})
+    # A top-level scalar DeepSpeed takes as given (get_scalar_param), of another kind than its default: refused by
+    # the default's kind ("abc" launched, and the ranks failed at `gradient_clipping() > 0.0`).
+    with pytest.raises(ConfigError, match=re.escape("gradient_clipping must be a number (DeepSpeed's default: 1.0), "
+                                                     "got 'abc'")):
+        RunConfig(example="zero3", ds_overrides={"gradient_clipping": "abc"})
+    with pytest.raises(ConfigError, match=r"gradient_clipping must be a number .*, got True"):
+        RunConfig(example="zero3", ds_overrides={"gradient_clipping": True})
+    with pytest.raises(ConfigError, match=r"prescale_gradients must be true or false .*, got 1"):
+        RunConfig(example="zero3", ds_overrides={"prescale_gradients": 1})
+    RunConfig(example="zero3", ds_overrides={"gradient_clipping": 0, "prescale_gradients": False})  # of its kind
     # Overrides that could not reach anything are refused too.
     with pytest.raises(ConfigError, match="plain PyTorch example has none"):
         RunConfig(example="pytorch", ds_overrides={"gradient_clipping": 1.0})

@@ -228,19 +228,21 @@ def test_runs_that_overlap_get_their_share_of_the_cores(cores, ranks, threads):
 
 
 @pytest.mark.parametrize(("world_size", "threads_per_rank", "cores", "warned"), [
-    (1, None, 2, False), (2, None, 2, False), (1, 2, 2, False),  # the default never oversubscribes
+    (1, None, 2, False), (2, None, 2, False), (1, 2, 2, False),
+    (4, None, 2, False),  # more ranks than cores by default (one thread each): not the learner's thread count
     (1, 1000, 2, True), (2, 2, 2, True), (2, 2, 4, False),
 ])
-def test_a_run_whose_own_threads_exceed_the_cores_is_warned_not_refused(world_size, threads_per_rank, cores,
+def test_a_run_whose_set_threads_exceed_the_cores_is_warned_not_refused(world_size, threads_per_rank, cores,
                                                                         warned):
     config = RunConfig(example="deepspeed", world_size=world_size, threads_per_rank=threads_per_rank,
-                       max_world_size=2)
-    said = admission.oversubscribed(estimate(config, rank_base_bytes=MiB, launcher_bytes=0, model=None,
-                                             cores=cores), cores)
+                       max_world_size=4)
+    said = admission.oversubscribed(config, estimate(config, rank_base_bytes=MiB, launcher_bytes=0, model=None,
+                                                     cores=cores), cores)
     assert (said is not None) == warned
     if warned:
-        assert said.startswith(f"{world_size * threads_per_rank} OpenMP threads ({world_size} rank(s) x "
-                               f"threads_per_rank) on {cores} core(s)") and "leave threads_per_rank out" in said
+        assert said.startswith(f"threads_per_rank {threads_per_rank} x {world_size} rank(s) = "
+                               f"{world_size * threads_per_rank} OpenMP threads on {cores} core(s)")
+        assert "leave threads_per_rank out" in said
 
 
 def test_the_admission_counts_the_cores_this_process_may_use(monkeypatch):

@@ -230,15 +230,19 @@ def test_runs_lists_a_run_whose_summary_or_config_is_a_json_list_as_unreadable(t
 def test_runs_lists_runs_whose_files_are_damaged_otherwise(tmp_path, capsys):
     """A binary config.json or summary.json (UnicodeDecodeError), a summary.json that is a directory, a config whose
     batch is null or a string (TypeError), a status.json that is a list or names no integer pid (AttributeError,
-    TypeError): each broke the whole listing. Each is listed now, the good run beside them."""
+    TypeError): each broke the whole listing. Each is listed now, the good run beside them, and a damaged summary of
+    a run whose supervisor died is not replaced by a "supervisor died" one."""
     from labkit.launch.history import recover_stale, runs
+    from labkit.launch.supervisor import host_identity
 
     config = {"example": "zero3", "stage": 3, "world_size": 1, "micro_batch": 32, "grad_accum": 1}
     binary = b"\xff\xfe\x00junk"
+    # Its supervisor died on this host: a pid above Linux's largest (2**22) is no process's.
+    lost = {"status": "running", "supervisor_pid": 2**22 + 1, "host": host_identity()}
     cases = {"a-good": {"config.json": config, "summary.json": {**config, "status": "finished"}},
              "b-binary-config": {"config.json": binary},
-             "c-binary-summary": {"config.json": config, "summary.json": binary},
-             "d-summary-directory": {"config.json": config, "summary.json": None},
+             "c-binary-summary": {"config.json": config, "summary.json": binary, "status.json": lost},
+             "d-summary-directory": {"config.json": config, "summary.json": None, "status.json": lost},
              "e-null-batch": {"config.json": {**config, "micro_batch": None}, "status.json": {"status": "running"}},
              "f-string-batch": {"config.json": {**config, "micro_batch": "4"}},
              "g-list-status": {"config.json": config, "status.json": [1]},
@@ -254,8 +258,13 @@ def test_runs_lists_runs_whose_files_are_damaged_otherwise(tmp_path, capsys):
             else:
                 path.write_text(json.dumps(value))
     assert recover_stale(tmp_path) == []
+    assert (tmp_path / "c-binary-summary" / "summary.json").read_bytes() == binary  # kept as it was
     table = runs(tmp_path).set_index("run_id")
     assert list(table.index) == list(cases) and table.loc["a-good", "status"] == "finished"
+    causes = {"b-binary-config": "config.json holds no JSON object", "c-binary-summary": "summary.json holds no JSON",
+              "d-summary-directory": "summary.json does not read (Is a directory)"}
+    for name, cause in causes.items():
+        assert table.loc[name, "status"] == "unreadable" and table.loc[name, "cause"].startswith(cause)
     assert table.loc["g-list-status", "global_batch"] == 32 and pd.isna(table.loc["f-string-batch", "global_batch"])
     assert cli.main(["runs", "--root", str(tmp_path)]) == 0
     assert "h-string-pid" in capsys.readouterr().out
@@ -277,7 +286,8 @@ def test_answer_refuses_a_bad_variable_before_it_makes_its_directory(tmp_path, m
     monkeypatch.setenv("LABKIT_WARM", "1")
     monkeypatch.setenv("LABKIT_PROFILE", "smoke")
     assert cli.main(["answer", "--out", str(out)]) == 2
-    assert "smoke is `labkit answer --profile smoke`'s alone" in capsys.readouterr().err and not out.exists()
+    assert ("smoke is `labkit answer`'s alone, the notebooks have no smoke size: unset LABKIT_PROFILE"
+            in capsys.readouterr().err and not out.exists())
 
 
 def test_run_and_export_refuse_the_variables_a_rank_would_fail_on(tmp_path, store, capsys, monkeypatch):

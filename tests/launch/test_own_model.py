@@ -56,18 +56,40 @@ def test_unimportable_strings_fail_before_launch(fields, field_name, words, runs
 
 def test_a_module_found_nowhere_is_refused_without_the_child(monkeypatch):
     """The child imports torch and every string's module (seconds); a missing top-level module needs none of it."""
+    from types import SimpleNamespace
+
     from labkit.models import builders
 
     def no_child(*args, **kwargs):
         raise AssertionError("the child was started")
 
-    monkeypatch.setattr(builders.subprocess, "run", no_child)
     config = RunConfig(example="zero3", model="gpt", data="no_such_top_level_module.sub:build_dataset")
+    monkeypatch.setattr(builders, "subprocess", SimpleNamespace(run=no_child))  # this module's child only
     with pytest.raises(ConfigError) as error:
         builders.check_importable(config)
     assert error.value.field == "data"
     assert str(error.value).endswith("cannot import no_such_top_level_module.sub:build_dataset: "
                                      "ModuleNotFoundError: No module named 'no_such_top_level_module'")
+
+
+def test_the_quick_look_defers_to_the_child_where_an_import_hook_or_a_customize_file_could_find_it(tmp_path,
+                                                                                                     monkeypatch):
+    """A finder on sys.meta_path (a setuptools editable install's, labkit's own here) finds modules no path entry
+    holds; a sitecustomize on the child's path could install one this process lacks: neither is refused unseen."""
+    import importlib.util
+    import sys
+
+    from labkit.models.builders import _findable
+
+    class Hook:
+        def find_spec(self, name, path, target=None):
+            return importlib.util.spec_from_loader(name, loader=None) if name == "hooked_module_only" else None
+
+    assert not _findable("hooked_module_only", [str(tmp_path)])
+    monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, Hook()])
+    assert _findable("hooked_module_only", [str(tmp_path)]) and not _findable("nowhere_module", [str(tmp_path)])
+    (tmp_path / "sitecustomize.py").write_text("")
+    assert _findable("nowhere_module", [str(tmp_path)])
 
 
 @pytest.mark.slow
@@ -218,9 +240,10 @@ def test_answer_switches_to_gpt_with_one_parameter():
     own = with_model(PROFILES["ci"], OWN["model"], OWN["data"], OWN["loss"])
     assert all(c.data == OWN["data"] and c.loss == OWN["loss"] for c in points(own))
     # The MLP on the learner's data or loss: its own results directory, the MLP's settings otherwise.
-    for data, loss in ((OWN["data"], None), (None, OWN["loss"])):
+    for data, loss, name in ((OWN["data"], None, "ci-mlp-tests.own_model.build_dataset"),
+                             (None, OWN["loss"], "ci-mlp-tests.own_model.loss_fn")):
         mlp = with_model(PROFILES["ci"], data=data, loss=loss)
-        assert mlp.name == "ci-mlp" and all(c.model == "mlp" and c.hidden == PROFILES["ci"].model["hidden"]
+        assert mlp.name == name and all(c.model == "mlp" and c.hidden == PROFILES["ci"].model["hidden"]
                                             for c in points(mlp))
         assert all(c.data == data and c.loss == loss for c in points(mlp))
 
