@@ -72,7 +72,8 @@ def hostfile_slots(path: str | os.PathLike) -> dict[str, int]:
     if Path(path).is_dir():
         raise ConfigError("hostfile", f"{path} is a directory, not a hostfile (expected 'hostname slots=N' lines)")
     if not Path(path).is_file():
-        raise ConfigError("hostfile", f"no such file: {path}")
+        what = "not a regular file" if Path(path).exists() else "no such file"  # /dev/null, a pipe
+        raise ConfigError("hostfile", f"{what}: {path} (expected a file of 'hostname slots=N' lines)")
     from deepspeed.launcher.runner import fetch_hostfile
 
     try:

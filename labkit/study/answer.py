@@ -485,6 +485,8 @@ def rebuild_report(out: str | os.PathLike, *, say: Callable[[str], None] = lambd
     (`calibrate.kept_report_section`). FileNotFoundError / ValueError before anything is written."""
     from labkit.study.report import require_growth
 
+    if not str(out).strip():  # Path("") is the working directory: not what an empty argument meant
+        raise FileNotFoundError("the results dir is an empty path: name an answer's (runs/answer-<profile>)")
     out = Path(out)
     if not out.is_dir():
         raise FileNotFoundError(f"no such directory: {out}")
@@ -493,6 +495,10 @@ def rebuild_report(out: str | os.PathLike, *, say: Callable[[str], None] = lambd
         raise FileNotFoundError(f"{out} has no {', '.join(missing)}: not the results dir of a finished "
                                 "`labkit answer` (or data/reference-*)")
     machine = _read_machine(out / "machine.json")
+    for key in ("profile", "model", "data", "loss"):  # names or import strings: not a list or a number
+        if machine.get(key) is not None and not isinstance(machine[key], str):
+            raise ValueError(f"{out / 'machine.json'}: `{key}` must be a string, as `labkit answer` writes it, got "
+                             f"{machine[key]!r}")
     if machine.get("profile") not in PROFILES:
         raise ValueError(f"{out / 'machine.json'} names the profile {machine.get('profile')!r}, not one of "
                          f"{', '.join(PROFILES)}: the report is built with the profile the answer ran")
@@ -505,6 +511,12 @@ def rebuild_report(out: str | os.PathLike, *, say: Callable[[str], None] = lambd
                          machine.get("loss"))
     results = _read_table(out / "results.csv")
     require_growth(results, dataclasses.asdict(profile))
+    if "median_step_time_s" in results:  # every ratio of the card divides by them
+        times_s = pd.to_numeric(results["median_step_time_s"], errors="coerce")
+        bad = results.index[(results.get("status") == "finished") & ~(times_s > 0)].tolist()
+        if bad:
+            raise ValueError(f"{out / 'results.csv'}: median_step_time_s must be a time above 0 for every finished "
+                             f"point; row(s) {', '.join(str(i + 2) for i in bad[:5])} (file lines) are not")
     tables = {name: _read_table(out / f"{name}.csv") for name in ("memory", "activation", "noise")}
     machine = {**machine, "report_regenerated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     checked = checked_section(out, remeasure=False, is_cpu=machine.get("accelerator") == "cpu", measure=False)

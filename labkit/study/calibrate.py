@@ -83,6 +83,12 @@ def read_run(run_dir: str | os.PathLike, statistic: str = "mean") -> MeasuredRun
 
     if statistic not in STATISTICS:
         raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
+    phases = ("forward_s", "backward_s", "optimizer_s", "step_time_s")
+    for record in steps:  # a damaged record's text is named with its file, not float()'s bare message
+        bad = [key for key in phases if not isinstance(record.get(key) or 0.0, (int, float))]
+        if bad:
+            raise ValueError(f"{path / 'rank0.jsonl'}: step {record.get('step')}'s {', '.join(bad)} must be numbers "
+                             f"of seconds, got {', '.join(repr(record[k]) for k in bad)}")
 
     def summary(key: str) -> float:
         from labkit.study.comms import summarise

@@ -474,6 +474,13 @@ def _from_gpu_run(args: Any, run: Any) -> dict[str, Any]:
 
     if args.threads_per_rank is not None:
         raise _bad("threads_per_rank", "--threads-per-rank is a CPU rank's; this run's ranks ran on GPUs")
+    if args.gpu is not None:  # the flag's own error, not the run's (from_run)
+        from labkit.runtime.hardware import gpu as find_gpu
+
+        try:
+            find_gpu(args.gpu)
+        except ValueError as exc:
+            raise _bad("gpu", str(exc)) from None
     links = None
     if args.links:
         fit = _links_json(args.links)

@@ -149,6 +149,11 @@ def test_hostfile_refuses_what_deepspeeds_parser_takes_leniently(tmp_path, line,
 def test_hostfile_that_is_a_directory_is_named_so(tmp_path):
     with pytest.raises(ConfigError, match="is a directory, not a hostfile"):
         RunConfig(example="zero3", world_size=2, hostfile=str(tmp_path))
+    # A device or a pipe said "no such file", though it exists.
+    with pytest.raises(ConfigError, match="not a regular file: /dev/null"):
+        RunConfig(example="zero3", world_size=2, hostfile="/dev/null")
+    with pytest.raises(ConfigError, match="no such file: "):
+        RunConfig(example="zero3", world_size=2, hostfile=str(tmp_path / "missing"))
 
 
 def test_hostfile_names_people_use_are_accepted(tmp_path):

@@ -385,7 +385,18 @@ def test_labkit_report_refuses_what_is_not_a_finished_answer_before_writing(tmp_
         "noise.csv is empty (EmptyDataError": lambda d: (d / "noise.csv").write_text(""),
         "machine.json is malformed: not JSON (": lambda d: (d / "machine.json").write_text('{"profile": "ci",'),
         "machine.json is malformed: a JSON list": lambda d: (d / "machine.json").write_text("[1]"),
+        # machine.json's names and results.csv's times: these said "a table is not an answer's (TypeError" and
+        # "a ratio of times must be finite and positive, got nan", naming neither file nor field.
+        "machine.json: `profile` must be a string, as `labkit answer` writes it, got ['ci']":
+            lambda d: (d / "machine.json").write_text(json.dumps({**machine, "profile": ["ci"]})),
+        "machine.json: `model` must be a string": lambda d: (d / "machine.json").write_text(
+            json.dumps({**machine, "model": 5})),
+        "results.csv: median_step_time_s must be a time above 0 for every finished point; row(s) 2 (file lines)":
+            lambda d: results.assign(median_step_time_s=[0.0, *results["median_step_time_s"][1:]]).to_csv(
+                d / "results.csv", index=False),
     }
+    assert main(["report", ""]) == 2  # was read as the working directory
+    assert "the results dir is an empty path" in capsys.readouterr().err
     for n, (message, breakage) in enumerate(breakages.items()):
         copy = tmp_path / str(n)
         shutil.copytree(reference, copy)

@@ -1412,6 +1412,13 @@ def test_from_a_run_whose_files_do_not_read_exits_2_naming_the_file_or_flag(tmp_
         assert main(argv) == 2
         assert capsys.readouterr().err.startswith(f"error: {says}")
     config.write_text(json.dumps({**CONFIG, "dataset_size": 8192}))
+    # a step's time as text: named with the file and step (it was float()'s bare "could not convert string")
+    records = (tmp_path / "rank0.jsonl").read_text()
+    (tmp_path / "rank0.jsonl").write_text('"step_time_s": "x"}'.join(records.rsplit('"step_time_s": 0.0035}', 1)))
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"error: from_run: {tmp_path / 'rank0.jsonl'}: step 9's step_time_s "
+                                              "must be numbers of seconds, got 'x'")
+    (tmp_path / "rank0.jsonl").write_text(records)
     # 100000 ranks leave each no sample of the run's dataset: the flag given is named, not the run's micro_batch
     assert main([*argv, "--world-size", "100000"]) == 2
     assert capsys.readouterr().err.startswith("error: world_size: --world-size 100000 does not fit the run's config")
@@ -1607,6 +1614,12 @@ def test_a_huge_micro_batch_is_counted_as_shapes_not_built():
 def test_a_micro_batch_too_large_to_count_exits_2_naming_it(capsys, argv):
     assert main(["predict", *argv]) == 2  # not PyTorch's overflow as a traceback
     assert f"--micro-batch {argv[-1]} is too large to count" in capsys.readouterr().err
+
+
+def test_an_unknown_gpu_with_a_gpu_run_is_the_flags_error_not_the_runs(capsys):
+    run = next(H100_RUNS.glob("*-pytorch-torch-w1-b512-*"))
+    assert main(["predict", "--from", str(run), "--gpu", "nonsense"]) == 2
+    assert capsys.readouterr().err.startswith("error: gpu: unknown GPU 'nonsense'; known: ")
 
 
 @pytest.mark.parametrize("shape, says", [
