@@ -129,6 +129,12 @@ def check_extra_env(env: Any) -> dict[str, str]:
     return dict(env)
 
 
+def _pid_in(status: dict[str, Any]) -> int | None:
+    """The supervisor's pid a status.json names, when it is an integer (a damaged file's is not)."""
+    pid = status.get("supervisor_pid")
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+
+
 class Run:
     def __init__(self, config: RunConfig, *, out: str | os.PathLike | None = None,
                  root: str | os.PathLike | None = None, env: dict[str, str] | None = None, launcher: str = "pdsh",
@@ -341,8 +347,7 @@ class Run:
     def _supervisor_pid(self) -> int | None:
         if self._supervisor is not None:
             return self._supervisor.pid
-        pid = self._status_file().get("supervisor_pid")
-        return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+        return _pid_in(self._status_file())
 
     def _supervisor_alive(self) -> bool:
         if self._supervisor is not None:
@@ -356,7 +361,7 @@ class Run:
             return False
         if self._supervisor is None:
             status = self._status_file()
-            if self._supervisor_pid() is None:
+            if _pid_in(status) is None:
                 return False  # a reloaded run whose supervisor has not written status.json yet
             from labkit.launch.supervisor import host_identity
 

@@ -152,6 +152,17 @@ def check_importable(config: RunConfig, *, timeout_s: float = 300.0) -> None:
     _checked[wanted] = _mtimes(answer["files"])
 
 
+def on_meta_else_cpu(build_and_count: Callable[[str], Any]) -> Any:
+    """`build_and_count("meta")`, or on a real CPU copy where the model cannot run on the meta device: a forward
+    that reads a value (Hugging Face's packed-sequence check calls .item()). The lab's models are small."""
+    try:
+        return build_and_count("meta")
+    except RuntimeError as exc:
+        if "meta" not in str(exc):
+            raise
+        return build_and_count("cpu")
+
+
 # -- what the worker calls -------------------------------------------------------------------
 def build_model(config: RunConfig) -> nn.Module:
     model = resolve(specs(config)["model"])(config)

@@ -358,14 +358,7 @@ class ModuleWorkload:
             inputs, labels = (t.to(dtype) if t.is_floating_point() else t for t in batch)
             return count(model, lambda: loss_fn(model, inputs, labels).float())
 
-        try:
-            return count_on("meta")
-        except RuntimeError as exc:
-            # A model whose forward reads a value (Hugging Face's packed-sequence check calls .item()) cannot
-            # run on the meta device: count it on a real CPU copy instead (the lab's models are small).
-            if "meta" not in str(exc):
-                raise
-            return count_on("cpu")
+        return builders.on_meta_else_cpu(count_on)
 
     def costs(self, micro_batch: int, gpu: GPU, precision: str, checkpointing: bool) -> PhaseCosts:
         if checkpointing:

@@ -527,7 +527,8 @@ def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
 
 def record_lab_model(config: Any) -> ModuleTrace:
     """The trace of a RunConfig's model (labkit.models.builders) computing its loss on one sample: on the meta device,
-    or on a CPU copy where its forward reads a value (the lab's GPT), as `predict.ModuleWorkload.census` counts it."""
+    or on a CPU copy where its forward reads a value (the lab's GPT: `builders.on_meta_else_cpu`), as the census
+    counts it."""
     import torch
     from torch.utils.data import default_collate
 
@@ -542,9 +543,4 @@ def record_lab_model(config: Any) -> ModuleTrace:
         inputs, labels = (t.to(device) for t in sample)
         return record(model, lambda: loss_fn(model, inputs, labels))
 
-    try:
-        return on("meta")
-    except RuntimeError as exc:
-        if "meta" not in str(exc):
-            raise
-        return on("cpu")
+    return builders.on_meta_else_cpu(on)
