@@ -56,9 +56,12 @@ ifneq ($(call goal,wheelhouse),)
 ifneq ($(call matches,$(WHEEL_PYTHON),[0-9]\.[0-9][0-9]?),yes)
 $(error WHEEL_PYTHON=$(WHEEL_PYTHON): must be the node's CPython as major.minor, e.g. 3.12)
 endif
+# NODE_PACKAGES_UNWRITTEN: wheelhouse-proof's sub-make in a dry run (make -n), whose file the lines before it write.
+ifeq ($(NODE_PACKAGES_UNWRITTEN),)
 ifneq ($(NODE_PACKAGES),)
 ifneq ($(shell test -f '$(NODE_PACKAGES)' && test -r '$(NODE_PACKAGES)' && echo yes),yes)
 $(error NODE_PACKAGES=$(NODE_PACKAGES): no such readable file (the node's `pip list --format=freeze`, or names one a line))
+endif
 endif
 endif
 endif
@@ -74,7 +77,8 @@ wheelhouse-proof: install
 	$(PYTHON) -m venv $(PROOF)/node
 	$(PROOF)/node/bin/python -m pip install -q --no-compile -c constraints.txt torch
 	$(PROOF)/node/bin/python -m pip list --format=freeze > $(PROOF)/node-freeze.txt
-	$(MAKE) --no-print-directory wheelhouse WHEELHOUSE=$(PROOF)/wheelhouse EXTRAS= NODE_PACKAGES=$(PROOF)/node-freeze.txt
+	$(MAKE) --no-print-directory wheelhouse WHEELHOUSE=$(PROOF)/wheelhouse EXTRAS= NODE_PACKAGES=$(PROOF)/node-freeze.txt \
+		$(if $(findstring n,$(firstword -$(MAKEFLAGS))),NODE_PACKAGES_UNWRITTEN=1)
 	$(MAKE) --no-print-directory install VENV=$(PROOF)/venv PYTHON=$(PROOF)/node/bin/python \
 		WHEELHOUSE=$(PROOF)/wheelhouse EXTRAS=
 	$(PROOF)/venv/bin/python -c "import torch, sys; assert torch.__file__.startswith('$(PROOF)/node'), torch.__file__"

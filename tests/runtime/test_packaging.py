@@ -66,6 +66,7 @@ def test_make_refuses_a_bad_variable_before_any_prerequisite_runs(goal, variable
     *(("gpu-reference", [f"STEP={step}", "JOBS=3"]) for step in ("check", "notebooks", "answer", "all")),
     ("test", ["TEST_WORKERS=0"]), ("test", ["TEST_WORKERS=auto"]), ("lab", ["LAB_PORT=8889"]),
     ("wheelhouse", ["WHEEL_PYTHON=3.12", "NODE_PACKAGES=constraints.txt"]),
+    ("wheelhouse-proof", []),  # its sub-make's NODE_PACKAGES is written by its earlier lines, which -n skips
 ])
 def test_make_takes_the_variables_good_values(goal, variables):
     from labkit.study.gpu_reference import STEPS
