@@ -1635,6 +1635,21 @@ def test_a_transformer_too_large_to_count_exits_2_naming_the_shape_not_the_micro
             in err and says in err and "Traceback" not in err), err
 
 
+def test_what_is_too_large_to_count_and_what_is_another_error():
+    """The reasons `labkit predict` and notebook 06 give: memory running out while tracing a shape (a machine with
+    little memory: no shape this suite can build does it here) and PyTorch's sizes overflowing; any other error is
+    passed on (None), not dressed up as one of them."""
+    given = "--transformer layers=2,hidden=64,heads=4,seq=32"
+    assert P.too_large_to_count(MemoryError(), given) == (
+        f"{given} is too large to count: the shape's trace (a record per module and parameter of every layer) does "
+        "not fit in this machine's memory")
+    for overflow in (RuntimeError("Storage size calculation overflowed"), OverflowError("int too large"),
+                     TypeError("value overflows int64")):
+        assert P.too_large_to_count(overflow, given).endswith("its tensors' sizes overflow PyTorch's 64-bit sizes")
+    for other in (RuntimeError("shape mismatch"), TypeError("unsupported operand"), ValueError("overflow")):
+        assert P.too_large_to_count(other, given) is None
+
+
 @pytest.mark.parametrize("layers", [1001, 10**5, 10**18])
 def test_a_transformer_deeper_than_any_published_is_refused_before_its_trace(capsys, layers):
     """10^5 layers ran for minutes and 10^18 ended in a MemoryError after the trace filled the memory: the depth is
