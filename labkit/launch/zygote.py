@@ -96,8 +96,9 @@ def serve(socket_path: Path, parent_pid: int) -> int:
     started = time.monotonic()
     ops = preload()
     # What the preload made lives as long as the zygote: out of the collector's reach, so that a fork's
-    # gc.collect (deepspeed/runtime/zero/utils.py:215, every ZeRO-3 engine) neither walks it (0.17 s per rank
-    # here) nor writes its pages, which stay shared with every rank.
+    # gc.collect (deepspeed/runtime/zero/utils.py:233, in `defragment`: every ZeRO-3 engine whose parameters stay on
+    # the device, stage3.py:967-972) neither walks it (0.17 s per rank here) nor writes its pages, which stay shared
+    # with every rank.
     gc.collect()
     gc.freeze()
     from labkit.launch.supervisor import reap_children

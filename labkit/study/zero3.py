@@ -118,13 +118,15 @@ def record(model: Any, run_step: Callable[[], Any], mark: Callable[[], int] | No
       `PostBackwardFunctionModule`, :498-526; a second call of the module resets the count, as :438 does);
     - external parameters, as the first (recording) step registers them: a parameter read in the forward while no
       module on the forward stack holds it, where it is partitioned (so not available: the recording step releases
-      every module's parameters after its forward, :498-499), becomes the innermost module's (the getter, :80-93);
-      a parameter a module returns becomes its caller's, partitioned or persistent (:381-401).
+      every module's parameters after its forward, partitioned_param_coordinator.py:498-499), becomes the innermost
+      module's (the getter, :80-93); a parameter a module returns becomes its caller's, partitioned or persistent
+      (:381-401).
     So the backward's order is autograd's own, and outputs the loss does not use fetch nothing. The step runs twice:
-    a forward whose modules differ between steps (DeepSpeed then records its trace again, :195-219, and never
-    prefetches) is refused. The parameters' `.grad` are left as they were; anything else the step changes (running
-    statistics, the random state) is not restored. `mark()`, where given, says how many ops were recorded so far (a
-    census's, `zero3_overlap`): the trace's `spans` then say which ops of the first step ran after each event."""
+    a forward whose modules differ between steps (DeepSpeed then records its trace again,
+    partitioned_param_coordinator.py:195-219, and never prefetches) is refused. The parameters' `.grad` are left as
+    they were; anything else the step changes (running statistics, the random state) is not restored. `mark()`, where
+    given, says how many ops were recorded so far (a census's, `zero3_overlap`): the trace's `spans` then say which
+    ops of the first step ran after each event."""
     import torch
     from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
     from deepspeed.runtime.zero.utils import apply_to_tensors_only
@@ -474,7 +476,7 @@ def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
 
     for fetch, m, forward in events:
         own = owns[m]
-        if fetch:  # _fetch_sub_module_impl (:349-487)
+        if fetch:  # _fetch_sub_module_impl (:353-490)
             if turn is None and not forward and any(p not in persistent for p in own):
                 turn = step
             fetched: list[int] = []
