@@ -434,7 +434,7 @@ def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
     limit, bucket, reuse = int(cfg.max_live_parameters), int(cfg.prefetch_bucket_size), int(cfg.max_reuse_distance)
     events = [(fetch, m, True) for fetch, m in trace.forward] + [(fetch, m, False) for fetch, m in trace.backward]
     order = [m for fetch, m, _ in events if fetch]  # __submodule_order: the module of each fetch (step)
-    # The parameter trace (:243-249): each step's module's parameters, sorted by id, tagged with the step.
+    # The parameter trace (:233-248): each step's module's parameters, sorted by id, tagged with the step.
     queue = collections.deque((p, step) for step, m in enumerate(order) for p in owns[m])
     # Where each parameter is used, and the elements the steps before each step hold, for the reuse window (:656-663)
     uses: dict[int, list[int]] = collections.defaultdict(list)
@@ -458,7 +458,7 @@ def replay(trace: ModuleTrace, **zero_settings: Any) -> Replay:
     call_of: dict[int, int] = {}  # parameter -> the number of the call that gathered it last
     step = 0
 
-    def gather(params: Sequence[int], forward: bool) -> list[int]:  # __all_gather_params_ (:582-600): one call
+    def gather(params: Sequence[int], forward: bool) -> list[int]:  # __all_gather_params_ (:582-613): one call
         nonlocal available
         todo = [p for p in params if p not in gathered and p not in persistent]
         if todo:
