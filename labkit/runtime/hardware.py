@@ -610,6 +610,10 @@ MAX_GPUS_PER_NODE = 16
 # The most nodes a cluster may have: 65,536 (over a million GPUs at 16 per node). The largest GPU clusters reported
 # by 2025 hold ~10^5 GPUs; a million nodes is a typo, and the prediction's time grows with the ranks.
 MAX_NODES = 65_536
+# A node's network, where it has one: from 0.1 Gb/s (100 Mb/s Ethernet, the slowest link anyone trains over) to
+# 100,000 Gb/s (15x the fastest node networks of 2025, 8 x 800 Gb/s NICs). Outside that it is a typo or a unit slip
+# (bits per second for Gb/s), and its prediction (10^298 s per step at 1e-300 Gb/s) would be read as an answer.
+MIN_INTER_GBPS, MAX_INTER_GBPS = 0.1, 100_000.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -640,6 +644,10 @@ class Cluster:
         if not math.isfinite(self.inter_gbps) or self.inter_gbps < 0:
             raise ValueError(f"the node's network bandwidth (inter_gbps; --inter-gbps on the command line) must be "
                              f"a finite bandwidth >= 0 Gb/s, got {self.inter_gbps}")
+        if self.inter_gbps > 0 and not MIN_INTER_GBPS <= self.inter_gbps <= MAX_INTER_GBPS:
+            raise ValueError(f"the node's network bandwidth (inter_gbps; --inter-gbps on the command line) is in Gb/s, "
+                             f"from {MIN_INTER_GBPS:g} (100 Mb/s) to {MAX_INTER_GBPS:,.0f} (100 Tb/s), or 0 for one "
+                             f"node; got {self.inter_gbps:g}")
         if self.nodes > 1 and self.inter_gbps <= 0:
             raise ValueError("several nodes need the node's network bandwidth in Gb/s (inter_gbps; --inter-gbps on "
                              "the command line)")

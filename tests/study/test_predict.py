@@ -1675,6 +1675,24 @@ def test_a_cluster_of_more_than_65536_nodes_is_refused_by_name(capsys):
         V.explore(model="GPT-2 small (124M)", micro_batch=1, nodes=10**6, **widgets)
 
 
+@pytest.mark.parametrize("gbps", ["1e-300", "0.05", "1e6"])
+def test_a_network_outside_100_mbps_to_100_tbps_is_refused_by_name(capsys, gbps):
+    """1e-300 Gb/s predicted 10^298 s per step, and a figure in bits per second (1e11 for 100 Gb/s) a network faster
+    than any: both are typos, refused on the command line and in notebook 06's widget; 0.1 and 100,000 pass."""
+    from labkit.study import predict_views as V
+
+    argv = ["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", "--gpu", "A100-80GB", "--gpus-per-node",
+            "8", "--nodes", "2"]
+    assert main([*argv, "--inter-gbps", gbps]) == 2
+    assert "is in Gb/s, from 0.1 (100 Mb/s) to 100,000 (100 Tb/s), or 0 for one node; got " in capsys.readouterr().err
+    widgets = dict(gpu="A100-80GB", gpus_per_node=8, intra="auto", strategy="z2")
+    with pytest.raises(ValueError, match=re.escape("is in Gb/s, from 0.1 (100 Mb/s)")):
+        V.explore(model="GPT-2 small (124M)", micro_batch=1, nodes=2, inter_gbps=float(gbps), **widgets)
+    for edge in ("0.1", "100000"):
+        assert main([*argv, "--inter-gbps", edge, "--format", "json"]) == 0
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("model, micro_batch, says", [
     ("layers=2,hidden=64,heads=4,seq=128", 10**12, "its tensors' sizes overflow"),
     ("layers=2,hidden=4000000000,heads=4,seq=128", 4, "its tensors' sizes overflow"),
