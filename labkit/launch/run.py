@@ -179,7 +179,7 @@ class Run:
     def start(self) -> Run:
         if self.run_dir is not None:
             raise RuntimeError(f"this run was already started in {self.run_dir}")
-        if not self.config.script and (self.config.model != "mlp" or self.config.data or self.config.loss):
+        if not self.config.script:
             from labkit.models.builders import check_importable
 
             check_importable(self.config)  # a bad import string fails here, before anything is launched
