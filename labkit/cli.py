@@ -390,7 +390,8 @@ def _add_predict_parser(predict: argparse.ArgumentParser) -> None:
                          "(the NVSwitch of the GPU's generation), pcie3, pcie4, pcie5; auto (default): NVSwitch "
                          "where the GPU has NVLink, else its PCIe")
     predict.add_argument("--inter-gbps", type=float, default=None,
-                         help="the node's total network bandwidth in Gb/s (8 HDR links: 1600; one EDR: 100)")
+                         help="the node's total network bandwidth in Gb/s, 0.1 to 100,000 (8 HDR links: 1600; "
+                         "one EDR: 100)")
     predict.add_argument("--host-cpu", default=None, type=str.lower,
                          help="the nodes' CPU vendor, intel, amd or other (NCCL's network overhead per ring step); "
                          "auto (default): the GPU kind's DGX")

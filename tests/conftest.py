@@ -3,7 +3,7 @@
 Markers say what a test costs: `slow` on every test that starts a process (a DeepSpeed run, a Python or
 tool subprocess, a kernel, a browser), so `make test-fast` (`-m "not slow"`) starts none. The rule is
 enforced: a test not marked `slow` that starts a process from the test's own thread fails. One probe is not
-counted: DeepSpeed's CPU accelerator runs `numactl --hardware` on every `device_count()` where LOCAL_SIZE is unset
+counted: DeepSpeed's CPU accelerator runs `numactl --hardware` on every `device_count()` where LOCAL_SIZE is unset or 0
 (deepspeed/accelerator/cpu_accelerator.py:71-79 and utils/numa.py:27 in 0.19.8), a few milliseconds that any
 config check pays.
 """

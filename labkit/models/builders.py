@@ -117,10 +117,10 @@ def _findable(top_level: str, paths: list[str]) -> bool:
 
 
 def check_importable(config: RunConfig, *, timeout_s: float = 300.0) -> None:
-    """Import every model/data/loss string in a child process, as a rank will; raise a
-    ConfigError naming the field when one fails. A child, so a broken module can neither
-    crash nor pollute this (notebook) process. A set of strings that passed is checked again
-    only once one of its modules' files changes."""
+    """Import every model/data/loss string in a child process, as a rank will (none for the built-in mlp on its own
+    data: nothing of the learner's); raise a ConfigError naming the field when one fails. A child, so a broken module
+    can neither crash nor pollute this (notebook) process. A set of strings that passed is checked again only once one
+    of its modules' files changes."""
     import os
 
     from labkit.core.config import ConfigError

@@ -56,11 +56,11 @@ PRECISIONS = ("fp16", "bf16", "fp32")
 # stage_1_and_2.py: unscale_and_clip_grads multiplies the fp32 gradient partition in place whenever clipping is on
 # (DeepSpeed's default gradient_clipping 1.0) or the loss scale is not 1 (:3193-3216), 8 B, and the updated fp32
 # partition is copied into the pinned 16-bit upload buffer (:3095), 4 B read and the training dtype's written.
-# stage3.py unscales always (:2979-2988, called unconditionally at :2918) and copies the fp32 partition straight
-# into the 16-bit one on the GPU (:2858), which torch converts on the host first: the same bytes there, counted the
-# same. Where a host's passes were not measured they move their bytes at the rate its CPU Adam moves its own
-# (assumed: 0.5x its time for bf16; on this lab's 2-core CPU machine they took 0.68-0.80x,
-# data/predict-ci/offload_passes/).
+# stage3.py unscales always (:2979-2988, called at :2918 whatever the clipping and loss scale; an fp16 overflow
+# step returns before it, :2891-2894) and copies the fp32 partition straight into the 16-bit one on the GPU (:2858),
+# which torch converts on the host first: the same bytes there, counted the same. Where a host's passes were not
+# measured they move their bytes at the rate its CPU Adam moves its own (assumed: 0.5x its time for bf16; on this
+# lab's 2-core CPU machine they took 0.68-0.80x, data/predict-ci/offload_passes/).
 CPU_ADAM_BYTES_PER_PARAM = 28
 OFFLOAD_UNSCALE_BYTES_PER_PARAM = 8
 # Where no node host's CPU Adam was measured, all of it is memory traffic at the host's memory bandwidth. Default

@@ -119,8 +119,8 @@ def record(model: Any, run_step: Callable[[], Any], mark: Callable[[], int] | No
     - external parameters, as the first (recording) step registers them: a parameter read in the forward while no
       module on the forward stack holds it, where it is partitioned (so not available: the recording step releases
       every module's parameters after its forward, partitioned_param_coordinator.py:498-499), becomes the innermost
-      module's (the getter, :80-93); a parameter a module returns becomes its caller's, partitioned or persistent
-      (:381-401).
+      module's (the getter, parameter_offload.py:80-93); a parameter a module returns becomes its caller's, partitioned
+      or persistent (parameter_offload.py:381-401).
     So the backward's order is autograd's own, and outputs the loss does not use fetch nothing. The step runs twice:
     a forward whose modules differ between steps (DeepSpeed then records its trace again,
     partitioned_param_coordinator.py:195-219, and never prefetches) is refused. The parameters' `.grad` are left as

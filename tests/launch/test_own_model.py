@@ -92,11 +92,12 @@ def test_the_quick_look_defers_to_the_child_where_an_import_hook_or_a_customize_
     assert _findable("nowhere_module", [str(tmp_path)])
 
 
-def test_the_seed_texts_model_on_its_own_data_is_not_checked_in_a_child():
+def test_the_seed_texts_model_on_its_own_data_is_not_checked_in_a_child(monkeypatch):
     """Nothing of the learner's to import: no child (a fast test, so conftest fails it if one starts), where
     `labkit predict --model mlp` started one; a data or loss string of theirs beside it still is."""
     from labkit.models import builders
 
+    monkeypatch.setattr(builders, "_checked", {})  # an earlier test's passed check would skip the child anyway
     builders.check_importable(RunConfig(example="deepspeed"))
     with pytest.raises(ConfigError, match="cannot import nowhere_module:make"):
         builders.check_importable(RunConfig(example="deepspeed", data="nowhere_module:make"))  # refused before a child

@@ -1678,7 +1678,8 @@ def test_a_cluster_of_more_than_65536_nodes_is_refused_by_name(capsys):
 @pytest.mark.parametrize("gbps", ["1e-300", "0.05", "1e6"])
 def test_a_network_outside_100_mbps_to_100_tbps_is_refused_by_name(capsys, gbps):
     """1e-300 Gb/s predicted 10^298 s per step, and a figure in bits per second (1e11 for 100 Gb/s) a network faster
-    than any: both are typos, refused on the command line and in notebook 06's widget; 0.1 and 100,000 pass."""
+    than any: both are typos, refused on the command line and in notebook 06's widget where it is read (several
+    nodes; at one the widget's network is unused); 0.1 and 100,000 pass."""
     from labkit.study import predict_views as V
 
     argv = ["predict", "--transformer", "layers=2,hidden=64,heads=4,seq=32", "--gpu", "A100-80GB", "--gpus-per-node",
