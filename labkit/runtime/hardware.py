@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -628,6 +629,15 @@ class Cluster:
     host_cpu: str = "auto"  # the nodes' CPU vendor (intel, amd, other): NCCL's network overhead; auto: NODE_CPU
 
     def __post_init__(self) -> None:
+        # A notebook cell's values as typed: a GPU's name for its preset, 2.5 or True GPUs, "4" nodes
+        if not isinstance(self.gpu, GPU):
+            raise ValueError(f"gpu must be a GPU preset (hardware.gpu(name)), got {self.gpu!r}")
+        for name in ("gpus_per_node", "nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if isinstance(self.inter_gbps, bool) or not isinstance(self.inter_gbps, numbers.Real):
+            raise ValueError(f"inter_gbps must be a number of Gb/s, got {self.inter_gbps!r}")
         # link and CPU names in any case, as GPU names are ("NVSwitch" in a source's table, --intra NVLINK3)
         if not isinstance(self.intra, str) or not isinstance(self.host_cpu, str):
             raise ValueError(f"intra and host_cpu are names, got {self.intra!r} and {self.host_cpu!r}")

@@ -429,6 +429,8 @@ def gpu_comparison(data_root: str | os.PathLike) -> Any:
     from labkit.runtime.hardware import gpu as find_gpu
     from labkit.study import predict as P
 
+    if not Path(data_root).is_dir():  # a misspelled path read as "no GPU point", then a TypeError on None
+        raise ValueError(f"{data_root}: no such directory (the lab's data/, holding reference-*/)")
     rows = []
     for machine_file in sorted(Path(data_root).glob("reference-*/machine.json")):
         machine = json.loads(machine_file.read_text())
@@ -578,7 +580,11 @@ def cpu_comparison(data_dir: str | os.PathLike, statistic: str = "mean",
 
     data = Path(data_dir)
     runs = pd.read_csv(data / "runs.csv")
-    runs = runs[runs["statistic"] == statistic] if "statistic" in runs else runs
+    if "statistic" in runs:
+        if statistic not in set(runs["statistic"]):  # an empty table, and KeyErrors in the cells after it
+            raise ValueError(f"{data / 'runs.csv'} has no {statistic!r} rows; it has "
+                             f"{', '.join(sorted(set(runs['statistic'])))}")
+        runs = runs[runs["statistic"] == statistic]
     links = Path(links) if links else (data / "links_grid.json" if (data / "links_grid.json").exists()
                                         else data / "links.json")
     fit = link_fits(json.loads(links.read_text()), statistic)

@@ -340,6 +340,8 @@ def side_by_side(number: int) -> SideBySide:
 def script_config(name: str, *, world_size: int, steps: int, args: Sequence[str] = ()) -> RunConfig:
     """The RunConfig of `labkit run --script notebooks/examples/<name> --world-size N --steps S --
     <args> --steps S`: the script runs `steps` optimizer steps, and labkit's progress counts them."""
+    if isinstance(args, str):  # "--hidden 5" would be passed letter by letter
+        raise ValueError(f"args is a list of arguments, e.g. {args.split()!r}, got the string {args!r}")
     return RunConfig(script=str(example_path(name)), script_args=[*args, "--steps", str(steps)],
                      world_size=world_size, steps=steps)
 

@@ -863,6 +863,8 @@ def deepspeed_batch_check(ds_config: dict[str, Any], world_size: int) -> str:
             parsed = DeepSpeedConfig(dict(ds_config), mpu=_DataParallelGroup(world_size))
     except AssertionError as exc:
         return f"DeepSpeed refuses it: AssertionError: {exc}"
+    except ZeroDivisionError as exc:  # a batch key of 0, divided by before DeepSpeed's own assertions
+        return f"DeepSpeed fails on it: ZeroDivisionError: {exc} (a batch key of 0)"
     return (f"DeepSpeed accepts it: train_batch_size {parsed.train_batch_size} = micro "
             f"{parsed.train_micro_batch_size_per_gpu} x accumulation {parsed.gradient_accumulation_steps} "
             f"x {world_size} rank(s)")

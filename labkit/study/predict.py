@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -638,12 +639,21 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
     runs (`optimizer_for`): its states and its step's traffic and peak are counted. `calibration`: what a measured
     run of the same training says the model misses (`Calibration`); `links`: a measured link fit (`FittedLinks`)
     instead of the cluster's presets."""
-    if strategy not in STRATEGIES:
+    # A notebook cell passes what the learner typed: checked here, not as torch's or pandas' traceback further on
+    if not hasattr(workload, "costs"):
+        raise ValueError(f"workload must be a Workload (predict_views.workload(name), lab_workload(config) or a "
+                         f"TransformerWorkload), got {workload!r}")
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster must be a hardware.Cluster, got {cluster!r}")
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
-    if precision not in PRECISIONS:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if micro_batch < 1 or grad_accum < 1:
-        raise ValueError("micro_batch and grad_accum must be >= 1")
+    for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    if not isinstance(activation_checkpointing, bool):  # "no" would read as True
+        raise ValueError(f"activation_checkpointing must be True or False, got {activation_checkpointing!r}")
     if host_memory_gb_per_s is not None and not (0 < host_memory_gb_per_s < math.inf):
         raise ValueError(f"host_memory_gb_per_s must be a finite bandwidth > 0, got {host_memory_gb_per_s}")
     stage, offload = STRATEGIES[strategy]
@@ -1028,8 +1038,8 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
                                 host_memory_gb_per_s=host_memory_gb_per_s, zero=zero, optimizer=optimizer)
         return made[key]
 
+    largest = run(cluster, micro_batch).max_micro_batch  # first: `predict` checks micro_batch and the rest
     low, high = micro_batch_range or (max(1, micro_batch // 4), micro_batch * 4)
-    largest = run(cluster, micro_batch).max_micro_batch
     if micro_batch_range is None:  # the default range stops at the largest micro-batch that fits
         high = max(micro_batch, min(high, largest))
     # one GPU has no link to another: `auto`, not a link only several GPUs can have (a bridge joins two)

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,11 +106,15 @@ def strategy_parts(work: P.Workload, cluster: Cluster, *, micro_batch: int, prec
                    strategies: tuple[str, ...] = STRATEGY_PARTS,
                    activation_checkpointing: bool = False) -> pd.DataFrame:
     """Predicted seconds per step of each strategy, split into the device's compute, the time it waits on the host
-    (ZeRO-3's hooks, kernel launches: `host_bound_s`), exposed communication and offload."""
+    (ZeRO-3's hooks, kernel launches: `host_bound_s`), exposed communication and offload. A micro-batch too large to
+    count is a ValueError saying so, as in `explore`."""
+    if isinstance(strategies, str):  # "z3" would be read letter by letter
+        raise ValueError(f"strategies is a tuple of strategy names, e.g. ({strategies!r},), got {strategies!r}")
     rows = []
     for strategy in strategies:
-        p = P.predict(work, cluster, strategy=strategy, micro_batch=micro_batch, precision=precision,
-                      activation_checkpointing=activation_checkpointing)
+        with _countable(f"model {getattr(work, 'name', work)!r} with micro_batch {micro_batch}"):
+            p = P.predict(work, cluster, strategy=strategy, micro_batch=micro_batch, precision=precision,
+                          activation_checkpointing=activation_checkpointing)
         rows.append({"strategy": STRATEGY_LABELS[strategy], "compute_s": p.compute_s - p.host_bound_s,
                      "host_bound_s": p.host_bound_s,
                      "exposed_comm_s": p.exposed_comm_s, "hidden_comm_s": p.comm_s - p.exposed_comm_s,
@@ -206,12 +212,20 @@ def explore(*, gpu: str, gpus_per_node: int, nodes: int, intra: str, inter_gbps:
     stacked parts, and a one-line summary. The time to the same loss takes `b_crit`, or `b_crit_for(model,
     target_loss)`; neither: no verdict to the same loss. Raises ValueError with the reason for a choice that cannot
     be, and for a model or micro-batch too large to count (`predict.too_large_to_count`)."""
-    try:
+    with _countable(f"model {model!r} with micro_batch {micro_batch}"):
         return _explore(gpu=gpu, gpus_per_node=gpus_per_node, nodes=nodes, intra=intra, inter_gbps=inter_gbps,
                         model=model, strategy=strategy, micro_batch=micro_batch, precision=precision, b_crit=b_crit,
                         target_loss=target_loss, activation_checkpointing=activation_checkpointing)
-    except (RuntimeError, TypeError, OverflowError, MemoryError) as exc:  # PyTorch's sizes, or the trace's memory
-        reason = P.too_large_to_count(exc, f"model {model!r} with micro_batch {micro_batch}")
+
+
+@contextlib.contextmanager
+def _countable(given: str) -> Iterator[None]:
+    """PyTorch's sizes overflowing, or the trace's memory running out, as a ValueError naming `given`
+    (`predict.too_large_to_count`); any other error as it was."""
+    try:
+        yield
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as exc:
+        reason = P.too_large_to_count(exc, given)
         if reason is None:
             raise
         raise ValueError(reason) from None

@@ -4,6 +4,7 @@ what notebook 04 draws, and what `labkit export` writes as DeepSpeed's own sched
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -51,3 +52,21 @@ def test_export_writes_the_warmup_the_ranks_use():
     params = export_ds_config(config)["scheduler"]["params"]
     assert params["warmup_num_steps"] == math.ceil(256 / 32) == config.warmup_steps_effective
     assert params["warmup_min_lr"] == 0.0 and params["warmup_max_lr"] == config.peak_lr
+
+
+@pytest.mark.parametrize("call, says", [
+    # notebook 04a's cells as typed: each divided by zero, took a square root of a negative, or gave a negative LR
+    (lambda: schedule.peak_lr(1e-3, global_batch=0, base_batch=32, scaling="linear"), "global_batch must be"),
+    (lambda: schedule.peak_lr(1e-3, global_batch=64, base_batch=0), "base_batch must be a whole number >= 1, got 0"),
+    (lambda: schedule.peak_lr(1e-3, global_batch=-64, base_batch=32, scaling="sqrt"), "got -64"),
+    (lambda: schedule.peak_lr(-1, global_batch=64, base_batch=32), "lr must be a finite learning rate > 0, got -1"),
+    (lambda: schedule.peak_lr(math.nan, global_batch=64, base_batch=32), "lr must be a finite learning rate > 0"),
+    (lambda: schedule.warmup_steps_for(0, warmup_samples=1000), "global_batch must be a whole number >= 1, got 0"),
+    (lambda: schedule.warmup_steps_for(64, warmup_samples=-1000), "warmup_samples must be a whole number >= 0"),
+    (lambda: schedule.lr_at(-5, peak_lr=1e-3, warmup_steps=10), "step must be a whole number >= 1, got -5"),
+    (lambda: schedule.lr_at(1, peak_lr=1e-3, warmup_steps=2.5), "warmup_steps must be a whole number >= 0, got 2.5"),
+])
+def test_the_schedule_refuses_sizes_out_of_range_naming_them(call, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        call()
+    assert schedule.lr_at(1, peak_lr=1e-3) == 1e-3 and schedule.warmup_steps_for(64) == 0  # the edges pass

@@ -92,6 +92,9 @@ def test_example2_is_stage2_with_the_optimizer_offloaded_and_example3_is_stage3(
 
 
 def test_script_config_is_the_command_a_learner_types(tmp_path):
+    with pytest.raises(ValueError, match=re.escape("args is a list of arguments, e.g. ['--hidden', '64'], got the "
+                                                   "string '--hidden 64'")):  # was passed letter by letter
+        examples.script_config("ex3_zero3.py", world_size=2, steps=20, args="--hidden 64")
     config = examples.script_config("ex3_zero3.py", world_size=2, steps=20, args=["--hidden", "64"])
     assert config.script == str(EXAMPLES / "ex3_zero3.py") and config.world_size == 2 and config.steps == 20
     assert examples.command_line(config) == ("labkit run --script notebooks/examples/ex3_zero3.py --world-size 2 "

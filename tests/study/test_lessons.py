@@ -68,6 +68,9 @@ def test_lesson_helpers_take_the_smallest_sizes_in_range():
     assert len(lessons.sampler_overlap(16, 4, 2, steps=2)) == 6  # exactly 2 global batches: 3 modes x 2 steps
     assert lessons.deepspeed_batch_check({"train_batch_size": 64, "train_micro_batch_size_per_gpu": None}, 1) \
         .startswith("DeepSpeed accepts it")
+    # a key of 0: DeepSpeed divides by it before its own assertions; said, as the ranks would fail, not raised here
+    assert lessons.deepspeed_batch_check({"train_batch_size": 64, "gradient_accumulation_steps": 0}, 1) \
+        .startswith("DeepSpeed fails on it: ZeroDivisionError")
 
 
 def test_check_prints_or_raises_in_the_ci_profile(capsys, monkeypatch):

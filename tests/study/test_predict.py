@@ -22,6 +22,7 @@ from labkit.runtime import hardware as hw
 from labkit.study import calibrate as C
 from labkit.study import flops, growth, optimizer_bytes, shapes, zero3
 from labkit.study import predict as P
+from labkit.study import predict_views as V
 from labkit.study.predict_cli import format_table
 from labkit.study.verdict import verdict
 from tests import own_model
@@ -2573,3 +2574,35 @@ def test_the_reports_prediction_is_for_the_model_the_answer_trained(tmp_path):
     machine_path.write_text(json.dumps({**machine, "model": "tests.own_model:build_model"}))
     section = predicted_section(tmp_path / "answer")
     assert "No prediction for this answer" in section and "not the data and loss it trained on" in section
+
+
+@pytest.mark.parametrize("call, says", [
+    # notebook 06's cells as a learner edits them: each was torch's or Python's traceback, or read wrongly
+    (lambda w, c: P.predict(w, c, strategy="z3", micro_batch=2.5), "micro_batch must be a whole number >= 1, got 2.5"),
+    (lambda w, c: P.predict(w, c, strategy="z3", micro_batch="4"), "micro_batch must be a whole number >= 1, got '4'"),
+    (lambda w, c: P.predict(w, c, strategy="z3", micro_batch=True),
+     "micro_batch must be a whole number >= 1, got True"),
+    (lambda w, c: P.predict(w, c, strategy="z3", micro_batch=1, grad_accum=0), "grad_accum must be a whole number"),
+    (lambda w, c: P.predict("GPT-2 XL (1.5B)", c, strategy="z3", micro_batch=1), "workload must be a Workload"),
+    (lambda w, c: P.predict(w, "A100-80GB", strategy="z3", micro_batch=1), "cluster must be a hardware.Cluster"),
+    (lambda w, c: V.strategy_parts(w, c, micro_batch=4, activation_checkpointing="no"),  # was read as True
+     "activation_checkpointing must be True or False, got 'no'"),
+    (lambda w, c: V.strategy_parts(w, c, micro_batch=4, strategies="z3"),  # was "unknown strategy 'z'"
+     "strategies is a tuple of strategy names, e.g. ('z3',)"),
+    (lambda w, c: V.strategy_parts(w, c, micro_batch=10**13),  # torch's "Storage size calculation overflowed"
+     "with micro_batch 10000000000000 is too large to count"),
+    (lambda w, c: V.explore(gpu="A100-80GB", gpus_per_node=8, nodes=1, intra="auto", inter_gbps=0,
+                            model="layers=2,hidden=64,heads=4,seq=32", strategy="z3", micro_batch="4"),
+     "micro_batch must be a whole number >= 1, got '4'"),
+    (lambda w, c: hw.Cluster(gpu="A100-80GB"), "gpu must be a GPU preset (hardware.gpu(name)), got 'A100-80GB'"),
+    (lambda w, c: hw.Cluster(gpu=c.gpu, gpus_per_node=2.5), "gpus_per_node must be a whole number >= 1, got 2.5"),
+    (lambda w, c: hw.Cluster(gpu=c.gpu, gpus_per_node=True), "gpus_per_node must be a whole number >= 1, got True"),
+    (lambda w, c: hw.Cluster(gpu=c.gpu, nodes="4"), "nodes must be a whole number >= 1, got '4'"),
+    (lambda w, c: hw.Cluster(gpu=c.gpu, nodes=2, inter_gbps=True), "inter_gbps must be a number of Gb/s, got True"),
+])
+def test_the_prediction_helpers_refuse_what_a_notebook_cell_mistypes_by_name(call, says):
+    work = P.TransformerWorkload(shapes.Transformer(layers=2, hidden=64, heads=4, seq=32), name="tiny")
+    cluster = hw.Cluster(gpu=hw.gpu("A100-80GB"), gpus_per_node=8)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        call(work, cluster)
+    assert len(V.strategy_parts(work, cluster, micro_batch=4, strategies=("z3",))) == 1  # a tuple of one passes

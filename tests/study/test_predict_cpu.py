@@ -115,3 +115,12 @@ def test_the_committed_rank_scaling_is_what_the_predictor_adds_at_several_ranks(
 def test_the_rank_scaling_probe_runs_real_ranks():
     per_rank = C.zero3_rank_probe(2, depths=(1, 2), steps=4)  # two real ranks on gloo, each reporting its figure
     assert len(per_rank) == 2 and all(isinstance(v, float) for v in per_rank)
+
+
+def test_a_statistic_the_runs_lack_or_a_misspelled_folder_is_named():
+    """Notebook 06's cells: "fastest" (a link fit's statistic, not the runs') gave an empty table and a KeyError in
+    the next cell; a misspelled data folder gave None and a TypeError on it."""
+    with pytest.raises(ValueError, match=r"runs\.csv has no 'fastest' rows; it has mean, median, p10"):
+        C.cpu_comparison(DATA, "fastest")
+    with pytest.raises(ValueError, match="no such directory"):
+        C.gpu_comparison(DATA.parent / "dta")
