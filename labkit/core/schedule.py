@@ -17,6 +17,7 @@ steps and held constant after them.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 
 SCALINGS = ("none", "linear", "sqrt")
@@ -24,7 +25,7 @@ SCALINGS = ("none", "linear", "sqrt")
 
 def _at_least(name: str, value: int, low: int) -> None:
     """A notebook cell's batch, step or warmup as typed: 0 divided by zero, a negative one gave a negative LR."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
 
 
@@ -33,7 +34,7 @@ def peak_lr(lr: float, *, global_batch: int, base_batch: int, scaling: str = "no
     times the batch ratio ("linear", Goyal et al. 2017) or its square root ("sqrt", Malladi et al. 2022)."""
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
-    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf):
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not 0 < lr < math.inf:
         raise ValueError(f"lr must be a finite learning rate > 0, got {lr!r}")
     _at_least("global_batch", global_batch, 1)
     _at_least("base_batch", base_batch, 1)

@@ -657,8 +657,7 @@ class Cluster:
         if self.inter_gbps > 0 and not MIN_INTER_GBPS <= self.inter_gbps <= MAX_INTER_GBPS:
             raise ValueError(f"the node's network bandwidth (inter_gbps; --inter-gbps on the command line) is in Gb/s, "
                              f"from {MIN_INTER_GBPS:g} ({MIN_INTER_GBPS * 1000:g} Mb/s) to {MAX_INTER_GBPS:,.0f} "
-                             f"({MAX_INTER_GBPS / 1000:g} Tb/s), or 0 for one "
-                             f"node; got {self.inter_gbps:g}")
+                             f"({MAX_INTER_GBPS / 1000:g} Tb/s), or 0 for one node; got {self.inter_gbps:g}")
         if self.nodes > 1 and self.inter_gbps <= 0:
             raise ValueError("several nodes need the node's network bandwidth in Gb/s (inter_gbps; --inter-gbps on "
                              "the command line)")
