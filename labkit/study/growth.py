@@ -52,15 +52,23 @@ def in_growth(results: pd.DataFrame, way: str, lr_scaling: str | None = None) ->
     if "growth" not in results:
         return results.iloc[0:0]
     scaling = lr_scaling or grid_scaling(results)
-    mask = results.growth.map(lambda g: way in _ways(g))
+    # bool, and .loc: an empty table's mask is an empty object Series, which [] reads as a list of column names
+    mask = results.growth.map(lambda g: way in _ways(g)).astype(bool)
     if scaling is not None:
         mask &= results.lr_scaling == scaling
-    return results[mask].sort_values(["strategy", "world_size", "global_batch"])
+    return results.loc[mask].sort_values(["strategy", "world_size", "global_batch"])
+
+
+MEASURED_COLUMNS = ("strategy", "growth", "world_size", "micro_batch", "grad_accum", "global_batch", "threads_per_rank",
+                    "concurrent_runs", "median_step_time_s", "time_per_epoch_s", "steps_to_target",
+                    "compute_time_to_target_s", "eval_loss")
+RATIO_COLUMNS = ("batch_ratio", "step_time_ratio", "epoch_time_ratio", "steps_ratio", "time_to_target_ratio")
 
 
 def growth_table(results: pd.DataFrame, way: str) -> pd.DataFrame:
     """Per strategy and batch of one way: time per step, per epoch, to the target, and each as a
-    ratio to the strategy's smallest finished batch of that way (`*_ratio`)."""
+    ratio to the strategy's smallest finished batch of that way (`*_ratio`). No rows (nothing finished, a filter that
+    keeps none): the columns still, so the cells that select them say "empty" rather than KeyError."""
     rows = in_growth(results, way)
     rows = rows[rows.status == "finished"].copy()
     if "compute_time_to_target_s" not in rows:
@@ -70,16 +78,13 @@ def growth_table(results: pd.DataFrame, way: str) -> pd.DataFrame:
         group = group.sort_values(["global_batch", "world_size"])
         first = group.iloc[0]
         for r in group.to_dict("records"):
-            out.append({**{k: r.get(k) for k in (
-                "strategy", "growth", "world_size", "micro_batch", "grad_accum", "global_batch", "threads_per_rank",
-                "concurrent_runs", "median_step_time_s", "time_per_epoch_s", "steps_to_target",
-                "compute_time_to_target_s", "eval_loss")},
+            out.append({**{k: r.get(k) for k in MEASURED_COLUMNS},
                 "batch_ratio": r["global_batch"] / first.global_batch,
                 "step_time_ratio": _ratio(r.get("median_step_time_s"), first.median_step_time_s),
                 "epoch_time_ratio": _ratio(r.get("time_per_epoch_s"), first.time_per_epoch_s),
                 "steps_ratio": _ratio(r.get("steps_to_target"), first.steps_to_target),
                 "time_to_target_ratio": _ratio(r.get("compute_time_to_target_s"), first.compute_time_to_target_s)})
-    return pd.DataFrame(out)
+    return pd.DataFrame(out, columns=[*MEASURED_COLUMNS, *RATIO_COLUMNS])
 
 
 def _ratio(after: Any, before: Any) -> float | None:

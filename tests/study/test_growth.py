@@ -56,3 +56,20 @@ def test_the_lr_study_and_the_fit_read_the_studys_own_points():
     assert fit["steps"] == [180, 95, 50, 30, 18] and set(fit["lr_scalings"]) == {"sqrt"}
     assert fit["placement"]["where"] in ("within", "above")
     assert fit["b_crit"] == pytest.approx(critical_batch_fit(fit["batches"], fit["steps"])["b_crit"])
+
+
+def test_a_results_table_filtered_to_no_rows_gives_empty_tables_with_their_columns():
+    """`results[results.world_size > 100]` in a notebook cell: in_growth read the empty mask as a list of column names
+    (pandas' KeyError 'strategy'), and growth_table came back without columns for the next cell to select."""
+    from pathlib import Path
+
+    from labkit.study import card, growth
+
+    results = pd.read_csv(Path(__file__).resolve().parents[2] / "data" / "reference-ci" / "results.csv")
+    full = growth.growth_table(results, "ranks")
+    assert len(full) > 0
+    empty = results[results.world_size > 10**6]
+    assert growth.in_growth(empty, "ranks").empty
+    table = growth.growth_table(empty, "ranks")
+    assert table.empty and list(table.columns) == list(full.columns)
+    assert card.regime(empty, None) is None
