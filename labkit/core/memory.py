@@ -84,6 +84,8 @@ def model_state_bytes(n_params: int, stage: int, world_size: int, precision: str
         raise ValueError(f"stage must be 0..3, got {stage}")
     if world_size < 1 or n_params < 0:
         raise ValueError("world_size must be >= 1 and n_params >= 0")
+    if not 0 <= persistent_params <= n_params:  # a subset of the params; a negative count shrank the prediction
+        raise ValueError(f"persistent_params must be between 0 and n_params ({n_params:,}), got {persistent_params}")
     if offload_optimizer and stage == 0:
         raise ValueError("DeepSpeed offloads the optimizer only with ZeRO stage >= 1")
     if accounting not in ACCOUNTINGS:

@@ -20,13 +20,9 @@ import math
 import numbers
 from collections.abc import Iterable
 
+from labkit.runtime.arguments import whole_number
+
 SCALINGS = ("none", "linear", "sqrt")
-
-
-def _at_least(name: str, value: int, low: int) -> None:
-    """A notebook cell's batch, step or warmup as typed: 0 divided by zero, a negative one gave a negative LR."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
 
 
 def peak_lr(lr: float, *, global_batch: int, base_batch: int, scaling: str = "none") -> float:
@@ -36,8 +32,8 @@ def peak_lr(lr: float, *, global_batch: int, base_batch: int, scaling: str = "no
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not 0 < lr < math.inf:
         raise ValueError(f"lr must be a finite learning rate > 0, got {lr!r}")
-    _at_least("global_batch", global_batch, 1)
-    _at_least("base_batch", base_batch, 1)
+    whole_number("global_batch", global_batch, 1)
+    whole_number("base_batch", base_batch, 1)
     ratio = global_batch / base_batch
     return lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[scaling]
 
@@ -45,9 +41,9 @@ def peak_lr(lr: float, *, global_batch: int, base_batch: int, scaling: str = "no
 def warmup_steps_for(global_batch: int, *, warmup_steps: int = 0, warmup_samples: int = 0) -> int:
     """Warmup in optimizer steps: `warmup_steps`, or `warmup_samples` over the global batch (rounded
     up), so that every batch size warms up on the same number of samples."""
-    _at_least("global_batch", global_batch, 1)
-    _at_least("warmup_steps", warmup_steps, 0)
-    _at_least("warmup_samples", warmup_samples, 0)
+    whole_number("global_batch", global_batch, 1)
+    whole_number("warmup_steps", warmup_steps, 0)
+    whole_number("warmup_samples", warmup_samples, 0)
     if warmup_samples:
         return math.ceil(warmup_samples / global_batch)
     return warmup_steps
@@ -55,8 +51,8 @@ def warmup_steps_for(global_batch: int, *, warmup_steps: int = 0, warmup_samples
 
 def lr_at(step: int, *, peak_lr: float, warmup_steps: int = 0) -> float:
     """The LR of optimizer step `step` (1-based): linear warmup to `peak_lr`, then constant."""
-    _at_least("step", step, 1)
-    _at_least("warmup_steps", warmup_steps, 0)
+    whole_number("step", step, 1)
+    whole_number("warmup_steps", warmup_steps, 0)
     if warmup_steps and step <= warmup_steps:
         return peak_lr * step / warmup_steps
     return peak_lr

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from labkit.runtime.arguments import whole_number
+
 GB = 1e9
 GiB = 2**30
 REPO = Path(__file__).resolve().parents[2]
@@ -633,9 +635,7 @@ class Cluster:
         if not isinstance(self.gpu, GPU):
             raise ValueError(f"gpu must be a GPU preset (hardware.gpu(name)), got {self.gpu!r}")
         for name in ("gpus_per_node", "nodes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+            whole_number(name, getattr(self, name))
         if isinstance(self.inter_gbps, bool) or not isinstance(self.inter_gbps, numbers.Real):
             raise ValueError(f"inter_gbps must be a number of Gb/s, got {self.inter_gbps!r}")
         # link and CPU names in any case, as GPU names are ("NVSwitch" in a source's table, --intra NVLINK3)

@@ -106,6 +106,8 @@ class Collective:
 def ring_steps(op: str, world_size: int) -> int:
     """Latency terms of a ring algorithm: 2(N-1) for an all-reduce (reduce-scatter then all-gather),
     N-1 for an all-gather, a reduce-scatter or a pipelined broadcast."""
+    if op not in OPS:  # a misspelled all-reduce was timed as an all-gather
+        raise ValueError(f"unknown collective {op!r}; known: {OPS}")
     n = world_size
     return 2 * (n - 1) if op == "all_reduce" else n - 1
 

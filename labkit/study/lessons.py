@@ -33,8 +33,12 @@ from labkit.core import schema
 from labkit.core.config import ConfigError, RunConfig
 from labkit.core.records import rank_logs_text
 from labkit.launch.run import Run
+from labkit.runtime.arguments import whole_number
 
 MiB = 2**20
+# The lesson helpers build their dataset in this process: 10M samples of 1 input and 2 outputs (float32) are 120 MB,
+# and the samplers' index lists a few times that; a typed 10**12 would ask for terabytes.
+LESSON_MAX_SAMPLES = 10_000_000
 
 # Per-rank byte counters of a run summary, in the order the notebooks show them.
 STATE_COLUMNS = schema.STATE_KEYS
@@ -425,14 +429,6 @@ def epoch_progress(runs: Mapping[str, Run]) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
-def _count(name: str, value: Any, minimum: int = 1) -> int:
-    """`value` as an int of at least `minimum`, else a ValueError naming the argument `name` and its range (the
-    lesson helpers take sizes a learner edits in a notebook)."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def sampler_overlap(dataset_size: int, micro_batch: int, world_size: int, steps: int = 4,
                     seed: int = 0) -> pd.DataFrame:
     """What the ranks read, sampled with the worker's own `labkit.models.data.make_sampler` (no run):
@@ -444,12 +440,12 @@ def sampler_overlap(dataset_size: int, micro_batch: int, world_size: int, steps:
 
     from labkit.models.data import make_dataset, make_sampler
 
-    micro_batch, world_size, steps = (_count(name, value) for name, value in
+    micro_batch, world_size, steps = (whole_number(name, value) for name, value in
                                       (("micro_batch", micro_batch), ("world_size", world_size), ("steps", steps)))
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     needed = micro_batch * world_size * steps
-    if _count("dataset_size", dataset_size) < needed:
+    if whole_number("dataset_size", dataset_size, maximum=LESSON_MAX_SAMPLES) < needed:
         raise ValueError(f"dataset_size must be >= micro_batch x world_size x steps = {micro_batch} x {world_size} "
                          f"x {steps} = {needed} (each rank's shard must hold {steps} micro-batches), "
                          f"got {dataset_size!r}")
@@ -480,8 +476,8 @@ def deepspeed_loader_shards(dataset_size: int, world_size: int, micro_batch: int
 
     from labkit.models.data import make_dataset
 
-    dataset_size, world_size, micro_batch = (_count(name, value) for name, value in (
-        ("dataset_size", dataset_size), ("world_size", world_size), ("micro_batch", micro_batch)))
+    dataset_size = whole_number("dataset_size", dataset_size, maximum=LESSON_MAX_SAMPLES)
+    world_size, micro_batch = whole_number("world_size", world_size), whole_number("micro_batch", micro_batch)
     dataset = make_dataset(dataset_size, 1, 2, 0)
     shards = {}
     for rank in range(world_size):
@@ -541,13 +537,17 @@ def stacked_bars(table: pd.DataFrame, columns: Sequence[str], *, title: str, yax
     return fig
 
 
-def line_chart(table: pd.DataFrame, x: str, ys: Sequence[str], *, title: str, yaxis: str,
+def line_chart(table: pd.DataFrame, x: str, ys: str | Sequence[str], *, title: str, yaxis: str,
                log_x: bool = False, log_y: bool = False, markers: bool = True):
-    """A static line chart of `ys` against column `x` of `table`."""
+    """A static line chart of column(s) `ys` against column `x` of `table`."""
     import plotly.graph_objects as go
 
+    ys = [ys] if isinstance(ys, str) else list(ys)  # one column's name, not its letters
+    missing = [c for c in (x, *ys) if c not in table]
+    if missing:  # a misspelled column drew an empty chart
+        raise ValueError(f"no column {', '.join(map(repr, missing))} in the table; it has {list(table.columns)}")
     mode = "lines+markers" if markers else "lines"
-    fig = go.Figure([go.Scatter(name=y, x=table[x], y=table[y], mode=mode) for y in ys if y in table])
+    fig = go.Figure([go.Scatter(name=y, x=table[x], y=table[y], mode=mode) for y in ys])
     fig.update_layout(title=title, xaxis_title=x, yaxis_title=yaxis, height=380, margin=dict(t=50, b=40))
     if log_x:
         fig.update_xaxes(type="log")
@@ -849,7 +849,7 @@ def deepspeed_batch_check(ds_config: dict[str, Any], world_size: int) -> str:
 
     if not isinstance(ds_config, Mapping):
         raise ValueError(f"ds_config must be a dict (a DeepSpeed config), got {type(ds_config).__name__}")
-    world_size = _count("world_size", world_size)
+    world_size = whole_number("world_size", world_size)
     for key in BATCH_KEYS:
         value = ds_config.get(key)
         if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):

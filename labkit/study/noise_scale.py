@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from labkit.rank.noise_probe import noise_scale, unbiased_estimates  # noqa: F401  (the estimator's formulas)
+from labkit.runtime.arguments import whole_number
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ def noise_scale_spread(measurements: Sequence[Sequence[float]], parts: int = 4) 
     """B_simple pooled over the whole run and over `parts` consecutive stretches of it (in the
     order given: by step or by falling loss): its spread over the run. Keys: `b_simple`,
     `b_simple_low`, `b_simple_high` (min and max over the stretches), `b_simple_parts` (the list)."""
+    whole_number("parts", parts)  # 0 divided by zero
     whole = aggregate(measurements)
     if whole is None or not whole.b_simple:
         return None

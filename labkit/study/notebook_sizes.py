@@ -149,6 +149,8 @@ def resolve(sizes: dict[str, Any], devices: Devices) -> dict[str, Any]:
 
 def sizes_for(notebook: str, devices: Devices | None = None) -> dict[str, dict[str, Any]]:
     """{profile: sizes} of `notebook` ("00", "01", ...), resolved for `devices` (default: this machine's)."""
+    if notebook not in NOTEBOOKS:  # a bare KeyError '99' before
+        raise ValueError(f"unknown notebook {notebook!r}; known: {', '.join(NOTEBOOKS)}")
     if devices is None:
         from labkit.runtime.devices import detect_devices
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from labkit.core import memory
+from labkit.runtime.arguments import whole_number
 from labkit.runtime.hardware import GB, GPU, GPUS, MEMORY_EFFICIENCY, Cluster
 from labkit.runtime.hardware import gpu as find_gpu
 from labkit.study import flops, optimizer_bytes, zero3
@@ -649,9 +650,8 @@ def predict(workload: Workload, cluster: Cluster, *, strategy: str, micro_batch:
         raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    whole_number("micro_batch", micro_batch)
+    whole_number("grad_accum", grad_accum)
     if not isinstance(activation_checkpointing, bool):  # "no" would read as True
         raise ValueError(f"activation_checkpointing must be True or False, got {activation_checkpointing!r}")
     if host_memory_gb_per_s is not None and not (0 < host_memory_gb_per_s < math.inf):
@@ -917,8 +917,9 @@ def largest_micro_batch(activations: Callable[[int], float], room: float) -> int
 # -- time to the same loss --------------------------------------------------------------------------------------
 def steps_to_target(global_batch: float, b_crit: float, s_min: float = 1.0) -> float:
     """S(B) = S_min (1 + B_crit / B) (McCandlish et al. 2018, eq. 2.11)."""
-    if global_batch <= 0 or b_crit < 0:
-        raise ValueError("global_batch must be > 0 and b_crit >= 0")
+    if not (global_batch > 0 and 0 <= b_crit < math.inf):  # an infinite B_crit made every ratio inf / inf
+        raise ValueError(f"global_batch must be > 0 and b_crit a finite batch >= 0, got {global_batch!r} and "
+                         f"{b_crit!r}")
     return s_min * (1.0 + b_crit / global_batch)
 
 
@@ -941,11 +942,11 @@ def b_simple_from(results_dir: str | os.PathLike) -> float | None:
     missing = [c for c in columns if c not in noise.columns]
     if missing:  # a ValueError naming the file, not pandas' KeyError listing the columns
         raise ValueError(f"{path} lacks the gradient-noise probes' columns: {', '.join(missing)}")
-    numbers = noise[columns].apply(pd.to_numeric, errors="coerce")
-    unread = [c for c in columns if numbers[c].isna().any()]
+    values = noise[columns].apply(pd.to_numeric, errors="coerce")
+    unread = [c for c in columns if values[c].isna().any()]
     if unread:  # text or blank cells: named with the file, not a comparison's TypeError or "b_small nan"
         raise ValueError(f"{path}: {', '.join(unread)} must be numbers in every row")
-    pooled = aggregate(numbers.itertuples(index=False, name=None))
+    pooled = aggregate(values.itertuples(index=False, name=None))
     return None if pooled is None or pooled.b_simple is None or pooled.b_simple <= 0 else pooled.b_simple
 
 
@@ -1028,6 +1029,9 @@ def predicted_card(workload: Workload, cluster: Cluster, *, strategy: str = "z0"
     if smaller) on every GPU; grad_accum: 1 -> 16. A way whose either side does not fit has no verdict, and says so.
     `host_memory_gb_per_s`, `zero` and `optimizer` as `predict` takes them."""
     chosen = optimizer_for(strategy, optimizer)  # refused before anything is counted
+    if b_crit is not None and (isinstance(b_crit, bool) or not isinstance(b_crit, numbers.Real)
+                               or not 0 <= b_crit < math.inf):  # inf was "a ratio of times must be finite"
+        raise ValueError(f"b_crit must be a finite critical batch >= 0 in samples, or None; got {b_crit!r}")
     made: dict[tuple[bool, int, int], Prediction] = {}  # the configuration at micro_batch serves three ways
 
     def run(c: Cluster, m: int, a: int = 1) -> Prediction:

@@ -719,12 +719,14 @@ class Dashboard:
         return True
 
     # -- past runs -------------------------------------------------------------------------
-    def overlay(self, runs: Iterable[str | Path]) -> list[str]:
-        """Draw past runs (directories or ids in the run store) on the same axes; returns their ids."""
+    def overlay(self, runs: str | Path | Iterable[str | Path]) -> list[str]:
+        """Draw past runs (directories or ids in the run store, or one of them) on the same axes; returns their
+        ids."""
         from labkit.launch.store import default_root
 
         loaded = []
-        for run in runs:  # the files are read outside the lock: the update thread keeps going
+        # one run's id, not its letters; the files are read outside the lock: the update thread keeps going
+        for run in [runs] if isinstance(runs, (str, Path)) else runs:
             path = Path(run)
             if not path.is_dir():
                 path = default_root() / str(run)

@@ -165,6 +165,8 @@ def test_noise_scale_spread_over_the_run():
     assert spread["b_simple_parts"] == pytest.approx([50, 200])
     assert spread["b_simple_low"] == pytest.approx(50) and spread["b_simple_high"] == pytest.approx(200)
     assert spread["b_simple"] == pytest.approx(125)
+    with pytest.raises(ValueError, match="parts must be a whole number >= 1, got 0"):  # a ZeroDivisionError before
+        noise_scale_spread([probe(50)] * 4, parts=0)
 
 
 # -- credit where it is due -------------------------------------------------------------------------

@@ -38,6 +38,12 @@ def test_ring_sends_2_n_minus_1_over_n_for_all_reduce_and_half_that_for_gathers(
     assert comms.ring_steps("all_reduce", n) == 2 * (n - 1) and comms.ring_steps("all_gather", n) == n - 1
 
 
+def test_ring_terms_refuse_an_unknown_collective():
+    for term in (comms.ring_steps, comms.ring_factor):  # "allreduce" was timed as an all-gather's N-1 steps
+        with pytest.raises(ValueError, match=r"unknown collective 'allreduce'; known:"):
+            term("allreduce", 4)
+
+
 def test_per_step_bytes_count_micro_step_collectives_once_per_micro_step():
     cs = comms.collectives(2, 55_510, 2, precision="fp32", grad_accum=4, modules=MLP)
     grads = by(cs, what="gradients")[0]

@@ -47,17 +47,23 @@ def test_deepspeed_training_data_loader_shards():
     # A dataset smaller than micro-batch x ranks x steps: a bare StopIteration before.
     (lambda: lessons.sampler_overlap(16, 64, 2), r"dataset_size must be >= micro_batch x world_size x steps = "
                                                 r"64 x 2 x 4 = 512 .*got 16"),
-    (lambda: lessons.sampler_overlap(256, 16, 0), r"world_size must be an integer >= 1, got 0"),  # rows of zeros
-    (lambda: lessons.sampler_overlap(256, 16, -2), r"world_size must be an integer >= 1, got -2"),
-    (lambda: lessons.sampler_overlap(256, 0, 2), r"micro_batch must be an integer >= 1, got 0"),
-    (lambda: lessons.sampler_overlap(256, 16, 2, steps=0), r"steps must be an integer >= 1, got 0"),
-    (lambda: lessons.sampler_overlap("256", 16, 2), r"dataset_size must be an integer >= 1, got '256'"),
-    (lambda: lessons.deepspeed_loader_shards(1024, 0, 8), r"world_size must be an integer >= 1, got 0"),  # KeyError
-    (lambda: lessons.deepspeed_loader_shards(100, 4, 0), r"micro_batch must be an integer >= 1, got 0"),  # ZeroDiv.
-    (lambda: lessons.deepspeed_loader_shards(0, 4, 5), r"dataset_size must be an integer >= 1, got 0"),  # zeros
+    (lambda: lessons.sampler_overlap(256, 16, 0), r"world_size must be a whole number >= 1, got 0"),  # rows of zeros
+    (lambda: lessons.sampler_overlap(256, 16, -2), r"world_size must be a whole number >= 1, got -2"),
+    (lambda: lessons.sampler_overlap(256, 0, 2), r"micro_batch must be a whole number >= 1, got 0"),
+    (lambda: lessons.sampler_overlap(256, 16, 2, steps=0), r"steps must be a whole number >= 1, got 0"),
+    (lambda: lessons.sampler_overlap("256", 16, 2), r"dataset_size must be a whole number >= 1 and <= 10,000,000, "
+                                                   r"got '256'"),
+    # 4 TB of samples asked for, the machine swapping before a MemoryError
+    (lambda: lessons.sampler_overlap(10**12, 16, 2), r"dataset_size must be a whole number >= 1 and <= 10,000,000, "
+                                                    r"got 1000000000000"),
+    (lambda: lessons.deepspeed_loader_shards(10**12, 4, 5), r"dataset_size .* <= 10,000,000, got 1000000000000"),
+    (lambda: lessons.deepspeed_loader_shards(1024, 0, 8), r"world_size must be a whole number >= 1, got 0"),  # KeyError
+    (lambda: lessons.deepspeed_loader_shards(100, 4, 0), r"micro_batch must be a whole number >= 1, got 0"),  # ZeroDiv.
+    (lambda: lessons.deepspeed_loader_shards(0, 4, 5), r"dataset_size must be a whole number >= 1 .*got 0"),  # zeros
     (lambda: lessons.deepspeed_batch_check({"train_batch_size": "64"}, 1),  # DeepSpeed's TypeError before
      r"ds_config\['train_batch_size'\] must be an integer \(or absent\), got '64'"),
-    (lambda: lessons.deepspeed_batch_check({"train_batch_size": 64}, 0), r"world_size must be an integer >= 1, got 0"),
+    (lambda: lessons.deepspeed_batch_check({"train_batch_size": 64}, 0),
+     r"world_size must be a whole number >= 1, got 0"),
 ])
 def test_lesson_helpers_refuse_sizes_out_of_range_naming_the_argument(call, message):
     with pytest.raises(ValueError, match=message):
@@ -337,3 +343,13 @@ def test_comm_log_splits_steps_at_deepspeeds_step_lines_not_at_millisecond_stamp
     (tmp_path / "logs" / "20261124000000_rank0.log").write_text("".join(
         text for text in log.splitlines(keepends=True) if "step=" not in text))
     assert lessons.comm_log(Run.load(tmp_path))["phase"].tolist() == ["setup", 1, 1, 1, 1, 2]
+
+
+def test_line_chart_draws_one_column_given_by_name_and_refuses_a_misspelled_one():
+    table = pd.DataFrame({"world_size": [1, 2, 4], "median_step_time_s": [0.1, 0.2, 0.3]})
+    fig = lessons.line_chart(table, "world_size", "median_step_time_s", title="t", yaxis="s")
+    assert [trace.name for trace in fig.data] == ["median_step_time_s"]  # a string is one column, not 18 letters
+    with pytest.raises(ValueError, match=r"no column 'median_step_time' in the table; it has \['world_size', "):
+        lessons.line_chart(table, "world_size", ["median_step_time"], title="t", yaxis="s")  # an empty chart before
+    with pytest.raises(ValueError, match=r"no column 'worldsize'"):
+        lessons.line_chart(table, "worldsize", ["median_step_time_s"], title="t", yaxis="s")

@@ -114,6 +114,14 @@ def test_stage_3_persistent_params_stay_whole_on_each_rank() -> None:
     assert states(3, 1, "fp32", persistent_params=1000)["param_bytes"] == 4 * PSI
 
 
+@pytest.mark.parametrize("persistent", [-1000, PSI + 1])
+def test_persistent_params_are_a_subset_of_the_params(persistent) -> None:
+    # -1000 made stage 3's prediction 8 KB smaller than its partition; more than PSI cannot be kept whole
+    with pytest.raises(ValueError, match=rf"persistent_params must be between 0 and n_params \({PSI:,}\), "
+                                         rf"got {persistent}"):
+        states(3, 2, "fp32", persistent_params=persistent)
+
+
 def test_matches_real_deepspeed_census() -> None:
     # labkit.rank.census on DeepSpeed 0.19.8, 2 CPU ranks, MLP 100 -> 2000 -> 10 (Psi = 222010).
     psi = memory.n_params_mlp(100, 2000, 1, 10)

@@ -180,3 +180,8 @@ def test_multi_rank_notebooks_say_what_one_gpu_skips_right_after_their_parameter
     (at,) = [i for i, c in enumerate(cells) if "parameters" in c.get("metadata", {}).get("tags", [])]
     assert "lessons.skipped_multi_rank(" in "".join(cells[at + 1]["source"]), path.name
     assert "lessons.check(world >= 2" not in path.read_text()  # 03b stopped Run All on one GPU before
+
+
+def test_an_unknown_notebook_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown notebook '99'; known: 00, 01, "):  # a bare KeyError '99' before
+        sizes_for("99")

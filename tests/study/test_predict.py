@@ -2599,6 +2599,11 @@ def test_the_reports_prediction_is_for_the_model_the_answer_trained(tmp_path):
     (lambda w, c: hw.Cluster(gpu=c.gpu, gpus_per_node=True), "gpus_per_node must be a whole number >= 1, got True"),
     (lambda w, c: hw.Cluster(gpu=c.gpu, nodes="4"), "nodes must be a whole number >= 1, got '4'"),
     (lambda w, c: hw.Cluster(gpu=c.gpu, nodes=2, inter_gbps=True), "inter_gbps must be a number of Gb/s, got True"),
+    (lambda w, c: P.predicted_card(w, c, micro_batch=4, b_crit=math.inf),  # was "a ratio of times must be finite"
+     "b_crit must be a finite critical batch >= 0 in samples, or None; got inf"),
+    (lambda w, c: P.predicted_card(w, c, micro_batch=4, b_crit="424"),
+     "b_crit must be a finite critical batch >= 0 in samples, or None; got '424'"),
+    (lambda w, c: P.steps_to_target(64, math.inf), "b_crit a finite batch >= 0, got 64 and inf"),
 ])
 def test_the_prediction_helpers_refuse_what_a_notebook_cell_mistypes_by_name(call, says):
     work = P.TransformerWorkload(shapes.Transformer(layers=2, hidden=64, heads=4, seq=32), name="tiny")

@@ -345,6 +345,10 @@ def test_overlay_and_clear(tmp_path):
     assert dash.overlay([old]) == [old.name]
     names = [t.name for t in dash.figures["loss"].data]
     assert names == ["loss", "zero3-z3-w2-b64-abcd · loss"]
+    dash.clear_overlays()
+    assert dash.overlay(str(old)) == [old.name]  # one run as a string: not its letters, each a missing run
+    names = [t.name for t in dash.figures["loss"].data]
+    assert names == ["loss", "zero3-z3-w2-b64-abcd · loss"]
     assert len(dash.figures["loss"].data[1].x) == 5
     assert len(load_series(old)) == 2
     dash.clear_overlays()
