@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import pandas as pd
 
+from labkit.runtime.arguments import whole_number
 from labkit.study import zero3
 
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
@@ -1013,8 +1014,7 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = BENCH_SIZES, ops: 
     from labkit.launch.launcher import free_port
     from labkit.runtime.devices import detect_devices
 
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
-        raise ValueError(f"world_size must be an integer >= 2 (a link needs two ends), got {world_size!r}")
+    whole_number("world_size", world_size, minimum=2)  # a link needs two ends
     bad = [op for op in ops if op not in BENCH_OPS]
     if bad or not ops:
         raise ValueError(f"ops must be among {BENCH_OPS}, got {list(ops)}")
@@ -1024,8 +1024,7 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = BENCH_SIZES, ops: 
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
     if statistic not in LINK_STATISTICS:
         raise ValueError(f"statistic must be one of {LINK_STATISTICS}, got {statistic!r}")
-    if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
-        raise ValueError(f"reps must be an integer >= 1, got {reps!r}")
+    whole_number("reps", reps)
     if not isinstance(busy_s, (int, float)) or isinstance(busy_s, bool) or not 0 <= busy_s <= 1:
         raise ValueError(f"busy_s must be seconds between 0 and 1, got {busy_s!r}")
     devices = detect_devices()  # asked in a child process: this one holds no GPU context
