@@ -70,6 +70,8 @@ def growth_table(results: pd.DataFrame, way: str) -> pd.DataFrame:
     ratio to the strategy's smallest finished batch of that way (`*_ratio`). No rows (nothing finished, a filter that
     keeps none): the columns still, so the cells that select them say "empty" rather than KeyError."""
     rows = in_growth(results, way)
+    if rows.empty:  # also a table without columns (pd.DataFrame()): no `status` to filter on
+        return pd.DataFrame(columns=[*MEASURED_COLUMNS, *RATIO_COLUMNS])
     rows = rows[rows.status == "finished"].copy()
     if "compute_time_to_target_s" not in rows:
         rows["compute_time_to_target_s"] = rows.steps_to_target * rows.median_step_time_s

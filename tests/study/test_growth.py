@@ -73,3 +73,5 @@ def test_a_results_table_filtered_to_no_rows_gives_empty_tables_with_their_colum
     table = growth.growth_table(empty, "ranks")
     assert table.empty and list(table.columns) == list(full.columns)
     assert card.regime(empty, None) is None
+    bare = growth.growth_table(pd.DataFrame(), "ranks")  # no columns at all: AttributeError 'status' before
+    assert bare.empty and list(bare.columns) == list(full.columns)
