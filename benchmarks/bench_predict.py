@@ -1,6 +1,6 @@
 """The step-time predictor against measurements it was not fitted to (labkit.study.predict, docs/predict.md).
 
-    python benchmarks/bench_predict.py                 # every check from committed data (seconds)
+    python benchmarks/bench_predict.py                 # every check from committed data (about a minute)
     python benchmarks/bench_predict.py --measure       # re-measure the CPU runs here first (~2 min, quiet machine)
     python benchmarks/bench_predict.py --points FILE   # other published points, in points.csv's columns (only them)
     python benchmarks/bench_predict.py --measure-zero3-ranks   # ZeRO-3's host work vs ranks (~4 min, quiet machine)
