@@ -144,7 +144,8 @@ def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
         if timeout_s is not None and not run.done and time.monotonic() - since > timeout_s:
             run.stop()
         step, phase = watcher.poll()
-        if run.done:
+        done = run.done  # read once: the supervisor may write summary.json between two reads
+        if done:
             run.wait(timeout=15)  # summary.json is there: the status is final
             step, phase = run.progress(), run.status if run.status == "finished" else f"{run.status}: {run.cause}"
             admission.learn(run.config, run.run_dir, supervisor)
@@ -152,7 +153,7 @@ def launch_all(configs: Mapping[str, RunConfig], timeout_s: float | None = None,
         if bar is not None:
             bar.update(step - bar.n)
             bar.set_postfix_str(phase[:120], refresh=True)
-        if run.done:
+        if done:
             if bar is not None:
                 bar.close()
             if overall is not None:

@@ -340,8 +340,9 @@ def test_two_runs_that_fit_only_one_at_a_time_run_one_after_the_other(runs_root,
     assert first[1] < second[0], (first, second)  # never overlapping
     assert "waiting for memory: needs" in stream.getvalue()
     learned = json.loads(next((runs_root / ".admission").glob("*.json")).read_text())
-    # One of each per run. It failed once in CI (2026-12-01: one rank base learned, not reproduced): the summaries'
-    # per-rank figures say which run taught nothing, and why (no peak_rss_bytes or param_bytes).
+    # One of each per run. It failed once in CI (2026-12-01: one rank base learned): launch_all's follow() read
+    # run.done twice, and a summary.json written between the reads dropped the run unlearned (read once since
+    # 2026-12-02). Should it fail again, the summaries' per-rank figures say which run taught nothing, and why.
     per_rank = {label: (run.summary or {}).get("per_rank") for label, run in runs.items()}
     assert len(learned["rank_base_bytes"]) == 2 and len(learned["launcher_bytes"]) == 2, (learned, per_rank)
 
